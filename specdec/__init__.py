@@ -1,0 +1,1 @@
+"""specdec: lossless speculative decoding for Hugging Face Llama-family checkpoints."""
