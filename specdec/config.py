@@ -1,0 +1,127 @@
+"""Validated configuration: sampling parameters and the speculative config.
+
+Each dataclass checks its own fields on construction and raises ``ValueError``
+with a message that says what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MAX_SPECULATIVE_TOKENS = 64
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, named as vLLM names them.
+
+    ``temperature == 0`` means greedy decoding; top-k / top-p / min-p then have no effect.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, vLLM's spelling) disables top-k
+    min_p: float = 0.0
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable nucleus sampling")
+        _check(_is_int(self.top_k) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}; use 0 to disable it")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.seed is None or _is_int(self.seed),
+               f"seed must be an integer or None, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+SPECULATIVE_METHODS = ("draft_model",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """What drafts and how many tokens it proposes per round (vLLM's ``speculative_config``)."""
+
+    method: str = "draft_model"
+    model: str | None = None
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        _check(self.method in SPECULATIVE_METHODS,
+               f"speculative_config method {self.method!r} is not supported; choose one of {SPECULATIVE_METHODS}")
+        _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+               f"num_speculative_tokens must be an integer in 0..{MAX_SPECULATIVE_TOKENS}, "
+               f"got {self.num_speculative_tokens!r}")
+        if self.method == "draft_model" and self.num_speculative_tokens > 0:
+            _check(isinstance(self.model, str) and self.model,
+                   "speculative_config with method 'draft_model' needs 'model': a folder or hub id of the draft")
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """Build from a vLLM-style dict; ``None`` or ``num_speculative_tokens == 0`` means no speculation."""
+        if cfg is None or isinstance(cfg, SpeculativeConfig):
+            return cfg
+        _check(isinstance(cfg, dict), f"speculative_config must be a dict, got {type(cfg).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(cfg) - known)
+        _check(not unknown, f"unknown speculative_config keys {unknown}; known keys are {sorted(known)}")
+        if "method" not in cfg and "model" in cfg:
+            cfg = {**cfg, "method": "draft_model"}
+        return cls(**cfg)
+
+
+@dataclass
+class ModelConfig:
+    """How to load a checkpoint."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    trust_remote_code: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and self.model,
+               "model must be a local folder or a Hugging Face hub id, e.g. model='path/to/checkpoint'")
+        _check(self.dtype in ("float32", "bfloat16", "float16", "auto"),
+               f"dtype must be one of float32, bfloat16, float16, auto; got {self.dtype!r}")
+        _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
+               f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,28 @@
+"""Drafters: one module per method, all behind ``drafters.base.Drafter``."""
+
+from __future__ import annotations
+
+from specdec.config import SpeculativeConfig
+from specdec.drafters.base import DraftProposal, Drafter
+from specdec.models.base import ModelRunner
+
+__all__ = ["DraftProposal", "Drafter", "build_drafter"]
+
+
+def build_drafter(spec: SpeculativeConfig, target: ModelRunner, dtype: str, device: str) -> Drafter:
+    if spec.method == "draft_model":
+        from specdec.drafters.draft_model import DraftModelDrafter
+        from specdec.models.llama import LlamaRunner
+        from specdec.models.loader import check_same_vocabulary, load_model
+
+        loaded = load_model(spec.model, dtype=dtype, device=device)
+        check_same_vocabulary(getattr(target, "tokenizer", None), loaded.tokenizer, "target", spec.model)
+        rows = loaded.hf_model.get_input_embeddings().weight.shape[0]
+        if rows < target.vocab_size:
+            raise ValueError(f"draft {spec.model!r} has {rows} embedding rows but the target's vocabulary has "
+                             f"{target.vocab_size} tokens; use a draft from the target's model family")
+        runner = LlamaRunner(loaded, max_model_len=min(target.max_model_len,
+                                                       loaded.config.max_position_embeddings),
+                             vocab_size=target.vocab_size)
+        return DraftModelDrafter(runner)
+    raise ValueError(f"unknown speculative method {spec.method!r}")

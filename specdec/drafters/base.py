@@ -1,0 +1,37 @@
+"""The one small interface every drafter implements.
+
+A drafter sees the committed history of each sequence (``seq.token_ids``) and
+proposes up to k tokens for it. It reconciles its own state (a KV cache, an
+index over text) with that history itself: the engine never tells it about
+rollbacks, joins or departures beyond calling ``propose`` with the current batch
+and ``observe`` with what was accepted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import SamplingBatch
+from specdec.sequence import Sequence
+
+
+@dataclass
+class DraftProposal:
+    draft_token_ids: torch.Tensor  # [B, k] long
+    draft_probs: torch.Tensor | None  # [B, k, V]: q_i each draft was sampled from; None when drafts are
+    #                                    deterministic (q = one-hot), as for greedy or lookup drafters
+
+
+class Drafter(ABC):
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
+        """Propose k tokens for each sequence, continuing ``seq.token_ids``."""
+
+    def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        """Learn how many drafts of the last proposal each sequence accepted (its history already includes them)."""
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget finished sequences."""

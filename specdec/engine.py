@@ -1,0 +1,211 @@
+"""The engine: admits requests, runs speculative rounds over the batch, and stops sequences.
+
+One round, for every running sequence at once (ALGORITHM.md):
+  1. draft   - the drafter proposes x_1..x_k (and q_1..q_k when it samples);
+  2. verify  - one target pass over [last committed token, x_1..x_k] gives p_1..p_{k+1};
+  3. accept  - the verifier keeps a prefix of the drafts and adds one recovered or bonus token;
+  4. commit  - each sequence appends its own tokens, checks its stop conditions, and rolls its
+               target cache back by a length change (num_computed);
+  5. update  - the drafter learns what was accepted; finished sequences leave the batch.
+With no drafter (or k = 0) the same loop is plain autoregressive decoding: that is the baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.drafters.base import DraftProposal, Drafter
+from specdec.metrics import SpecDecodingStats
+from specdec.models.base import ModelRunner
+from specdec.sampling import SamplingBatch, make_generator
+from specdec.sequence import Sequence
+from specdec.verify import verify
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
+                 tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256):
+        self.target = target
+        self.drafter = drafter
+        self.k = num_speculative_tokens if drafter is not None else 0
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SpecDecodingStats()
+        self.device = target.device
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty; pass at least one token")
+        if n >= self.target.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but the model's context is {self.target.max_model_len} "
+                             "(prompt + at least one new token); shorten the prompt or raise max_model_len")
+        bad = [t for t in prompt_token_ids if not (0 <= t < self.target.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.target.vocab_size - 1}")
+        seq = Sequence(list(prompt_token_ids), params, make_generator(params.seed, self.device),
+                       max_len=self.target.max_model_len)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a sequence (a client went away); it leaves the batch at the next step."""
+        if seq.finish_reason is None:
+            seq.finish_reason = "abort"
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Admit waiting requests, run one round, and return (sequence, tokens it gained) per running sequence."""
+        self._admit()
+        self._retire()
+        if not self.running:
+            return []
+        seqs = self.running
+        t0 = time.perf_counter()
+        sb = SamplingBatch.from_params([s.params for s in seqs], self.device)
+        k = min(self.k, max(s.room for s in seqs) - 1)
+
+        # 1. draft
+        proposal = self._propose(seqs, k, sb) if k > 0 else None
+        k = proposal.draft_token_ids.shape[1] if proposal is not None else 0
+        t1 = time.perf_counter()
+
+        # 2. verify: one target pass over [last committed token, x_1..x_k] -> p_1..p_{k+1}
+        self.target.sync_rows([s.seq_id for s in seqs])
+        last = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]
+        tokens = last if proposal is None else torch.cat([last, proposal.draft_token_ids], dim=1)  # [B, k+1]
+        target_logits = self.target.forward(tokens, [s.num_computed for s in seqs], all_logits=True)  # [B, k+1, V]
+
+        # 3. accept / reject
+        empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
+        result = verify(proposal.draft_token_ids if proposal else empty, proposal.draft_probs if proposal else None,
+                        target_logits, sb, [s.generator for s in seqs])
+        t2 = time.perf_counter()
+
+        # 4. commit: accepted drafts + the recovered/bonus token; the target cache keeps
+        #    [last, accepted drafts], everything after is rolled back by the length alone.
+        drafts = proposal.draft_token_ids.tolist() if proposal else [[] for _ in seqs]
+        gained = []
+        for s, d, n, nxt in zip(seqs, drafts, result.num_accepted, result.next_token_ids):
+            s.num_computed += 1 + n
+            gained.append((s, self._append(s, d[:n] + [nxt])))
+
+        # 5. update the drafter and the counters
+        if self.drafter is not None and proposal is not None:
+            self.drafter.observe(seqs, result.num_accepted)
+        self.stats.record_round([k] * len(seqs), result.num_accepted)
+        self.stats.draft_time_s += t1 - t0
+        self.stats.verify_time_s += t2 - t1
+        self.stats.step_time_s += time.perf_counter() - t0
+        self._retire()
+        return gained
+
+    def generate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Sequence]:
+        seqs = [self.add_request(ids, p) for ids, p in requests]
+        while self.has_unfinished():
+            self.step()
+        return seqs
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal | None:
+        try:
+            return self.drafter.propose(seqs, k, sb)
+        except Exception:  # a failing drafter must not fail the request: decode plainly instead
+            log.exception("drafter failed; falling back to plain decoding")
+            self.drafter, self.k = None, 0
+            return None
+
+    def _admit(self) -> None:
+        new = []
+        while self.waiting and len(self.running) + len(new) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            if seq.finish_reason is None:
+                new.append(seq)
+        if not new:
+            return
+        t0 = time.perf_counter()
+        self.running += new
+        longest = max(min(s.num_prompt_tokens + s.params.max_tokens, s.max_len) for s in self.running)
+        self.target.reserve(len(self.running), longest + self.k + 1)
+        self.target.sync_rows([s.seq_id for s in self.running])
+        # Prefill each new prompt but its last token, which the first round's verify pass feeds.
+        prefill = [s for s in new if s.num_prompt_tokens > 1]
+        if prefill:
+            T = max(s.num_prompt_tokens - 1 for s in prefill)
+            tokens = torch.zeros(len(new), T, dtype=torch.long)  # [B_new, T], right-padded
+            for b, s in enumerate(new):
+                tokens[b, : s.num_prompt_tokens - 1] = torch.tensor(s.prompt_token_ids[:-1])
+            self.target.forward(tokens.to(self.device), [0] * len(new), row_offset=len(self.running) - len(new))
+        for s in new:
+            s.num_computed = s.num_prompt_tokens - 1
+        self.stats.prefill_time_s += time.perf_counter() - t0
+
+    def _retire(self) -> None:
+        done = [s for s in self.running if s.finished]
+        if done:
+            self.running = [s for s in self.running if not s.finished]
+            if self.drafter is not None:
+                self.drafter.release([s.seq_id for s in done])
+
+    def _append(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
+        """Append tokens one by one until a stop condition; returns the tokens kept."""
+        p = seq.params
+        kept = []
+        for t in new_tokens:
+            seq.token_ids.append(t)
+            kept.append(t)
+            if not p.ignore_eos and t in self.eos_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", None
+            elif t in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", t
+            elif p.stop and self._hit_stop_string(seq):
+                pass
+            elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= seq.max_len:
+                seq.finish_reason = "length"
+            if seq.finished:
+                break
+        return kept
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        stop = seq.params.stop
+        window = 4 * max(len(s) for s in stop) + 8  # tokens enough to spell any stop string
+        tail = self.decode(seq.output_token_ids[-window:], seq.params)
+        if not any(s in tail for s in stop):
+            return False
+        text = self.decode(seq.output_token_ids, seq.params)
+        hits = [(text.find(s), s) for s in stop if s in text]
+        pos, s = min(hits)
+        seq.text = text[:pos]
+        seq.finish_reason, seq.stop_reason = "stop", s
+        return True
+
+    def decode(self, token_ids: list[int], params: SamplingParams) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+
+    def output_text(self, seq: Sequence) -> str:
+        """The final text: cut at the stop string when one ended the sequence."""
+        if isinstance(seq.stop_reason, str):
+            return seq.text
+        return self.decode(seq.output_token_ids, seq.params)

@@ -1,0 +1,180 @@
+"""The public entry point, shaped like vLLM's ``LLM`` so code moves between the two."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+from typing import Any
+
+import torch
+
+from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
+from specdec.engine import Engine
+from specdec.metrics import SpecDecodingStats
+from specdec.outputs import CompletionOutput, RequestOutput, StreamDelta
+from specdec.sequence import Sequence
+
+Prompt = str | dict | list[int]
+
+
+class LLM:
+    """A target model, optionally with a drafter, that generates text.
+
+    >>> llm = LLM(model="specdec/demo-target",
+    ...           speculative_config={"method": "draft_model", "model": "specdec/demo-draft",
+    ...                               "num_speculative_tokens": 4})
+    >>> out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
+    """
+
+    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu",
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, trust_remote_code: bool = False):
+        from specdec.drafters import build_drafter
+        from specdec.models.llama import LlamaRunner
+        from specdec.models.loader import load_model
+
+        self.model_config = ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+                                        trust_remote_code=trust_remote_code)
+        self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        _check_device(device)
+        if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        loaded = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        self.tokenizer = loaded.tokenizer
+        self.target = LlamaRunner(loaded, max_model_len=max_model_len)
+        eos = _eos_token_ids(loaded)
+        del loaded
+        spec = self.speculative_config
+        drafter, k = None, 0
+        if spec is not None and spec.num_speculative_tokens > 0:
+            drafter = build_drafter(spec, self.target, dtype, device)
+            k = spec.num_speculative_tokens
+        self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
+                             max_num_seqs=max_num_seqs)
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt in one batch. ``sampling_params``: one for all, or one per prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty; pass a string, a {'prompt_token_ids': [...]} dict, or a list of them")
+        params = self._params_per_prompt(prompts, sampling_params)
+        token_ids = [self._tokenize(p) for p in prompts]
+        seqs = [self.engine.add_request(ids, sp) for ids, sp in zip(token_ids, params)]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(i, p, s) for i, (p, s) in enumerate(zip(prompts, seqs))]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Generate for one prompt, yielding the tokens and text each round adds."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        seq = self.engine.add_request(self._tokenize(prompt), params)
+        streamer = TextStreamer(self.engine, seq)
+        try:
+            while not seq.finished:
+                for s, tokens in self.engine.step():
+                    if s is seq and (tokens or s.finished):
+                        yield streamer.delta(tokens)
+        finally:
+            if not seq.finished:
+                self.engine.abort(seq)
+                self.engine.step()  # let it leave the batch
+
+    # -- metrics ----------------------------------------------------------------------------------
+
+    def get_metrics(self) -> dict:
+        """vLLM-named speculative counters plus timings: acceptance_rate, mean_acceptance_length (tau,
+        tokens per verify pass including the recovered/bonus token), draft_time_s, verify_time_s."""
+        return self.engine.stats.as_dict()
+
+    def reset_metrics(self) -> None:
+        self.engine.stats = SpecDecodingStats()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _params_per_prompt(self, prompts: list, sampling_params) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * len(prompts)
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be SamplingParams objects")
+        return params
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return list(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (a list of ints)")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def _output(self, index: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
+        text_prompt = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        out = CompletionOutput(index=0, text=self.engine.output_text(seq), token_ids=seq.output_token_ids,
+                               finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return RequestOutput(request_id=str(seq.seq_id), prompt=text_prompt, prompt_token_ids=seq.prompt_token_ids,
+                             outputs=[out], finished=seq.finished)
+
+
+class TextStreamer:
+    """Turns a sequence's growing token list into text deltas, never emitting half a character
+    or text that a stop string may still swallow."""
+
+    def __init__(self, engine: Engine, seq: Sequence):
+        self.engine, self.seq = engine, seq
+        self.sent = 0
+        self.holdback = max((len(s) for s in seq.params.stop), default=1) - 1
+
+    def delta(self, tokens: list[int]) -> StreamDelta:
+        seq = self.seq
+        if seq.finished:
+            text = self.engine.output_text(seq)
+            end = len(text)
+        else:
+            text = self.engine.decode(seq.output_token_ids, seq.params)
+            end = len(text.rstrip("\ufffd")) - self.holdback
+        new = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return StreamDelta(text=new, token_ids=tokens, finish_reason=seq.finish_reason)
+
+
+def _check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu'")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+
+
+def _eos_token_ids(loaded) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(loaded.hf_model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(loaded.config, "eos_token_id", None),
+                getattr(loaded.tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(i for i in src if isinstance(i, int))
+    return ids

@@ -1,0 +1,66 @@
+"""Speculative-decoding counters with vLLM's names, and the cost model of ALGORITHM.md."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0  # (sequence, round) pairs that proposed at least one token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    num_emitted_tokens: int = 0  # accepted + recovered + bonus (plain decoding: one per step)
+    num_verify_passes: int = 0  # target forwards over a round's tokens (one per sequence per round)
+    draft_time_s: float = 0.0  # drafter.propose wall time
+    verify_time_s: float = 0.0  # target forward + accept/reject wall time
+    prefill_time_s: float = 0.0
+    step_time_s: float = 0.0  # whole rounds, prefill excluded; the rest is loop overhead
+
+    def record_round(self, k_per_seq: list[int], num_accepted: list[int]) -> None:
+        for k, n in zip(k_per_seq, num_accepted):
+            self.num_verify_passes += 1
+            self.num_emitted_tokens += n + 1
+            if k == 0:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += k
+            self.num_accepted_tokens += n
+            if len(self.num_accepted_tokens_per_pos) < k:
+                self.num_accepted_tokens_per_pos += [0] * (k - len(self.num_accepted_tokens_per_pos))
+            for i in range(n):
+                self.num_accepted_tokens_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens emitted per target verification pass, the recovered/bonus token included (1..k+1)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        return [n / self.num_drafts for n in self.num_accepted_tokens_per_pos] if self.num_drafts else []
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_acceptance_length"] = self.mean_acceptance_length
+        d["acceptance_rate_per_pos"] = self.acceptance_rate_per_pos
+        d["overhead_time_s"] = max(0.0, self.step_time_s - self.draft_time_s - self.verify_time_s)
+        return d
+
+
+def expected_tokens_per_round(alpha: float, k: int) -> float:
+    """E(k) = (1 - alpha^(k+1)) / (1 - alpha): tokens per round with i.i.d. acceptance alpha."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
+    """S(k) = E(k) / (k*c + v(k)), in units of one 1-token target step."""
+    return expected_tokens_per_round(alpha, k) / (k * c + v)

@@ -1,0 +1,38 @@
+"""The one interface every model backend offers: run tokens at positions, get logits.
+
+There is no explicit rollback call: the KV cache is written by absolute
+position, so a caller rolls back by passing a smaller ``start`` next time.
+A second backend (llama.cpp through llama-cpp-python, say) implements this
+same class without the drafters or the verifier knowing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+
+import torch
+
+
+class ModelRunner(ABC):
+    vocab_size: int  # width of the returned logits: the tokenizer's length, padded rows cut off
+    max_model_len: int  # longest sequence (prompt + output) the model accepts
+    num_layers: int
+    device: torch.device
+
+    @abstractmethod
+    def reserve(self, num_rows: int, length: int) -> None:
+        """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
+
+    @abstractmethod
+    def sync_rows(self, ids: Sequence[Hashable]) -> list[bool]:
+        """Put the cache rows of sequences ``ids`` at rows 0..B-1; returns which ids are new (cached length 0)."""
+
+    @abstractmethod
+    def forward(self, token_ids: torch.Tensor, start: Sequence[int], logits_index: torch.Tensor | None = None,
+                all_logits: bool = False, row_offset: int = 0) -> torch.Tensor | None:
+        """Run ``token_ids`` [B, T] at positions ``start[b] + t`` in cache rows ``row_offset + b``; write their KV.
+
+        Returns float32 logits [B, T, V] when ``all_logits``, [B, V] at ``logits_index`` [B]
+        (index into T) when given, otherwise None (a prefill that needs no logits).
+        """

@@ -1,0 +1,60 @@
+"""A KV cache written by absolute position, with one row per running sequence.
+
+Rollback is a length change: the cache itself holds no lengths. Whoever owns a
+row remembers how many positions of it are valid and simply overwrites the rest
+on the next forward (gpt-fast's ``KVCache.update`` with ``input_pos``).
+
+Rows are kept dense: the sequences of a batch of B occupy rows 0..B-1, so a
+forward reads ``cache[:, :B]`` without a gather. ``RowTable`` maps sequence ids
+to rows and moves rows only when the batch composition changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_rows, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, rows, kv_heads, max_len, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def gather_rows(self, src_rows: Sequence[int]) -> None:
+        """Row i becomes the old row ``src_rows[i]`` (advanced indexing copies first, so no aliasing)."""
+        n = len(src_rows)
+        idx = torch.tensor(src_rows, device=self.k.device)
+        self.k[:, :n] = self.k[:, idx]
+        self.v[:, :n] = self.v[:, idx]
+
+
+class RowTable:
+    """Keeps ``ids[i]`` in cache row i, moving rows when sequences join or leave.
+
+    ``sync(ids)`` returns, for each id, whether its row is new (its cached length is 0).
+    """
+
+    def __init__(self) -> None:
+        self.row_of: dict[Hashable, int] = {}
+
+    def sync(self, ids: Sequence[Hashable], cache: KVCache) -> list[bool]:
+        rows = [self.row_of.get(i) for i in ids]
+        is_new = [r is None for r in rows]
+        if rows != list(range(len(ids))):
+            # rows of new sequences hold stale data; their owners start them at length 0
+            free = iter(sorted(set(range(cache.num_rows)) - {r for r in rows if r is not None}))
+            src = [r if r is not None else next(free) for r in rows]
+            cache.gather_rows(src)
+        self.row_of = {i: n for n, i in enumerate(ids)}
+        return is_new

@@ -1,0 +1,223 @@
+"""A lean PyTorch forward for Llama-family checkpoints (Llama, Qwen2, Qwen3, Mistral).
+
+Weights come from the transformers model loaded by ``loader.load_model``; this
+module re-packs them (fused q/k/v and gate/up projections) and runs its own
+forward over its own KV cache, written by absolute position. Logits match
+transformers' forward within float32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdec.models.base import ModelRunner
+from specdec.models.kv_cache import KVCache, RowTable
+from specdec.models.loader import LoadedModel
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_CACHE_LEN_STEP = 256  # grow the cache in steps, not one token at a time
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(H + 2*KVH) * hd, D]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [hd], Qwen3 only
+    k_norm: torch.Tensor | None
+    o: torch.Tensor  # [D, H * hd]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [D]
+    gate_up: torch.Tensor  # [2 * I, D]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [D, I]
+    down_bias: torch.Tensor | None
+    sliding_window: int | None
+
+
+class LlamaRunner(ModelRunner):
+    def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None):
+        cfg = loaded.config
+        model = loaded.hf_model
+        inner = model.model
+        self.config = cfg
+        self.tokenizer = loaded.tokenizer
+        self.device = inner.embed_tokens.weight.device
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.num_layers = cfg.num_hidden_layers
+        limit = cfg.max_position_embeddings
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+        self.max_model_len = max_model_len or limit
+
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[cfg.hidden_act]
+        with torch.no_grad():
+            self.embed = inner.embed_tokens.weight.detach()  # [V_rows, D]
+            rows = self.embed.shape[0]
+            tok_len = len(loaded.tokenizer) if loaded.tokenizer is not None else rows
+            self.vocab_size = min(vocab_size or tok_len, rows)
+            self.lm_head = model.lm_head.weight.detach()[: self.vocab_size]  # [V, D]; ids past the tokenizer masked
+            self.final_norm = inner.norm.weight.detach()
+            self.layers = [self._pack_layer(i, layer, cfg) for i, layer in enumerate(inner.layers)]
+        self._init_rope(inner.rotary_emb, cfg)
+        self.cache: KVCache | None = None
+        self.rows = RowTable()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def _pack_layer(self, i: int, layer, cfg) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+
+        def cat(mods, attr):
+            parts = [getattr(m, attr) for m in mods]
+            return None if parts[0] is None else torch.cat([p.detach() for p in parts], dim=0).contiguous()
+
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            window = cfg.sliding_window if layer_types[i] == "sliding_attention" else None
+        else:
+            window = getattr(cfg, "sliding_window", None)
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=cat([attn.q_proj, attn.k_proj, attn.v_proj], "weight"),
+            qkv_bias=cat([attn.q_proj, attn.k_proj, attn.v_proj], "bias"),
+            q_norm=None if q_norm is None else q_norm.weight.detach(),
+            k_norm=None if k_norm is None else k_norm.weight.detach(),
+            o=attn.o_proj.weight.detach(),
+            o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=cat([mlp.gate_proj, mlp.up_proj], "weight"),
+            gate_up_bias=cat([mlp.gate_proj, mlp.up_proj], "bias"),
+            down=mlp.down_proj.weight.detach(),
+            down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
+            sliding_window=window,
+        )
+
+    def _init_rope(self, rotary_emb, cfg) -> None:
+        params = getattr(cfg, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(f"RoPE type {rope_type!r} is not supported (its frequencies change with length); "
+                             f"supported: {', '.join(STATIC_ROPE_TYPES)}")
+        self.inv_freq = rotary_emb.inv_freq.detach().float().to(self.device)  # [hd / 2]
+        self.rope_scaling = float(rotary_emb.attention_scaling)
+        self.cos = self.sin = torch.empty(0, self.head_dim)
+        self._grow_rope(min(self.max_model_len, 2 * _CACHE_LEN_STEP))
+
+    def _grow_rope(self, length: int) -> None:
+        if length <= self.cos.shape[0]:
+            return
+        pos = torch.arange(length, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # [L, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [L, hd]
+        self.cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        self.sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    # -- cache -----------------------------------------------------------------------------------
+
+    def reserve(self, num_rows: int, length: int) -> None:
+        """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
+        length = -(-length // _CACHE_LEN_STEP) * _CACHE_LEN_STEP
+        old = self.cache
+        if old is not None and old.num_rows >= num_rows and old.max_len >= length:
+            return
+        rows = max(num_rows, old.num_rows if old else 0)
+        max_len = max(length, old.max_len if old else 0)
+        new = KVCache(self.num_layers, rows, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
+        if old is not None:
+            new.k[:, : old.num_rows, :, : old.max_len] = old.k
+            new.v[:, : old.num_rows, :, : old.max_len] = old.v
+        self.cache = new
+        self._grow_rope(max_len)
+
+    def release(self) -> None:
+        self.cache = None
+        self.rows = RowTable()
+
+    def sync_rows(self, ids: Sequence[Hashable]) -> list[bool]:
+        self.reserve(len(ids), self.cache.max_len if self.cache else 1)
+        return self.rows.sync(ids, self.cache)
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, start: Sequence[int], logits_index: torch.Tensor | None = None,
+                all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None) -> torch.Tensor | None:
+        B, T = token_ids.shape  # [B, T]
+        end = max(start) + T  # keys 0..end-1 are read
+        self.reserve(row_offset + B, end)
+        r0, r1 = row_offset, row_offset + B  # the cache rows of this batch
+        cache = self.cache
+        start_t = torch.tensor(start, device=self.device)
+        pos = start_t[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        cos = self.cos[pos].unsqueeze(2)  # [B, T, 1, hd]
+        sin = self.sin[pos].unsqueeze(2)
+        masks: dict[int | None, torch.Tensor | None] = {}
+        H, KVH, hd = self.num_heads, self.num_kv_heads, self.head_dim
+
+        x = F.embedding(token_ids, self.embed)  # [B, T, D]
+        for li, w in enumerate(self.layers[: num_layers or self.num_layers]):
+            h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias)  # [B, T, (H + 2*KVH) * hd]
+            q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
+            q, k, v = q.view(B, T, H, hd), k.view(B, T, KVH, hd), v.view(B, T, KVH, hd)
+            if w.q_norm is not None:
+                q = F.rms_norm(q, (hd,), w.q_norm, self.eps)
+                k = F.rms_norm(k, (hd,), w.k_norm, self.eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if B == 1:
+                s = start[0]
+                cache.k[li, r0, :, s : s + T] = k[0].transpose(0, 1)  # [KVH, T, hd]
+                cache.v[li, r0, :, s : s + T] = v[0].transpose(0, 1)
+            else:
+                rows = torch.arange(r0, r1, device=self.device)[:, None].expand(B, T)
+                cache.k[li][rows, :, pos] = k  # [B, T, KVH, hd] into rows at their positions
+                cache.v[li][rows, :, pos] = v
+            keys = cache.k[li, r0:r1, :, :end]  # [B, KVH, end, hd]
+            values = cache.v[li, r0:r1, :, :end]
+            if w.sliding_window not in masks:
+                masks[w.sliding_window] = _attention_mask(pos, end, w.sliding_window)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=masks[w.sliding_window],
+                                                  enable_gqa=KVH != H)  # [B, H, T, hd]
+            x = x + F.linear(attn.transpose(1, 2).reshape(B, T, H * hd), w.o, w.o_bias)
+            h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
+            gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [B, T, I] each
+            x = x + F.linear(self.act(gate) * up, w.down, w.down_bias)
+
+        if logits_index is not None:
+            x = x[torch.arange(B, device=self.device), logits_index]  # [B, D]
+        elif not all_logits:
+            return None
+        x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
+        return F.linear(x, self.lm_head).float()  # [B, V] or [B, T, V]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _attention_mask(pos: torch.Tensor, end: int, window: int | None) -> torch.Tensor | None:
+    """Boolean mask [B, 1, T, end]: query at position p sees keys p - window < j <= p."""
+    B, T = pos.shape
+    if B == 1 and T == 1 and (window is None or end <= window):
+        return None  # one query at the last position sees every key
+    keys = torch.arange(end, device=pos.device)
+    allowed = keys[None, None, :] <= pos[:, :, None]  # [B, T, end]
+    if window is not None:
+        allowed &= keys[None, None, :] > pos[:, :, None] - window
+    return allowed[:, None]

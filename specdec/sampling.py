@@ -1,0 +1,97 @@
+"""Logit processing shared by the target and every drafter, and seeded sampling.
+
+One pipeline, in this order: temperature -> top-k -> top-p -> min-p, then softmax.
+The verifier's p and a sampling drafter's q both come from ``probs_from_logits``
+with the same per-row parameters, as ALGORITHM.md requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of a batch, as tensors."""
+
+    temperature: torch.Tensor  # [B]; 1.0 stands in for greedy rows, which never sample
+    top_k: torch.Tensor  # [B] long; 0 disables
+    top_p: torch.Tensor  # [B]; 1.0 disables
+    min_p: torch.Tensor  # [B]; 0.0 disables
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    needs_sort: bool  # some row uses top-k or top-p
+    needs_min_p: bool
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
+        def t(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        greedy = [p.greedy for p in params]
+        return cls(
+            temperature=t([1.0 if p.greedy else p.temperature for p in params]),
+            top_k=t([p.top_k for p in params], torch.long),
+            top_p=t([p.top_p for p in params]),
+            min_p=t([p.min_p for p in params]),
+            greedy=t(greedy, torch.bool),
+            all_greedy=all(greedy),
+            needs_sort=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
+        )
+
+    def select(self, rows: Sequence[int]) -> SamplingBatch:
+        idx = torch.tensor(rows, device=self.temperature.device)
+        return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
+                             self.greedy[idx], self.all_greedy, self.needs_sort, self.needs_min_p)
+
+
+def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits [B, ..., V] -> probabilities [B, ..., V] after temperature, top-k, top-p and min-p (float32)."""
+    extra = logits.dim() - 1
+    shape = (-1,) + (1,) * extra  # broadcast a [B] parameter over the remaining dims
+
+    logits = logits.float() / sb.temperature.view(shape)
+    if sb.needs_sort:
+        logits = _top_k_top_p(logits, sb.top_k.view(shape), sb.top_p.view(shape))
+    probs = torch.softmax(logits, dim=-1)
+    if sb.needs_min_p:
+        keep = probs >= sb.min_p.view(shape) * probs.amax(dim=-1, keepdim=True)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf everything outside the top-k, then outside the smallest prefix whose mass reaches top_p."""
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [..., V]
+    k = torch.where(top_k > 0, top_k, V).clamp(max=V)
+    rank = torch.arange(V, device=logits.device)
+    drop = rank >= k  # [..., V] in sorted order; ties at the k-th value are cut by position
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly higher-ranked tokens
+    drop = drop | (mass_before >= top_p)  # keep a token while the prefix before it is below top_p
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row: probs [B, V] -> ids [B], row b drawn with ``generators[b]``."""
+    return torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(generators)])
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A per-request generator: seeded when asked, otherwise from fresh OS entropy (never the global RNG)."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

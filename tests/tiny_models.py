@@ -1,0 +1,64 @@
+"""Tiny random checkpoints with a word-level tokenizer, saved and loaded through ``from_pretrained``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WORDS = [f"w{i}" for i in range(120)]
+
+
+def make_tokenizer(folder: Path, words: list[str] = WORDS) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in words:
+        vocab[w] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(folder)
+
+
+def make_model(folder: Path, arch: str = "llama", *, vocab_rows: int | None = None, hidden: int = 64,
+               layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0, tie: bool = False,
+               rope_parameters: dict | None = None, max_pos: int = 256, words: list[str] = WORDS,
+               init_std: float = 0.2, **extra) -> Path:
+    """Save a random ``arch`` model (llama, qwen2, qwen3, mistral) plus tokenizer into ``folder``."""
+    import transformers as tf
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder, words)
+    n_tok = len(words) + 3
+    cls_cfg, cls_model = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
+    kwargs = dict(vocab_size=vocab_rows or n_tok, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_pos, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, initializer_range=init_std)
+    if rope_parameters is not None:
+        kwargs["rope_parameters"] = rope_parameters
+    kwargs.update(extra)
+    config = cls_cfg(**kwargs)
+    torch.manual_seed(seed)
+    model = cls_model(config)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, len(WORDS) + 3, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj))
