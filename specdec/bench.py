@@ -1,0 +1,188 @@
+"""Plain vs speculative decoding on the same prompts, in one process, at batch size 1.
+
+The baseline and the speculative ``LLM`` are both warmed up, then every prompt runs once with
+each, alternating which goes first, so that machine noise (another job, frequency scaling) hits
+both alike. Tokens/s is end-to-end: every generated token over the wall time of the
+``generate`` calls, prefill included. With greedy settings the two outputs must match token for
+token (ALGORITHM.md); the result says how many prompts did.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from specdec.config import SamplingParams
+from specdec.llm import LLM
+
+Prompt = str | dict | list[int]
+
+
+@dataclass
+class PromptRun:
+    """One prompt's totals over the repeats."""
+
+    category: str | None
+    ar_tokens: int = 0
+    ar_time_s: float = 0.0
+    spec_tokens: int = 0
+    spec_time_s: float = 0.0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    matched: bool | None = None  # greedy only: spec output == plain output, token for token
+    first_mismatch: int | None = None  # index into the output of the first differing token
+
+    @property
+    def ar_tokens_per_s(self) -> float:
+        return _rate(self.ar_tokens, self.ar_time_s)
+
+    @property
+    def spec_tokens_per_s(self) -> float:
+        return _rate(self.spec_tokens, self.spec_time_s)
+
+
+@dataclass
+class BenchResult:
+    runs: list[PromptRun]
+    spec_metrics: dict  # spec LLM.get_metrics() over the timed runs (warm-up excluded)
+    greedy: bool
+    repeats: int
+    max_tokens: int
+    num_speculative_tokens: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ar_tokens_per_s(self) -> float:
+        return _rate(sum(r.ar_tokens for r in self.runs), sum(r.ar_time_s for r in self.runs))
+
+    @property
+    def spec_tokens_per_s(self) -> float:
+        return _rate(sum(r.spec_tokens for r in self.runs), sum(r.spec_time_s for r in self.runs))
+
+    @property
+    def speedup(self) -> float:
+        return self.spec_tokens_per_s / self.ar_tokens_per_s if self.ar_tokens_per_s else 0.0
+
+    @property
+    def num_matched(self) -> int | None:
+        return sum(bool(r.matched) for r in self.runs) if self.greedy else None
+
+    def by_category(self) -> dict[str, dict]:
+        cats: dict[str, list[PromptRun]] = {}
+        for r in self.runs:
+            cats.setdefault(r.category or "-", []).append(r)
+        out = {}
+        for name, runs in cats.items():
+            ar = _rate(sum(r.ar_tokens for r in runs), sum(r.ar_time_s for r in runs))
+            spec = _rate(sum(r.spec_tokens for r in runs), sum(r.spec_time_s for r in runs))
+            drafted = sum(r.num_draft_tokens for r in runs)
+            drafts = sum(r.num_drafts for r in runs)
+            accepted = sum(r.num_accepted_tokens for r in runs)
+            out[name] = {"num_prompts": len(runs), "ar_tokens_per_s": ar, "spec_tokens_per_s": spec,
+                         "speedup": spec / ar if ar else 0.0,
+                         "acceptance_rate": accepted / drafted if drafted else 0.0,
+                         "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0}
+        return out
+
+    def as_dict(self) -> dict:
+        m = self.spec_metrics
+        runs = self.runs
+        return {
+            "num_prompts": len(runs), "repeats": self.repeats, "max_tokens": self.max_tokens, "greedy": self.greedy,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "ar": {"tokens": sum(r.ar_tokens for r in runs), "time_s": sum(r.ar_time_s for r in runs),
+                   "tokens_per_s": self.ar_tokens_per_s,
+                   "median_tokens_per_s": statistics.median(r.ar_tokens_per_s for r in runs)},
+            "spec": {"tokens": sum(r.spec_tokens for r in runs), "time_s": sum(r.spec_time_s for r in runs),
+                     "tokens_per_s": self.spec_tokens_per_s,
+                     "median_tokens_per_s": statistics.median(r.spec_tokens_per_s for r in runs),
+                     "acceptance_rate": m["acceptance_rate"],
+                     "mean_acceptance_length": m["mean_acceptance_length"],
+                     "acceptance_rate_per_pos": m["acceptance_rate_per_pos"],
+                     "draft_time_s": m["draft_time_s"], "verify_time_s": m["verify_time_s"],
+                     "metrics": m},
+            "speedup": self.speedup,
+            "greedy_match": ({"matched": self.num_matched, "total": len(runs),
+                              "mismatched": [{"prompt": i, "first_mismatch": r.first_mismatch}
+                                             for i, r in enumerate(runs) if not r.matched]}
+                             if self.greedy else None),
+            "by_category": self.by_category(),
+            **self.extra,
+        }
+
+
+def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], params: SamplingParams,
+              repeats: int = 1, warmup: int = 1) -> BenchResult:
+    """Time ``ar_llm`` (no drafter) against ``spec_llm`` on each prompt, one at a time.
+
+    ``prompts``: strings, ``{"prompt_token_ids": [...]}`` dicts, or ``load_prompts`` records
+    (``{"prompt": ..., "category": ...}``). Both LLMs' metrics are reset after the warm-up.
+    """
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if not (isinstance(warmup, int) and warmup >= 0):
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError("params must be a SamplingParams")
+    items = [_split(p) for p in prompts]
+
+    for _ in range(warmup):
+        for llm in (ar_llm, spec_llm):
+            llm.generate([items[0][0]], params)
+    ar_llm.reset_metrics()
+    spec_llm.reset_metrics()
+
+    runs = [PromptRun(category=cat) for _, cat in items]
+    for rep in range(repeats):
+        for i, (prompt, _) in enumerate(items):
+            run = runs[i]
+            order = ("ar", "spec") if (i + rep) % 2 == 0 else ("spec", "ar")
+            outs = {}
+            for side in order:
+                llm = ar_llm if side == "ar" else spec_llm
+                before = llm.get_metrics()
+                t0 = time.perf_counter()
+                out = llm.generate([prompt], params)[0].outputs[0]
+                elapsed = time.perf_counter() - t0
+                outs[side] = out.token_ids
+                if side == "ar":
+                    run.ar_tokens += len(out.token_ids)
+                    run.ar_time_s += elapsed
+                else:
+                    after = llm.get_metrics()
+                    run.spec_tokens += len(out.token_ids)
+                    run.spec_time_s += elapsed
+                    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                        setattr(run, key, getattr(run, key) + after[key] - before[key])
+            if params.greedy:
+                mismatch = _first_mismatch(outs["ar"], outs["spec"])
+                if run.matched is None or mismatch is not None:
+                    run.matched = mismatch is None
+                    run.first_mismatch = mismatch if mismatch is not None else run.first_mismatch
+
+    spec = spec_llm.speculative_config
+    return BenchResult(runs=runs, spec_metrics=spec_llm.get_metrics(), greedy=params.greedy, repeats=repeats,
+                       max_tokens=params.max_tokens,
+                       num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+
+
+def _split(p) -> tuple[Prompt, str | None]:
+    """(what LLM.generate takes, category) for a plain prompt or a load_prompts record."""
+    if isinstance(p, dict) and "prompt" in p and "prompt_token_ids" not in p:
+        return p["prompt"], p.get("category")
+    return p, None
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _rate(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else 0.0
