@@ -1,0 +1,286 @@
+"""``specdec``: generate, bench and demo from the command line, thin over ``specdec.LLM``.
+
+Every ``ValueError`` the library raises for bad input is printed as ``error: <message>`` on
+stderr and exits with status 2 (the status click uses for usage errors), without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Lossless speculative decoding for Hugging Face Llama-family checkpoints.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False)
+
+TAU = "τ (mean acceptance length: tokens per verify pass, incl. bonus)"
+DEMO_TARGET, DEMO_DRAFT = "specdec/demo-target", "specdec/demo-draft"
+DEMO_PROMPTS = [
+    "def fibonacci(n):\n",
+    "def is_prime(n):\n",
+    "class Stack:\n    def __init__(self):\n",
+]
+
+ModelOpt = Annotated[str, typer.Option("--model", help="Target: a checkpoint folder or a hub id.")]
+DraftOpt = Annotated[str | None, typer.Option(
+    "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
+KOpt = Annotated[int | None, typer.Option(
+    "-k", "--num-speculative-tokens", help="Draft tokens per round (default 4).")]
+SpecOpt = Annotated[str | None, typer.Option(
+    "--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "draft_model", "model": "D", '
+                                 '"num_speculative_tokens": 4}\'.')]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+
+
+class CliError(Exception):
+    """Bad command-line input found by the CLI itself (the library raises ValueError)."""
+
+
+@app.command()
+def generate(
+    model: ModelOpt,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text.")] = None,
+    prompt_token_ids: Annotated[str | None, typer.Option(
+        "--prompt-token-ids", help='Prompt as token ids instead of text, e.g. "1,2,3".')] = None,
+    draft: DraftOpt = None,
+    k: KOpt = None,
+    speculative_config: SpecOpt = None,
+    temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling; 1 disables it.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0 or -1 disables it.")] = 0,
+    min_p: Annotated[float, typer.Option(help="0 disables it.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Per-request seed for reproducible sampling.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 64,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past end-of-sequence.")] = False,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string; repeat for several.")] = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate a completion for one prompt, with or without a drafter, and print speed and acceptance."""
+    with _errors_exit_2():
+        from specdec import LLM, SamplingParams
+
+        request = _prompt_input(prompt, prompt_token_ids)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+                                max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stop)
+        spec = _speculative_config(draft, k, speculative_config)
+        _quiet_transformers()
+        llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
+        t0 = time.perf_counter()
+        out = llm.generate([request], params)[0].outputs[0]
+        elapsed = time.perf_counter() - t0
+    metrics = llm.get_metrics()
+    if as_json:
+        _print_json({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                     "metrics": metrics})
+        return
+    typer.echo(out.text)
+    n = len(out.token_ids)
+    line = f"{n} tokens in {elapsed:.2f} s ({n / elapsed if elapsed > 0 else 0.0:.1f} tokens/s)"
+    if spec is not None and metrics["num_draft_tokens"]:
+        line += (f" | acceptance rate {metrics['acceptance_rate']:.1%} | {TAU} {metrics['mean_acceptance_length']:.2f}"
+                 f" | draft {metrics['draft_time_s']:.3f} s, verify {metrics['verify_time_s']:.3f} s")
+    else:
+        line += f" | plain decoding | verify {metrics['verify_time_s']:.3f} s"
+    line += f" | finish: {out.finish_reason}"
+    Console(stderr=True, highlight=False, soft_wrap=True).print(line, style="dim", markup=False)
+
+
+@app.command()
+def bench(
+    model: ModelOpt,
+    prompts: Annotated[str, typer.Option(
+        "--prompts", help="JSONL file: {\"prompt\": ...} per line, or Spec-Bench's question.jsonl.")],
+    draft: DraftOpt = None,
+    k: KOpt = None,
+    speculative_config: SpecOpt = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens per prompt.")] = 128,
+    num_prompts: Annotated[int | None, typer.Option(help="Use only the first N prompts.")] = None,
+    temperature: Annotated[float, typer.Option(help="0 (greedy) also checks that outputs match.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Per-request seed when sampling.")] = None,
+    repeats: Annotated[int, typer.Option(help="Run every prompt this many times with each.")] = 1,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Plain vs speculative decoding, batch 1, same process: tokens/s, speedup, acceptance and τ."""
+    with _errors_exit_2():
+        from specdec import LLM, SamplingParams
+        from specdec.bench import run_bench
+        from specdec.prompts import load_prompts
+
+        records = load_prompts(prompts, num_prompts)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+        spec = _speculative_config(draft, k, speculative_config)
+        if spec is None:
+            raise CliError("bench compares plain and speculative decoding: pass --draft D or --speculative-config")
+        _quiet_transformers()
+        spec_llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
+        ar_llm = LLM(model=model, dtype=dtype, device=device)
+        result = run_bench(ar_llm, spec_llm, records, params, repeats=repeats)
+    if as_json:
+        _print_json(result.as_dict())
+    else:
+        _print_bench(result.as_dict(), Console(highlight=False))
+
+
+@app.command()
+def demo(
+    max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 64,
+    device: DeviceOpt = "cpu",
+    as_json: JsonOpt = False,
+) -> None:
+    """Complete three Python prompts with the shipped pair (greedy, k=4), then bench plain vs speculative."""
+    from specdec.models.loader import SHIPPED
+
+    missing = [name for name in (DEMO_TARGET, DEMO_DRAFT) if not (SHIPPED[name] / "config.json").exists()]
+    if missing:
+        typer.echo(f"error: the shipped demo pair is not installed (missing {', '.join(missing)} under "
+                   f"{SHIPPED[DEMO_TARGET].parent}); run `specdec generate --model FOLDER --draft FOLDER "
+                   "--prompt ...` with your own checkpoints instead", err=True)
+        raise typer.Exit(1)
+    with _errors_exit_2():
+        from specdec import LLM, SamplingParams
+        from specdec.bench import run_bench
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        _quiet_transformers()
+        spec_llm = LLM(model=DEMO_TARGET, device=device, speculative_config={
+            "method": "draft_model", "model": DEMO_DRAFT, "num_speculative_tokens": 4})
+        ar_llm = LLM(model=DEMO_TARGET, device=device)
+        completions = [o.outputs[0].text for o in spec_llm.generate(DEMO_PROMPTS, params)]
+        result = run_bench(ar_llm, spec_llm, DEMO_PROMPTS, params).as_dict()
+    summary = {"ar_tokens_per_s": result["ar"]["tokens_per_s"], "spec_tokens_per_s": result["spec"]["tokens_per_s"],
+               "speedup": result["speedup"], "acceptance_rate": result["spec"]["acceptance_rate"],
+               "mean_acceptance_length": result["spec"]["mean_acceptance_length"]}
+    if as_json:
+        _print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
+        return
+    console = Console(highlight=False)
+    for p, c in zip(DEMO_PROMPTS, completions):
+        console.rule(f"{DEMO_TARGET} + {DEMO_DRAFT}, k=4, greedy", style="dim")
+        console.print(p, style="bold", end="", markup=False)
+        console.print(c, markup=False)
+    console.rule(style="dim")
+    _print_bench(result, console)
+
+
+def main() -> None:
+    app()
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _errors_exit_2() -> Iterator[None]:
+    """Turn a ValueError (the library's bad-input error) or CliError into ``error: ...``, exit status 2."""
+    try:
+        yield
+    except (ValueError, CliError) as e:
+        _fail(str(e))
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _prompt_input(prompt: str | None, prompt_token_ids: str | None) -> str | dict:
+    if (prompt is None) == (prompt_token_ids is None):
+        raise CliError("pass exactly one of --prompt TEXT or --prompt-token-ids \"1,2,3\"")
+    if prompt is not None:
+        return prompt
+    try:
+        ids = [int(t) for t in prompt_token_ids.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise CliError(f"--prompt-token-ids must be comma-separated integers, got {prompt_token_ids!r}") from None
+    if not ids:
+        raise CliError("--prompt-token-ids is empty; pass at least one token id")
+    return {"prompt_token_ids": ids}
+
+
+def _speculative_config(draft: str | None, k: int | None, raw: str | None) -> dict[str, Any] | None:
+    """The speculative_config dict from --draft / -k / --speculative-config (validated by the library)."""
+    if draft is not None and raw is not None:
+        raise CliError("pass either --draft or --speculative-config, not both")
+    if raw is not None:
+        try:
+            cfg = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--speculative-config is not valid JSON: {e.msg} at column {e.colno}") from None
+        if not isinstance(cfg, dict):
+            raise CliError(f"--speculative-config must be a JSON object, got {type(cfg).__name__}")
+        if k is not None:
+            if cfg.get("num_speculative_tokens", k) != k:
+                raise CliError(f"-k {k} disagrees with num_speculative_tokens "
+                               f"{cfg['num_speculative_tokens']} in --speculative-config; pass one of them")
+            cfg["num_speculative_tokens"] = k
+        return cfg
+    if draft is not None:
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": 4 if k is None else k}
+    if k is not None:
+        raise CliError("-k/--num-speculative-tokens needs a drafter: pass --draft D or --speculative-config")
+    return None
+
+
+def _quiet_transformers() -> None:
+    """No weight-loading progress bars: stdout stays the result, stderr the summary."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # an older or newer transformers without it: bars are only cosmetic
+        pass
+
+
+def _print_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _print_bench(r: dict, console: Console) -> None:
+    table = Table(title=f"{r['num_prompts']} prompts × {r['repeats']}, batch 1, max {r['max_tokens']} tokens, "
+                        f"k={r['num_speculative_tokens']}", title_style="bold")
+    for col in ("", "tokens", "time (s)", "tokens/s", "median tokens/s per prompt"):
+        table.add_column(col, justify="left" if not col else "right")
+    for name, side in (("plain", r["ar"]), ("speculative", r["spec"])):
+        table.add_row(name, str(side["tokens"]), f"{side['time_s']:.2f}", f"{side['tokens_per_s']:.1f}",
+                      f"{side['median_tokens_per_s']:.1f}")
+    console.print(table)
+    s = r["spec"]
+    per_pos = ", ".join(f"{a:.2f}" for a in s["acceptance_rate_per_pos"]) or "-"
+    lines = [
+        f"speedup: {r['speedup']:.2f}x (speculative tokens/s ÷ plain tokens/s)",
+        f"acceptance rate: {s['acceptance_rate']:.1%}",
+        f"{TAU}: {s['mean_acceptance_length']:.2f}",
+        f"acceptance per draft position: {per_pos}",
+        f"draft time: {s['draft_time_s']:.3f} s, verify time: {s['verify_time_s']:.3f} s",
+    ]
+    gm = r.get("greedy_match")
+    if gm is not None:
+        line = f"greedy outputs identical: {gm['matched']}/{gm['total']} prompts"
+        if gm["mismatched"]:
+            line += " (first differing token: " + ", ".join(
+                f"prompt {m['prompt']} at {m['first_mismatch']}" for m in gm["mismatched"]) + ")"
+        lines.append(line)
+    cats = r.get("by_category") or {}
+    if len(cats) > 1:
+        lines.append("by category: " + "; ".join(
+            f"{c} {v['speedup']:.2f}x, τ {v['mean_acceptance_length']:.2f}" for c, v in cats.items()))
+    for line in lines:
+        console.print(line, markup=False, soft_wrap=True)
+
+
+if __name__ == "__main__":
+    main()
