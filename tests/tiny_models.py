@@ -62,3 +62,19 @@ def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]
 
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj))
+
+
+def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 2) -> Path:
+    """A partly agreeing draft: ``src``'s weights plus Gaussian noise of std ``scale``."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(src, dst)
+    model = AutoModelForCausalLM.from_pretrained(dst)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(dst, safe_serialization=True)
+    return Path(dst)

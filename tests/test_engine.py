@@ -1,0 +1,237 @@
+"""End to end through ``LLM.generate``: greedy equality with plain decoding, exact sampled
+distributions, stop conditions, and the drafter-failure fallback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p
+from specdec import LLM, SamplingParams
+from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.models.loader import load_model
+from specdec.sampling import SamplingBatch
+from tiny_models import make_model, perturbed_copy, random_prompts
+
+SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: small enough for exact distribution tests
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    target = make_model(root / "target", "llama", layers=2, seed=0)
+    unrelated = make_model(root / "unrelated", "llama", layers=1, seed=1)
+    near = perturbed_copy(target, root / "near", 0.01)  # a partly agreeing draft
+    return {"target": str(target), "unrelated": str(unrelated), "near": str(near),
+            "hf": load_model(str(target)).hf_model}
+
+
+class AntiDrafter(Drafter):
+    """Proposes the target's argmax + 1: every draft is wrong."""
+
+    def __init__(self, inner: DraftModelDrafter, vocab: int):
+        self.inner, self.vocab = inner, vocab
+
+    def propose(self, seqs, k, sb):
+        d = self.inner.propose(seqs, k, SamplingBatch.from_params([SamplingParams(temperature=0)] * len(seqs)))
+        return DraftProposal((d.draft_token_ids + 1) % self.vocab, None)
+
+
+class GreedyDrafter(Drafter):
+    """A deterministic drafter: the draft model's argmax whatever the temperature (q = one-hot)."""
+
+    def __init__(self, inner: DraftModelDrafter):
+        self.inner = inner
+
+    def propose(self, seqs, k, sb):
+        return self.inner.propose(seqs, k, SamplingBatch.from_params([SamplingParams(temperature=0)] * len(seqs)))
+
+
+def plain_greedy(target, prompts, max_tokens):
+    llm = LLM(target)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+@pytest.mark.parametrize("draft", ["self", "never", "near", "unrelated"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_output_equals_plain_decoding(models, draft, batch):
+    prompts = random_prompts(batch, [1, 5, 11, 23], seed=batch)
+    expected = plain_greedy(models["target"], prompts, 30)
+    model = models["target"] if draft in ("self", "never") else models[draft]
+    llm = LLM(models["target"], speculative_config={"model": model, "num_speculative_tokens": 4})
+    if draft == "never":
+        llm.engine.drafter = AntiDrafter(llm.engine.drafter, llm.target.vocab_size)
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for p, e, o in zip(prompts, expected, outs):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+    m = llm.get_metrics()
+    if draft == "self":
+        assert m["acceptance_rate"] > 0.95 and m["mean_acceptance_length"] > 4.5
+    if draft == "never":
+        assert m["num_accepted_tokens"] == 0 and m["mean_acceptance_length"] == 1.0
+    if draft == "near":
+        assert 0.1 < m["acceptance_rate"] < 1.0
+    assert m["num_draft_tokens"] == 4 * m["num_drafts"] or draft != "self"
+
+
+@pytest.mark.parametrize("k", [1, 2, 7])
+def test_greedy_equality_for_other_k(models, k):
+    prompts = random_prompts(3, [2, 9, 4], seed=k)
+    expected = plain_greedy(models["target"], prompts, 25)
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": k})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=25, ignore_eos=True))
+    for p, e, o in zip(prompts, expected, outs):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+        assert len(o.outputs[0].token_ids) == 25 and o.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(models):
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [4, 6, 8])]
+    sp = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=11, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    b = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    assert a == b
+    c = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.9, top_p=0.95,
+                                                                              max_tokens=20, seed=12,
+                                                                              ignore_eos=True))]
+    assert a != c
+
+
+# -- distributions --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    target = make_model(root / "t", "llama", words=SMALL_WORDS, seed=3, init_std=0.5)
+    draft = perturbed_copy(target, root / "d", 0.05)
+    return str(target), str(draft), load_model(str(target)).hf_model
+
+
+def exact_joint(hf, prompt, params, n_tokens=2):
+    """Exact target probabilities of the first ``n_tokens`` outputs, after the request's logit processing."""
+    from specdec.sampling import probs_from_logits
+
+    sb = SamplingBatch.from_params([params])
+    V = 23
+    joint = torch.ones(1)
+    prefixes = [[]]
+    for _ in range(n_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + p for p in prefixes])).logits[:, -1, :V]
+        probs = torch.stack([probs_from_logits(l[None], sb)[0] for l in logits])  # [n_prefix, V]
+        joint = (joint[:, None] * probs).reshape(-1)
+        prefixes = [p + [t] for p in prefixes for t in range(V)]
+    return joint.double().numpy()
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_k=4),
+    dict(temperature=1.0, top_p=0.7),
+], ids=["t1", "topk", "topp"])
+@pytest.mark.parametrize("drafter", ["sampling", "greedy"])
+def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, drafter):
+    target, draft, hf = small_vocab
+    prompt = [5, 9, 3]
+    N = 3000
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 2})
+    if drafter == "greedy":
+        llm.engine.drafter = GreedyDrafter(llm.engine.drafter)
+    sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
+    tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
+    V = 23
+    joint2 = exact_joint(hf, prompt, sps[0], 2)  # (t1, t2)
+    assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
+    third = exact_joint(hf, prompt, sps[0], 3).reshape(V * V, V).sum(0)  # marginal of t3
+    assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
+    assert llm.get_metrics()["num_accepted_tokens"] > 0  # the drafts did get used
+
+
+# -- stop conditions ------------------------------------------------------------------------------
+
+
+def test_stop_conditions(models):
+    llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 4})
+    prompt = {"prompt_token_ids": random_prompts(1, [6])[0]}
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    ids = full.token_ids
+    # a stop token id ends the output at its first occurrence, the token included
+    stop_tok = ids[7]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == ids[: ids.index(stop_tok) + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop_tok
+    # EOS: make the model's eos the same token
+    llm.engine.eos_token_ids = {stop_tok}
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    assert out.token_ids == ids[: ids.index(stop_tok) + 1] and out.finish_reason == "stop"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ids
+    llm.engine.eos_token_ids = set()
+    # a stop string cuts the text before it
+    words = full.text.split()
+    stop = " " + words[5]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    # max_tokens
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == ids[:3] and out.finish_reason == "length"
+
+
+def test_context_limit_ends_with_length(models):
+    llm = LLM(models["target"], max_model_len=20,
+              speculative_config={"model": models["near"], "num_speculative_tokens": 4})
+    out = llm.generate({"prompt_token_ids": list(range(3, 18))},
+                       SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_stream_yields_the_same_tokens_and_text(models):
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    prompt = {"prompt_token_ids": random_prompts(1, [5], seed=9)[0]}
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    whole = llm.generate(prompt, sp)[0].outputs[0]
+    deltas = list(llm.stream(prompt, sp))
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert "".join(d.text for d in deltas) == whole.text
+    assert deltas[-1].finish_reason == "length"
+    assert not llm.engine.has_unfinished()
+
+
+class BrokenDrafter(Drafter):
+    def propose(self, seqs, k, sb):
+        raise RuntimeError("draft server fell over")
+
+
+def test_a_failing_drafter_degrades_to_plain_decoding(models, caplog):
+    prompts = random_prompts(2, [4, 7], seed=5)
+    expected = plain_greedy(models["target"], prompts, 12)
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    llm.engine.drafter = BrokenDrafter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert "drafter failed" in caplog.text
+
+
+def test_metrics_follow_vllm_conventions(models):
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] == 3 * m["num_drafts"] or m["num_draft_tokens"] < 3 * m["num_drafts"]
+    assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
+    assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
+    assert sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"]
+    assert all(a >= b for a, b in zip(m["num_accepted_tokens_per_pos"], m["num_accepted_tokens_per_pos"][1:]))
+    assert m["num_emitted_tokens"] == 40
+    assert m["draft_time_s"] > 0 and m["verify_time_s"] > 0
+    llm.reset_metrics()
+    assert llm.get_metrics()["num_drafts"] == 0

@@ -1,0 +1,159 @@
+"""The runner's logits equal transformers' own forward, for each supported architecture."""
+
+import json
+
+import pytest
+import torch
+
+from specdec.models.llama import LlamaRunner
+from specdec.models.loader import load_model
+from tiny_models import make_model
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+CASES = {
+    "llama-gqa-untied": ("llama", {}),
+    "llama-mha-tied-llama3-rope": ("llama", dict(tie=True, kv_heads=4, rope_parameters=LLAMA3_ROPE)),
+    "llama-linear-rope": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    "llama-yarn-rope": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 64})),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", dict(head_dim=32, tie=True)),
+    "mistral-sliding-window": ("mistral", dict(sliding_window=6)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    arch, kw = CASES[request.param]
+    folder = make_model(tmp_path_factory.mktemp(request.param), arch, **kw)
+    loaded = load_model(str(folder))
+    return loaded.hf_model, LlamaRunner(load_model(str(folder)))
+
+
+def test_logits_match_transformers_in_chunks_and_ragged_batches(pair):
+    hf, runner = pair
+    ids = torch.randint(3, 100, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[..., : runner.vocab_size]  # [3, 24, V]
+    runner.release()
+    runner.sync_rows([0, 1, 2])
+    # different rows at different positions in one call: row b has fed 5 + 4b tokens already
+    runner.forward(ids[:, :5], [0, 0, 0])
+    runner.forward(torch.stack([ids[1, 5:9], ids[2, 5:9]]), [5, 5], row_offset=1)
+    runner.forward(ids[2:3, 9:13], [9], row_offset=2)
+    starts = [5, 9, 13]
+    step = torch.stack([ids[b, s : s + 6] for b, s in enumerate(starts)])
+    out = runner.forward(step, starts, all_logits=True)  # [3, 6, V]
+    for b, s in enumerate(starts):
+        torch.testing.assert_close(out[b], ref[b, s : s + 6], atol=1e-4, rtol=0)
+
+
+def test_rollback_is_a_length_change(pair):
+    hf, runner = pair
+    ids = torch.randint(3, 100, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits[..., : runner.vocab_size]
+    runner.release()
+    runner.sync_rows(["a"])
+    runner.forward(ids[:, :10], [0])
+    junk = torch.randint(3, 100, (1, 5))
+    runner.forward(junk, [10])  # speculative tokens that get rejected...
+    out = runner.forward(ids[:, 10:], [10], all_logits=True)  # ...are simply overwritten
+    torch.testing.assert_close(out[0], ref[0, 10:], atol=1e-4, rtol=0)
+    last = runner.forward(ids[:, 15:16], [15], logits_index=torch.tensor([0]))
+    torch.testing.assert_close(last[0], ref[0, 15], atol=1e-4, rtol=0)
+
+
+def test_rows_follow_their_sequences_when_the_batch_changes(tmp_path):
+    folder = make_model(tmp_path / "m", "llama")
+    hf = load_model(str(folder)).hf_model
+    runner = LlamaRunner(load_model(str(folder)))
+    ids = torch.randint(3, 100, (3, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    assert runner.sync_rows(["a", "b", "c"]) == [True, True, True]
+    runner.forward(ids[:, :8], [0, 0, 0])
+    assert runner.sync_rows(["c", "a", "new"]) == [False, False, True]  # b left, c and a move, new joins
+    runner.forward(ids[2:3, :8], [0], row_offset=2)
+    out = runner.forward(torch.stack([ids[2, 8:], ids[0, 8:], ids[2, 8:]]), [8, 8, 8], all_logits=True)
+    torch.testing.assert_close(out[0], ref[2, 8:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1], ref[0, 8:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[2], ref[2, 8:], atol=1e-4, rtol=0)
+
+
+def test_padded_embedding_rows_are_cut_to_the_tokenizer(tmp_path):
+    folder = make_model(tmp_path / "m", "llama", vocab_rows=160)
+    runner = LlamaRunner(load_model(str(folder)))
+    assert runner.vocab_size == 123  # the tokenizer's length, not the 160 embedding rows
+    runner.sync_rows([0])
+    assert runner.forward(torch.tensor([[5, 6]]), [0], all_logits=True).shape == (1, 2, 123)
+
+
+def test_bfloat16_runs_close_to_float32(tmp_path):
+    folder = make_model(tmp_path / "m", "llama")
+    r32 = LlamaRunner(load_model(str(folder)))
+    r16 = LlamaRunner(load_model(str(folder), dtype="bfloat16"))
+    ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(3))
+    for r in (r32, r16):
+        r.sync_rows([0])
+    a = r32.forward(ids, [0], all_logits=True)
+    b = r16.forward(ids, [0], all_logits=True)
+    assert b.dtype == torch.float32
+    assert (a - b).abs().max() < 0.1 * a.abs().max()
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    import transformers as tf
+
+    cfg = tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    tf.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+        load_model(str(tmp_path / "gpt2"))
+
+
+def test_missing_folder_and_non_safetensors_weights_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="neither a local folder nor an available hub id"):
+        load_model("no-such-org/no-such-model")
+    folder = make_model(tmp_path / "m", "llama")
+    state = {k: v for k, v in load_model(str(folder)).hf_model.state_dict().items()}
+    torch.save(state, folder / "pytorch_model.bin")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="safetensors only"):
+        load_model(str(folder))
+
+
+def test_dynamic_rope_is_refused_with_the_supported_list(tmp_path):
+    folder = make_model(tmp_path / "m", "llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                   "factor": 2.0})
+    with pytest.raises(ValueError, match="RoPE type 'dynamic' is not supported"):
+        LlamaRunner(load_model(str(folder)))
+
+
+def test_stories260k_reproduces_llama2c_greedy_output(shared_data):
+    from specdec import LLM, SamplingParams
+
+    folder = shared_data / "stories260k"
+    pieces = json.loads((folder / "llama2c_pieces.json").read_text())
+    reference = (folder / "llama2c_greedy_reference.txt").read_text()
+    llm = LLM(str(folder))
+    out = llm.generate({"prompt_token_ids": [1]}, SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+    text = _decode_llama2c([1] + out[0].outputs[0].token_ids, pieces)
+    n = min(len(text), len(reference.rstrip("\n")))
+    assert n > 500
+    assert text[:n] == reference[:n]
+
+
+def _decode_llama2c(ids, pieces):
+    out = bytearray()
+    for prev, tok in zip(ids, ids[1:]):
+        piece = pieces[tok]
+        if prev == 1 and piece.startswith(" "):
+            piece = piece[1:]
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            out += bytes([int(piece[3:5], 16)])
+        else:
+            out += piece.encode()
+    return out.decode("utf-8", errors="replace")

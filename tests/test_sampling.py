@@ -1,0 +1,96 @@
+"""Logit processing: temperature -> top-k -> top-p -> min-p, one pipeline for target and drafts."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.config import SamplingParams
+from specdec.sampling import SamplingBatch, make_generator, probs_from_logits, sample
+
+
+def probs(logits, **kw):
+    sb = SamplingBatch.from_params([SamplingParams(**kw)])
+    return probs_from_logits(torch.tensor([logits]), sb)[0]
+
+
+def test_temperature_scales_logits_before_softmax():
+    p = probs([0.0, 1.0, 2.0], temperature=0.5)
+    torch.testing.assert_close(p, torch.softmax(torch.tensor([0.0, 2.0, 4.0]), -1))
+
+
+def test_top_k_keeps_the_k_largest():
+    p = probs([1.0, 4.0, 3.0, 2.0], top_k=2)
+    expected = torch.softmax(torch.tensor([4.0, 3.0]), -1)
+    torch.testing.assert_close(p, torch.tensor([0.0, expected[0], expected[1], 0.0]))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_top_p():
+    base = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
+    torch.testing.assert_close(probs(base, top_p=0.8), torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]))
+    # 0.81 needs the third token as well
+    torch.testing.assert_close(probs(base, top_p=0.81), torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    # the top token always survives
+    torch.testing.assert_close(probs(base, top_p=0.1), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_top_p_applies_after_top_k_renormalisation():
+    base = torch.tensor([0.4, 0.3, 0.2, 0.1]).log().tolist()
+    # after top-k=2 the masses are 4/7 and 3/7; top_p=0.5 keeps only the first
+    torch.testing.assert_close(probs(base, top_k=2, top_p=0.5), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    base = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
+    torch.testing.assert_close(probs(base, min_p=0.5), torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8)
+
+
+def test_rows_keep_their_own_parameters():
+    sb = SamplingBatch.from_params([SamplingParams(top_k=1), SamplingParams(temperature=2.0)])
+    logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    p = probs_from_logits(logits, sb)
+    torch.testing.assert_close(p[0], torch.tensor([0.0, 0.0, 1.0]))
+    torch.testing.assert_close(p[1], torch.softmax(logits[1] / 2, -1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-20, 20), min_size=2, max_size=12), st.integers(0, 12), st.floats(0.05, 1.0),
+       st.floats(0.1, 3.0))
+def test_processed_probs_are_a_distribution_within_top_k(logits, top_k, top_p, temperature):
+    p = probs(logits, top_k=top_k, top_p=top_p, temperature=temperature)
+    assert math.isclose(p.sum().item(), 1.0, rel_tol=1e-5)
+    assert (p >= 0).all()
+    if top_k:
+        assert int((p > 0).sum()) <= top_k
+    assert p[torch.tensor(logits).argmax()] > 0  # the most likely token always survives
+
+
+def test_seeded_generators_repeat_and_differ():
+    p = torch.full((2, 50), 1 / 50)
+    a = [sample(p, [make_generator(7), make_generator(8)]).tolist() for _ in range(1)]
+    b = [sample(p, [make_generator(7), make_generator(8)]).tolist() for _ in range(1)]
+    assert a == b
+    draws = [sample(p[:1], [make_generator(s)]).item() for s in range(20)]
+    assert len(set(draws)) > 5
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=-0.1), "temperature must be"),
+    (dict(top_p=0.0), "top_p must be in \\(0, 1\\]"),
+    (dict(top_p=1.5), "top_p must be in \\(0, 1\\]"),
+    (dict(top_k=-2), "top_k must be an integer >= 0"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(min_p=2.0), "min_p must be in \\[0, 1\\]"),
+    (dict(temperature=float("nan")), "temperature must be"),
+    (dict(stop=[""]), "stop must be"),
+    (dict(seed="x"), "seed must be"),
+])
+def test_bad_sampling_values_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kw)
+
+
+def test_top_k_minus_one_means_disabled_as_in_vllm():
+    assert SamplingParams(top_k=-1).top_k == 0

@@ -1,0 +1,121 @@
+"""The verifier on hand-built distributions: accepted, recovered and bonus tokens, and exactness."""
+
+import numpy as np
+import pytest
+import torch
+
+from lossless import FALSE_ALARM, chi_square_p
+
+from specdec.config import SamplingParams
+from specdec.sampling import SamplingBatch, make_generator
+from specdec.verify import rejection_sample, verify, verify_greedy
+
+
+def logits_for(*rows):
+    """A [1, len(rows), V] tensor of logits whose argmax per position is given."""
+    V = 6
+    t = torch.zeros(1, len(rows), V)
+    for i, tok in enumerate(rows):
+        t[0, i, tok] = 5.0
+    return t
+
+
+def test_greedy_accepts_matching_prefix_then_emits_the_target_argmax():
+    r = verify_greedy(torch.tensor([[1, 2, 3]]), logits_for(1, 2, 4, 5))
+    assert r.num_accepted == [2] and r.next_token_ids == [4]  # x_3 = 3 rejected; recovered = argmax p_3 = 4
+
+
+def test_greedy_full_acceptance_emits_the_bonus_token():
+    r = verify_greedy(torch.tensor([[1, 2, 3]]), logits_for(1, 2, 3, 5))
+    assert r.num_accepted == [3] and r.next_token_ids == [5]
+
+
+def test_greedy_first_mismatch_ends_the_round_even_if_later_drafts_match():
+    r = verify_greedy(torch.tensor([[0, 2, 3]]), logits_for(1, 2, 3, 5))
+    assert r.num_accepted == [0] and r.next_token_ids == [1]
+
+
+def test_greedy_with_no_drafts_is_plain_decoding():
+    r = verify_greedy(torch.zeros(1, 0, dtype=torch.long), logits_for(4))
+    assert r.num_accepted == [0] and r.next_token_ids == [4]
+
+
+def test_a_draft_the_target_cannot_produce_is_always_rejected_and_never_recovered():
+    p = torch.tensor([[[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]]])  # [1, k+1=2, V=4]
+    for seed in range(50):
+        r = rejection_sample(torch.tensor([[3]]), None, p, [make_generator(seed)])
+        assert r.num_accepted == [0] and r.next_token_ids[0] in (1, 2)
+
+
+def test_a_draft_with_p_equal_q_is_always_accepted_and_gets_a_bonus():
+    p = torch.tensor([[[0.2, 0.8, 0.0], [0.0, 0.0, 1.0]]])
+    q = torch.tensor([[[0.2, 0.8, 0.0]]])
+    for seed in range(50):
+        r = rejection_sample(torch.tensor([[1]]), q, p, [make_generator(seed)])
+        assert r.num_accepted == [1] and r.next_token_ids == [2]  # bonus drawn from p_2 = one-hot(2)
+
+
+def test_recovered_token_comes_from_the_residual_of_probabilities():
+    # p = [0.5, 0.5, 0], q = [0, 0.5, 0.5]: draft 2 is always rejected (p(2) = 0); the residual
+    # max(0, p - q) = [0.5, 0, 0] puts all mass on token 0. A residual built from logits would not.
+    p = torch.tensor([[[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]]])
+    q = torch.tensor([[[0.0, 0.5, 0.5]]])
+    for seed in range(50):
+        r = rejection_sample(torch.tensor([[2]]), q, p, [make_generator(seed)])
+        assert r.num_accepted == [0] and r.next_token_ids == [0]
+
+
+def test_seeded_verification_is_deterministic():
+    p = torch.softmax(torch.randn(4, 4, 20, generator=torch.Generator().manual_seed(0)), -1)
+    q = torch.softmax(torch.randn(4, 3, 20, generator=torch.Generator().manual_seed(1)), -1)
+    x = torch.randint(0, 20, (4, 3), generator=torch.Generator().manual_seed(2))
+    runs = [rejection_sample(x, q, p, [make_generator(s) for s in range(4)]) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_mixed_batch_uses_greedy_rules_only_for_greedy_rows():
+    logits = logits_for(1, 2, 3).repeat(2, 1, 1)
+    sb = SamplingBatch.from_params([SamplingParams(temperature=0), SamplingParams(temperature=1.0)])
+    r = verify(torch.tensor([[1, 2], [1, 2]]), None, logits, sb, [make_generator(0), make_generator(1)])
+    assert r.num_accepted[0] == 2 and r.next_token_ids[0] == 3
+
+
+@pytest.mark.parametrize("drafter", ["deterministic", "sampling"])
+def test_emitted_tokens_follow_the_target_distribution(drafter):
+    """Per-position target distributions p_1..p_3 fixed; drafts from a very different q.
+    The first emitted token must be ~ p_1, and the second (when x_1 was accepted) ~ p_2."""
+    V, k, N = 8, 2, 20000
+    g = torch.Generator().manual_seed(123)
+    p = torch.softmax(2 * torch.randn(k + 1, V, generator=g), -1)  # [k+1, V]
+    q = torch.softmax(2 * torch.randn(k, V, generator=g), -1)  # [k, V]
+    gens = [make_generator(10_000 + i) for i in range(N)]
+    if drafter == "sampling":
+        draft = torch.stack([torch.multinomial(q, 1, generator=gg).squeeze(1) for gg in gens])  # [N, k]
+        draft_probs = q.expand(N, k, V)
+    else:
+        draft = torch.tensor([[int(q[0].argmax()), int(q[1].argmax())]]).expand(N, k)
+        draft_probs = None
+    r = rejection_sample(draft, draft_probs, p.expand(N, k + 1, V), gens)
+    n_acc = np.array(r.num_accepted)
+    nxt = np.array(r.next_token_ids)
+    d = draft.numpy()
+    first = np.where(n_acc >= 1, d[:, 0], nxt)
+    assert chi_square_p(first, p[0].numpy()) > FALSE_ALARM
+    second = np.where(n_acc >= 2, d[:, 1], nxt)[n_acc >= 1]
+    assert len(second) > 500
+    assert chi_square_p(second, p[1].numpy()) > FALSE_ALARM
+
+
+def test_the_chi_square_check_catches_a_logit_residual():
+    """The same statistics reject the blog-post residual softmax(clamp(logits_p - logits_q, 0))."""
+    V, N = 8, 20000
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(2 * torch.randn(2, V, generator=g), -1)
+    q = torch.softmax(2 * torch.randn(1, V, generator=g), -1)
+    gens = [make_generator(i) for i in range(N)]
+    draft = torch.stack([torch.multinomial(q[0], 1, generator=gg) for gg in gens])  # [N, 1]
+    accepted = torch.stack([torch.rand(1, generator=gg) for gg in gens])[:, 0] * q[0, draft[:, 0]] < p[0, draft[:, 0]]
+    wrong_residual = torch.softmax((p[0].log() - q[0].log()).clamp(min=0), -1)
+    recovered = torch.stack([torch.multinomial(wrong_residual, 1, generator=gg) for gg in gens])[:, 0]
+    first = torch.where(accepted, draft[:, 0], recovered).numpy()
+    assert chi_square_p(first, p[0].numpy()) < FALSE_ALARM
