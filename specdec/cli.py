@@ -87,7 +87,8 @@ def generate(
     typer.echo(out.text)
     n = len(out.token_ids)
     line = f"{n} tokens in {elapsed:.2f} s ({n / elapsed if elapsed > 0 else 0.0:.1f} tokens/s)"
-    if spec is not None and metrics["num_draft_tokens"]:
+    cfg = llm.speculative_config
+    if cfg is not None and cfg.num_speculative_tokens > 0:
         line += (f" | acceptance rate {metrics['acceptance_rate']:.1%} | {TAU} {metrics['mean_acceptance_length']:.2f}"
                  f" | draft {metrics['draft_time_s']:.3f} s, verify {metrics['verify_time_s']:.3f} s")
     else:
