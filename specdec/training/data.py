@@ -150,3 +150,15 @@ class TokenWindows:
         mine = self.state_dict()
         if state != mine:
             raise ValueError(f"checkpoint sampler state {state} does not match this run's {mine}")
+
+
+def describe_sources(paths: Iterable[str | Path]) -> str:
+    """Human-readable data sources for model cards."""
+    names = []
+    for p in paths:
+        if str(p) == "stdlib":
+            v = sysconfig.get_python_version()
+            names.append(f"Python {v} standard library `.py` files (no `test`/`tests`/`idle_test` folders, no site-packages)")
+        else:
+            names.append(f"`{p}`")
+    return ", ".join(names)

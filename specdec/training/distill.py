@@ -38,7 +38,14 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalL
 
 from specdec.training import distributed
 from specdec.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from specdec.training.data import TokenWindows, collect_files, read_text, split_files, tokenize_documents
+from specdec.training.data import (
+    TokenWindows,
+    collect_files,
+    describe_sources,
+    read_text,
+    split_files,
+    tokenize_documents,
+)
 from specdec.training.model_card import write_model_card
 from specdec.training.progress import TrainProgress
 from specdec.training.tokenizer import load_tokenizer
@@ -353,7 +360,7 @@ def write_distill_card(out: Path, cfg: DistillConfig, summary: dict) -> Path:
         else f"initialised from {cfg.init_draft}",
         "objective": f"forward KL(p_target || q_draft), temperature {cfg.temperature:g}",
         "on-policy share": cfg.on_policy_fraction,
-        "data": ", ".join(cfg.data),
+        "data": describe_sources(cfg.data),
         "steps (done / planned)": f"{summary['steps']:,} / {cfg.max_steps:,}",
         "tokens seen": summary["tokens_seen"],
         "precision": ("bf16 autocast" if summary["bf16"] else "fp32") + f", saved as {cfg.save_dtype}",
