@@ -11,6 +11,7 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts proposed at position i
     num_emitted_tokens: int = 0  # accepted + recovered + bonus (plain decoding: one per step)
     num_verify_passes: int = 0  # target forwards over a round's tokens (one per sequence per round)
     draft_time_s: float = 0.0  # drafter.propose wall time
@@ -27,8 +28,12 @@ class SpecDecodingStats:
             self.num_drafts += 1
             self.num_draft_tokens += k
             self.num_accepted_tokens += n
-            if len(self.num_accepted_tokens_per_pos) < k:
-                self.num_accepted_tokens_per_pos += [0] * (k - len(self.num_accepted_tokens_per_pos))
+            grow = k - len(self.num_accepted_tokens_per_pos)
+            if grow > 0:
+                self.num_accepted_tokens_per_pos += [0] * grow
+                self.num_draft_tokens_per_pos += [0] * grow
+            for i in range(k):
+                self.num_draft_tokens_per_pos[i] += 1
             for i in range(n):
                 self.num_accepted_tokens_per_pos[i] += 1
 
@@ -43,7 +48,8 @@ class SpecDecodingStats:
 
     @property
     def acceptance_rate_per_pos(self) -> list[float]:
-        return [n / self.num_drafts for n in self.num_accepted_tokens_per_pos] if self.num_drafts else []
+        """Share of the rounds that drafted position i in which position i was accepted."""
+        return [a / d for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
 
     def as_dict(self) -> dict:
         d = asdict(self)

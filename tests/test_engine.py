@@ -235,3 +235,11 @@ def test_metrics_follow_vllm_conventions(models):
     assert m["draft_time_s"] > 0 and m["verify_time_s"] > 0
     llm.reset_metrics()
     assert llm.get_metrics()["num_drafts"] == 0
+
+
+def test_per_position_acceptance_counts_only_rounds_that_drafted_that_position(models):
+    llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 4})
+    llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    m = llm.get_metrics()  # rounds of k = 4, 4, then 1 (only 2 tokens of room left)
+    assert m["num_draft_tokens_per_pos"] == [3, 2, 2, 2]
+    assert m["acceptance_rate_per_pos"] == [1.0, 1.0, 1.0, 1.0]
