@@ -217,7 +217,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > 6 or (rows > 2 and w.shape[0] < w.shape[1]):
         return F.linear(x, w, b)
-    x2 = x.reshape(rows, x.shape[-1])
+    x2 = x.reshape(rows, x.shape[-1]).contiguous()  # row-major: x2^T must be a transposed view for the fast path
     if rows == 1:
         x2 = torch.cat([x2, x2])  # two columns: one would take the slow path again
     y = (w @ x2.t()).t()[:rows]  # [rows, out]
