@@ -81,29 +81,32 @@ class Engine:
             return []
         seqs = self.running
         t0 = time.perf_counter()
+        self.target.sync_rows([s.seq_id for s in seqs])
         sb = SamplingBatch.from_params([s.params for s in seqs], self.device)
-        k = min(self.k, max(s.room for s in seqs) - 1)
+        wanted = [max(0, min(self.k, s.room - 1)) for s in seqs]  # drafts beyond the room are wasted
 
-        # 1. draft
-        proposal = self._propose(seqs, k, sb) if k > 0 else None
-        k = proposal.draft_token_ids.shape[1] if proposal is not None else 0
+        # 1. draft: up to wanted[b] tokens per sequence; a drafter may propose fewer
+        proposal = self._propose(seqs, wanted, sb) if max(wanted) > 0 else None
+        if proposal is None:
+            draft_ids = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)  # [B, 0]
+            num_draft = [0] * len(seqs)
+        else:
+            draft_ids, num_draft = proposal.draft_token_ids, proposal.num_draft_tokens  # [B, k], [B]
         t1 = time.perf_counter()
 
         # 2. verify: one target pass over [last committed token, x_1..x_k] -> p_1..p_{k+1}
-        self.target.sync_rows([s.seq_id for s in seqs])
         last = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]
-        tokens = last if proposal is None else torch.cat([last, proposal.draft_token_ids], dim=1)  # [B, k+1]
+        tokens = torch.cat([last, draft_ids], dim=1)  # [B, k+1]; rows with fewer drafts carry padding
         target_logits = self.target.forward(tokens, [s.num_computed for s in seqs], all_logits=True)  # [B, k+1, V]
 
         # 3. accept / reject
-        empty = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)
-        result = verify(proposal.draft_token_ids if proposal else empty, proposal.draft_probs if proposal else None,
-                        target_logits, sb, [s.generator for s in seqs])
+        result = verify(draft_ids, proposal.draft_probs if proposal else None, target_logits, sb,
+                        [s.generator for s in seqs], torch.tensor(num_draft, device=self.device))
         t2 = time.perf_counter()
 
         # 4. commit: accepted drafts + the recovered/bonus token; the target cache keeps
         #    [last, accepted drafts], everything after is rolled back by the length alone.
-        drafts = proposal.draft_token_ids.tolist() if proposal else [[] for _ in seqs]
+        drafts = draft_ids.tolist()
         gained = []
         for s, d, n, nxt in zip(seqs, drafts, result.num_accepted, result.next_token_ids):
             s.num_computed += 1 + n
@@ -112,7 +115,7 @@ class Engine:
         # 5. update the drafter and the counters
         if self.drafter is not None and proposal is not None:
             self.drafter.observe(seqs, result.num_accepted)
-        self.stats.record_round([k] * len(seqs), result.num_accepted)
+        self.stats.record_round(num_draft, result.num_accepted)
         self.stats.draft_time_s += t1 - t0
         self.stats.verify_time_s += t2 - t1
         self.stats.step_time_s += time.perf_counter() - t0
@@ -127,9 +130,12 @@ class Engine:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal | None:
+    def _propose(self, seqs: list[Sequence], wanted: list[int], sb: SamplingBatch) -> DraftProposal | None:
         try:
-            return self.drafter.propose(seqs, k, sb)
+            proposal = self.drafter.propose(seqs, wanted, sb)
+            if proposal.draft_token_ids.shape[1] == 0:
+                return None
+            return proposal
         except Exception:  # a failing drafter must not fail the request: decode plainly instead
             log.exception("drafter failed; falling back to plain decoding")
             self.drafter, self.k = None, 0

@@ -29,57 +29,70 @@ class VerifyResult:
 
 
 def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-           sb: SamplingBatch, generators: Sequence[torch.Generator]) -> VerifyResult:
+           sb: SamplingBatch, generators: Sequence[torch.Generator],
+           num_draft: torch.Tensor | None = None) -> VerifyResult:
     """draft_token_ids [B, k]; draft_probs [B, k, V] or None for a deterministic drafter (q = one-hot);
-    target_logits [B, k+1, V] from one target pass over [last committed token, x_1..x_k]."""
-    B = target_logits.shape[0]
+    target_logits [B, k+1, V] from one target pass over [last committed token, x_1..x_k];
+    num_draft [B]: row b drafted only its first num_draft[b] positions (None: all k). A row that
+    accepts all its drafts gets its bonus token from p at position num_draft[b] + 1."""
+    B, k = draft_token_ids.shape
+    if num_draft is None:
+        num_draft = torch.full((B,), k, dtype=torch.long, device=target_logits.device)
     if sb.all_greedy:
-        return verify_greedy(draft_token_ids, target_logits)
+        return verify_greedy(draft_token_ids, target_logits, num_draft)
     num_accepted = [0] * B
     next_ids = [0] * B
     greedy_rows = [b for b in range(B) if sb.greedy[b]]
     sampled_rows = [b for b in range(B) if not sb.greedy[b]]
     if greedy_rows:
-        g = verify_greedy(draft_token_ids[greedy_rows], target_logits[greedy_rows])
+        g = verify_greedy(draft_token_ids[greedy_rows], target_logits[greedy_rows], num_draft[greedy_rows])
         for i, b in enumerate(greedy_rows):
             num_accepted[b], next_ids[b] = g.num_accepted[i], g.next_token_ids[i]
     if sampled_rows:
         rows = torch.tensor(sampled_rows, device=target_logits.device)
         target_probs = probs_from_logits(target_logits[rows], sb.select(sampled_rows))  # [Bs, k+1, V]
         s = rejection_sample(draft_token_ids[rows], None if draft_probs is None else draft_probs[rows],
-                             target_probs, [generators[b] for b in sampled_rows])
+                             target_probs, [generators[b] for b in sampled_rows], num_draft[rows])
         for i, b in enumerate(sampled_rows):
             num_accepted[b], next_ids[b] = s.num_accepted[i], s.next_token_ids[i]
     return VerifyResult(num_accepted, next_ids)
 
 
-def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
+def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
+                  num_draft: torch.Tensor | None = None) -> VerifyResult:
     target_argmax = target_logits.argmax(dim=-1)  # [B, k+1]
     k = draft_token_ids.shape[1]
-    matches = (draft_token_ids == target_argmax[:, :k]).int()  # [B, k]
+    matches = draft_token_ids == target_argmax[:, :k]  # [B, k]
+    if num_draft is not None:
+        matches &= torch.arange(k, device=matches.device) < num_draft[:, None]
+    matches = matches.int()
     num_accepted = matches.cumprod(dim=1).sum(dim=1)  # [B]: length of the matching prefix
     next_ids = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # recovered or bonus
     return VerifyResult(num_accepted.tolist(), next_ids.tolist())
 
 
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-                     generators: Sequence[torch.Generator]) -> VerifyResult:
-    """Leviathan et al. 2023, Alg. 1. draft_token_ids [B, k]; draft_probs [B, k, V] | None; target_probs [B, k+1, V]."""
+                     generators: Sequence[torch.Generator], num_draft: torch.Tensor | None = None) -> VerifyResult:
+    """Leviathan et al. 2023, Alg. 1. draft_token_ids [B, k]; draft_probs [B, k, V] | None;
+    target_probs [B, k+1, V]; num_draft [B] drafts per row (None: all k)."""
     B, k = draft_token_ids.shape
     device = target_probs.device
+    if num_draft is None:
+        num_draft = torch.full((B,), k, dtype=torch.long, device=device)
     p_draft = target_probs[:, :k].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, k]: p_i(x_i)
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)  # deterministic drafter: q_i = one-hot(x_i)
     else:
         q_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, k]: q_i(x_i)
     u = torch.stack([torch.rand(k, generator=g, device=device) for g in generators]) if k else p_draft
-    accepted = (u * q_draft < p_draft).int()  # u < p/q without dividing; q(x) > 0 since x was drawn from q
+    drafted = torch.arange(k, device=device) < num_draft[:, None]  # [B, k]
+    accepted = ((u * q_draft < p_draft) & drafted).int()  # u < p/q without dividing; q(x) > 0 as x ~ q
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [B]
 
     # The distribution of the one extra token: residual at the first rejection, p_{k+1} after full acceptance.
     rows = torch.arange(B, device=device)
     p_next = target_probs[rows, num_accepted]  # [B, V]
-    rejected = num_accepted < k
+    rejected = num_accepted < num_draft  # otherwise every draft was accepted: p_next is the bonus distribution
     if bool(rejected.any()):
         at = num_accepted.clamp(max=k - 1)
         if draft_probs is None:

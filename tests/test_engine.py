@@ -36,7 +36,7 @@ class AntiDrafter(Drafter):
 
     def propose(self, seqs, k, sb):
         d = self.inner.propose(seqs, k, SamplingBatch.from_params([SamplingParams(temperature=0)] * len(seqs)))
-        return DraftProposal((d.draft_token_ids + 1) % self.vocab, None)
+        return DraftProposal((d.draft_token_ids + 1) % self.vocab, None, d.num_draft_tokens)
 
 
 class GreedyDrafter(Drafter):

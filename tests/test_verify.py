@@ -119,3 +119,17 @@ def test_the_chi_square_check_catches_a_logit_residual():
     recovered = torch.stack([torch.multinomial(wrong_residual, 1, generator=gg) for gg in gens])[:, 0]
     first = torch.where(accepted, draft[:, 0], recovered).numpy()
     assert chi_square_p(first, p[0].numpy()) < FALSE_ALARM
+
+
+def test_rows_with_fewer_drafts_get_their_bonus_from_the_right_position():
+    # row 0 drafted 1 token (of k = 3) and it matches: its bonus is argmax p_2, not a rejection
+    logits = logits_for(1, 2, 3, 4).repeat(2, 1, 1)
+    draft = torch.tensor([[1, 0, 0], [1, 2, 5]])
+    r = verify_greedy(draft, logits, torch.tensor([1, 3]))
+    assert r.num_accepted == [1, 2] and r.next_token_ids == [2, 3]
+    p = torch.softmax(logits * 10, -1)  # nearly one-hot
+    for seed in range(20):
+        s = rejection_sample(draft[:1], None, p[:1], [make_generator(seed)], torch.tensor([1]))
+        assert s.num_accepted == [1] and s.next_token_ids == [2]
+        z = rejection_sample(draft[:1], None, p[:1], [make_generator(seed)], torch.tensor([0]))
+        assert z.num_accepted == [0] and z.next_token_ids == [1]  # no drafts: plain sampling from p_1

@@ -20,15 +20,16 @@ from specdec.sequence import Sequence
 
 @dataclass
 class DraftProposal:
-    draft_token_ids: torch.Tensor  # [B, k] long
-    draft_probs: torch.Tensor | None  # [B, k, V]: q_i each draft was sampled from; None when drafts are
-    #                                    deterministic (q = one-hot), as for greedy or lookup drafters
+    draft_token_ids: torch.Tensor  # [B, k_max] long; row b's drafts are its first num_draft_tokens[b]
+    draft_probs: torch.Tensor | None  # [B, k_max, V]: q_i each draft was sampled from; None when drafts
+    #                                    are deterministic (q = one-hot), as for greedy or lookup drafters
+    num_draft_tokens: list[int]  # [B] drafts per row, 0..k_max; a row may propose fewer than asked
 
 
 class Drafter(ABC):
     @abstractmethod
-    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
-        """Propose k tokens for each sequence, continuing ``seq.token_ids``."""
+    def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        """Propose up to ``num_draft[b]`` tokens continuing ``seqs[b].token_ids``."""
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         """Learn how many drafts of the last proposal each sequence accepted (its history already includes them)."""

@@ -22,8 +22,8 @@ class DraftModelDrafter(Drafter):
         self.cached: dict[int, list[int]] = {}  # seq_id -> tokens whose KV sits in the draft cache
         self.committed: dict[int, int] = {}  # seq_id -> history length at the last proposal (surely still valid)
 
-    def propose(self, seqs: list[Sequence], k: int, sb: SamplingBatch) -> DraftProposal:
-        B = len(seqs)
+    def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        B, k = len(seqs), max(num_draft)
         device = self.runner.device
         is_new = self.runner.sync_rows([s.seq_id for s in seqs])
 
@@ -60,13 +60,14 @@ class DraftModelDrafter(Drafter):
                 pos = [p + 1 for p in pos]
         draft = torch.stack(draft_ids, dim=1) if k else torch.zeros(B, 0, dtype=torch.long, device=device)
 
-        # 3. Remember what the cache now holds: the history plus drafts 1..k-1.
+        # 3. Remember what the cache now holds: the history plus drafts 1..k-1 (rows asking for fewer
+        #    drafts still fed k-1 of them; the longest-common-prefix check above sorts that out).
         fed = draft[:, : max(k - 1, 0)].tolist()
         for b, s in enumerate(seqs):
             self.cached[s.seq_id] = s.token_ids + fed[b]
             self.committed[s.seq_id] = len(s.token_ids)
         probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k, V]
-        return DraftProposal(draft, probs)
+        return DraftProposal(draft, probs, list(num_draft))
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
