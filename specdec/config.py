@@ -59,16 +59,32 @@ class SamplingParams:
         return self.temperature == 0
 
 
-SPECULATIVE_METHODS = ("draft_model",)
+SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "layer_skip")
 
 
 @dataclass
 class SpeculativeConfig:
-    """What drafts and how many tokens it proposes per round (vLLM's ``speculative_config``)."""
+    """What drafts and how many tokens it proposes per round (vLLM's ``speculative_config``).
+
+    Option names follow vLLM where vLLM has the option; each method reads only its own fields.
+    """
 
     method: str = "draft_model"
+    num_speculative_tokens: int = 4  # the most drafts per round (the adaptive controller may use fewer)
+    adaptive: bool = True  # choose k per sequence from measured acceptance and costs; False keeps k fixed
+    # draft_model
     model: str | None = None
-    num_speculative_tokens: int = 4
+    draft_p_min: float = 0.0  # model drafters stop drafting when their top probability falls below this
+    # ngram (prompt lookup)
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # suffix decoding
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # layer_skip (self-speculation with the target's first layers)
+    num_draft_layers: int | None = None  # None: a quarter of the target's layers
 
     def __post_init__(self) -> None:
         _check(self.method in SPECULATIVE_METHODS,
@@ -76,9 +92,27 @@ class SpeculativeConfig:
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                f"num_speculative_tokens must be an integer in 0..{MAX_SPECULATIVE_TOKENS}, "
                f"got {self.num_speculative_tokens!r}")
+        _check(isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}")
+        _check(_is_number(self.draft_p_min) and 0 <= self.draft_p_min < 1,
+               f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
         if self.method == "draft_model" and self.num_speculative_tokens > 0:
             _check(isinstance(self.model, str) and self.model,
                    "speculative_config with method 'draft_model' needs 'model': a folder or hub id of the draft")
+        _check(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
+               and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+               f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
+               f"and {self.prompt_lookup_max!r}")
+        _check(_is_int(self.suffix_decoding_max_tree_depth) and self.suffix_decoding_max_tree_depth >= 1,
+               f"suffix_decoding_max_tree_depth must be an integer >= 1, got {self.suffix_decoding_max_tree_depth!r}")
+        _check(_is_int(self.suffix_decoding_max_cached_requests) and self.suffix_decoding_max_cached_requests >= 0,
+               "suffix_decoding_max_cached_requests must be an integer >= 0, "
+               f"got {self.suffix_decoding_max_cached_requests!r}")
+        _check(_is_number(self.suffix_decoding_max_spec_factor) and self.suffix_decoding_max_spec_factor > 0,
+               f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor!r}")
+        _check(_is_number(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1,
+               f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob!r}")
+        _check(self.num_draft_layers is None or (_is_int(self.num_draft_layers) and self.num_draft_layers >= 1),
+               f"num_draft_layers must be an integer >= 1, got {self.num_draft_layers!r}")
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

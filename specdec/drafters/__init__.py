@@ -25,4 +25,19 @@ def build_drafter(spec: SpeculativeConfig, target: ModelRunner, dtype: str, devi
                                                        loaded.config.max_position_embeddings),
                              vocab_size=target.vocab_size)
         return DraftModelDrafter(runner)
+    if spec.method == "ngram":
+        from specdec.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "suffix":
+        from specdec.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter(max_tree_depth=spec.suffix_decoding_max_tree_depth,
+                             max_cached_requests=spec.suffix_decoding_max_cached_requests,
+                             max_spec_factor=spec.suffix_decoding_max_spec_factor,
+                             min_token_prob=spec.suffix_decoding_min_token_prob)
+    if spec.method == "layer_skip":
+        from specdec.drafters.layer_skip import LayerSkipDrafter
+
+        return LayerSkipDrafter(target, spec.num_draft_layers)
     raise ValueError(f"unknown speculative method {spec.method!r}")
