@@ -24,7 +24,7 @@ def build_drafter(spec: SpeculativeConfig, target: ModelRunner, dtype: str, devi
         runner = LlamaRunner(loaded, max_model_len=min(target.max_model_len,
                                                        loaded.config.max_position_embeddings),
                              vocab_size=target.vocab_size)
-        return DraftModelDrafter(runner)
+        return DraftModelDrafter(runner, spec.draft_p_min)
     if spec.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
 
@@ -39,5 +39,5 @@ def build_drafter(spec: SpeculativeConfig, target: ModelRunner, dtype: str, devi
     if spec.method == "layer_skip":
         from specdec.drafters.layer_skip import LayerSkipDrafter
 
-        return LayerSkipDrafter(target, spec.num_draft_layers)
+        return LayerSkipDrafter(target, spec.num_draft_layers, spec.draft_p_min)
     raise ValueError(f"unknown speculative method {spec.method!r}")

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import torch
 
+from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.models.base import ModelRunner
-from specdec.sampling import SamplingBatch, probs_from_logits, sample
+from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, draft_p_min: float = 0.0):
         self.runner = runner
+        self.draft_p_min = draft_p_min
         self.cached: dict[int, list[int]] = {}  # seq_id -> tokens whose KV sits in the draft cache
         self.committed: dict[int, int] = {}  # seq_id -> history length at the last proposal (surely still valid)
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
-        B, k = len(seqs), max(num_draft)
+        B = len(seqs)
         device = self.runner.device
         is_new = self.runner.sync_rows([s.seq_id for s in seqs])
 
@@ -44,30 +46,20 @@ class DraftModelDrafter(Drafter):
         last = torch.tensor([len(c) - 1 for c in chunks], device=device)
         logits = self.runner.forward(tokens.to(device), starts, logits_index=last)  # [B, V]
 
-        # 2. Draft k tokens autoregressively: greedy rows take the argmax, sampled rows draw from q.
+        # 2. Draft up to k tokens autoregressively.
         pos = [s + len(c) for s, c in zip(starts, chunks)]
-        draft_ids, draft_probs = [], []
-        for i in range(k):
-            if sb.all_greedy:
-                x = logits.argmax(dim=-1)  # [B]
-            else:
-                q = probs_from_logits(logits, sb)  # [B, V]
-                x = torch.where(sb.greedy, logits.argmax(dim=-1), sample(q, [s.generator for s in seqs]))
-                draft_probs.append(q)
-            draft_ids.append(x)
-            if i + 1 < k:  # the last draft need not be fed: its distribution is never used
-                logits = self.runner.forward(x[:, None], pos, logits_index=torch.zeros_like(x))
-                pos = [p + 1 for p in pos]
-        draft = torch.stack(draft_ids, dim=1) if k else torch.zeros(B, 0, dtype=torch.long, device=device)
 
-        # 3. Remember what the cache now holds: the history plus drafts 1..k-1 (rows asking for fewer
-        #    drafts still fed k-1 of them; the longest-common-prefix check above sorts that out).
-        fed = draft[:, : max(k - 1, 0)].tolist()
+        def feed(x: torch.Tensor, i: int) -> torch.Tensor:
+            return self.runner.forward(x[:, None], [p + i for p in pos], logits_index=torch.zeros_like(x))
+
+        proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min)
+
+        # 3. Remember what the cache now holds: the history plus the drafts that were fed.
+        fed = proposal.draft_token_ids[:, : max(proposal.draft_token_ids.shape[1] - 1, 0)].tolist()
         for b, s in enumerate(seqs):
             self.cached[s.seq_id] = s.token_ids + fed[b]
             self.committed[s.seq_id] = len(s.token_ids)
-        probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, k, V]
-        return DraftProposal(draft, probs, list(num_draft))
+        return proposal
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:

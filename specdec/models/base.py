@@ -30,8 +30,9 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def forward(self, token_ids: torch.Tensor, start: Sequence[int], logits_index: torch.Tensor | None = None,
-                all_logits: bool = False, row_offset: int = 0) -> torch.Tensor | None:
+                all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None) -> torch.Tensor | None:
         """Run ``token_ids`` [B, T] at positions ``start[b] + t`` in cache rows ``row_offset + b``; write their KV.
+        ``num_layers``: run only the first layers, then the final norm and head (self-speculation).
 
         Returns float32 logits [B, T, V] when ``all_logits``, [B, V] at ``logits_index`` [B]
         (index into T) when given, otherwise None (a prefill that needs no logits).
