@@ -176,6 +176,34 @@ def demo(
     _print_bench(result, console)
 
 
+@app.command()
+def serve(
+    model: ModelOpt,
+    speculative_config: SpecOpt = None,
+    draft: DraftOpt = None,
+    k: KOpt = None,
+    host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the server local.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences decoded at once; the rest wait.")] = 256,
+    max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Model name clients send (default: --model).")] = None,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+) -> None:
+    """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching."""
+    with _errors_exit_2():
+        from specdec.server import build_app, serve as run_server
+
+        spec = _speculative_config(draft, k, speculative_config)
+        _quiet_transformers()
+        server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
+                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                               served_model_name=served_model_name, api_key=api_key)
+    run_server(server_app, host=host, port=port)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,301 @@
+"""The OpenAI-compatible HTTP app: routes over one ``AsyncEngine``.
+
+    app = build_app(LLM("path/to/target", speculative_config={...}), api_key="secret")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Every error is ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad request:
+malformed JSON, a missing or mistyped field, a value out of range, an unsupported option, a prompt
+too long for the context), 401 (missing or wrong API key), 404 (unknown model or route) or 500
+(the engine failed); the server keeps serving after each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.config import SamplingParams
+from specdec.llm import LLM
+from specdec.server import protocol as P
+from specdec.server.async_engine import AsyncEngine, LoopHooks
+from specdec.server.chat import render_chat
+from specdec.server.metrics import ServerMetrics
+
+_PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "stop", "prompt")
+
+
+class OpenAIServer:
+    """What the routes share: the model, its engine loop, metrics and settings."""
+
+    def __init__(self, llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
+                 release_when_idle: bool = True):
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.model_name = served_model_name or llm.model_config.model
+        self.max_model_len = llm.engine.target.max_model_len
+        self.api_key = api_key
+        self.metrics = ServerMetrics(llm.engine)
+        hooks = LoopHooks(self.metrics.on_first_token, self.metrics.on_finish, self.metrics.on_error)
+        self.engine = AsyncEngine(llm.engine, hooks, release_when_idle=release_when_idle)
+        self.created = P.now()
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise P.ApiError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                             code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise P.ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                             "model", "model_not_found")
+
+    # -- jobs run on the engine thread ------------------------------------------------------------
+
+    def prompt_job(self, prompt: P.Prompt | list[P.ChatMessage], params: SamplingParams, max_tokens: int | None):
+        def job() -> tuple[list[int], SamplingParams]:
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError("this model has no tokenizer; send the prompt as a list of token ids")
+                ids = self.tokenizer.encode(prompt)
+            elif prompt and isinstance(prompt[0], P.ChatMessage):
+                ids = render_chat(self.tokenizer, prompt)
+            else:
+                ids = list(prompt)
+            if max_tokens is None:  # up to the end of the context
+                return ids, replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
+            return ids, params
+
+        return job
+
+
+def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
+              release_when_idle: bool = True, **llm_kwargs: Any) -> FastAPI:
+    """The FastAPI app over ``llm`` (or over ``LLM(**llm_kwargs)``). The engine loop runs while the app's
+    lifespan does: start the app under uvicorn (``specdec.server.serve`` or ``ServerThread``)."""
+    if llm is None:
+        llm = LLM(**llm_kwargs)
+    elif llm_kwargs:
+        raise ValueError(f"pass an LLM or LLM arguments, not both (got {sorted(llm_kwargs)})")
+    server = OpenAIServer(llm, served_model_name, api_key, release_when_idle)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine.start()
+        try:
+            yield
+        finally:
+            server.engine.stop()
+
+    app = FastAPI(title="specdec", summary="OpenAI-compatible server with speculative decoding", lifespan=lifespan)
+    app.state.server = server
+    _install_error_handlers(app, server)
+    auth = [Depends(server.check_api_key)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not server.engine.alive:
+            raise P.ApiError(503, f"the engine loop is not running ({server.engine.error!r})", type="server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "specdec",
+            "root": server.llm.model_config.model, "max_model_len": server.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        body = await _parse(request, P.CompletionRequest)
+        server.check_model(body.model)
+        body.check_supported()
+        params = body.sampling_params(1 if body.max_tokens is None else body.max_tokens)
+        jobs = [server.prompt_job(p, params, body.max_tokens) for p in body.prompts()]
+        return await _generate(server, "completion", body, jobs, request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        body = await _parse(request, P.ChatCompletionRequest)
+        server.check_model(body.model)
+        body.check_supported()
+        max_tokens = body.max_new_tokens
+        params = body.sampling_params(1 if max_tokens is None else max_tokens)
+        jobs = [server.prompt_job(body.messages, params, max_tokens)]
+        return await _generate(server, "chat", body, jobs, request)
+
+    return app
+
+
+# -- generation -------------------------------------------------------------------------------------
+
+
+async def _generate(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, jobs, request: Request) -> Response:
+    arrival = time.perf_counter()
+    try:
+        handle = await server.engine.submit(jobs, arrival)
+    except RuntimeError as e:
+        raise P.ApiError(503, str(e), type="server_error") from None
+    rid = P.new_id("cmpl" if kind == "completion" else "chatcmpl")
+    if body.stream:
+        return StreamingResponse(_stream(server, kind, body, handle, rid), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    n = handle.num_choices
+    texts, tokens, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+    use = [0, 0]
+
+    async def consume() -> None:
+        async for ev in handle.events():
+            texts[ev.index] += ev.text
+            tokens[ev.index] += ev.token_ids
+            if ev.finish_reason is not None:
+                reasons[ev.index] = ev.finish_reason
+                use[0] += ev.prompt_tokens
+                use[1] += ev.completion_tokens
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not consumer.done():  # the client went away: nobody will read the answer
+            handle.abort()
+            consumer.cancel()
+            return Response(status_code=499)
+        if consumer.exception() is not None:
+            raise P.ApiError(500, f"generation failed: {consumer.exception()!r}", type="server_error")
+    finally:
+        watcher.cancel()
+        if not handle.finished:
+            handle.abort()
+    choices = [P.choice(kind, i, texts[i], reasons[i], tokens[i] if body.return_token_ids else None)
+               for i in range(n)]
+    return JSONResponse(P.response(kind, rid, P.now(), server.model_name, choices, P.usage(*use)))
+
+
+async def _stream(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, handle, rid: str) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. A client that goes
+    away cancels this generator (Starlette listens for the disconnect); ``finally`` aborts its sequences."""
+    created, model = P.now(), server.model_name
+    ids = body.return_token_ids
+    use = [0, 0]
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        return _sse(P.response(kind, rid, created, model, choices, usage, chunk=True))
+
+    try:
+        if kind == "chat":
+            for i in range(handle.num_choices):
+                yield chunk([P.chunk_choice(kind, i, "", None, None, role=True)])
+        async for ev in handle.events():
+            if ev.finish_reason is not None:
+                use[0] += ev.prompt_tokens
+                use[1] += ev.completion_tokens
+            elif not ev.text and not ids:
+                continue  # text held back (half a character, or what a stop string may swallow)
+            text = ev.text if (ev.text or kind == "completion") else None
+            yield chunk([P.chunk_choice(kind, ev.index, text, ev.finish_reason, ev.token_ids if ids else None)])
+        if body.include_usage:
+            yield chunk([], P.usage(*use))
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the engine failed mid-stream: the status line is long gone, say it in the stream
+        yield _sse(P.error_body(f"generation failed: {e!r}", "server_error"))
+    finally:
+        if not handle.finished:
+            handle.abort()
+    yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw or b"", strict=True)
+    except ValidationError as e:
+        raise _validation_error(e.errors()) from None
+
+
+def _validation_error(errors: list[dict]) -> P.ApiError:
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return P.ApiError(400, f"the body is not valid JSON: {first['msg']}", code="json_invalid")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not loc:
+        return P.ApiError(400, f"the body must be a JSON object: {first['msg']}", code=first["type"])
+    field = loc[0]
+    same = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == [field]]
+    if len(same) > 1:  # a union (prompt: str | list[str] | list[int] | ...): no single member's message fits
+        got = type(first.get("input")).__name__
+        return P.ApiError(400, f"{field} has the wrong type ({got}): {'; '.join(_dedup(e['msg'] for e in same))}",
+                          field, "invalid_type")
+    return P.ApiError(400, f"{'.'.join(loc)}: {first['msg']}", field, first["type"])
+
+
+def _dedup(items) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def _install_error_handlers(app: FastAPI, server: OpenAIServer) -> None:
+    def reply(status: int, body: dict) -> JSONResponse:
+        server.metrics.errors.labels(str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(P.ApiError)
+    async def api_error(request: Request, e: P.ApiError) -> JSONResponse:
+        return reply(e.status, e.body())
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, e: ValueError) -> JSONResponse:
+        message = str(e)
+        word = message.split(" ", 1)[0]
+        param = word if word in _PARAM_NAMES else None
+        code = "context_length_exceeded" if "context" in message and param == "prompt" else None
+        return reply(400, P.error_body(message, param=param, code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = _validation_error(list(e.errors()))
+        return reply(err.status, err.body())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return reply(e.status_code, P.error_body(str(e.detail), param=None, code=code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        return reply(500, P.error_body(f"internal error: {e!r}", "server_error"))
+

@@ -1,0 +1,93 @@
+"""Prometheus metrics, one ``CollectorRegistry`` per app, named as vLLM names them under ``specdec:``.
+
+The speculative counters are read from ``engine.stats`` at scrape time (a custom collector), so
+they always equal what ``LLM.get_metrics()`` reports. Counters are exposed with the ``_total``
+suffix, as prometheus-client and vLLM write them: ``specdec:spec_decode_num_drafts_total``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from specdec.engine import Engine
+from specdec.sequence import Sequence
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0)
+
+
+prometheus_client.disable_created_metrics()  # no *_created series (vLLM does the same)
+
+
+class _EngineCollector:
+    """Speculative-decoding counters and queue gauges, read from the engine when scraped."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.stats
+        for name, value, doc in (
+            ("spec_decode_num_drafts", s.num_drafts, "(sequence, round) pairs that proposed at least one token."),
+            ("spec_decode_num_draft_tokens", s.num_draft_tokens, "Draft tokens proposed."),
+            ("spec_decode_num_accepted_tokens", s.num_accepted_tokens, "Draft tokens accepted."),
+            ("spec_decode_num_emitted_tokens", s.num_emitted_tokens,
+             "Tokens emitted by verification: accepted + recovered + bonus."),
+        ):
+            yield CounterMetricFamily(f"specdec:{name}", doc, value=value)
+        per_pos = CounterMetricFamily("specdec:spec_decode_num_accepted_tokens_per_pos",
+                                      "Rounds whose draft position i was accepted.", labels=["position"])
+        for i, v in enumerate(list(s.num_accepted_tokens_per_pos)):
+            per_pos.add_metric([str(i)], v)
+        yield per_pos
+        yield GaugeMetricFamily("specdec:num_requests_running", "Sequences in the running batch.",
+                                value=len(self.engine.running))
+        yield GaugeMetricFamily("specdec:num_requests_waiting", "Sequences waiting for a batch slot.",
+                                value=len(self.engine.waiting))
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram("specdec:time_to_first_token_seconds",
+                              "Arrival of the request to its first generated token.", buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("specdec:time_per_output_token_seconds",
+                              "Per request: (last token - first token) / (output tokens - 1).",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("specdec:e2e_request_latency_seconds", "Arrival of the request to its last token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter("specdec:request_success", "Requests finished, by finish reason "
+                                "(stop, length, abort = the client went away).", ["finished_reason"], registry=r)
+        self.errors = Counter("specdec:request_errors", "Requests answered with an error, by HTTP status.",
+                              ["status"], registry=r)
+        self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("specdec:generation_tokens", "Generated tokens.", registry=r)
+        self.engine_failures = Counter("specdec:engine_step_failures", "Engine rounds that raised.", registry=r)
+
+    # hooks called on the engine thread
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+
+    def on_finish(self, seq: Sequence, arrival: float, first_token: float | None) -> None:
+        end = time.perf_counter()
+        self.requests.labels(seq.finish_reason or "abort").inc()
+        self.prompt_tokens.inc(seq.num_prompt_tokens)
+        self.generation_tokens.inc(seq.num_output_tokens)
+        if seq.finish_reason == "abort":
+            return
+        self.e2e.observe(end - arrival)
+        if first_token is not None and seq.num_output_tokens > 1:
+            self.tpot.observe((end - first_token) / (seq.num_output_tokens - 1))
+
+    def on_error(self, error: BaseException) -> None:
+        self.engine_failures.inc()
