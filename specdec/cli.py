@@ -31,6 +31,9 @@ DEMO_PROMPTS = [
 ModelOpt = Annotated[str, typer.Option("--model", help="Target: a checkpoint folder or a hub id.")]
 DraftOpt = Annotated[str | None, typer.Option(
     "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
+AdaptiveOpt = Annotated[bool | None, typer.Option(
+    "--adaptive/--no-adaptive", help="Choose k per sequence from measured acceptance and costs (the "
+                                     "default), or keep k fixed.")]
 KOpt = Annotated[int | None, typer.Option(
     "-k", "--num-speculative-tokens", help="Draft tokens per round (default 4).")]
 SpecOpt = Annotated[str | None, typer.Option(
@@ -53,6 +56,7 @@ def generate(
         "--prompt-token-ids", help='Prompt as token ids instead of text, e.g. "1,2,3".')] = None,
     draft: DraftOpt = None,
     k: KOpt = None,
+    adaptive: AdaptiveOpt = None,
     speculative_config: SpecOpt = None,
     temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling; 1 disables it.")] = 1.0,
@@ -73,7 +77,7 @@ def generate(
         request = _prompt_input(prompt, prompt_token_ids)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stop)
-        spec = _speculative_config(draft, k, speculative_config)
+        spec = _speculative_config(draft, k, speculative_config, adaptive)
         _quiet_transformers()
         llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
         t0 = time.perf_counter()
@@ -104,6 +108,7 @@ def bench(
         "--prompts", help="JSONL file: {\"prompt\": ...} per line, or Spec-Bench's question.jsonl.")],
     draft: DraftOpt = None,
     k: KOpt = None,
+    adaptive: AdaptiveOpt = None,
     speculative_config: SpecOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens per prompt.")] = 128,
     num_prompts: Annotated[int | None, typer.Option(help="Use only the first N prompts.")] = None,
@@ -122,7 +127,7 @@ def bench(
 
         records = load_prompts(prompts, num_prompts)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        spec = _speculative_config(draft, k, speculative_config)
+        spec = _speculative_config(draft, k, speculative_config, adaptive)
         if spec is None:
             raise CliError("bench compares plain and speculative decoding: pass --draft D or --speculative-config")
         _quiet_transformers()
@@ -182,6 +187,7 @@ def serve(
     speculative_config: SpecOpt = None,
     draft: DraftOpt = None,
     k: KOpt = None,
+    adaptive: AdaptiveOpt = None,
     host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the server local.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
@@ -196,7 +202,7 @@ def serve(
     with _errors_exit_2():
         from specdec.server import build_app, serve as run_server
 
-        spec = _speculative_config(draft, k, speculative_config)
+        spec = _speculative_config(draft, k, speculative_config, adaptive)
         _quiet_transformers()
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -239,8 +245,19 @@ def _prompt_input(prompt: str | None, prompt_token_ids: str | None) -> str | dic
     return {"prompt_token_ids": ids}
 
 
-def _speculative_config(draft: str | None, k: int | None, raw: str | None) -> dict[str, Any] | None:
-    """The speculative_config dict from --draft / -k / --speculative-config (validated by the library)."""
+def _speculative_config(draft: str | None, k: int | None, raw: str | None,
+                        adaptive: bool | None = None) -> dict[str, Any] | None:
+    """The speculative_config dict from --draft / -k / --speculative-config / --[no-]adaptive
+    (validated by the library)."""
+    cfg = _speculative_config_base(draft, k, raw)
+    if adaptive is not None:
+        if cfg is None:
+            raise CliError("--adaptive/--no-adaptive needs a drafter: pass --draft D or --speculative-config")
+        cfg["adaptive"] = adaptive
+    return cfg
+
+
+def _speculative_config_base(draft: str | None, k: int | None, raw: str | None) -> dict[str, Any] | None:
     if draft is not None and raw is not None:
         raise CliError("pass either --draft or --speculative-config, not both")
     if raw is not None:

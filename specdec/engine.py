@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
+from specdec.adaptive import AdaptiveK
 from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.metrics import SpecDecodingStats
@@ -32,10 +33,13 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
-                 tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256):
+                 tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256,
+                 adaptive: bool = False):
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
+        # adaptive: k per sequence and round from measured acceptance and costs; else k fixed
+        self.controller = AdaptiveK(self.k) if adaptive and self.k > 0 else None
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_num_seqs = max_num_seqs
@@ -83,7 +87,13 @@ class Engine:
         t0 = time.perf_counter()
         self.target.sync_rows([s.seq_id for s in seqs])
         sb = SamplingBatch.from_params([s.params for s in seqs], self.device)
-        wanted = [max(0, min(self.k, s.room - 1)) for s in seqs]  # drafts beyond the room are wasted
+        ks = [self.k] * len(seqs)
+        if self.controller is not None:
+            # A seeded sampled request keeps k fixed: its random draws depend on k, and the
+            # controller's choices depend on timings, so only a fixed k makes the seed reproducible.
+            chosen = self.controller.choose([s.seq_id for s in seqs])
+            ks = [self.k if s.params.seed is not None and not s.params.greedy else c for s, c in zip(seqs, chosen)]
+        wanted = [max(0, min(k, s.room - 1)) for k, s in zip(ks, seqs)]  # drafts beyond the room are wasted
 
         # 1. draft: up to wanted[b] tokens per sequence; a drafter may propose fewer
         proposal = self._propose(seqs, wanted, sb) if max(wanted) > 0 else None
@@ -116,6 +126,8 @@ class Engine:
         if self.drafter is not None and proposal is not None:
             self.drafter.observe(seqs, result.num_accepted)
         self.stats.record_round(num_draft, result.num_accepted)
+        if self.controller is not None:
+            self.controller.record([s.seq_id for s in seqs], num_draft, result.num_accepted, t1 - t0, t2 - t1)
         self.stats.draft_time_s += t1 - t0
         self.stats.verify_time_s += t2 - t1
         self.stats.step_time_s += time.perf_counter() - t0
@@ -138,7 +150,7 @@ class Engine:
             return proposal
         except Exception:  # a failing drafter must not fail the request: decode plainly instead
             log.exception("drafter failed; falling back to plain decoding")
-            self.drafter, self.k = None, 0
+            self.drafter, self.k, self.controller = None, 0, None
             return None
 
     def _admit(self) -> None:
@@ -172,6 +184,8 @@ class Engine:
             self.running = [s for s in self.running if not s.finished]
             if self.drafter is not None:
                 self.drafter.release([s.seq_id for s in done])
+            if self.controller is not None:
+                self.controller.release([s.seq_id for s in done])
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
         """Append tokens one by one until a stop condition; returns the tokens kept."""

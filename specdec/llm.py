@@ -49,7 +49,7 @@ class LLM:
             drafter = build_drafter(spec, self.target, dtype, device)
             k = spec.num_speculative_tokens
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
-                             max_num_seqs=max_num_seqs)
+                             max_num_seqs=max_num_seqs, adaptive=spec is not None and spec.adaptive)
 
     # -- generation -------------------------------------------------------------------------------
 

@@ -94,7 +94,7 @@ def test_generate_json_equals_library_greedy(models, plain_llm):
 
 @pytest.mark.parametrize("draft", ["same", "other"])
 def test_generate_draft_greedy_equals_plain(models, plain_llm, draft):
-    out = json_out(cli("generate", "--model", models["target"], "--draft", models[draft], "-k", "3",
+    out = json_out(cli("generate", "--model", models["target"], "--draft", models[draft], "-k", "3", "--no-adaptive",
                        "--prompt", PROMPTS[1], "--temperature", "0", "--max-tokens", "16", "--json"))
     assert out["token_ids"] == greedy_ids(plain_llm, PROMPTS[1], 16)
     m = out["metrics"]
@@ -104,7 +104,8 @@ def test_generate_draft_greedy_equals_plain(models, plain_llm, draft):
 
 
 def test_generate_speculative_config_and_token_ids(models, plain_llm):
-    cfg = json.dumps({"method": "draft_model", "model": models["same"], "num_speculative_tokens": 2})
+    cfg = json.dumps({"method": "draft_model", "model": models["same"], "num_speculative_tokens": 2,
+                      "adaptive": False})
     out = json_out(cli("generate", "--model", models["target"], "--speculative-config", cfg,
                        "--prompt-token-ids", "4, 5,6", "--temperature", "0", "--max-tokens", "10", "--json"))
     assert out["token_ids"] == greedy_ids(plain_llm, {"prompt_token_ids": [4, 5, 6]}, 10)
@@ -143,7 +144,7 @@ def test_generate_stop_string(models, plain_llm):
 
 
 def test_bench_json(models, prompts_file, plain_llm):
-    out = json_out(cli("bench", "--model", models["target"], "--draft", models["same"], "-k", "3",
+    out = json_out(cli("bench", "--model", models["target"], "--draft", models["same"], "-k", "3", "--no-adaptive",
                        "--prompts", prompts_file, "--max-tokens", "12", "--json"))
     assert {"ar", "spec", "speedup"} <= set(out)
     assert out["num_prompts"] == len(PROMPTS) and out["greedy"] is True
@@ -308,7 +309,9 @@ def test_demo_with_a_pair_installed(monkeypatch, models):
     out = json_out(cli("demo", "--max-tokens", "8", "--json"))
     assert {"ar_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate", "mean_acceptance_length"} <= set(out)
     assert out["speedup"] == pytest.approx(out["spec_tokens_per_s"] / out["ar_tokens_per_s"])
-    assert out["acceptance_rate"] == 1.0 and len(out["completions"]) == 3
+    # the draft is the target itself: whatever it drafts is accepted, though adaptive speculation
+    # may stop drafting altogether since such a draft costs as much as the target
+    assert out["acceptance_rate"] in (0.0, 1.0) and len(out["completions"]) == 3
     assert out["greedy_match"]["matched"] == 3
     text = cli("demo", "--max-tokens", "8")
     assert text.exit_code == 0, text.output

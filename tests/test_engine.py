@@ -55,13 +55,15 @@ def plain_greedy(target, prompts, max_tokens):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
 @pytest.mark.parametrize("draft", ["self", "never", "near", "unrelated"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_output_equals_plain_decoding(models, draft, batch):
+def test_greedy_output_equals_plain_decoding(models, draft, batch, adaptive):
     prompts = random_prompts(batch, [1, 5, 11, 23], seed=batch)
     expected = plain_greedy(models["target"], prompts, 30)
     model = models["target"] if draft in ("self", "never") else models[draft]
-    llm = LLM(models["target"], speculative_config={"model": model, "num_speculative_tokens": 4})
+    llm = LLM(models["target"], speculative_config={"model": model, "num_speculative_tokens": 4,
+                                                    "adaptive": adaptive})
     if draft == "never":
         llm.engine.drafter = AntiDrafter(llm.engine.drafter, llm.target.vocab_size)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -69,13 +71,14 @@ def test_greedy_output_equals_plain_decoding(models, draft, batch):
     for p, e, o in zip(prompts, expected, outs):
         assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
     m = llm.get_metrics()
+    assert m["num_drafts"] > 0
     if draft == "self":
-        assert m["acceptance_rate"] > 0.95 and m["mean_acceptance_length"] > 4.5
+        assert m["acceptance_rate"] > 0.95
+        assert m["mean_acceptance_length"] > 4.5 or adaptive
     if draft == "never":
         assert m["num_accepted_tokens"] == 0 and m["mean_acceptance_length"] == 1.0
     if draft == "near":
         assert 0.1 < m["acceptance_rate"] < 1.0
-    assert m["num_draft_tokens"] == 4 * m["num_drafts"] or draft != "self"
 
 
 @pytest.mark.parametrize("k", [1, 2, 7])
@@ -238,7 +241,8 @@ def test_metrics_follow_vllm_conventions(models):
 
 
 def test_per_position_acceptance_counts_only_rounds_that_drafted_that_position(models):
-    llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 4})
+    llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 4,
+                                                    "adaptive": False})
     llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     m = llm.get_metrics()  # rounds of k = 4, 4, then 1 (only 2 tokens of room left)
     assert m["num_draft_tokens_per_pos"] == [3, 2, 2, 2]

@@ -1,0 +1,77 @@
+"""The adaptive controller: the cost model with measured inputs, switching off, probing."""
+
+import pytest
+
+from specdec.adaptive import AdaptiveK, Ema, PositionStats
+from specdec.metrics import predicted_speedup
+
+
+def feed(ctrl: AdaptiveK, rounds: int, accept, t1=0.010, per_token=0.001, draft=0.001, batch=1):
+    """Simulate rounds: accept(k) -> accepted count; costs t1 + per_token*(T-1), draft per position."""
+    ids = list(range(batch))
+    for _ in range(rounds):
+        ks = ctrl.choose(ids)
+        k = max(ks)
+        acc = [min(accept(kk), kk) for kk in ks]
+        ctrl.record(ids, ks, acc, draft * k, t1 + per_token * k)
+    return ks
+
+
+def test_cost_model_matches_algorithm_md_when_costs_are_measured():
+    ctrl = AdaptiveK(4)
+    for T, t in [(1, 0.010), (2, 0.011), (3, 0.012), (4, 0.013), (5, 0.014)]:
+        ctrl.verify_time.setdefault((1, T), Ema()).update(t)
+    ctrl.draft_time.setdefault(1, Ema()).update(0.002)
+    alpha = 0.7
+    for k in range(1, 5):
+        got = ctrl.predicted_speedup(1, k, [alpha] * 4)
+        assert got == pytest.approx(predicted_speedup(alpha, k, c=0.2, v=1 + 0.1 * k))
+
+
+def test_good_drafts_keep_k_high():
+    ctrl = AdaptiveK(4)
+    ks = feed(ctrl, 30, accept=lambda k: k)  # everything accepted, drafting cheap
+    assert ks == [4]
+
+
+def test_useless_drafts_switch_speculation_off_and_probes_back_off():
+    ctrl = AdaptiveK(4)
+    drafted = 0
+    ids = [0]
+    for r in range(400):
+        k = ctrl.choose(ids)[0]
+        drafted += k > 0
+        ctrl.record(ids, [k], [0], 0.002 * k, 0.010 + 0.002 * k)
+    assert ctrl.choose(ids) == [0]
+    assert drafted < 20  # a handful of early rounds and probes with exponential back-off
+
+
+def test_expensive_drafts_are_not_worth_it_even_when_accepted():
+    ctrl = AdaptiveK(4)
+    ks = feed(ctrl, 40, accept=lambda k: k, t1=0.010, per_token=0.004, draft=0.012)
+    assert ks == [0]
+
+
+def test_decaying_acceptance_picks_a_middle_k():
+    ctrl = AdaptiveK(8)
+    import random
+
+    rnd = random.Random(0)
+
+    def accept(k):  # each position accepted with probability 0.6, stop at the first miss
+        n = 0
+        while n < k and rnd.random() < 0.6:
+            n += 1
+        return n
+
+    ks = feed(ctrl, 200, accept, t1=0.010, per_token=0.002, draft=0.001)
+    assert 1 <= ks[0] <= 5
+
+
+def test_position_stats_count_reached_and_accepted():
+    st = PositionStats()
+    st.update(num_draft=3, num_accepted=1, decay=1.0)  # reached 1, 2; accepted 1
+    st.update(num_draft=2, num_accepted=2, decay=1.0)  # reached 1, 2; accepted 1, 2
+    assert st.reached == [2.0, 2.0, 0.0] and st.accepted == [2.0, 1.0, 0.0]
+    assert st.alphas(2, [0.5, 0.5], weight=0.0) == [1.0, 0.5]
+    assert st.alphas(3, [0.5, 0.5, 0.5], weight=1.0)[2] == 0.5  # never reached: the prior
