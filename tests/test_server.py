@@ -1,0 +1,314 @@
+"""The OpenAI-compatible server over HTTP: a real uvicorn on 127.0.0.1 (ephemeral port), the official
+openai client, tiny random models. Outputs must equal the library's; errors must leave it serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from lossless import assert_greedy_equal
+from specdec import LLM, SamplingParams
+from specdec.server import ServerThread, build_app
+from specdec.server.chat import default_chat_prompt
+from tiny_models import make_model, perturbed_copy
+
+KEY = "sk-test"
+NAME = "tiny"
+K = 3
+PROMPTS = ["w1 w2 w3", "w7 w8", "w20 w21 w22 w23 w24", "w5", "w90 w91 w92", "w30 w40 w50 w60"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared; several engine threads per process
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server")
+    target = make_model(root / "target", "llama", max_pos=128)
+    draft = perturbed_copy(target, root / "draft", 0.01)
+    return str(target), str(draft)
+
+
+def spec_config(draft: str) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": K}
+
+
+@pytest.fixture(scope="module")
+def spec_server(models):
+    target, draft = models
+    llm = LLM(target, speculative_config=spec_config(draft), max_num_seqs=4)
+    with ServerThread(build_app(llm, served_model_name=NAME, api_key=KEY)) as server:
+        server.llm = llm
+        yield server
+
+
+@pytest.fixture(scope="module")
+def plain_server(models):
+    llm = LLM(models[0])
+    with ServerThread(build_app(llm, served_model_name=NAME)) as server:
+        server.llm = llm
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(spec_server):
+    return openai.OpenAI(base_url=spec_server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf_target(models):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(models[0]).eval()
+
+
+def greedy(client, prompt, max_tokens=16, **extra):
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                  extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
+    return r.choices[0]
+
+
+def scrape(url: str) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# -- basics -------------------------------------------------------------------------------------------
+
+
+def test_models_health_and_completion(spec_server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(spec_server.url + "/health").status_code == 200
+    r = client.completions.create(model=NAME, prompt="w1 w2 w3", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text.split()[0].startswith("w")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 5, 8)
+
+
+def test_seeded_sampling_is_reproducible_and_equals_llm_generate(models, client):
+    target, draft = models
+    kw = dict(temperature=0.9, top_p=0.95, seed=11, max_tokens=12)
+    a = client.completions.create(model=NAME, prompt=PROMPTS[0], **kw,
+                                  extra_body={"top_k": 40, "ignore_eos": True, "return_token_ids": True})
+    b = client.completions.create(model=NAME, prompt=PROMPTS[0], **kw,
+                                  extra_body={"top_k": 40, "ignore_eos": True, "return_token_ids": True})
+    assert a.choices[0].text == b.choices[0].text
+    ref = LLM(target, speculative_config=spec_config(draft)).generate(
+        PROMPTS[0], SamplingParams(top_k=40, ignore_eos=True, **kw))[0].outputs[0]
+    assert a.choices[0].text == ref.text
+    assert a.choices[0].model_extra["token_ids"] == ref.token_ids
+
+
+def test_greedy_with_speculation_equals_greedy_without(spec_server, plain_server, client, hf_target):
+    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="unused", max_retries=0)
+    tok = spec_server.llm.tokenizer
+    for prompt in PROMPTS[:4]:
+        want = greedy(plain, prompt, 24)
+        got = greedy(client, prompt, 24)
+        assert_greedy_equal(hf_target, tok.encode(prompt), want.model_extra["token_ids"], got.model_extra["token_ids"])
+    assert spec_server.llm.get_metrics()["num_drafts"] > 0
+
+
+def test_chat_uses_the_default_template(client):
+    messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3 w4 w5"}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    same = client.completions.create(model=NAME, prompt=default_chat_prompt(messages), max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == same.choices[0].text
+    assert r.usage.completion_tokens == 10 and r.usage.prompt_tokens == same.usage.prompt_tokens
+
+
+# -- streaming ----------------------------------------------------------------------------------------
+
+
+def test_streaming_completion_equals_non_streaming(spec_server, client):
+    full = greedy(client, PROMPTS[2], 20)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].choices == []
+    # the wire format ends with data: [DONE]
+    with httpx.stream("POST", spec_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": PROMPTS[2], "max_tokens": 4, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_streaming_chat_and_stop_strings(client):
+    full = greedy(client, PROMPTS[1], 16).text
+    stop = full.split()[5]
+    cut = full[: full.index(stop)]
+    chunks = list(client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "w1"}], max_tokens=6, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason is not None
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0, stream=True,
+                                            stop=[stop], extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_concurrent_streams_equal_sequential_ones(spec_server, client, hf_target):
+    """More streams than max_num_seqs (4): the rest wait in the engine's queue; all equal sequential runs."""
+    tok = spec_server.llm.tokenizer
+    prompts = PROMPTS + PROMPTS[:2]
+    sequential = [greedy(client, p, 20).model_extra["token_ids"] for p in prompts]
+
+    async def one(ac, prompt):
+        ids = []
+        stream = await ac.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for c in stream:
+            ids += c.choices[0].model_extra["token_ids"]
+        return ids
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=spec_server.url + "/v1", api_key=KEY, max_retries=0) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    for p, want, got in zip(prompts, sequential, asyncio.run(main())):
+        assert_greedy_equal(hf_target, tok.encode(p), want, got)
+
+
+def test_a_client_that_disconnects_is_aborted_and_disturbs_no_one(spec_server, client, hf_target):
+    tok = spec_server.llm.tokenizer
+    want = [greedy(client, p, 30).model_extra["token_ids"] for p in PROMPTS[:3]]
+    before = scrape(spec_server.url)
+    abort_key = ("specdec:request_success_total", (("finished_reason", "abort"),))
+
+    async def full(ac, prompt):
+        ids = []
+        stream = await ac.completions.create(model=NAME, prompt=prompt, max_tokens=30, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+        async for c in stream:
+            ids += c.choices[0].model_extra["token_ids"]
+        return ids
+
+    async def leaver(ac):
+        stream = await ac.completions.create(model=NAME, prompt=PROMPTS[4], max_tokens=100, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        async for _ in stream:
+            break
+        await stream.close()
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=spec_server.url + "/v1", api_key=KEY, max_retries=0) as ac:
+            return await asyncio.gather(leaver(ac), *(full(ac, p) for p in PROMPTS[:3]))
+
+    results = asyncio.run(main())[1:]
+    for p, w, got in zip(PROMPTS, want, results):
+        assert_greedy_equal(hf_target, tok.encode(p), w, got)
+    deadline = time.monotonic() + 5
+    while scrape(spec_server.url).get(abort_key, 0) < before.get(abort_key, 0) + 1:
+        assert time.monotonic() < deadline, "the disconnected request was not aborted"
+        time.sleep(0.05)
+    assert not spec_server.llm.engine.running
+    assert greedy(client, PROMPTS[0], 30).model_extra["token_ids"] == want[0]
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+
+
+def test_metrics_move_as_requests_complete(spec_server, client):
+    before = scrape(spec_server.url)
+    greedy(client, PROMPTS[3], 16)
+    after = scrape(spec_server.url)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert moved("specdec:spec_decode_num_drafts_total") > 0
+    drafts = moved("specdec:spec_decode_num_drafts_total")
+    assert drafts <= moved("specdec:spec_decode_num_draft_tokens_total") <= K * drafts
+    accepted = moved("specdec:spec_decode_num_accepted_tokens_total")
+    per_pos = sum(moved("specdec:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))
+                  for i in range(K))
+    assert accepted == per_pos
+    assert moved("specdec:time_to_first_token_seconds_count") == 1
+    assert moved("specdec:time_per_output_token_seconds_count") == 1
+    assert moved("specdec:request_success_total", (("finished_reason", "length"),)) == 1
+    assert moved("specdec:generation_tokens_total") == 16
+    m = spec_server.llm.get_metrics()
+    assert after[("specdec:spec_decode_num_drafts_total", ())] == m["num_drafts"]
+
+
+# -- errors -------------------------------------------------------------------------------------------
+
+GOOD = {"model": NAME, "prompt": "w1 w2", "max_tokens": 2}
+TOO_LONG = {"model": NAME, "prompt": [5] * 128, "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", b'{"prompt": "w1", ', 400, None),  # malformed JSON
+    ("/v1/completions", b"[1, 2]", 400, None),  # not an object
+    ("/v1/completions", {"model": NAME, "max_tokens": 2}, 400, "prompt"),  # missing field
+    ("/v1/completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),  # mistyped field
+    ("/v1/completions", {**GOOD, "prompt": 3}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "top_k": -3}, 400, "top_k"),
+    ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
+    ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", TOO_LONG, 400, "prompt"),
+    ("/v1/completions", {**TOO_LONG, "stream": True}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [5, 10_000]}, 400, "prompt"),  # outside the vocabulary
+    ("/v1/completions", {**GOOD, "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"model": NAME}, 400, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"content": "w1"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w1"}], "n": 3}, 400, "n"),
+    ("/v1/nowhere", GOOD, 404, None),
+])
+def test_errors_are_openai_shaped_and_the_server_keeps_serving(spec_server, client, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(spec_server.url + path, content=content,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert greedy(client, "w1 w2", 2).finish_reason == "length"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_api_key_is_required(spec_server, client, headers):
+    r = httpx.post(spec_server.url + "/v1/completions", json=GOOD, headers=headers)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(spec_server.url + "/v1/models", headers=headers).status_code == 401
+    assert httpx.get(spec_server.url + "/health").status_code == 200  # health and metrics stay open
+    assert greedy(client, "w1 w2", 2).finish_reason == "length"
+
+
+def test_openai_client_sees_typed_errors(spec_server, client):
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=NAME, prompt=[5] * 200, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="w1", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=spec_server.url + "/v1", api_key="bad", max_retries=0).models.list()
+    assert greedy(client, "w1 w2", 2).finish_reason == "length"
