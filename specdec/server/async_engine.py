@@ -154,6 +154,7 @@ class AsyncEngine:
             while True:
                 for cmd, arg in self._commands(block=not self.engine.has_unfinished()):
                     if cmd == "stop":
+                        self._fail_all(RuntimeError("the server is shutting down"))
                         return
                     getattr(self, f"_{cmd}")(arg)
                 if self.engine.has_unfinished():

@@ -1,0 +1,399 @@
+"""Load and speed of the OpenAI-compatible server, speculative against plain, measured over HTTP.
+
+Two servers run as subprocesses (``specdec serve``) on 127.0.0.1: the target with the drafter, and
+the target alone. This process is only the client (asyncio + httpx, server-sent events).
+
+1. Load (speculative server): the requests are first sent one at a time (greedy) for reference; then
+   N streaming requests (default 64) and D more that disconnect mid-stream (default 10) are sent at
+   once. Every completed output must equal its sequential one token for token (greedy; a divergence
+   can only come from a near-tie of the target's top-2 logits, which is listed, not hidden). Reports
+   throughput (generated tokens/s over all requests), TTFT and TPOT medians and p95, the aborts the
+   server counted, and the server's RSS before the load, at its peak and after it.
+2. Speculative vs plain, alternating runs so machine noise hits both alike: throughput at C (default 8)
+   concurrent greedy requests, and TPOT at 1 request.
+
+    python benchmarks/bench_server.py --model T --draft D [-k 4] [--num-requests 64] [--num-disconnect 10]
+        [--max-tokens 64] [--prompts FILE | --token-prompts] [--threads N] [--json]
+
+Without --prompts a built-in set of short code and prose prompts is cycled; --token-prompts sends
+random token ids instead (for tiny test models whose tokenizers know no real words).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):\n",
+    "def is_prime(n):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "The three most important ideas in computer science are",
+    "import numpy as np\n\ndef softmax(x):\n",
+    "Once upon a time, in a small village by the sea,",
+    "def quicksort(items):\n",
+    "Here is a short summary of how a transformer language model works:",
+    "for i in range(10):\n",
+    "The capital of France is",
+    "def binary_search(arr, target):\n",
+    "SELECT name, COUNT(*) FROM",
+]
+
+
+# -- servers --------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``specdec serve`` in a subprocess, its log in a temporary file."""
+
+    def __init__(self, name: str, args: list[str], threads: int | None):
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench_server_{name}_", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "specdec.cli", "serve", *args, "--port", str(self.port),
+               "--served-model-name", "bench"]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise SystemExit(f"the {self.name} server exited:\n{self.log.read()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit(f"the {self.name} server did not start within {timeout} s (log: {self.log.name})")
+
+    def rss_mib(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        os.unlink(self.log.name)
+
+
+# -- requests ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    start: float = 0.0
+    first: float | None = None  # first generated token arrived
+    last: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_ids)
+        return (self.last - self.first) / (n - 1) if n > 1 else None
+
+
+def body(prompt, max_tokens: int, stream: bool) -> dict:
+    return {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "ignore_eos": True, "return_token_ids": True}
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt, max_tokens: int,
+                     leave_after: int | None = None) -> Result:
+    """One streaming request; ``leave_after`` chunks, then disconnect (None: read to the end)."""
+    r = Result(start=time.perf_counter())
+    chunks = 0
+    async with client.stream("POST", url + "/v1/completions", json=body(prompt, max_tokens, True)) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(obj["error"]["message"])
+            choice = obj["choices"][0]
+            if choice.get("token_ids"):
+                now = time.perf_counter()
+                r.first = r.first or now
+                r.last = now
+                r.token_ids += choice["token_ids"]
+            r.finish_reason = choice["finish_reason"] or r.finish_reason
+            chunks += 1
+            if leave_after is not None and chunks >= leave_after:
+                break  # leaving the block closes the connection mid-stream
+    return r
+
+
+async def complete_one(client: httpx.AsyncClient, url: str, prompt, max_tokens: int) -> list[int]:
+    resp = await client.post(url + "/v1/completions", json=body(prompt, max_tokens, False))
+    resp.raise_for_status()
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=httpx.Limits(max_connections=1000,
+                                                                                   max_keepalive_connections=0))
+
+
+async def sequential(url: str, prompts: list, max_tokens: int) -> list[list[int]]:
+    async with client() as c:
+        return [await complete_one(c, url, p, max_tokens) for p in prompts]
+
+
+async def concurrent(url: str, prompts: list, max_tokens: int, leavers: list | None = None,
+                     seed: int = 0) -> tuple[list[Result], float]:
+    """All prompts at once (plus ``leavers`` that disconnect after 1-4 chunks); returns results and wall time."""
+    rng = random.Random(seed)
+    leavers = leavers or []
+    async with client() as c:
+        t0 = time.perf_counter()
+        tasks = [stream_one(c, url, p, max_tokens) for p in prompts]
+        tasks += [stream_one(c, url, p, 4 * max_tokens, leave_after=rng.randint(1, 4)) for p in leavers]
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return list(results[: len(prompts)]), wall
+
+
+# -- figures -----------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    i = min(len(v) - 1, max(0, round(q / 100 * (len(v) - 1))))
+    return v[i]
+
+
+def latency_summary(results: list[Result]) -> dict:
+    ttft = [r.ttft for r in results if r.first is not None]
+    tpot = [t for r in results if (t := r.tpot) is not None]
+    return {"ttft_median_ms": 1e3 * statistics.median(ttft), "ttft_p95_ms": 1e3 * pct(ttft, 95),
+            "tpot_median_ms": 1e3 * statistics.median(tpot), "tpot_p95_ms": 1e3 * pct(tpot, 95)}
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def spec_counters(before: dict, after: dict) -> dict:
+    d = {k: after.get(f"specdec:spec_decode_{k}_total", 0) - before.get(f"specdec:spec_decode_{k}_total", 0)
+         for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    return {"acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"] if d["num_draft_tokens"] else 0.0,
+            "mean_acceptance_length": 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0}
+
+
+def make_prompts(args) -> list:
+    if args.prompts:
+        from specdec.prompts import load_prompts
+
+        texts = [r["prompt"] for r in load_prompts(args.prompts)]
+    elif args.token_prompts:
+        from transformers import AutoTokenizer
+
+        vocab = len(AutoTokenizer.from_pretrained(args.model))
+        rng = random.Random(0)
+        return [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))]
+                for _ in range(args.num_requests + args.num_disconnect)]
+    else:
+        texts = DEFAULT_PROMPTS
+    return [texts[i % len(texts)] for i in range(args.num_requests + args.num_disconnect)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="target: a checkpoint folder or hub id")
+    ap.add_argument("--draft", help="draft model (method draft_model)")
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--speculative-config", help="vLLM-style JSON instead of --draft/-k")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-disconnect", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8, help="concurrent requests in the throughput comparison")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs per server in the comparison")
+    ap.add_argument("--single-requests", type=int, default=4, help="requests per server for TPOT at 1 request")
+    ap.add_argument("--prompts", help="JSONL prompts file ({prompt} or Spec-Bench question.jsonl)")
+    ap.add_argument("--token-prompts", action="store_true", help="random token-id prompts (tiny test models)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--threads", type=int, help="torch threads of each server (OMP_NUM_THREADS)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+
+    if args.speculative_config:
+        spec_args = ["--speculative-config", args.speculative_config]
+    elif args.draft:
+        spec_args = ["--draft", args.draft, "-k", str(args.num_speculative_tokens)]
+    else:
+        raise SystemExit("pass --draft D or --speculative-config JSON")
+    common = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+              "--max-num-seqs", str(args.max_num_seqs)]
+    prompts = make_prompts(args)
+    load_prompts_, leavers = prompts[: args.num_requests], prompts[args.num_requests:]
+    n_tok = args.max_tokens
+
+    spec, plain = Server("spec", common + spec_args, args.threads), Server("plain", common, args.threads)
+    try:
+        spec.wait_ready()
+        plain.wait_ready()
+        for s in (spec, plain):  # warm up
+            asyncio.run(sequential(s.url, prompts[:2], 8))
+        report: dict = {"model": args.model, "speculative": spec_args, "max_tokens": n_tok}
+
+        # 1. load on the speculative server
+        t0 = time.perf_counter()
+        reference = asyncio.run(sequential(spec.url, load_prompts_, n_tok))
+        seq_wall = time.perf_counter() - t0
+        time.sleep(0.5)
+        rss_before = spec.rss_mib()
+        m0 = spec.metrics()
+        peak = [rss_before]
+
+        async def load():
+            async def watch():
+                while True:
+                    peak.append(spec.rss_mib())
+                    await asyncio.sleep(0.1)
+
+            w = asyncio.ensure_future(watch())
+            try:
+                return await concurrent(spec.url, load_prompts_, n_tok, leavers)
+            finally:
+                w.cancel()
+
+        results, wall = asyncio.run(load())
+        time.sleep(1.0)  # let the engine retire the aborted sequences and release its caches
+        rss_after = spec.rss_mib()
+        m1 = spec.metrics()
+        mismatches = [(i, j) for i, (r, ref) in enumerate(zip(results, reference))
+                      if (j := first_mismatch(ref, r.token_ids)) is not None]
+        tokens = sum(len(r.token_ids) for r in results)
+        report["load"] = {
+            "requests": len(results), "disconnected": len(leavers),
+            "completed": sum(r.finish_reason is not None for r in results),
+            "aborted_by_server": m1.get('specdec:request_success_total{finished_reason="abort"}', 0)
+            - m0.get('specdec:request_success_total{finished_reason="abort"}', 0),
+            "equal_to_sequential": len(results) - len(mismatches),
+            "mismatches_first_position": mismatches,
+            "generated_tokens": tokens, "wall_s": wall, "throughput_tokens_per_s": tokens / wall,
+            "sequential_tokens_per_s": sum(map(len, reference)) / seq_wall,
+            **latency_summary(results), **spec_counters(m0, m1),
+            "server_rss_mib": {"before": rss_before, "peak": max(peak), "after": rss_after,
+                               "after_over_before": rss_after / rss_before},
+        }
+
+        # 2. speculative vs plain: throughput at C concurrent, TPOT at 1 request; alternating runs
+        batch = prompts[: args.concurrency]
+        side = {"spec": {"tokens": 0, "wall": 0.0, "tpot": [], "ttft": []},
+                "plain": {"tokens": 0, "wall": 0.0, "tpot": [], "ttft": []}}
+        m0 = spec.metrics()
+        for _ in range(args.repeats):
+            for name, s in (("plain", plain), ("spec", spec)):
+                res, w = asyncio.run(concurrent(s.url, batch, n_tok))
+                side[name]["tokens"] += sum(len(r.token_ids) for r in res)
+                side[name]["wall"] += w
+        for p in prompts[: args.single_requests]:
+            for name, s in (("plain", plain), ("spec", spec)):
+                res, _ = asyncio.run(concurrent(s.url, [p], n_tok))
+                side[name]["tpot"].append(res[0].tpot)
+                side[name]["ttft"].append(res[0].ttft)
+        m1 = spec.metrics()
+        cmp_ = {name: {"throughput_tokens_per_s": v["tokens"] / v["wall"],
+                       "tpot_1_request_median_ms": 1e3 * statistics.median(v["tpot"]),
+                       "ttft_1_request_median_ms": 1e3 * statistics.median(v["ttft"])} for name, v in side.items()}
+        cmp_["throughput_ratio_spec_over_plain"] = (cmp_["spec"]["throughput_tokens_per_s"]
+                                                    / cmp_["plain"]["throughput_tokens_per_s"])
+        cmp_["tpot_ratio_plain_over_spec"] = (cmp_["plain"]["tpot_1_request_median_ms"]
+                                              / cmp_["spec"]["tpot_1_request_median_ms"])
+        cmp_["concurrency"] = args.concurrency
+        cmp_.update(spec_counters(m0, m1))
+        report["compare"] = cmp_
+    finally:
+        spec.stop()
+        plain.stop()
+
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    if mismatches:
+        sys.exit(1)
+
+
+def print_report(r: dict) -> None:
+    L, C = r["load"], r["compare"]
+    tau = "τ (tokens per verify pass, incl. bonus)"
+    print(f"model {r['model']} | {' '.join(r['speculative'])} | greedy, {r['max_tokens']} tokens per request")
+    print(f"load: {L['requests']} streaming requests + {L['disconnected']} that disconnect mid-stream")
+    print(f"  completed {L['completed']}/{L['requests']}, equal to sequential {L['equal_to_sequential']}/"
+          f"{L['requests']}" + (f" (first differing token per request: {L['mismatches_first_position']})"
+                                if L["mismatches_first_position"] else ""))
+    print(f"  aborted by the server: {L['aborted_by_server']:.0f} (expected {L['disconnected']})")
+    print(f"  throughput {L['throughput_tokens_per_s']:.1f} tokens/s ({L['generated_tokens']} tokens in "
+          f"{L['wall_s']:.2f} s); one at a time: {L['sequential_tokens_per_s']:.1f} tokens/s")
+    print(f"  TTFT median {L['ttft_median_ms']:.1f} ms, p95 {L['ttft_p95_ms']:.1f} ms | "
+          f"TPOT median {L['tpot_median_ms']:.2f} ms, p95 {L['tpot_p95_ms']:.2f} ms")
+    print(f"  acceptance rate {L['acceptance_rate']:.1%}, {tau} {L['mean_acceptance_length']:.2f}")
+    m = L["server_rss_mib"]
+    print(f"  server RSS: before {m['before']:.0f} MiB, peak {m['peak']:.0f} MiB, after {m['after']:.0f} MiB "
+          f"({m['after_over_before']:.2f}x before)")
+    print(f"speculative vs plain (alternating runs, same prompts):")
+    for name in ("plain", "spec"):
+        s = C[name]
+        print(f"  {name:5}: {C['concurrency']} concurrent: {s['throughput_tokens_per_s']:.1f} tokens/s | "
+              f"1 request: TPOT {s['tpot_1_request_median_ms']:.2f} ms, TTFT {s['ttft_1_request_median_ms']:.1f} ms")
+    print(f"  throughput at {C['concurrency']} concurrent, spec / plain: {C['throughput_ratio_spec_over_plain']:.2f}x")
+    print(f"  TPOT at 1 request, plain / spec: {C['tpot_ratio_plain_over_spec']:.2f}x")
+    print(f"  acceptance rate {C['acceptance_rate']:.1%}, {tau} {C['mean_acceptance_length']:.2f}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()
