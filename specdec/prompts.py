@@ -1,8 +1,9 @@
 """Prompt files for benchmarks: JSONL with a ``prompt`` field, or Spec-Bench's ``question.jsonl``.
 
-One JSON object per line. A line gives its prompt either as ``{"prompt": "..."}`` or, in
-Spec-Bench's format, as ``{"turns": ["first turn", ...], "category": "..."}`` (only the first
-turn is used: benchmarks here are single-turn). Blank lines are skipped.
+One JSON object per line. A line gives its prompt as ``{"prompt": "..."}``, as token ids
+``{"prompt_token_ids": [1, 2, 3]}``, or in Spec-Bench's format as
+``{"turns": ["first turn", ...], "category": "..."}`` (only the first turn is used: benchmarks
+here are single-turn). Blank lines are skipped.
 """
 
 from __future__ import annotations
@@ -50,10 +51,17 @@ def _parse_line(line: str, path: Path, lineno: int) -> dict:
         if not (isinstance(prompt, str) and prompt):
             raise ValueError(f"{where}: line {lineno} has a 'prompt' that is not a non-empty string")
         return {"prompt": prompt, "category": category}
+    if "prompt_token_ids" in obj:
+        ids = obj["prompt_token_ids"]
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                      for t in ids)):
+            raise ValueError(f"{where}: line {lineno} has 'prompt_token_ids' that is not a non-empty list of "
+                             "non-negative integers")
+        return {"prompt": {"prompt_token_ids": ids}, "category": category}
     if "turns" in obj:
         turns = obj["turns"]
         if not (isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0]):
             raise ValueError(f"{where}: line {lineno} has 'turns' but turns[0] is not a non-empty string")
         return {"prompt": turns[0], "category": category}
-    raise ValueError(f"{where}: line {lineno} has neither a 'prompt' field nor Spec-Bench 'turns'; "
+    raise ValueError(f"{where}: line {lineno} has no 'prompt', 'prompt_token_ids' or Spec-Bench 'turns'; "
                      'write {"prompt": "..."} or {"turns": ["..."], "category": "..."}')

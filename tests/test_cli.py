@@ -208,7 +208,8 @@ def test_load_prompts_real_spec_bench_file():
 
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "ok"}\n{"prompt": "ok", \n', ":2: line 2 is not valid JSON"),
-    ('{"prompt": "ok"}\n\n{"text": "no prompt"}\n', ":3: line 3 has neither a 'prompt' field nor Spec-Bench 'turns'"),
+    ('{"prompt": "ok"}\n\n{"text": "no prompt"}\n', ":3: line 3 has no 'prompt', 'prompt_token_ids' or Spec-Bench 'turns'"),
+    ('{"prompt_token_ids": [1, "x"]}\n', "'prompt_token_ids' that is not a non-empty list"),
     ('{"turns": []}\n', "turns[0] is not a non-empty string"),
     ('{"prompt": 5}\n', "'prompt' that is not a non-empty string"),
     ('["a list"]\n', "must be a JSON object"),
