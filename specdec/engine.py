@@ -40,6 +40,7 @@ class Engine:
         self.k = num_speculative_tokens if drafter is not None else 0
         # adaptive: k per sequence and round from measured acceptance and costs; else k fixed
         self.controller = AdaptiveK(self.k) if adaptive and self.k > 0 else None
+        self.plain_only: set[int] = set()  # sequences that decode plainly since the drafter failed on them
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_num_seqs = max_num_seqs
@@ -93,7 +94,8 @@ class Engine:
             # controller's choices depend on timings, so only a fixed k makes the seed reproducible.
             chosen = self.controller.choose([s.seq_id for s in seqs])
             ks = [self.k if s.params.seed is not None and not s.params.greedy else c for s, c in zip(seqs, chosen)]
-        wanted = [max(0, min(k, s.room - 1)) for k, s in zip(ks, seqs)]  # drafts beyond the room are wasted
+        wanted = [0 if s.seq_id in self.plain_only else max(0, min(k, s.room - 1))  # drafts beyond the room
+                  for k, s in zip(ks, seqs)]                                           # are wasted
 
         # 1. draft: up to wanted[b] tokens per sequence; a drafter may propose fewer
         proposal = self._propose(seqs, wanted, sb) if max(wanted) > 0 else None
@@ -148,9 +150,14 @@ class Engine:
             if proposal.draft_token_ids.shape[1] == 0:
                 return None
             return proposal
-        except Exception:  # a failing drafter must not fail the request: decode plainly instead
-            log.exception("drafter failed; falling back to plain decoding")
-            self.drafter, self.k, self.controller = None, 0, None
+        except Exception:  # a failing drafter must not fail the requests: they decode plainly instead
+            log.exception("drafter failed; its %d sequence(s) fall back to plain decoding", len(seqs))
+            ids = [s.seq_id for s in seqs]
+            self.plain_only.update(ids)
+            try:
+                self.drafter.release(ids)
+            except Exception:
+                log.exception("drafter failed to release its state")
             return None
 
     def _admit(self) -> None:
@@ -186,6 +193,7 @@ class Engine:
                 self.drafter.release([s.seq_id for s in done])
             if self.controller is not None:
                 self.controller.release([s.seq_id for s in done])
+            self.plain_only.difference_update(s.seq_id for s in done)
 
     def _append(self, seq: Sequence, new_tokens: list[int]) -> list[int]:
         """Append tokens one by one until a stop condition; returns the tokens kept."""

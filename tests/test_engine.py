@@ -247,3 +247,32 @@ def test_per_position_acceptance_counts_only_rounds_that_drafted_that_position(m
     m = llm.get_metrics()  # rounds of k = 4, 4, then 1 (only 2 tokens of room left)
     assert m["num_draft_tokens_per_pos"] == [3, 2, 2, 2]
     assert m["acceptance_rate_per_pos"] == [1.0, 1.0, 1.0, 1.0]
+
+
+class FlakyDrafter(Drafter):
+    """Fails on the sequences it was given first; drafts with the wrapped drafter afterwards."""
+
+    def __init__(self, inner):
+        self.inner, self.failed_on = inner, None
+
+    def propose(self, seqs, num_draft, sb):
+        if self.failed_on is None:
+            self.failed_on = {s.seq_id for s in seqs}
+            raise RuntimeError("flaky")
+        assert not self.failed_on & {s.seq_id for s in seqs}, "a failed sequence was drafted again"
+        return self.inner.propose(seqs, num_draft, sb)
+
+
+def test_a_drafter_failure_only_affects_the_sequences_it_failed_on(models):
+    prompts = random_prompts(2, [4, 7], seed=6)
+    expected = plain_greedy(models["target"], prompts, 12)
+    llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 3,
+                                                    "adaptive": False})
+    llm.engine.drafter = FlakyDrafter(llm.engine.drafter)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.get_metrics()["num_drafts"] == 0
+    later = llm.generate({"prompt_token_ids": prompts[0]}, sp)  # a new request speculates again
+    assert later[0].outputs[0].token_ids == expected[0]
+    assert llm.get_metrics()["num_drafts"] > 0
