@@ -136,12 +136,6 @@ class Engine:
         self._retire()
         return gained
 
-    def generate(self, requests: list[tuple[list[int], SamplingParams]]) -> list[Sequence]:
-        seqs = [self.add_request(ids, p) for ids, p in requests]
-        while self.has_unfinished():
-            self.step()
-        return seqs
-
     # -- helpers ----------------------------------------------------------------------------------
 
     def _propose(self, seqs: list[Sequence], wanted: list[int], sb: SamplingBatch) -> DraftProposal | None:
