@@ -210,6 +210,33 @@ def serve(
     run_server(server_app, host=host, port=port)
 
 
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@app.command(context_settings=_PASS_THROUGH, add_help_option=False)
+def train(ctx: typer.Context) -> None:
+    """Train a tokenizer and a Llama model from scratch (options: specdec train --help).
+
+    Runs unchanged under torchrun: torchrun --nproc_per_node 2 -m specdec.training.train ...
+    """
+    from specdec.training.train import main as train_main
+
+    with _errors_exit_2():
+        train_main(list(ctx.args))
+
+
+@app.command(context_settings=_PASS_THROUGH, add_help_option=False)
+def distill(ctx: typer.Context) -> None:
+    """Distill a small draft from a target on your text (options: specdec distill --help).
+
+    Runs unchanged under torchrun: torchrun --nproc_per_node 2 -m specdec.training.distill ...
+    """
+    from specdec.training.distill import main as distill_main
+
+    with _errors_exit_2():
+        distill_main(list(ctx.args))
+
+
 def main() -> None:
     app()
 
