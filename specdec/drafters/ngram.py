@@ -1,0 +1,102 @@
+"""``method: "ngram"`` (prompt lookup): propose what followed the last n tokens when they last occurred.
+
+For each sequence, the last n tokens of its history (prompt + output), n from
+``prompt_lookup_max`` down to ``prompt_lookup_min``, are looked up in the same
+history; at the first n that matches, the tokens that followed the most recent
+earlier occurrence are proposed, up to the k asked for: fewer when that
+occurrence is near the end, none when no n matches. Drafts are deterministic
+(q = one-hot), so the verifier needs no draft probabilities.
+
+The lookup is incremental: each sequence keeps an index from n-gram to the end
+position of its most recent occurrence, and each round indexes only the tokens
+added since the last one. The index is reconciled with the committed history
+by length and by the tail it saw last; a history it does not recognise (a new
+sequence, a rollback, a changed tail) is indexed from scratch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import DraftProposal, Drafter
+from specdec.sampling import SamplingBatch
+from specdec.sequence import Sequence
+
+TAIL_CHECK = 8  # tokens compared to tell a grown history from a changed one
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min} "
+                             f"and {prompt_lookup_max}")
+        self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
+        self.index: dict[int, NgramIndex] = {}  # seq_id -> its history's n-gram index
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        rows = []
+        for s, want in zip(seqs, num_draft):
+            index = self._sync(s)
+            rows.append(index.lookup(want) if want > 0 else [])
+        return proposal_from_rows(rows, sb.temperature.device)
+
+    def release(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self.index.pop(i, None)
+
+    def _sync(self, seq: Sequence) -> NgramIndex:
+        history = seq.token_ids
+        index = self.index.get(seq.seq_id)
+        if index is None or not index.is_prefix_of(history):
+            index = self.index[seq.seq_id] = NgramIndex(self.n_min, self.n_max)
+        index.extend(history[len(index.tokens):])
+        return index
+
+
+class NgramIndex:
+    """One history and, for every n-gram (n_min..n_max) ending before its last token, where it last ended."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []  # the history indexed so far (a copy: the engine's list keeps growing)
+        self.last_end: dict[tuple[int, ...], int] = {}  # n-gram -> end position of its most recent occurrence
+
+    def is_prefix_of(self, history: list[int]) -> bool:
+        """Whether ``history`` grew from the indexed tokens (checked by length and the last few tokens)."""
+        m = len(self.tokens)
+        if m > len(history):
+            return False
+        w = min(m, TAIL_CHECK)
+        return history[m - w:m] == self.tokens[m - w:]
+
+    def extend(self, new_tokens: list[int]) -> None:
+        """Append tokens and index the n-grams that now end before the last token: O(new tokens * n sizes)."""
+        if not new_tokens:
+            return
+        toks = self.tokens
+        first = max(len(toks) - 1, 0)  # the old last token ends n-grams that could not be indexed until now
+        toks.extend(new_tokens)
+        last_end = self.last_end
+        for e in range(first, len(toks) - 1):
+            for n in range(self.n_min, min(self.n_max, e + 1) + 1):
+                last_end[tuple(toks[e - n + 1:e + 1])] = e
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+        toks = self.tokens
+        L = len(toks)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            e = self.last_end.get(tuple(toks[L - n:]))
+            if e is not None:
+                return toks[e + 1:e + 1 + k]
+        return []
+
+
+def proposal_from_rows(rows: list[list[int]], device: torch.device | str) -> DraftProposal:
+    """Pack per-row deterministic drafts (possibly empty) into a right-padded [B, longest row] proposal."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, k]; padding past a row's drafts is never read
+    for b, r in enumerate(rows):
+        if r:
+            ids[b, :len(r)] = torch.tensor(r)
+    return DraftProposal(ids.to(device), None, [len(r) for r in rows])
