@@ -270,23 +270,25 @@ METHODS = {
 }
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed_k", "adaptive"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_greedy_output_equals_plain_decoding(target, method, batch):
+def test_greedy_output_equals_plain_decoding(target, method, batch, adaptive, caplog):
     path, hf = target
     prompts = repetitive_prompts(batch, seed=1)
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
     expected = [o.outputs[0].token_ids for o in LLM(path).generate(requests, sp)]
-    llm = LLM(path, speculative_config=METHODS[method])
+    llm = LLM(path, speculative_config={**METHODS[method], "adaptive": adaptive})
     for p, e, o in zip(prompts, expected, llm.generate(requests, sp)):
         assert_greedy_equal(hf, p, e, o.outputs[0].token_ids)
     m = llm.get_metrics()
-    assert llm.engine.drafter is not None  # it never raised (the engine would have dropped it)
-    assert m["num_accepted_tokens"] > 0 and m["num_accepted_tokens"] < m["num_draft_tokens"]
+    assert "drafter failed" not in caplog.text  # the engine would have decoded those sequences plainly
+    if not adaptive:  # (the controller may rightly stop drafting for these sequences)
+        assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
 
 
-def test_suffix_cache_of_earlier_outputs_drafts_a_repeated_request(target):
+def test_suffix_cache_of_earlier_outputs_drafts_a_repeated_request(target, caplog):
     path, hf = target
     prompts = repetitive_prompts(4, seed=2)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -299,7 +301,7 @@ def test_suffix_cache_of_earlier_outputs_drafts_a_repeated_request(target):
             assert_greedy_equal(hf, p, e, o.outputs[0].token_ids)
         rates.append(llm.get_metrics()["mean_acceptance_length"])
         llm.reset_metrics()
-    assert llm.engine.drafter is not None and len(llm.engine.drafter.cached) == 8
+    assert "drafter failed" not in caplog.text and len(llm.engine.drafter.cached) == 8
     assert rates[1] > rates[0] and rates[1] > 3
 
 
@@ -326,7 +328,7 @@ def exact_joint(hf, prompt: list[int], params: SamplingParams, n_tokens: int) ->
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_k=4)], ids=["t1", "topk"])
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_sampled_outputs_follow_the_target_distribution(small_vocab, method, params):
+def test_sampled_outputs_follow_the_target_distribution(small_vocab, method, params, caplog):
     path, hf = small_vocab
     prompt = [9, 3, 3, 3, 20, 9, 3, 3]  # lookup proposes "3 20", which the target finds likely
     N, V = 3000, len(SMALL_WORDS) + 3
@@ -337,4 +339,4 @@ def test_sampled_outputs_follow_the_target_distribution(small_vocab, method, par
     assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
     third = exact_joint(hf, prompt, sps[0], 3).reshape(V * V, V).sum(0)  # marginal of t3
     assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
-    assert llm.engine.drafter is not None and llm.get_metrics()["num_accepted_tokens"] > 0  # drafts were used
+    assert "drafter failed" not in caplog.text and llm.get_metrics()["num_accepted_tokens"] > 0  # drafts were used
