@@ -228,6 +228,16 @@ def test_a_client_that_disconnects_is_aborted_and_disturbs_no_one(spec_server, c
     assert greedy(client, PROMPTS[0], 30).model_extra["token_ids"] == want[0]
 
 
+def test_kv_caches_are_released_when_the_server_goes_idle(spec_server, client):
+    greedy(client, PROMPTS[0], 8)
+    runners = [spec_server.llm.engine.target, spec_server.llm.engine.drafter.runner]
+    deadline = time.monotonic() + 5
+    while any(r.cache is not None for r in runners):
+        assert time.monotonic() < deadline, "the KV caches were kept after the last request finished"
+        time.sleep(0.02)
+    assert greedy(client, PROMPTS[0], 8).finish_reason == "length"
+
+
 # -- metrics ------------------------------------------------------------------------------------------
 
 

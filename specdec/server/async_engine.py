@@ -152,7 +152,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                for cmd, arg in self._commands(block=not self.engine.has_unfinished()):
+                idle = not self.engine.has_unfinished()
+                if idle and self._busy:
+                    self._busy = False
+                    self._idle()
+                for cmd, arg in self._commands(block=idle):
                     if cmd == "stop":
                         self._fail_all(RuntimeError("the server is shutting down"))
                         return
@@ -160,9 +164,6 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._busy = True
                     self._step()
-                elif self._busy:
-                    self._busy = False
-                    self._idle()
         except BaseException as e:  # the loop must not die silently: fail everyone, /health turns 503
             log.exception("engine loop died")
             self.error = e
