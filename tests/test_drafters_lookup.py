@@ -13,7 +13,7 @@ import torch
 from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p
 from specdec import LLM, SamplingParams
 from specdec.drafters.ngram import NgramDrafter
-from specdec.drafters.suffix import Node, RequestTrie, SuffixDrafter, SuffixTrie
+from specdec.drafters.suffix import END_MASK, SLOT_SHIFT, Node, RequestTrie, SuffixDrafter, SuffixTrie
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.sequence import Sequence
@@ -112,11 +112,12 @@ def trie_counts(trie: SuffixTrie) -> dict[tuple[int, ...], int]:
                 out[s] = c.count
                 visit(c, s)
             else:
-                e = c.end
+                seq, e = trie.seqs[c >> SLOT_SHIFT], c & END_MASK
+                assert seq[e] == t
                 out[s] = 1
-                while len(s) < trie.depth and e + 1 < len(c.tokens):
+                while len(s) < trie.depth and e + 1 < len(seq):
                     e += 1
-                    s += (c.tokens[e],)
+                    s += (seq[e],)
                     out[s] = 1
 
     visit(trie.root, ())
@@ -138,16 +139,15 @@ def test_suffix_trie_counts_every_substring_and_removal_undoes_insertion():
         depth, V = rng.randint(1, 6), rng.randint(1, 4)
         seqs = [[rng.randrange(V) for _ in range(rng.randint(0, 30))] for _ in range(rng.randint(1, 5))]
         trie = SuffixTrie(depth)
-        for s in seqs:
-            trie.insert(s)
+        slots = [trie.insert(s) for s in seqs]
         assert trie_counts(trie) == substring_counts(seqs, depth)
         cut = rng.randint(0, len(seqs))
-        for s in seqs[:cut]:
-            trie.remove(s)
+        for slot in slots[:cut]:
+            trie.remove(slot)
         assert trie_counts(trie) == substring_counts(seqs[cut:], depth)
-    for s in seqs[cut:]:
-        trie.remove(s)
-    assert trie.root.children == {}
+    for slot in slots[cut:]:
+        trie.remove(slot)
+    assert trie.root.children == {} and trie.seqs == {}
 
 
 # history: "1 2" is followed by 3 twice and by 5 once; the last "8 1 2" occurred nowhere before
@@ -197,7 +197,7 @@ def test_suffix_drafts_from_earlier_requests_outputs():
     propose(d, [a], 3)
     a.token_ids += [12, 13, 14, 15]  # the last round's tokens, which the drafter has not been shown
     d.release([a.seq_id])
-    assert list(d.cached) == [[10, 11, 12, 13, 14, 15]] and d.requests == {}
+    assert list(d.cache.seqs.values()) == [[10, 11, 12, 13, 14, 15]] and d.requests == {}
     b = make_seq([99, 10, 11, 12])
     assert propose(d, [b], 3) == [[13, 14, 15]]
     no_cache = SuffixDrafter(max_cached_requests=0, max_spec_factor=4.0)
@@ -214,7 +214,7 @@ def test_suffix_cache_evicts_the_oldest_and_stays_bounded():
         propose(d, [s], 2)
         d.release([s.seq_id])
         outputs.append(out)
-        assert list(d.cached) == outputs[-2:]
+        assert list(d.cache.seqs.values()) == outputs[-2:]
         assert trie_counts(d.cache) == substring_counts(outputs[-2:], 6)  # exactly what a fresh cache holds
 
 
@@ -301,7 +301,7 @@ def test_suffix_cache_of_earlier_outputs_drafts_a_repeated_request(target, caplo
             assert_greedy_equal(hf, p, e, o.outputs[0].token_ids)
         rates.append(llm.get_metrics()["mean_acceptance_length"])
         llm.reset_metrics()
-    assert "drafter failed" not in caplog.text and len(llm.engine.drafter.cached) == 8
+    assert "drafter failed" not in caplog.text and len(llm.engine.drafter.cache.seqs) == 8
     assert rates[1] > rates[0] and rates[1] > 3
 
 

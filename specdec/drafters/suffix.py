@@ -20,15 +20,14 @@ cannot beat the best so far are skipped, so deep matches that draft well end the
 Drafts are deterministic (q = one-hot).
 
 Memory and time: a string that occurs once is not stored node by node but as a
-*leaf* pointing at its occurrence (its continuation is read from the tokens), so
-nodes exist only for repeated substrings. Appending a token touches one node per
-open suffix that is still repeated (at most max_tree_depth); evicting a request
-walks its substrings once more and removes what only it contributed.
+*leaf*, one int naming its occurrence (its continuation is read from the tokens),
+so nodes exist only for repeated substrings, and leaves are neither Python objects
+with a header nor tracked by the garbage collector. Appending a token touches one
+node per open suffix that is still repeated (at most max_tree_depth); evicting a
+request walks its substrings once more and removes what only it contributed.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.drafters.ngram import TAIL_CHECK, proposal_from_rows
@@ -48,8 +47,7 @@ class SuffixDrafter(Drafter):
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.requests: dict[int, RequestTrie] = {}  # seq_id -> trie over its prompt + output
-        self.cache = SuffixTrie(max_tree_depth)  # earlier requests' outputs
-        self.cached: deque[list[int]] = deque()  # those outputs, oldest first
+        self.cache = SuffixTrie(max_tree_depth)  # earlier requests' outputs (cache.seqs, oldest first)
 
     # -- the Drafter interface --------------------------------------------------------------------
 
@@ -67,13 +65,16 @@ class SuffixDrafter(Drafter):
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             req = self.requests.pop(i, None)
-            if req is not None and self.max_cached_requests > 0:
-                self._sync_final(req)
-                output = req.tokens[req.num_prompt:]
-                if output:
-                    self._cache_output(output)
+            if req is None or self.max_cached_requests == 0:
+                continue
+            # Read the sequence itself, not the trie's copy: the last round's tokens may not have been shown.
+            output = req.seq.token_ids[req.num_prompt:]
+            if output:
+                self.cache.insert(output)
+                while len(self.cache.seqs) > self.max_cached_requests:
+                    self.cache.remove(next(iter(self.cache.seqs)))  # the oldest
 
-    # -- state ------------------------------------------------------------------------------------
+    # -- drafting ---------------------------------------------------------------------------------
 
     def _sync(self, seq: Sequence) -> RequestTrie:
         req = self.requests.get(seq.seq_id)
@@ -82,37 +83,21 @@ class SuffixDrafter(Drafter):
         req.extend(seq.token_ids[len(req.tokens):])
         return req
 
-    def _sync_final(self, req: RequestTrie) -> None:
-        """Catch up with the tokens of the request's last round (the engine may not have shown them)."""
-        history = req.seq.token_ids
-        if req.is_prefix_of(history):
-            req.tokens.extend(history[len(req.tokens):])  # the trie itself is about to be dropped
-        else:
-            req.tokens = list(history)
-
-    def _cache_output(self, output: list[int]) -> None:
-        output = list(output)
-        self.cache.insert(output)
-        self.cached.append(output)
-        while len(self.cached) > self.max_cached_requests:
-            self.cache.remove(self.cached.popleft())
-
-    # -- drafting ---------------------------------------------------------------------------------
-
     def _draft(self, req: RequestTrie, want: int) -> list[int]:
         history = req.tokens
         best, best_score = [], 0.0
         for node, m in req.open:  # the request's own repeated suffixes, longest first
             limit = self._limit(want, m)
             if limit > best_score:
-                draft, score = self._follow(node, limit)
+                draft, score = req.follow(node, limit, self.min_token_prob)
                 if score > best_score:
                     best, best_score = draft, score
-        if self.cached:
+        if self.cache.seqs:
             for m in range(self.cache.longest_match(history, self.depth - 1), 0, -1):
                 limit = self._limit(want, m)
                 if limit > best_score:
-                    draft, score = self._follow(self.cache.walk(history, len(history) - m, len(history)), limit)
+                    at = self.cache.walk(history, len(history) - m, len(history))
+                    draft, score = self.cache.follow(at, limit, self.min_token_prob)
                     if score > best_score:
                         best, best_score = draft, score
         return best
@@ -120,36 +105,6 @@ class SuffixDrafter(Drafter):
     def _limit(self, want: int, m: int) -> int:
         """The most drafts a match of m tokens may propose (floor, as vLLM; the epsilon absorbs rounding)."""
         return min(want, int(self.max_spec_factor * m + 1e-9), self.depth - m)
-
-    def _follow(self, cursor: Node | Leaf, limit: int) -> tuple[list[int], float]:
-        """Greedy most-frequent path of at most ``limit`` tokens from a matched trie position; returns the
-        drafts and their summed path probabilities (the expected number of accepted drafts, were the
-        counts the truth)."""
-        draft: list[int] = []
-        prob, score = 1.0, 0.0
-        node = cursor
-        while len(draft) < limit:
-            if type(node) is Leaf:  # a string seen once: its continuation is the next token of that occurrence
-                e = node.end + 1
-                if e >= len(node.tokens):
-                    break
-                token, node = node.tokens[e], Leaf(node.tokens, e)
-            else:
-                token, child, top, total = -1, None, 0, 0
-                for t, c in node.children.items():
-                    n = c.count if type(c) is Node else 1
-                    total += n
-                    if n > top:
-                        token, child, top = t, c, n
-                if child is None:
-                    break
-                prob *= top / total
-                node = child
-            if prob < self.min_token_prob:
-                break
-            draft.append(token)
-            score += prob
-        return draft, score
 
 
 class Node:
@@ -159,18 +114,14 @@ class Node:
 
     def __init__(self, count: int):
         self.count = count
-        self.children: dict[int, Node | Leaf] = {}
+        self.children: dict[int, Node | int] = {}  # token -> Node, or a leaf code
 
 
-class Leaf:
-    """A substring that occurred once, ending at ``tokens[end]``; its extensions are read from ``tokens``."""
-
-    __slots__ = ("tokens", "end")
-
-    def __init__(self, tokens: list[int], end: int):
-        self.tokens, self.end = tokens, end
-
-
+# A substring that occurred once is a *leaf*: the int (slot << SLOT_SHIFT) | end naming the sequence
+# (its slot in SuffixTrie.seqs) and the position of the string's last token in it. Its extensions
+# are read from that sequence: extending the string by the next token is adding 1 to the code.
+SLOT_SHIFT = 32
+END_MASK = (1 << SLOT_SHIFT) - 1
 OpenSuffix = tuple[Node, int]  # (node of a repeated suffix of the tokens inserted so far, its depth)
 
 
@@ -184,62 +135,69 @@ class SuffixTrie:
     def __init__(self, depth: int):
         self.depth = depth
         self.root = Node(0)
+        self.seqs: dict[int, list[int]] = {}  # slot -> an inserted sequence, in insertion order
+        self._next_slot = 0
 
-    def append(self, tokens: list[int], j: int, open_suffixes: list[OpenSuffix]) -> list[OpenSuffix]:
-        """Insert the occurrences that end at ``tokens[j]`` (already in ``tokens``), given the open suffixes
-        of ``tokens[:j]``, deepest first; returns those of ``tokens[:j + 1]``."""
-        t, D = tokens[j], self.depth
+    def append(self, slot: int, j: int, open_suffixes: list[OpenSuffix]) -> list[OpenSuffix]:
+        """Insert the occurrences that end at ``seqs[slot][j]`` (already in the sequence), given the open
+        suffixes of ``seqs[slot][:j]``, deepest first; returns those of ``seqs[slot][:j + 1]``."""
+        t, D = self.seqs[slot][j], self.depth
         still_open = []
         for node, d in open_suffixes + [(self.root, 0)]:
             child = node.children.get(t)
-            if child is None:  # a new string: one occurrence, kept as a pointer into tokens
-                node.children[t] = Leaf(tokens, j)
+            if child is None:  # a new string: one occurrence, kept as a leaf
+                node.children[t] = (slot << SLOT_SHIFT) | j
                 continue
-            if type(child) is Leaf:  # a second occurrence: store the string as a node
-                old = child
-                child = node.children[t] = Node(1)
-                e = old.end + 1  # the first occurrence's extension, if it has one
-                if d + 1 < D and e < len(old.tokens):
-                    child.children[old.tokens[e]] = Leaf(old.tokens, e)
+            if type(child) is int:  # a second occurrence: store the string as a node
+                first_seq, e = self.seqs[child >> SLOT_SHIFT], (child & END_MASK) + 1
+                repeated = Node(1)
+                if d + 1 < D and e < len(first_seq):  # the first occurrence's extension, if it has one
+                    repeated.children[first_seq[e]] = child + 1
+                child = node.children[t] = repeated
             child.count += 1
             if d + 1 < D:
                 still_open.append((child, d + 1))
         return still_open
 
-    def insert(self, tokens: list[int]) -> None:
-        """Add a whole sequence (kept by reference: it must not change while it is in the trie)."""
+    def insert(self, tokens: list[int]) -> int:
+        """Add a whole sequence (kept by reference: it must not change while it is in the trie); its slot."""
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self.seqs[slot] = tokens
         open_suffixes: list[OpenSuffix] = []
         for j in range(len(tokens)):
-            open_suffixes = self.append(tokens, j, open_suffixes)
+            open_suffixes = self.append(slot, j, open_suffixes)
+        return slot
 
-    def remove(self, tokens: list[int]) -> None:
+    def remove(self, slot: int) -> None:
         """Take an inserted sequence out again: every substring it contributed loses one occurrence."""
+        tokens = self.seqs[slot]
         for i in range(len(tokens)):
             node = self.root
             for d in range(min(self.depth, len(tokens) - i)):
                 t = tokens[i + d]
                 child = node.children[t]
-                if type(child) is Leaf or child.count == 1:  # this occurrence was the only one
+                if type(child) is int or child.count == 1:  # this occurrence was the only one
                     del node.children[t]
                     break
                 child.count -= 1
                 node = child
+        del self.seqs[slot]
 
-    def walk(self, tokens: list[int], start: int, stop: int) -> Node | Leaf | None:
-        """The trie position of ``tokens[start:stop]``, or None when that string is not in the trie."""
-        node: Node | Leaf = self.root
+    def walk(self, tokens: list[int], start: int, stop: int) -> Node | int | None:
+        """The trie position of ``tokens[start:stop]`` (a node or a leaf code), or None if it is not held."""
+        at: Node | int = self.root
         for i in range(start, stop):
             t = tokens[i]
-            if type(node) is Leaf:
-                e = node.end + 1
-                if e >= len(node.tokens) or node.tokens[e] != t:
+            if type(at) is int:
+                seq, e = self.seqs[at >> SLOT_SHIFT], (at & END_MASK) + 1
+                if e >= len(seq) or seq[e] != t:
                     return None
-                node = Leaf(node.tokens, e)
+                at += 1
             else:
-                node = node.children.get(t)
-                if node is None:
+                at = at.children.get(t)
+                if at is None:
                     return None
-        return node
+        return at
 
     def longest_match(self, tokens: list[int], max_len: int) -> int:
         """The length of the longest suffix of ``tokens`` (at most ``max_len`` tokens) that the trie holds.
@@ -253,18 +211,49 @@ class SuffixTrie:
                 lo = mid
         return lo
 
+    def follow(self, at: Node | int, limit: int, min_prob: float) -> tuple[list[int], float]:
+        """The greedy most-frequent path of at most ``limit`` tokens from a trie position, stopping before
+        its probability falls below ``min_prob``; returns the drafts and their summed path probabilities
+        (the expected number of accepted drafts, were the counts the truth)."""
+        draft: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(draft) < limit:
+            if type(at) is int:  # a string seen once: it continues as its one occurrence does (p = 1)
+                seq, e = self.seqs[at >> SLOT_SHIFT], (at & END_MASK) + 1
+                if e >= len(seq):
+                    break
+                token, at = seq[e], at + 1
+            else:
+                token, child, top, total = -1, None, 0, 0
+                for t, c in at.children.items():
+                    n = 1 if type(c) is int else c.count
+                    total += n
+                    if n > top:
+                        token, child, top = t, c, n
+                if child is None:
+                    break
+                prob *= top / total
+                at = child
+            if prob < min_prob:
+                break
+            draft.append(token)
+            score += prob
+        return draft, score
+
 
 class RequestTrie(SuffixTrie):
-    """A running request's trie over its history, and the open suffixes that grow with each new token."""
+    """A running request's trie over its history (slot 0), and the open suffixes that grow with each token."""
 
     def __init__(self, depth: int, seq: Sequence):
         super().__init__(depth)
         self.seq = seq  # to read the final tokens on release
         self.num_prompt = seq.num_prompt_tokens
         self.tokens: list[int] = []  # the history inserted so far (a copy: leaves point into it)
+        self.seqs[0] = self.tokens
         self.open: list[OpenSuffix] = []
 
     def is_prefix_of(self, history: list[int]) -> bool:
+        """Whether ``history`` grew from the inserted tokens (checked by length and the last few tokens)."""
         m = len(self.tokens)
         if m > len(history):
             return False
@@ -275,4 +264,4 @@ class RequestTrie(SuffixTrie):
         start = len(self.tokens)
         self.tokens.extend(new_tokens)
         for j in range(start, len(self.tokens)):
-            self.open = self.append(self.tokens, j, self.open)
+            self.open = self.append(0, j, self.open)
