@@ -238,6 +238,42 @@ def test_kv_caches_are_released_when_the_server_goes_idle(spec_server, client):
     assert greedy(client, PROMPTS[0], 8).finish_reason == "length"
 
 
+def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_serving(spec_server, client):
+    engine = spec_server.llm.engine
+    real = engine.step
+
+    def boom():
+        engine.step = real  # fail one round only
+        raise RuntimeError("boom")
+
+    engine.step = boom
+    with pytest.raises(openai.InternalServerError, match="boom"):
+        greedy(client, PROMPTS[0], 8)
+    engine.step = boom
+    with httpx.stream("POST", spec_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"prompt": PROMPTS[0], "max_tokens": 8, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert "boom" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+    assert greedy(client, PROMPTS[0], 8).finish_reason == "length"
+    assert httpx.get(spec_server.url + "/health").status_code == 200
+
+
+def test_a_failing_drafter_falls_back_to_plain_decoding(models, plain_server):
+    target, draft = models
+    llm = LLM(target, speculative_config=spec_config(draft))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("drafter bug")
+
+    llm.engine.drafter.propose = broken
+    plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="unused", max_retries=0)
+    with ServerThread(build_app(llm, served_model_name=NAME)) as server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        got = greedy(c, PROMPTS[1], 12)
+    assert got.finish_reason == "length"
+    assert got.model_extra["token_ids"] == greedy(plain, PROMPTS[1], 12).model_extra["token_ids"]
+
+
 # -- metrics ------------------------------------------------------------------------------------------
 
 
