@@ -384,7 +384,7 @@ def print_report(r: dict) -> None:
     m = L["server_rss_mib"]
     print(f"  server RSS: before {m['before']:.0f} MiB, peak {m['peak']:.0f} MiB, after {m['after']:.0f} MiB "
           f"({m['after_over_before']:.2f}x before)")
-    print(f"speculative vs plain (alternating runs, same prompts):")
+    print("speculative vs plain (alternating runs, same prompts):")
     for name in ("plain", "spec"):
         s = C[name]
         print(f"  {name:5}: {C['concurrency']} concurrent: {s['throughput_tokens_per_s']:.1f} tokens/s | "

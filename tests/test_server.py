@@ -228,6 +228,30 @@ def test_a_client_that_disconnects_is_aborted_and_disturbs_no_one(spec_server, c
     assert greedy(client, PROMPTS[0], 30).model_extra["token_ids"] == want[0]
 
 
+def test_a_non_streaming_client_that_disconnects_is_aborted(spec_server, client):
+    engine = spec_server.llm.engine
+    real = engine.step
+
+    def slow():
+        time.sleep(0.02)
+        return real()
+
+    abort_key = ("specdec:request_success_total", (("finished_reason", "abort"),))
+    before = scrape(spec_server.url).get(abort_key, 0)
+    engine.step = slow
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(spec_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3,
+                       json={"prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True})
+        deadline = time.monotonic() + 5
+        while scrape(spec_server.url).get(abort_key, 0) < before + 1:
+            assert time.monotonic() < deadline, "the disconnected request was not aborted"
+            time.sleep(0.05)
+    finally:
+        engine.step = real
+    assert greedy(client, PROMPTS[0], 4).finish_reason == "length"
+
+
 def test_kv_caches_are_released_when_the_server_goes_idle(spec_server, client):
     greedy(client, PROMPTS[0], 8)
     runners = [spec_server.llm.engine.target, spec_server.llm.engine.drafter.runner]
