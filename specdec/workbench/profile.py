@@ -1,0 +1,372 @@
+"""Profile a workload: measure acceptance and costs, predict the speedup for every k, recommend a
+setting, then run it and compare the prediction with the measured speedup.
+
+The cost model is ALGORITHM.md's, with the measured per-position acceptance instead of one i.i.d. α:
+- α_i, the conditional acceptance of draft position i: of the rounds that reached position i (drafted
+  it with positions 1..i-1 accepted), the share that accepted it;
+- E(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j, tokens per round (the recovered or bonus token included);
+- c = drafter time per drafted position ÷ one 1-token target forward;
+- v(k) = one (k+1)-token target forward ÷ one 1-token target forward, timed directly on the target
+  runner at batch 1 on real prompt prefixes (median of repeats), so v(0) = 1;
+- S(k) = E(k) / (k·c + v(k)); S(0) = 1 is plain decoding. The recommended k maximises S(k).
+
+Acceptance is measured with adaptive k off and k = K, so that every position 1..K is drafted.
+Tokens/s is measured with plain and speculative runs of every prompt alternating in one process.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.bench import run_bench
+from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.llm import LLM
+from specdec.metrics import SpecDecodingStats
+
+ALL = "all"  # the category that pools every prompt
+TAU_NOTE = "τ = tokens emitted per target verify pass, the recovered or bonus token included (1..k+1)"
+PROFILE_VERSION = 1
+
+Progress = Callable[[str, int], Callable[[], None]]  # (description, total) -> advance()
+
+
+def expected_tokens(alphas: list[float], k: int) -> float:
+    """E(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j with α_j the conditional acceptance of position j."""
+    expected, run = 1.0, 1.0
+    for a in alphas[:k]:
+        run *= a
+        expected += run
+    return expected
+
+
+def predicted_speedups(alphas: list[float], c: float, v: list[float]) -> list[float]:
+    """S(k) = E(k) / (k·c + v(k)) for k = 0..len(v)-1, in units of one 1-token target step."""
+    return [expected_tokens(alphas, k) / (k * c + v[k]) for k in range(len(v))]
+
+
+@dataclass
+class _RecordingStats(SpecDecodingStats):
+    """The engine's counters, plus (tag, drafts, accepted) for every sequence in every round."""
+
+    rounds: list = field(default_factory=list)
+    tag: str | None = None
+
+    def record_round(self, k_per_seq: list[int], num_accepted: list[int]) -> None:
+        super().record_round(k_per_seq, num_accepted)
+        self.rounds += [(self.tag, k, n) for k, n in zip(k_per_seq, num_accepted)]
+
+
+@dataclass
+class _Side:
+    """Totals of one side (plain or speculative) within one category."""
+
+    tokens: int = 0
+    time_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    step_s: float = 0.0
+    prefill_s: float = 0.0
+    passes: int = 0  # verify passes (rounds, batch 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s if self.time_s > 0 else 0.0
+
+    def add(self, tokens: int, elapsed: float, before: SpecDecodingStats, after: SpecDecodingStats) -> None:
+        self.tokens += tokens
+        self.time_s += elapsed
+        self.draft_s += after.draft_time_s - before.draft_time_s
+        self.verify_s += after.verify_time_s - before.verify_time_s
+        self.step_s += after.step_time_s - before.step_time_s
+        self.prefill_s += after.prefill_time_s - before.prefill_time_s
+        self.passes += after.num_verify_passes - before.num_verify_passes
+
+
+def acceptance_from_rounds(rounds: list[tuple[int, int]], k_max: int) -> dict:
+    """Per-position acceptance from (drafts, accepted) pairs, one per sequence and round."""
+    drafted = [(nd, na) for nd, na in rounds if nd > 0]
+    reached = [sum(1 for nd, na in drafted if nd >= i and na >= i - 1) for i in range(1, k_max + 1)]
+    accepted = [sum(1 for nd, na in drafted if na >= i) for i in range(1, k_max + 1)]
+    proposed = [sum(1 for nd, _ in drafted if nd >= i) for i in range(1, k_max + 1)]
+    alphas: list[float] = []
+    for r, a in zip(reached, accepted):
+        # a position never reached keeps the previous one's rate (0 when nothing was measured)
+        alphas.append(a / r if r else (alphas[-1] if alphas else 0.0))
+    num_draft_tokens = sum(nd for nd, _ in drafted)
+    num_accepted = sum(na for _, na in drafted)
+    hist = [0] * (k_max + 2)  # hist[t]: rounds that emitted t tokens (t = accepted + 1)
+    for _, na in drafted:
+        hist[na + 1] += 1
+    return {
+        "num_rounds": len(drafted),
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted,
+        "acceptance_rate": num_accepted / num_draft_tokens if num_draft_tokens else 0.0,
+        "mean_acceptance_length": 1.0 + num_accepted / len(drafted) if drafted else 1.0,
+        "alpha_conditional": alphas,
+        "reached_per_pos": reached,
+        "accepted_per_pos": accepted,
+        # vLLM's acceptance_rate_per_pos: accepted at i / drafted at i (= Π α_j over j ≤ i when every round drafts k)
+        "acceptance_rate_per_pos": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
+        "tau_histogram": hist[1:],  # index t-1 holds the rounds that emitted t tokens, t = 1..k+1
+        "accepted_per_round": [na for _, na in drafted],
+    }
+
+
+def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats: int = 9,
+                        warmup: int = 2) -> dict:
+    """v(k) for k = 0..k_max: (k+1)-token target forwards at batch 1 after real prompt prefixes,
+    median seconds of ``repeats`` each, divided by the 1-token median. The engine must be idle."""
+    engine = llm.engine
+    if engine.has_unfinished():
+        raise RuntimeError("measure_verify_cost needs an idle engine")
+    target = engine.target
+    device = engine.device
+    times: list[list[float]] = [[] for _ in range(k_max + 1)]
+    for ids in prefixes:
+        ids = ids[: max(1, target.max_model_len - k_max - 2)]
+        start = len(ids) - 1
+        target.sync_rows(["__specdec_profile__"])
+        if start > 0:
+            target.forward(torch.tensor([ids[:-1]], device=device), [0])
+        for k in range(k_max + 1):
+            tokens = torch.tensor([[ids[-1]] + (ids * (k + 1))[:k]], device=device)  # [1, k+1]
+            for rep in range(warmup + repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                target.forward(tokens, [start], all_logits=True)  # rewrites positions start..start+k each time
+                _sync(device)
+                if rep >= warmup:
+                    times[k].append(time.perf_counter() - t0)
+    medians = [statistics.median(t) for t in times]
+    t1 = medians[0]
+    return {"k": list(range(k_max + 1)), "v": [m / t1 for m in medians], "t1_s": t1, "median_s": medians,
+            "repeats": repeats * len(prefixes), "prefix_lengths": [len(p) for p in prefixes]}
+
+
+def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict], *, max_tokens: int = 128,
+                k_max: int | None = None, temperature: float = 0.0, seed: int | None = 0, dtype: str = "float32",
+                device: str = "cpu", validate: bool = True, verify_repeats: int = 9,
+                progress: Progress | None = None) -> dict:
+    """Measure, predict, recommend and (``validate``) check the recommendation; returns the profile dict.
+
+    ``prompts``: ``load_prompts`` records ({"prompt": ..., "category": ...}) or token-id dicts."""
+    if not speculative_configs:
+        raise ValueError("profile needs at least one --speculative-config")
+    if not prompts:
+        raise ValueError("profile needs at least one prompt")
+    specs = [_parse_config(c) for c in speculative_configs]
+    K = k_max if k_max is not None else max(s.num_speculative_tokens for s in specs)
+    if not (isinstance(K, int) and 1 <= K <= 32):
+        raise ValueError(f"--k-max must be an integer in 1..32, got {K!r}")
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+    tick = progress or (lambda desc, total: (lambda: None))
+    records = [_record(p) for p in prompts]
+    categories = sorted({cat for _, cat in records})
+
+    ar_llm = LLM(model, dtype=dtype, device=device)
+    profile: dict = {
+        "version": PROFILE_VERSION, "model": model, "dtype": dtype, "device": device,
+        "num_prompts": len(records), "categories": categories, "max_tokens": max_tokens,
+        "temperature": temperature, "k_max": K,
+        "cost_model": "S(k) = E(k) / (k*c + v(k)); E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j; "
+                      "alpha_j = conditional acceptance of draft position j",
+        "tau_definition": TAU_NOTE,
+    }
+
+    # 1. the verify cost curve v(k), straight from the target runner on real prompt prefixes
+    prefixes = [ar_llm._tokenize(p) for p, _ in records[:3]]
+    advance = tick("verify cost v(k)", 1)
+    _warm(ar_llm, records[0][0], params)
+    verify_cost = measure_verify_cost(ar_llm, prefixes, K, repeats=verify_repeats)
+    advance()
+    profile["verify_cost"] = verify_cost
+    t1, v = verify_cost["t1_s"], verify_cost["v"]
+
+    # 2. every config at k = K, adaptive off: acceptance per position, c, tokens/s (plain alternating)
+    profile["configs"] = []
+    for spec in specs:
+        profile["configs"].append(_profile_config(ar_llm, model, spec, K, records, categories, params, t1, v,
+                                                  dtype, device, tick))
+
+    # 3. recommend: the config and k with the highest predicted S(k)
+    best_i = max(range(len(specs)), key=lambda i: profile["configs"][i]["overall"]["best_speedup"])
+    best = profile["configs"][best_i]
+    k_best = best["overall"]["best_k"]
+    rec_cfg = {**best["speculative_config"], "num_speculative_tokens": k_best, "adaptive": False}
+    profile["recommendation"] = {
+        "config_index": best_i, "method": best["method"], "k": k_best, "plain": k_best == 0,
+        "predicted_speedup": best["overall"]["best_speedup"],
+        "speculative_config": rec_cfg if k_best > 0 else {**rec_cfg, "num_speculative_tokens": 0},
+        "reason": ("no k predicts a gain over plain decoding on this workload" if k_best == 0 else
+                   f"{best['method']} with k={k_best} has the highest predicted speedup of the "
+                   f"{len(specs)} config(s) and k = 0..{K}"),
+    }
+
+    # 4. run the recommended setting (the best k >= 1 when plain wins, to check the model anyway)
+    if validate:
+        k_run = k_best if k_best > 0 else max(range(1, K + 1), key=lambda k: best["overall"]["predicted_speedup"][k])
+        profile["validation"] = _validate(ar_llm, model, best, k_run, records, params, dtype, device, tick)
+    return profile
+
+
+def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, records: list, categories: list[str],
+                    params: SamplingParams, t1: float, v: list[float], dtype: str, device: str, tick) -> dict:
+    cfg = _config_dict(spec)
+    spec_llm = LLM(model, dtype=dtype, device=device,
+                   speculative_config={**cfg, "num_speculative_tokens": K, "adaptive": False})
+    _warm(spec_llm, records[0][0], params)
+    _warm(ar_llm, records[0][0], params)
+    stats = _RecordingStats()
+    spec_llm.engine.stats = stats
+    sides = {cat: {"ar": _Side(), "spec": _Side()} for cat in categories}
+    matched = 0
+    advance = tick(f"{spec.method} at k={K}", len(records))
+    for i, (prompt, cat) in enumerate(records):
+        stats.tag = cat
+        outs = {}
+        for side in (("ar", "spec") if i % 2 == 0 else ("spec", "ar")):
+            llm = ar_llm if side == "ar" else spec_llm
+            before = _snapshot(llm.engine.stats)
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], params)[0].outputs[0]
+            elapsed = time.perf_counter() - t0
+            outs[side] = out.token_ids
+            sides[cat][side].add(len(out.token_ids), elapsed, before, llm.engine.stats)
+        matched += outs["ar"] == outs["spec"]
+        advance()
+
+    draft_tokens = stats.num_draft_tokens
+    c = (stats.draft_time_s / draft_tokens) / t1 if draft_tokens else 0.0
+    result = {
+        "method": spec.method, "speculative_config": cfg, "k_measured": K,
+        "draft_time_per_position_s": stats.draft_time_s / draft_tokens if draft_tokens else 0.0,
+        "draft_cost_ratio": c,
+        "greedy_match": {"matched": matched, "total": len(records)} if params.greedy else None,
+        "categories": {},
+    }
+    groups = {cat: [cat] for cat in categories}
+    groups[ALL] = categories
+    for name, cats in groups.items():
+        rounds = [(nd, na) for tag, nd, na in stats.rounds if tag in cats]
+        acc = acceptance_from_rounds(rounds, K)
+        ar = _merge([sides[c_]["ar"] for c_ in cats])
+        sp = _merge([sides[c_]["spec"] for c_ in cats])
+        s_pred = predicted_speedups(acc["alpha_conditional"], c, v)
+        best_k = max(range(K + 1), key=lambda k: s_pred[k])
+        entry = {
+            **acc,
+            "num_prompts": sum(1 for _, cat in records if cat in cats),
+            "expected_tokens": [expected_tokens(acc["alpha_conditional"], k) for k in range(K + 1)],
+            "predicted_speedup": s_pred, "best_k": best_k, "best_speedup": s_pred[best_k],
+            "plain_tokens_per_s": ar.tokens_per_s, "spec_tokens_per_s": sp.tokens_per_s,
+            "measured_speedup_at_k_max": sp.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0,
+            "time_split": _time_split(sp),
+            "plain_time_split": _time_split(ar),
+        }
+        # The same prediction with the loop's own per-round overhead (rounds minus forwards) added as a
+        # cost: plain decoding pays it once per token, speculation once per round.
+        entry["predicted_speedup_with_overhead"] = _with_overhead(entry, ar, sp, c, v, t1, K)
+        result["categories"][name] = entry
+    result["overall"] = result["categories"][ALL]
+    del spec_llm
+    return result
+
+
+def _with_overhead(entry: dict, ar: _Side, sp: _Side, c: float, v: list[float], t1: float, K: int) -> list[float]:
+    if not (ar.passes and sp.passes and t1 > 0):
+        return entry["predicted_speedup"]
+    o_ar = max(0.0, ar.step_s / ar.passes / t1 - 1.0)  # plain step = one 1-token forward + overhead
+    o_spec = max(0.0, sp.step_s / sp.passes / t1 - (K * c + v[K]))
+    return [expected_tokens(entry["alpha_conditional"], k) * (1.0 + o_ar) / (k * c + v[k] + (o_spec if k else o_ar))
+            for k in range(K + 1)]
+
+
+def _validate(ar_llm: LLM, model: str, best: dict, k: int, records: list, params: SamplingParams, dtype: str,
+              device: str, tick) -> dict:
+    cfg = {**best["speculative_config"], "num_speculative_tokens": k, "adaptive": False}
+    spec_llm = LLM(model, dtype=dtype, device=device, speculative_config=cfg)
+    advance = tick(f"run {best['method']} at k={k} vs plain", 1)
+    prompts = [{"prompt": p, "category": cat} if isinstance(p, str) else p for p, cat in records]
+    result = run_bench(ar_llm, spec_llm, prompts, params).as_dict()
+    advance()
+    predicted = best["overall"]["predicted_speedup"][k]
+    predicted_oh = best["overall"]["predicted_speedup_with_overhead"][k]
+    measured = result["speedup"]
+    m = result["spec"]["metrics"]
+    by_cat = {}
+    for cat, r in result["by_category"].items():
+        pc = best["categories"].get(cat)
+        by_cat[cat] = {"measured_speedup": r["speedup"],
+                       "predicted_speedup": pc["predicted_speedup"][k] if pc else None}
+    return {
+        "speculative_config": cfg, "k": k, "predicted_speedup": predicted,
+        "predicted_speedup_with_overhead": predicted_oh, "measured_speedup": measured,
+        "relative_error": (predicted - measured) / measured if measured else None,
+        "relative_error_with_overhead": (predicted_oh - measured) / measured if measured else None,
+        "plain_tokens_per_s": result["ar"]["tokens_per_s"], "spec_tokens_per_s": result["spec"]["tokens_per_s"],
+        "acceptance_rate": result["spec"]["acceptance_rate"],
+        "mean_acceptance_length": result["spec"]["mean_acceptance_length"],
+        "time_split": {"draft_s": m["draft_time_s"], "verify_s": m["verify_time_s"],
+                       "overhead_s": m["overhead_time_s"], "prefill_s": m["prefill_time_s"]},
+        "greedy_match": result["greedy_match"], "by_category": by_cat,
+    }
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _parse_config(raw) -> SpeculativeConfig:
+    spec = SpeculativeConfig.from_dict(raw)
+    if spec is None:
+        raise ValueError("a speculative config is empty")
+    return spec
+
+
+def _config_dict(spec: SpeculativeConfig) -> dict:
+    """Only the fields that matter for the method (so exports and reports stay readable)."""
+    keep = {"method", "num_speculative_tokens", "adaptive", "draft_p_min"}
+    keep |= {"draft_model": {"model"}, "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
+             "suffix": {f for f in vars(spec) if f.startswith("suffix_decoding_")},
+             "layer_skip": {"num_draft_layers"}}[spec.method]
+    return {k: v for k, v in vars(spec).items() if k in keep}
+
+
+def _record(p) -> tuple:
+    if isinstance(p, dict) and "prompt" in p and "prompt_token_ids" not in p:
+        return p["prompt"], p.get("category") or "-"
+    return p, "-"
+
+
+def _warm(llm: LLM, prompt, params: SamplingParams) -> None:
+    llm.generate([prompt], SamplingParams(temperature=params.temperature, max_tokens=min(8, params.max_tokens),
+                                          seed=params.seed))
+
+
+def _snapshot(stats: SpecDecodingStats) -> SpecDecodingStats:
+    return SpecDecodingStats(draft_time_s=stats.draft_time_s, verify_time_s=stats.verify_time_s,
+                             step_time_s=stats.step_time_s, prefill_time_s=stats.prefill_time_s,
+                             num_verify_passes=stats.num_verify_passes)
+
+
+def _merge(sides: list[_Side]) -> _Side:
+    out = _Side()
+    for s in sides:
+        for f in ("tokens", "time_s", "draft_s", "verify_s", "step_s", "prefill_s", "passes"):
+            setattr(out, f, getattr(out, f) + getattr(s, f))
+    return out
+
+
+def _time_split(s: _Side) -> dict:
+    return {"draft_s": s.draft_s, "verify_s": s.verify_s, "overhead_s": max(0.0, s.step_s - s.draft_s - s.verify_s),
+            "prefill_s": s.prefill_s, "total_s": s.time_s}
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

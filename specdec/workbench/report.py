@@ -1,0 +1,271 @@
+"""``specdec report DIR``: figures, a self-contained HTML page and a Markdown summary from profile.json.
+
+Figures (PNG, matplotlib's Agg backend): acceptance by draft position per category, predicted and
+measured speedup against k, the histogram of tokens per verify pass (τ), and the split of the
+speculative run's time between drafting, verifying, loop overhead and prefill. The HTML page embeds
+the PNGs as base64, so it can be mailed or attached on its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from specdec.workbench.profile import ALL, TAU_NOTE
+
+FIGURES = ("acceptance_by_position.png", "speedup_vs_k.png", "tau_histogram.png", "time_split.png")
+
+
+def load_profile(folder: str | Path) -> tuple[Path, dict]:
+    folder = Path(folder)
+    path = folder / "profile.json" if folder.is_dir() else folder
+    if not path.is_file():
+        raise ValueError(f"no profile.json in {str(folder)!r}; run `specdec profile ... --out {folder}` first")
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(path)!r} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    if not isinstance(profile, dict) or "configs" not in profile or "verify_cost" not in profile:
+        raise ValueError(f"{str(path)!r} is not a specdec profile (no 'configs' / 'verify_cost')")
+    return path.parent, profile
+
+
+def write_report(folder: str | Path) -> dict:
+    """Write the PNGs, report.html and report.md next to profile.json; returns their paths and the summary."""
+    out, profile = load_profile(folder)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {
+        "acceptance_by_position.png": _plot_acceptance(plt, profile),
+        "speedup_vs_k.png": _plot_speedup(plt, profile),
+        "tau_histogram.png": _plot_tau(plt, profile),
+        "time_split.png": _plot_time_split(plt, profile),
+    }
+    files = {}
+    for name, fig in paths.items():
+        fig.savefig(out / name, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        files[name] = str(out / name)
+    summary = summarize(profile)
+    (out / "report.md").write_text(_markdown(profile, summary))
+    (out / "report.html").write_text(_html(profile, summary, out))
+    files["report.md"] = str(out / "report.md")
+    files["report.html"] = str(out / "report.html")
+    return {"files": files, "summary": summary}
+
+
+def summarize(profile: dict) -> dict:
+    """The headline numbers: per config the best k and speedup; the recommendation and its check."""
+    configs = []
+    for c in profile["configs"]:
+        o = c["overall"]
+        configs.append({"method": c["method"], "draft_cost_ratio": c["draft_cost_ratio"],
+                        "acceptance_rate": o["acceptance_rate"], "mean_acceptance_length": o["mean_acceptance_length"],
+                        "best_k": o["best_k"], "predicted_speedup": o["best_speedup"],
+                        "measured_speedup_at_k_max": o["measured_speedup_at_k_max"]})
+    return {"model": profile["model"], "k_max": profile["k_max"], "num_prompts": profile["num_prompts"],
+            "verify_cost": profile["verify_cost"]["v"], "configs": configs,
+            "recommendation": profile.get("recommendation"), "validation": _validation_summary(profile)}
+
+
+def _validation_summary(profile: dict) -> dict | None:
+    v = profile.get("validation")
+    if not v:
+        return None
+    return {k: v[k] for k in ("k", "predicted_speedup", "predicted_speedup_with_overhead", "measured_speedup",
+                              "relative_error", "relative_error_with_overhead", "plain_tokens_per_s",
+                              "spec_tokens_per_s")}
+
+
+# -- figures --------------------------------------------------------------------------------------
+
+
+def _label(c: dict) -> str:
+    cfg = c["speculative_config"]
+    if c["method"] == "draft_model":
+        return f"draft_model ({Path(str(cfg.get('model'))).name})"
+    return c["method"]
+
+
+def _plot_acceptance(plt, profile: dict):
+    configs = profile["configs"]
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
+    for ax, c in zip(axes[0], configs):
+        for cat, e in c["categories"].items():
+            pos = list(range(1, len(e["acceptance_rate_per_pos"]) + 1))
+            style = dict(color="black", linewidth=2.5) if cat == ALL else dict(alpha=0.8)
+            ax.plot(pos, e["alpha_conditional"], marker="o", label=f"{cat} (α_i)", **style)
+            if cat == ALL:
+                ax.plot(pos, e["acceptance_rate_per_pos"], linestyle="--", color="gray",
+                        label="all (accepted at i / drafted at i)")
+        ax.set_xlabel("draft position i")
+        ax.set_ylabel("acceptance")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xticks(pos)
+        ax.set_title(f"{_label(c)}: conditional acceptance α_i")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    return fig
+
+
+def _plot_speedup(plt, profile: dict):
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ks = profile["verify_cost"]["k"]
+    for i, c in enumerate(profile["configs"]):
+        o = c["overall"]
+        line, = ax.plot(ks, o["predicted_speedup"], marker="o", label=f"{_label(c)}: predicted S(k)")
+        ax.plot(ks, o["predicted_speedup_with_overhead"], linestyle=":", color=line.get_color(),
+                label=f"{_label(c)}: predicted, with loop overhead")
+        ax.scatter([c["k_measured"]], [o["measured_speedup_at_k_max"]], marker="s", s=50, color=line.get_color(),
+                   label=f"{_label(c)}: measured at k={c['k_measured']}", zorder=3)
+        v = profile.get("validation")
+        rec = profile.get("recommendation") or {}
+        if v and rec.get("config_index") == i:
+            ax.scatter([v["k"]], [v["measured_speedup"]], marker="*", s=160, color=line.get_color(), zorder=4,
+                       edgecolor="black", label=f"measured at recommended k={v['k']}")
+    ax.axhline(1.0, color="gray", linewidth=1)
+    ax.set_xlabel("k (draft tokens per round)")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title("S(k) = E(k) / (k·c + v(k)) and measured speedup")
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _plot_tau(plt, profile: dict):
+    configs = profile["configs"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    n = len(configs)
+    width = 0.8 / n
+    for i, c in enumerate(configs):
+        hist = c["overall"]["tau_histogram"]
+        total = sum(hist) or 1
+        xs = [t + 1 + (i - (n - 1) / 2) * width for t in range(len(hist))]
+        ax.bar(xs, [h / total for h in hist], width=width,
+               label=f"{_label(c)} (mean τ {c['overall']['mean_acceptance_length']:.2f})")
+    ax.set_xlabel("τ: tokens emitted per verify pass (incl. recovered/bonus token)")
+    ax.set_ylabel("share of rounds")
+    ax.set_title(f"τ histogram at k={profile['k_max']}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def _plot_time_split(plt, profile: dict):
+    rows = []
+    c0 = profile["configs"][0]["overall"]
+    rows.append(("plain", c0["plain_time_split"]))
+    for c in profile["configs"]:
+        rows.append((f"{_label(c)}\nk={c['k_measured']}", c["overall"]["time_split"]))
+    v = profile.get("validation")
+    if v:
+        rows.append((f"recommended\nk={v['k']}", v["time_split"]))
+    parts = [("draft_s", "drafting"), ("verify_s", "verifying"), ("overhead_s", "loop overhead"),
+             ("prefill_s", "prefill")]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(rows)), 4.2))
+    bottoms = [0.0] * len(rows)
+    for key, name in parts:
+        vals = [r[1].get(key, 0.0) for r in rows]
+        ax.bar(range(len(rows)), vals, bottom=bottoms, label=name)
+        bottoms = [b + x for b, x in zip(bottoms, vals)]
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r[0] for r in rows], fontsize=8)
+    ax.set_ylabel("seconds")
+    ax.set_title("where the time goes")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+# -- text -----------------------------------------------------------------------------------------
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:+.0%}"
+
+
+def _markdown(profile: dict, summary: dict) -> str:
+    lines = [f"# specdec profile: {profile['model']}", "",
+             f"{profile['num_prompts']} prompts ({', '.join(profile['categories'])}), max {profile['max_tokens']} "
+             f"tokens, temperature {profile['temperature']}, k measured up to {profile['k_max']}.", "",
+             f"Cost model: {profile['cost_model']}.", f"{TAU_NOTE}.", "",
+             "Verify cost v(k) (a (k+1)-token target forward ÷ a 1-token forward): "
+             + ", ".join(f"v({k})={x:.2f}" for k, x in zip(profile["verify_cost"]["k"], profile["verify_cost"]["v"]))
+             + f"; 1-token forward {profile['verify_cost']['t1_s'] * 1e3:.2f} ms.", "",
+             "| config | c | acceptance | τ | best k | predicted S(best k) | measured at k_max |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c, s in zip(profile["configs"], summary["configs"]):
+        lines.append(f"| {_label(c)} | {s['draft_cost_ratio']:.3f} | {s['acceptance_rate']:.1%} | "
+                     f"{s['mean_acceptance_length']:.2f} | {s['best_k']} | {s['predicted_speedup']:.2f}x | "
+                     f"{s['measured_speedup_at_k_max']:.2f}x |")
+    for c in profile["configs"]:
+        lines += ["", f"## {_label(c)}: per category", "",
+                  "| category | prompts | α_1..α_K | τ | plain tok/s | spec tok/s (k_max) | best k | S(best k) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for cat, e in c["categories"].items():
+            alphas = " ".join(f"{a:.2f}" for a in e["alpha_conditional"])
+            lines.append(f"| {cat} | {e['num_prompts']} | {alphas} | {e['mean_acceptance_length']:.2f} | "
+                         f"{e['plain_tokens_per_s']:.1f} | {e['spec_tokens_per_s']:.1f} | {e['best_k']} | "
+                         f"{e['best_speedup']:.2f}x |")
+    rec = summary["recommendation"]
+    if rec:
+        lines += ["", "## Recommendation", "",
+                  f"{rec['reason']}: `{json.dumps(rec['speculative_config'])}` "
+                  f"(predicted {rec['predicted_speedup']:.2f}x)."]
+    v = summary["validation"]
+    if v:
+        lines += ["", f"Run at k={v['k']} against plain decoding in the same process: measured "
+                      f"**{v['measured_speedup']:.2f}x** ({v['spec_tokens_per_s']:.1f} vs {v['plain_tokens_per_s']:.1f}"
+                      f" tokens/s); predicted {v['predicted_speedup']:.2f}x (error {_pct(v['relative_error'])}), "
+                      f"{v['predicted_speedup_with_overhead']:.2f}x with the loop overhead "
+                      f"(error {_pct(v['relative_error_with_overhead'])})."]
+    lines += [""] + [f"![{name}]({name})" for name in FIGURES] + [""]
+    return "\n".join(lines)
+
+
+def _html(profile: dict, summary: dict, folder: Path) -> str:
+    body = []
+    md = _markdown(profile, summary).splitlines()
+    table: list[str] = []
+
+    def flush_table():
+        if not table:
+            return
+        rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table if not set(line) <= set("|- ")]
+        out = ["<table>"]
+        for i, row in enumerate(rows):
+            tag = "th" if i == 0 else "td"
+            out.append("<tr>" + "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in row) + "</tr>")
+        out.append("</table>")
+        body.append("\n".join(out))
+        table.clear()
+
+    for line in md:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        flush_table()
+        if line.startswith("!["):
+            name = line[line.index("(") + 1: line.rindex(")")]
+            data = base64.b64encode((folder / name).read_bytes()).decode()
+            body.append(f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{data}">'
+                        f"<figcaption>{html.escape(name)}</figcaption></figure>")
+        elif line.startswith("## "):
+            body.append(f"<h2>{html.escape(line[3:])}</h2>")
+        elif line.startswith("# "):
+            body.append(f"<h1>{html.escape(line[2:])}</h1>")
+        elif line.strip():
+            text = html.escape(line).replace("**", "")
+            body.append(f"<p>{text}</p>")
+    flush_table()
+    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:4px 8px;"
+             "text-align:right}th{background:#f4f4f4}img{max-width:100%}figure{margin:1.5em 0}")
+    return ("<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>specdec profile</title>"
+            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
