@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams
 from specdec.llm import LLM
 
 Prompt = str | dict | list[int]
+Peer = Callable[[Prompt], list[int]]  # runs one prompt with the bench's settings, returns the output token ids
 
 
 @dataclass
@@ -33,6 +35,9 @@ class PromptRun:
     num_accepted_tokens: int = 0
     matched: bool | None = None  # greedy only: spec output == plain output, token for token
     first_mismatch: int | None = None  # index into the output of the first differing token
+    peer_tokens: dict[str, int] = field(default_factory=dict)  # per peer (e.g. "hf_ar"): tokens over the repeats
+    peer_time_s: dict[str, float] = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # per side: the output of the last repeat
 
     @property
     def ar_tokens_per_s(self) -> float:
@@ -109,17 +114,30 @@ class BenchResult:
                                              for i, r in enumerate(runs) if not r.matched]}
                              if self.greedy else None),
             "by_category": self.by_category(),
+            **({"peers": self.peers()} if any(r.peer_tokens for r in runs) else {}),
             **self.extra,
         }
 
+    def peers(self) -> dict[str, dict]:
+        """Totals per peer: tokens, time and tokens/s."""
+        names = list(dict.fromkeys(name for r in self.runs for name in r.peer_tokens))
+        out = {}
+        for name in names:
+            tokens = sum(r.peer_tokens.get(name, 0) for r in self.runs)
+            seconds = sum(r.peer_time_s.get(name, 0.0) for r in self.runs)
+            out[name] = {"tokens": tokens, "time_s": seconds, "tokens_per_s": _rate(tokens, seconds)}
+        return out
+
 
 def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], params: SamplingParams,
-              repeats: int = 1, warmup: int = 1) -> BenchResult:
+              repeats: int = 1, warmup: int = 1, peers: dict[str, Peer] | None = None) -> BenchResult:
     """Time ``ar_llm`` (no drafter) against ``spec_llm`` on each prompt, one at a time.
 
     ``prompts``: strings, ``{"prompt_token_ids": [...]}`` dicts, or ``load_prompts`` records
     (``{"prompt": ..., "category": ...}``). Both LLMs' metrics are reset after the warm-up.
+    ``peers``: other implementations (name -> run one prompt), timed in the same rotation.
     """
+    peers = peers or {}
     if not prompts:
         raise ValueError("no prompts to benchmark")
     if not (isinstance(repeats, int) and repeats >= 1):
@@ -133,6 +151,8 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
     for _ in range(warmup):
         for llm in (ar_llm, spec_llm):
             llm.generate([items[0][0]], params)
+        for peer in peers.values():
+            peer(items[0][0])
     ar_llm.reset_metrics()
     spec_llm.reset_metrics()
 
@@ -141,8 +161,19 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
         for i, (prompt, _) in enumerate(items):
             run = runs[i]
             order = ("ar", "spec") if (i + rep) % 2 == 0 else ("spec", "ar")
+            if peers:  # rotate every side through every slot
+                sides = ["ar", "spec", *peers]
+                shift = (i + rep) % len(sides)
+                order = tuple(sides[shift:] + sides[:shift])
             outs = {}
             for side in order:
+                if side in peers:
+                    t0 = time.perf_counter()
+                    ids = peers[side](prompt)
+                    run.peer_time_s[side] = run.peer_time_s.get(side, 0.0) + time.perf_counter() - t0
+                    run.peer_tokens[side] = run.peer_tokens.get(side, 0) + len(ids)
+                    outs[side] = ids
+                    continue
                 llm = ar_llm if side == "ar" else spec_llm
                 before = llm.get_metrics()
                 t0 = time.perf_counter()
@@ -158,6 +189,7 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
                     run.spec_time_s += elapsed
                     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
                         setattr(run, key, getattr(run, key) + after[key] - before[key])
+            run.outputs = outs
             if params.greedy:
                 mismatch = _first_mismatch(outs["ar"], outs["spec"])
                 if run.matched is None or mismatch is not None:
