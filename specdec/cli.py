@@ -115,6 +115,8 @@ def bench(
     temperature: Annotated[float, typer.Option(help="0 (greedy) also checks that outputs match.")] = 0.0,
     seed: Annotated[int | None, typer.Option(help="Per-request seed when sampling.")] = None,
     repeats: Annotated[int, typer.Option(help="Run every prompt this many times with each.")] = 1,
+    peer: Annotated[str | None, typer.Option(
+        "--peer", help="hf: also run transformers' generate and its assisted generation, alternating.")] = None,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
@@ -131,9 +133,16 @@ def bench(
         if spec is None:
             raise CliError("bench compares plain and speculative decoding: pass --draft D or --speculative-config")
         _quiet_transformers()
+        if peer not in (None, "hf"):
+            raise CliError(f"--peer must be 'hf', got {peer!r}")
         spec_llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
         ar_llm = LLM(model=model, dtype=dtype, device=device)
-        result = run_bench(ar_llm, spec_llm, records, params, repeats=repeats)
+        if peer == "hf":
+            from specdec.workbench.peer_hf import run_bench_with_hf
+
+            result = run_bench_with_hf(ar_llm, spec_llm, records, params, repeats=repeats, dtype=dtype, device=device)
+        else:
+            result = run_bench(ar_llm, spec_llm, records, params, repeats=repeats)
     if as_json:
         _print_json(result.as_dict())
     else:
@@ -347,6 +356,16 @@ def _print_bench(r: dict, console: Console) -> None:
             line += " (first differing token: " + ", ".join(
                 f"prompt {m['prompt']} at {m['first_mismatch']}" for m in gm["mismatched"]) + ")"
         lines.append(line)
+    if "hf_spec" in r:
+        hf_ar, hf_spec, agree = r["hf_ar"], r["hf_spec"], r["hf_agreement"]
+        lines += [
+            f"transformers plain generate: {hf_ar['tokens_per_s']:.1f} tokens/s; {hf_spec['method']}: "
+            f"{hf_spec['tokens_per_s']:.1f} tokens/s ({r['hf_spec_speedup']:.2f}x its plain)",
+            f"specdec speculative vs transformers assisted: {r['speedup_vs_hf']:.2f}x; vs transformers plain: "
+            f"{r['speedup_vs_hf_ar']:.2f}x",
+            "outputs agreeing with specdec plain (exact or at a near-tie < 1e-3): " + ", ".join(
+                f"{side} {agree[side]['agree']}/{agree[side]['total']}" for side in ("spec", "hf_ar", "hf_spec")),
+        ]
     cats = r.get("by_category") or {}
     if len(cats) > 1:
         lines.append("by category: " + "; ".join(
@@ -354,6 +373,10 @@ def _print_bench(r: dict, console: Console) -> None:
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
 
+
+from specdec.workbench.cli import register  # noqa: E402  (profile, report, verify-lossless, export)
+
+register(app)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,214 @@
+"""The workbench commands: ``profile``, ``report``, ``verify-lossless`` and ``export``.
+
+``register(app)`` adds them to specdec's typer app. They share the main CLI's conventions: every
+command has ``--json`` (one JSON object on stdout), long runs show rich progress bars on stderr,
+and bad input prints ``error: ...`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from specdec import cli as base
+
+SpecsOpt = Annotated[list[str] | None, typer.Option(
+    "--speculative-config", help='vLLM-style JSON; repeat it to compare methods, e.g. \'{"method": "ngram"}\'.')]
+
+
+@contextmanager
+def progress_bars() -> Iterator:
+    """``tick(description, total) -> advance()`` backed by rich progress bars on stderr."""
+    console = Console(stderr=True)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as prog:
+        def tick(description: str, total: int):
+            task = prog.add_task(description, total=total)
+            return lambda: prog.advance(task)
+
+        yield tick
+
+
+def profile(
+    model: base.ModelOpt,
+    prompts: Annotated[str, typer.Option(
+        "--prompts", help="JSONL file: {\"prompt\": ...} per line, or Spec-Bench's question.jsonl (with categories).")],
+    speculative_config: SpecsOpt = None,
+    draft: base.DraftOpt = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens per prompt.")] = 128,
+    num_prompts: Annotated[int | None, typer.Option(help="Use only the first N prompts.")] = None,
+    k_max: Annotated[int | None, typer.Option(
+        "--k-max", help="Measure acceptance at draft positions 1..K (default: the configs' largest k).")] = None,
+    temperature: Annotated[float, typer.Option(help="0 (greedy) also checks that outputs match.")] = 0.0,
+    out: Annotated[str, typer.Option("--out", help="Folder for profile.json.")] = "specdec-profile",
+    validate: Annotated[bool, typer.Option(
+        "--validate/--no-validate", help="Run the recommended setting and measure its speedup.")] = True,
+    dtype: base.DtypeOpt = "float32",
+    device: base.DeviceOpt = "cpu",
+    as_json: base.JsonOpt = False,
+) -> None:
+    """Measure acceptance per position, c and v(k) per category; predict S(k); recommend k (and method); check it."""
+    with base._errors_exit_2():
+        from specdec.prompts import load_prompts
+        from specdec.workbench.profile import run_profile
+        from specdec.workbench.report import summarize
+
+        records = load_prompts(prompts, num_prompts)
+        configs = [_parse_json(raw, "--speculative-config") for raw in (speculative_config or [])]
+        if draft is not None:
+            configs.append({"method": "draft_model", "model": draft})
+        if not configs:
+            raise base.CliError("profile needs a drafter: pass --speculative-config JSON (repeatable) or --draft D")
+        if max_tokens < 1:
+            raise base.CliError(f"--max-tokens must be >= 1, got {max_tokens}")
+        folder = Path(out)
+        if folder.exists() and not folder.is_dir():
+            raise base.CliError(f"--out {out!r} exists and is not a folder")
+        base._quiet_transformers()
+        with progress_bars() as tick:
+            result = run_profile(model, configs, records, max_tokens=max_tokens, k_max=k_max,
+                                 temperature=temperature, dtype=dtype, device=device, validate=validate,
+                                 progress=tick)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "profile.json").write_text(json.dumps(result, indent=1))
+    summary = {**summarize(result), "profile": str(folder / "profile.json")}
+    if as_json:
+        base._print_json(summary)
+        return
+    _print_profile(result, str(folder / "profile.json"), Console(highlight=False))
+
+
+def report(
+    folder: Annotated[str, typer.Argument(help="The --out folder of `specdec profile` (holds profile.json).")],
+    as_json: base.JsonOpt = False,
+) -> None:
+    """Write report.html (self-contained), PNG figures and report.md from a profile."""
+    with base._errors_exit_2():
+        from specdec.workbench.report import write_report
+
+        result = write_report(folder)
+    if as_json:
+        base._print_json(result)
+        return
+    console = Console(highlight=False)
+    for name, path in result["files"].items():
+        console.print(f"wrote {path}", markup=False)
+
+
+def verify_lossless(
+    model: base.ModelOpt,
+    speculative_config: base.SpecOpt = None,
+    draft: base.DraftOpt = None,
+    k: base.KOpt = None,
+    samples: Annotated[int, typer.Option(help="Samples per prompt and sampling setting.")] = 2000,
+    false_alarm: Annotated[float, typer.Option(
+        help="Chance that a correct engine FAILs the whole run (split over the tests, Bonferroni).")] = 1e-3,
+    prompt: Annotated[list[str] | None, typer.Option(
+        "--prompt", help="Prompt text; repeat for several (default: two built-in prompts).")] = None,
+    dtype: base.DtypeOpt = "float32",
+    device: base.DeviceOpt = "cpu",
+    as_json: base.JsonOpt = False,
+) -> None:
+    """Chi-square self-test: sampled output (temperature 1, top-k 8, top-p 0.8) vs the target's exact probabilities."""
+    with base._errors_exit_2():
+        from specdec import LLM
+        from specdec.workbench.lossless import format_result, verify_lossless as run
+
+        spec = base._speculative_config(draft, k, speculative_config)
+        if spec is None:
+            raise base.CliError("verify-lossless needs a drafter: pass --speculative-config JSON or --draft D")
+        base._quiet_transformers()
+        llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
+        with progress_bars() as tick:
+            result = run(llm, samples=samples, false_alarm=false_alarm, prompts=prompt, progress=tick)
+    if as_json:
+        base._print_json(result)
+    else:
+        console = Console(highlight=False)
+        for line in format_result(result):
+            console.print(line, markup=False, soft_wrap=True)
+    if not result["passed"]:
+        raise typer.Exit(1)
+
+
+def export(
+    engine: Annotated[str, typer.Option("--engine", help="vllm, sglang, trtllm or llamacpp.")],
+    profile_path: Annotated[str | None, typer.Option(
+        "--profile", help="profile.json from `specdec profile`: export its recommendation.")] = None,
+    speculative_config: base.SpecOpt = None,
+    model: Annotated[str | None, typer.Option("--model", help="Target model (used in the launch command).")] = None,
+    as_json: base.JsonOpt = False,
+) -> None:
+    """Print the equivalent speculative-decoding settings for vLLM, SGLang, TensorRT-LLM or llama.cpp."""
+    with base._errors_exit_2():
+        from specdec.workbench.export import export_config, export_from_profile
+
+        if (profile_path is None) == (speculative_config is None):
+            raise base.CliError("pass exactly one of --profile profile.json or --speculative-config JSON")
+        if profile_path is not None:
+            result = export_from_profile(engine, profile_path)
+        else:
+            result = export_config(engine, _parse_json(speculative_config, "--speculative-config"), model)
+    if as_json:
+        base._print_json(result.as_dict())
+    else:
+        typer.echo(result.text, nl=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(profile)
+    app.command()(report)
+    app.command("verify-lossless")(verify_lossless)
+    app.command()(export)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _parse_json(raw: str, flag: str) -> dict:
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise base.CliError(f"{flag} is not valid JSON: {e.msg} at column {e.colno}") from None
+    if not isinstance(cfg, dict):
+        raise base.CliError(f"{flag} must be a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _print_profile(p: dict, path: str, console: Console) -> None:
+    console.print(f"{p['num_prompts']} prompts, max {p['max_tokens']} tokens, k measured up to {p['k_max']}; "
+                  f"v(k) = " + " ".join(f"{x:.2f}" for x in p["verify_cost"]["v"])
+                  + f" (1-token forward {p['verify_cost']['t1_s'] * 1e3:.2f} ms)", markup=False, soft_wrap=True)
+    for c in p["configs"]:
+        table = Table(title=f"{c['method']}: c = {c['draft_cost_ratio']:.3f} (draft step ÷ target step)",
+                      title_style="bold")
+        for col in ("category", "prompts", "α_1..α_K (conditional)", "τ", "plain tok/s",
+                    f"spec tok/s (k={c['k_measured']})", "best k", "predicted S"):
+            table.add_column(col, justify="left" if col == "category" else "right")
+        for cat, e in c["categories"].items():
+            table.add_row(cat, str(e["num_prompts"]), " ".join(f"{a:.2f}" for a in e["alpha_conditional"]),
+                          f"{e['mean_acceptance_length']:.2f}", f"{e['plain_tokens_per_s']:.1f}",
+                          f"{e['spec_tokens_per_s']:.1f}", str(e["best_k"]), f"{e['best_speedup']:.2f}x")
+        console.print(table)
+        console.print("predicted S(k), all prompts: " + ", ".join(
+            f"k={k}: {s:.2f}" for k, s in enumerate(c["overall"]["predicted_speedup"])), markup=False, soft_wrap=True)
+    console.print(f"{base.TAU}", style="dim", markup=False)
+    rec = p["recommendation"]
+    console.print(f"recommendation: {rec['reason']} -> {json.dumps(rec['speculative_config'])}", markup=False,
+                  soft_wrap=True)
+    v = p.get("validation")
+    if v:
+        console.print(f"measured at k={v['k']}: {v['measured_speedup']:.2f}x ({v['spec_tokens_per_s']:.1f} vs "
+                      f"{v['plain_tokens_per_s']:.1f} tokens/s, same process, alternating); predicted "
+                      f"{v['predicted_speedup']:.2f}x, {v['predicted_speedup_with_overhead']:.2f}x with loop overhead",
+                      markup=False, soft_wrap=True)
+    console.print(f"wrote {path}; `specdec report {Path(path).parent}` draws it", markup=False, soft_wrap=True)

@@ -1,0 +1,327 @@
+"""The workbench on tiny random models: profile, report, verify-lossless, export and bench --peer hf.
+
+Goldens for export live in tests/golden/export; regenerate them with SPECDEC_UPDATE_GOLDEN=1 after a
+deliberate change, and review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import specdec.verify as verify_module  # noqa: E402
+from specdec import LLM  # noqa: E402
+from specdec.cli import app  # noqa: E402
+from specdec.sampling import sample  # noqa: E402
+from specdec.workbench.export import ENGINES, export_config  # noqa: E402
+from specdec.workbench.lossless import chi_square, verify_lossless  # noqa: E402
+from specdec.workbench.profile import acceptance_from_rounds, expected_tokens, predicted_speedups  # noqa: E402
+from tiny_models import make_model, perturbed_copy  # noqa: E402
+
+runner = CliRunner()
+GOLDEN = Path(__file__).parent / "golden" / "export"
+SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: exact joint distributions are cheap
+PROMPTS = [("w1 w2 w3 w4", "code"), ("w10 w20 w30 w40 w50", "code"), ("w7 w8", "chat"), ("w3 w3 w9", "chat")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("workbench")
+    target = make_model(root / "target", "llama", seed=0, layers=4)
+    small = make_model(root / "small", "llama", words=SMALL_WORDS, seed=3, init_std=0.5)
+    return {"target": str(target), "near": str(perturbed_copy(target, root / "near", 0.01)),
+            "small": str(small), "small_draft": str(perturbed_copy(small, root / "small_draft", 0.05))}
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("wb_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in PROMPTS))
+    return path
+
+
+def cli(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def json_out(result) -> dict:
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stdout
+    return json.loads(lines[0])
+
+
+def fails_with(result, text: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "error:" in result.stderr and text in result.stderr, result.stderr
+
+
+# -- the cost model -------------------------------------------------------------------------------
+
+
+def test_expected_tokens_and_acceptance_from_rounds():
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    # i.i.d. alpha: matches ALGORITHM.md's closed form (1 - a^(k+1)) / (1 - a)
+    assert expected_tokens([0.7] * 4, 4) == pytest.approx((1 - 0.7 ** 5) / 0.3)
+    s = predicted_speedups([1.0, 1.0], c=0.5, v=[1.0, 1.2, 1.4])
+    assert s == pytest.approx([1.0, 2 / 1.7, 3 / 2.4])
+    # (drafts, accepted) per round: position 2 reached by the two rounds that accepted position 1
+    acc = acceptance_from_rounds([(2, 0), (2, 1), (2, 2), (0, 0)], 2)
+    assert acc["num_rounds"] == 3
+    assert acc["alpha_conditional"] == pytest.approx([2 / 3, 1 / 2])
+    assert acc["acceptance_rate_per_pos"] == pytest.approx([2 / 3, 1 / 3])
+    assert acc["tau_histogram"] == [1, 1, 1]
+    assert acc["mean_acceptance_length"] == pytest.approx(2.0)
+
+
+# -- profile and report ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def profiled(models, prompts_file, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("profile_out")
+    result = cli("profile", "--model", models["target"], "--prompts", prompts_file, "--max-tokens", 16,
+                 "--k-max", 3, "--out", out, "--json",
+                 "--speculative-config", json.dumps({"method": "draft_model", "model": models["near"]}),
+                 "--speculative-config", json.dumps({"method": "layer_skip", "num_draft_layers": 1}))
+    summary = json_out(result)
+    assert summary["profile"] == str(out / "profile.json")
+    return out, json.loads((out / "profile.json").read_text())
+
+
+def test_profile_writes_measurements_and_predictions(profiled):
+    _, p = profiled
+    assert p["k_max"] == 3 and p["num_prompts"] == 4 and p["categories"] == ["chat", "code"]
+    v = p["verify_cost"]["v"]
+    assert p["verify_cost"]["k"] == [0, 1, 2, 3] and v[0] == 1.0 and all(x > 0 for x in v)
+    assert [c["method"] for c in p["configs"]] == ["draft_model", "layer_skip"]
+    for c in p["configs"]:
+        assert c["draft_cost_ratio"] > 0
+        assert c["greedy_match"] == {"matched": 4, "total": 4}
+        assert set(c["categories"]) == {"chat", "code", "all"}
+        for cat, e in c["categories"].items():
+            assert len(e["alpha_conditional"]) == 3
+            assert all(0.0 <= a <= 1.0 for a in e["alpha_conditional"] + e["acceptance_rate_per_pos"])
+            assert 1.0 <= e["mean_acceptance_length"] <= 4.0
+            assert sum(e["tau_histogram"]) == e["num_rounds"] == len(e["accepted_per_round"]) > 0
+            assert e["plain_tokens_per_s"] > 0 and e["spec_tokens_per_s"] > 0
+            # the prediction is exactly S(k) = E(k) / (k c + v(k)) with the measured alphas
+            expect = [expected_tokens(e["alpha_conditional"], k) / (k * c["draft_cost_ratio"] + v[k]) for k in range(4)]
+            assert e["predicted_speedup"] == pytest.approx(expect)
+            assert e["predicted_speedup"][0] == pytest.approx(1.0)
+            assert e["best_k"] == max(range(4), key=lambda k: e["predicted_speedup"][k])
+    near = p["configs"][0]["overall"]
+    assert 0 < near["acceptance_rate"] < 1  # the near draft partly agrees: every position is measured
+    rec = p["recommendation"]
+    best = max(p["configs"], key=lambda c: c["overall"]["best_speedup"])
+    assert rec["method"] == best["method"] and rec["k"] == best["overall"]["best_k"]
+    assert rec["speculative_config"]["adaptive"] is False
+    val = p["validation"]
+    assert 1 <= val["k"] <= 3 and val["measured_speedup"] > 0
+    assert val["greedy_match"]["matched"] == 4
+    assert val["predicted_speedup"] == pytest.approx(
+        p["configs"][rec["config_index"]]["overall"]["predicted_speedup"][val["k"]])
+
+
+def test_report_writes_html_png_and_markdown(profiled):
+    out, _ = profiled
+    summary = json_out(cli("report", out, "--json"))
+    files = summary["files"]
+    for name in ("acceptance_by_position.png", "speedup_vs_k.png", "tau_histogram.png", "time_split.png"):
+        assert Path(files[name]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = Path(files["report.html"]).read_text()
+    assert page.count("data:image/png;base64,") == 4 and "<table>" in page
+    md = Path(files["report.md"]).read_text()
+    assert "| config |" in md and "speedup_vs_k.png" in md and "τ" in md
+    assert summary["summary"]["recommendation"]["method"] in ("draft_model", "layer_skip")
+
+
+def test_profile_and_report_bad_input(models, prompts_file, tmp_path):
+    fails_with(cli("profile", "--model", models["target"], "--prompts", prompts_file), "needs a drafter")
+    fails_with(cli("profile", "--model", models["target"], "--prompts", prompts_file,
+                   "--speculative-config", "{nope"), "not valid JSON")
+    fails_with(cli("profile", "--model", models["target"], "--prompts", prompts_file, "--k-max", 0,
+                   "--speculative-config", '{"method": "layer_skip"}'), "--k-max")
+    fails_with(cli("profile", "--model", models["target"], "--prompts", tmp_path / "missing.jsonl",
+                   "--speculative-config", '{"method": "layer_skip"}'), "does not exist")
+    fails_with(cli("report", tmp_path), "no profile.json")
+    (tmp_path / "profile.json").write_text("{}")
+    fails_with(cli("report", tmp_path), "not a specdec profile")
+
+
+# -- verify-lossless ------------------------------------------------------------------------------
+
+
+def skip_residual(draft_token_ids, draft_probs, target_probs, generators, num_draft=None):
+    """A broken verifier: after a rejection it samples from p instead of the residual max(0, p - q)."""
+    return _broken(draft_token_ids, draft_probs, target_probs, generators, num_draft, residual=False)
+
+
+def logit_residual(draft_token_ids, draft_probs, target_probs, generators, num_draft=None):
+    """A broken verifier: the residual softmax(clamp(log p - log q, min=0)), built from logits."""
+    return _broken(draft_token_ids, draft_probs, target_probs, generators, num_draft, residual=True)
+
+
+_correct_rejection_sample = verify_module.rejection_sample
+
+
+def _broken(draft_ids, q, p, generators, num_draft, residual):
+    B, k = draft_ids.shape
+    if q is None or k == 0:
+        return _correct_rejection_sample(draft_ids, q, p, generators, num_draft)
+    num_draft = torch.full((B,), k) if num_draft is None else num_draft
+    p_x = p[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)  # [B, k]
+    q_x = q.gather(-1, draft_ids[..., None]).squeeze(-1)
+    u = torch.stack([torch.rand(k, generator=g) for g in generators])
+    accepted = ((u * q_x < p_x) & (torch.arange(k) < num_draft[:, None])).int()
+    n = accepted.cumprod(dim=1).sum(dim=1)  # [B]
+    rows = torch.arange(B)
+    p_next = p[rows, n]  # [B, V]
+    if residual:
+        q_at = q[rows, n.clamp(max=k - 1)]
+        wrong = torch.softmax(torch.nan_to_num((p_next.log() - q_at.log()).clamp(min=0), posinf=30.0), dim=-1)
+        p_next = torch.where((n < num_draft)[:, None], wrong, p_next)
+    return verify_module.VerifyResult(n.tolist(), sample(p_next, generators).tolist())
+
+
+@pytest.fixture(scope="module")
+def lossless_llm(models) -> LLM:
+    return LLM(models["small"], speculative_config={"model": models["small_draft"], "num_speculative_tokens": 2})
+
+
+def test_verify_lossless_passes_on_the_engine(models):
+    result = json_out(cli("verify-lossless", "--model", models["small"], "--samples", 500, "--prompt", "w1 w2 w3",
+                          "--speculative-config", json.dumps({"model": models["small_draft"],
+                                                              "num_speculative_tokens": 2}), "--json"))
+    assert result["passed"] and result["verdict"] == "PASS" and result["num_tests"] == 3
+    assert result["threshold_per_test"] == pytest.approx(1e-3 / 3)
+    for t in result["tests"]:
+        assert t["samples"] == 500 and t["p_value"] > t["threshold"] and t["df"] >= 5
+        assert 0 < t["acceptance_rate"] < 1  # drafts were both accepted and rejected: the residual is exercised
+
+
+@pytest.mark.parametrize("broken", [skip_residual, logit_residual], ids=["no-residual", "logit-residual"])
+def test_verify_lossless_fails_on_a_broken_verifier(lossless_llm, monkeypatch, broken):
+    monkeypatch.setattr(verify_module, "rejection_sample", broken)
+    result = verify_lossless(lossless_llm, samples=500, prompts=["w1 w2 w3"])
+    assert not result["passed"] and result["verdict"] == "FAIL"
+    assert min(t["p_value"] for t in result["tests"]) < result["threshold_per_test"]
+
+
+def test_verify_lossless_cli_exit_status_and_bad_input(models, monkeypatch):
+    spec = json.dumps({"model": models["small_draft"], "num_speculative_tokens": 2})
+    monkeypatch.setattr(verify_module, "rejection_sample", skip_residual)
+    result = cli("verify-lossless", "--model", models["small"], "--speculative-config", spec, "--samples", 300,
+                 "--prompt", "w1 w2 w3")
+    assert result.exit_code == 1 and "FAIL" in result.stdout and "p = " in result.stdout
+    fails_with(cli("verify-lossless", "--model", models["small"]), "needs a drafter")
+    fails_with(cli("verify-lossless", "--model", models["small"], "--speculative-config", spec, "--samples", 3),
+               "--samples")
+
+
+def test_chi_square_merges_small_bins_and_rejects_impossible_outcomes():
+    probs = torch.tensor([0.5, 0.3, 0.19, 0.01, 0.0], dtype=torch.float64)
+    stat, df, p, impossible = chi_square(torch.tensor([50.0, 30, 19, 1, 0]), probs)
+    assert stat == pytest.approx(0.0) and p == pytest.approx(1.0) and df == 3 and impossible == 0
+    _, _, p, impossible = chi_square(torch.tensor([50.0, 30, 18, 1, 1]), probs)
+    assert p == 0.0 and impossible == 1
+
+
+# -- export ---------------------------------------------------------------------------------------
+
+EXPORT_CONFIGS = {
+    "draft_model": {"method": "draft_model", "model": "org/draft-68m", "num_speculative_tokens": 5, "adaptive": False},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
+    "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 2},
+}
+
+
+@pytest.mark.parametrize("method", list(EXPORT_CONFIGS))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_export_matches_golden(engine, method):
+    exp = export_config(engine, EXPORT_CONFIGS[method], "org/target-1b")
+    golden = GOLDEN / f"{engine}_{method}.txt"
+    if os.environ.get("SPECDEC_UPDATE_GOLDEN"):
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(exp.text)
+    assert exp.text == golden.read_text()
+    assert exp.supported == (method in ("draft_model", "ngram") or (engine, method) == ("vllm", "suffix"))
+    if not exp.supported:
+        assert "no equivalent" in exp.text and exp.command is None
+
+
+def test_export_option_values():
+    vllm = export_config("vllm", EXPORT_CONFIGS["ngram"]).options["speculative_config"]
+    assert vllm == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    sglang = export_config("sglang", EXPORT_CONFIGS["draft_model"]).options
+    assert sglang["--speculative-algorithm"] == "STANDALONE" and sglang["--speculative-num-steps"] == 5
+    assert sglang["--speculative-num-draft-tokens"] == 6 and sglang["--speculative-eagle-topk"] == 1
+    trt = export_config("trtllm", EXPORT_CONFIGS["ngram"]).options["speculative_config"]
+    assert trt["decoding_type"] == "NGram" and trt["max_draft_len"] == 4 and trt["max_matching_ngram_size"] == 3
+    llama = export_config("llamacpp", EXPORT_CONFIGS["draft_model"]).options
+    assert llama["--draft-max"] == 5 and llama["-md"] == "org/draft-68m.gguf" and llama["--draft-p-min"] == 0.0
+    adaptive = export_config("vllm", {"model": "d", "num_speculative_tokens": 4})
+    assert any("adaptive" in n for n in adaptive.notes)
+
+
+def test_export_cli_from_profile_and_bad_input(profiled, tmp_path):
+    out, p = profiled
+    rec = p["recommendation"]
+    result = cli("export", "--engine", "vllm", "--profile", out / "profile.json", "--json")
+    if rec["plain"]:  # random tiny models rarely pay off; then there is nothing to export
+        fails_with(result, "recommends plain decoding")
+    else:
+        assert json_out(result)["options"]["speculative_config"]["num_speculative_tokens"] == rec["k"]
+    draft = p["configs"][0]["speculative_config"]  # the draft_model config
+    p["recommendation"] = {**rec, "plain": False, "k": 2, "speculative_config": {**draft, "num_speculative_tokens": 2}}
+    (tmp_path / "profile.json").write_text(json.dumps(p))
+    exported = json_out(cli("export", "--engine", "sglang", "--profile", tmp_path / "profile.json", "--json"))
+    assert exported["method"] == "draft_model" and p["model"] in exported["command"]
+    assert exported["options"]["--speculative-num-steps"] == 2
+    text = cli("export", "--engine", "trtllm", "--speculative-config", json.dumps(EXPORT_CONFIGS["draft_model"]))
+    assert text.exit_code == 0 and "decoding_type: DraftTarget" in text.stdout
+    fails_with(cli("export", "--engine", "tgi", "--speculative-config", "{}"), "unknown engine")
+    fails_with(cli("export", "--engine", "vllm"), "exactly one of")
+    fails_with(cli("export", "--engine", "vllm", "--profile", tmp_path / "none.json"), "does not exist")
+    fails_with(cli("export", "--engine", "vllm", "--speculative-config", '{"method": "medusa"}'), "not supported")
+
+
+# -- bench --peer hf ------------------------------------------------------------------------------
+
+
+def test_bench_peer_hf(models, prompts_file):
+    spec = json.dumps({"method": "draft_model", "model": models["near"], "num_speculative_tokens": 3,
+                       "adaptive": False})
+    r = json_out(cli("bench", "--model", models["target"], "--prompts", prompts_file, "--max-tokens", 16,
+                     "--num-prompts", 3, "--speculative-config", spec, "--peer", "hf", "--json"))
+    for key in ("hf_ar", "hf_spec"):
+        assert r[key]["tokens"] > 0 and r[key]["tokens_per_s"] > 0
+        assert r[key]["tokens"] == r["ar"]["tokens"]  # same budget, same stop tokens
+    assert r["speedup_vs_hf"] == pytest.approx(r["spec"]["tokens_per_s"] / r["hf_spec"]["tokens_per_s"])
+    agree = r["hf_agreement"]
+    assert agree["all_agree"] and agree["hf_spec"]["agree"] == agree["hf_ar"]["agree"] == 3
+    assert r["greedy_match"]["matched"] == 3
+    text = cli("bench", "--model", models["target"], "--prompts", prompts_file, "--max-tokens", 8,
+               "--num-prompts", 1, "--speculative-config", spec, "--peer", "hf")
+    assert text.exit_code == 0 and "transformers" in text.stdout
+    fails_with(cli("bench", "--model", models["target"], "--prompts", prompts_file, "--speculative-config", spec,
+                   "--peer", "vllm"), "--peer")
+    fails_with(cli("bench", "--model", models["target"], "--prompts", prompts_file, "--speculative-config", spec,
+                   "--peer", "hf", "--temperature", 0.8), "greedy")
