@@ -146,10 +146,9 @@ class Engine:
             return proposal
         except Exception:  # a failing drafter must not fail the requests: they decode plainly instead
             log.exception("drafter failed; its %d sequence(s) fall back to plain decoding", len(seqs))
-            ids = [s.seq_id for s in seqs]
-            self.plain_only.update(ids)
+            self.plain_only.update(s.seq_id for s in seqs)
             try:
-                self.drafter.release(ids)
+                self.drafter.release(seqs)
             except Exception:
                 log.exception("drafter failed to release its state")
             return None
@@ -184,7 +183,7 @@ class Engine:
         if done:
             self.running = [s for s in self.running if not s.finished]
             if self.drafter is not None:
-                self.drafter.release([s.seq_id for s in done])
+                self.drafter.release(done)
             if self.controller is not None:
                 self.controller.release([s.seq_id for s in done])
             self.plain_only.difference_update(s.seq_id for s in done)

@@ -45,6 +45,10 @@ class SamplingBatch:
             needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
         )
 
+    @property
+    def device(self) -> torch.device:
+        return self.temperature.device
+
     def select(self, rows: Sequence[int]) -> SamplingBatch:
         idx = torch.tensor(rows, device=self.temperature.device)
         return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],

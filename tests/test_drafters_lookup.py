@@ -92,9 +92,9 @@ def test_ngram_release_forgets_the_sequence():
     d = NgramDrafter(1, 2)
     a, b = make_seq([1, 2, 1]), make_seq([3, 4, 3])
     propose(d, [a, b], 2)
-    d.release([a.seq_id])
+    d.release([a])
     assert set(d.index) == {b.seq_id}
-    d.release([b.seq_id, 12345])
+    d.release([b, make_seq([9])])
     assert d.index == {}
 
 
@@ -196,7 +196,7 @@ def test_suffix_drafts_from_earlier_requests_outputs():
     a = make_seq([50, 51, 10, 11], num_prompt=2)
     propose(d, [a], 3)
     a.token_ids += [12, 13, 14, 15]  # the last round's tokens, which the drafter has not been shown
-    d.release([a.seq_id])
+    d.release([a])
     assert list(d.cache.seqs.values()) == [[10, 11, 12, 13, 14, 15]] and d.requests == {}
     b = make_seq([99, 10, 11, 12])
     assert propose(d, [b], 3) == [[13, 14, 15]]
@@ -212,7 +212,7 @@ def test_suffix_cache_evicts_the_oldest_and_stays_bounded():
         out = [rng.randrange(5) for _ in range(rng.randint(5, 40))]
         s = make_seq([100 + i] + out, num_prompt=1)
         propose(d, [s], 2)
-        d.release([s.seq_id])
+        d.release([s])
         outputs.append(out)
         assert list(d.cache.seqs.values()) == outputs[-2:]
         assert trie_counts(d.cache) == substring_counts(outputs[-2:], 6)  # exactly what a fresh cache holds
@@ -222,7 +222,7 @@ def test_suffix_release_forgets_the_sequence():
     d = SuffixDrafter()
     a, b = make_seq([1, 2, 1, 2]), make_seq([3, 4, 3])
     propose(d, [a, b], 2)
-    d.release([a.seq_id, 777])
+    d.release([a, make_seq([9])])
     assert set(d.requests) == {b.seq_id}
 
 

@@ -25,6 +25,16 @@ class DraftProposal:
     #                                    are deterministic (q = one-hot), as for greedy or lookup drafters
     num_draft_tokens: list[int]  # [B] drafts per row, 0..k_max; a row may propose fewer than asked
 
+    @classmethod
+    def from_rows(cls, rows: list[list[int]], device: torch.device | str) -> DraftProposal:
+        """Pack per-row deterministic drafts (possibly empty) into a right-padded [B, longest row] proposal."""
+        width = max((len(r) for r in rows), default=0)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, k]; padding past a row's drafts is never read
+        for b, r in enumerate(rows):
+            if r:
+                ids[b, : len(r)] = torch.tensor(r)
+        return cls(ids.to(device), None, [len(r) for r in rows])
+
 
 class Drafter(ABC):
     @abstractmethod
@@ -34,5 +44,5 @@ class Drafter(ABC):
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         """Learn how many drafts of the last proposal each sequence accepted (its history already includes them)."""
 
-    def release(self, seq_ids: list[int]) -> None:
-        """Forget finished sequences."""
+    def release(self, seqs: list[Sequence]) -> None:
+        """Forget finished sequences (their histories are final)."""

@@ -61,7 +61,7 @@ class DraftModelDrafter(Drafter):
             self.committed[s.seq_id] = len(s.token_ids)
         return proposal
 
-    def release(self, seq_ids: list[int]) -> None:
-        for i in seq_ids:
-            self.cached.pop(i, None)
-            self.committed.pop(i, None)
+    def release(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.cached.pop(s.seq_id, None)
+            self.committed.pop(s.seq_id, None)

@@ -26,7 +26,7 @@ TAIL_CHECK = 8  # tokens compared to tell a grown history from a changed one
 
 
 class NgramDrafter(Drafter):
-    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
+    def __init__(self, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {prompt_lookup_min} "
                              f"and {prompt_lookup_max}")
@@ -38,11 +38,11 @@ class NgramDrafter(Drafter):
         for s, want in zip(seqs, num_draft):
             index = self._sync(s)
             rows.append(index.lookup(want) if want > 0 else [])
-        return proposal_from_rows(rows, sb.temperature.device)
+        return DraftProposal.from_rows(rows, sb.device)
 
-    def release(self, seq_ids: list[int]) -> None:
-        for i in seq_ids:
-            self.index.pop(i, None)
+    def release(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.index.pop(s.seq_id, None)
 
     def _sync(self, seq: Sequence) -> NgramIndex:
         history = seq.token_ids
@@ -90,13 +90,3 @@ class NgramIndex:
             if e is not None:
                 return toks[e + 1:e + 1 + k]
         return []
-
-
-def proposal_from_rows(rows: list[list[int]], device: torch.device | str) -> DraftProposal:
-    """Pack per-row deterministic drafts (possibly empty) into a right-padded [B, longest row] proposal."""
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, k]; padding past a row's drafts is never read
-    for b, r in enumerate(rows):
-        if r:
-            ids[b, :len(r)] = torch.tensor(r)
-    return DraftProposal(ids.to(device), None, [len(r) for r in rows])

@@ -30,13 +30,13 @@ request walks its substrings once more and removes what only it contributed.
 from __future__ import annotations
 
 from specdec.drafters.base import DraftProposal, Drafter
-from specdec.drafters.ngram import TAIL_CHECK, proposal_from_rows
+from specdec.drafters.ngram import TAIL_CHECK
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
 
 class SuffixDrafter(Drafter):
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1):
         if max_tree_depth < 1 or max_cached_requests < 0 or max_spec_factor <= 0 or not 0 <= min_token_prob <= 1:
             raise ValueError("need max_tree_depth >= 1, max_cached_requests >= 0, max_spec_factor > 0 and "
@@ -56,19 +56,19 @@ class SuffixDrafter(Drafter):
         for s, want in zip(seqs, num_draft):
             req = self._sync(s)
             rows.append(self._draft(req, want) if want > 0 else [])
-        return proposal_from_rows(rows, sb.temperature.device)
+        return DraftProposal.from_rows(rows, sb.device)
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         for s in seqs:
             self._sync(s)
 
-    def release(self, seq_ids: list[int]) -> None:
-        for i in seq_ids:
-            req = self.requests.pop(i, None)
+    def release(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            req = self.requests.pop(s.seq_id, None)
             if req is None or self.max_cached_requests == 0:
                 continue
             # Read the sequence itself, not the trie's copy: the last round's tokens may not have been shown.
-            output = req.seq.token_ids[req.num_prompt:]
+            output = s.output_token_ids
             if output:
                 self.cache.insert(output)
                 while len(self.cache.seqs) > self.max_cached_requests:
@@ -246,8 +246,6 @@ class RequestTrie(SuffixTrie):
 
     def __init__(self, depth: int, seq: Sequence):
         super().__init__(depth)
-        self.seq = seq  # to read the final tokens on release
-        self.num_prompt = seq.num_prompt_tokens
         self.tokens: list[int] = []  # the history inserted so far (a copy: leaves point into it)
         self.seqs[0] = self.tokens
         self.open: list[OpenSuffix] = []
