@@ -72,7 +72,7 @@ class Server:
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench_server_{name}_", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "specdec.cli", "serve", *args, "--port", str(self.port),
+        cmd = [sys.executable, "-c", "from specdec.cli import main; main()", "serve", *args, "--port", str(self.port),
                "--served-model-name", "bench"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
