@@ -101,6 +101,22 @@ def test_models_health_and_completion(spec_server, client):
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 5, 8)
 
 
+def test_a_list_of_prompts_gives_one_choice_each(spec_server, client, hf_target):
+    r = client.completions.create(model=NAME, prompt=PROMPTS[:3], max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for p, c in zip(PROMPTS, r.choices):  # batched, so equal up to near-ties
+        want = greedy(client, p, 6).model_extra["token_ids"]
+        assert_greedy_equal(hf_target, spec_server.llm.tokenizer.encode(p), want, c.model_extra["token_ids"])
+    assert r.usage.completion_tokens == 18
+    two = client.completions.create(model=NAME, prompt=PROMPTS[:2], max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[:2], max_tokens=6, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    for i in range(2):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == two.choices[i].text
+
+
 def test_seeded_sampling_is_reproducible_and_equals_llm_generate(models, client):
     target, draft = models
     kw = dict(temperature=0.9, top_p=0.95, seed=11, max_tokens=12)
@@ -344,6 +360,8 @@ TOO_LONG = {"model": NAME, "prompt": [5] * 128, "max_tokens": 2}
     ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
     ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {**GOOD, "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop"),
     ("/v1/completions", TOO_LONG, 400, "prompt"),
     ("/v1/completions", {**TOO_LONG, "stream": True}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": [5, 10_000]}, 400, "prompt"),  # outside the vocabulary
