@@ -400,3 +400,15 @@ def test_openai_client_sees_typed_errors(spec_server, client):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=spec_server.url + "/v1", api_key="bad", max_retries=0).models.list()
     assert greedy(client, "w1 w2", 2).finish_reason == "length"
+
+
+def test_serve_command_refuses_bad_input_with_exit_2(models):
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["serve", "--model", models[0], "--max-num-seqs", "0"])
+    assert r.exit_code == 2 and "max_num_seqs must be an integer >= 1" in r.output
+    r = runner.invoke(app, ["serve", "--model", models[0], "--speculative-config", "{"])
+    assert r.exit_code == 2 and "not valid JSON" in r.output
