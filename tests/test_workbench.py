@@ -152,6 +152,17 @@ def test_report_writes_html_png_and_markdown(profiled):
     assert summary["summary"]["recommendation"]["method"] in ("draft_model", "layer_skip")
 
 
+def test_profile_and_report_on_spec_bench(models, shared_data, tmp_path):
+    result = cli("profile", "--model", models["target"], "--prompts", shared_data / "spec_bench" / "question.jsonl",
+                 "--num-prompts", 2, "--max-tokens", 8, "--k-max", 2, "--no-validate", "--out", tmp_path,
+                 "--speculative-config", '{"method": "layer_skip", "num_draft_layers": 1}')
+    assert result.exit_code == 0, result.output
+    assert "recommendation:" in result.stdout and "α_1..α_2" in result.stdout
+    p = json.loads((tmp_path / "profile.json").read_text())
+    assert p["categories"] == ["writing"] and "validation" not in p
+    assert json_out(cli("report", tmp_path, "--json"))["summary"]["validation"] is None
+
+
 def test_profile_and_report_bad_input(models, prompts_file, tmp_path):
     fails_with(cli("profile", "--model", models["target"], "--prompts", prompts_file), "needs a drafter")
     fails_with(cli("profile", "--model", models["target"], "--prompts", prompts_file,
@@ -246,9 +257,12 @@ def test_chi_square_merges_small_bins_and_rejects_impossible_outcomes():
 # -- export ---------------------------------------------------------------------------------------
 
 EXPORT_CONFIGS = {
-    "draft_model": {"method": "draft_model", "model": "org/draft-68m", "num_speculative_tokens": 5, "adaptive": False},
+    "draft_model": {"method": "draft_model", "model": "org/draft-68m", "num_speculative_tokens": 5, "adaptive": False,
+                    "draft_p_min": 0.0},
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
-    "suffix": {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False,  # every option explicit:
+               "suffix_decoding_max_tree_depth": 24, "suffix_decoding_max_cached_requests": 1000,  # goldens must
+               "suffix_decoding_max_spec_factor": 1.0, "suffix_decoding_min_token_prob": 0.1},  # not follow defaults
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 2},
 }
 

@@ -191,15 +191,18 @@ def _print_profile(p: dict, path: str, console: Console) -> None:
     for c in p["configs"]:
         table = Table(title=f"{c['method']}: c = {c['draft_cost_ratio']:.3f} (draft step ÷ target step)",
                       title_style="bold")
-        for col in ("category", "prompts", "α_1..α_K (conditional)", "τ", "plain tok/s",
-                    f"spec tok/s (k={c['k_measured']})", "best k", "predicted S"):
+        for col in ("category", "prompts", "accept", "τ", "plain tok/s", f"spec tok/s k={c['k_measured']}",
+                    "best k", "S(best k)"):
             table.add_column(col, justify="left" if col == "category" else "right")
         for cat, e in c["categories"].items():
-            table.add_row(cat, str(e["num_prompts"]), " ".join(f"{a:.2f}" for a in e["alpha_conditional"]),
+            table.add_row(cat, str(e["num_prompts"]), f"{e['acceptance_rate']:.0%}",
                           f"{e['mean_acceptance_length']:.2f}", f"{e['plain_tokens_per_s']:.1f}",
                           f"{e['spec_tokens_per_s']:.1f}", str(e["best_k"]), f"{e['best_speedup']:.2f}x")
         console.print(table)
-        console.print("predicted S(k), all prompts: " + ", ".join(
+        for cat, e in c["categories"].items():
+            console.print(f"  {cat}: α_1..α_{c['k_measured']} (conditional acceptance) = "
+                          + " ".join(f"{a:.2f}" for a in e["alpha_conditional"]), markup=False, soft_wrap=True)
+        console.print("  predicted S(k), all prompts: " + ", ".join(
             f"k={k}: {s:.2f}" for k, s in enumerate(c["overall"]["predicted_speedup"])), markup=False, soft_wrap=True)
     console.print(f"{base.TAU}", style="dim", markup=False)
     rec = p["recommendation"]
@@ -209,6 +212,6 @@ def _print_profile(p: dict, path: str, console: Console) -> None:
     if v:
         console.print(f"measured at k={v['k']}: {v['measured_speedup']:.2f}x ({v['spec_tokens_per_s']:.1f} vs "
                       f"{v['plain_tokens_per_s']:.1f} tokens/s, same process, alternating); predicted "
-                      f"{v['predicted_speedup']:.2f}x, {v['predicted_speedup_with_overhead']:.2f}x with loop overhead",
+                      f"{v['predicted_speedup']:.2f}x, {v['predicted_speedup_end_to_end']:.2f}x end to end",
                       markup=False, soft_wrap=True)
     console.print(f"wrote {path}; `specdec report {Path(path).parent}` draws it", markup=False, soft_wrap=True)

@@ -5,10 +5,18 @@ The cost model is ALGORITHM.md's, with the measured per-position acceptance inst
 - α_i, the conditional acceptance of draft position i: of the rounds that reached position i (drafted
   it with positions 1..i-1 accepted), the share that accepted it;
 - E(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j, tokens per round (the recovered or bonus token included);
-- c = drafter time per drafted position ÷ one 1-token target forward;
+- c = drafter time per drafted position ÷ one 1-token target step (the plain engine's verify pass,
+  timed in the same alternating runs as the drafter);
 - v(k) = one (k+1)-token target forward ÷ one 1-token target forward, timed directly on the target
-  runner at batch 1 on real prompt prefixes (median of repeats), so v(0) = 1;
+  runner at batch 1 on real prompt prefixes (median of repeats, the k interleaved so that load
+  changes hit every k alike), so v(0) = 1;
 - S(k) = E(k) / (k·c + v(k)); S(0) = 1 is plain decoding. The recommended k maximises S(k).
+
+S(k) is the decode-loop speedup. Measured tokens/s also pays the prefill and the loop's own
+per-round work, so the profile adds an end-to-end prediction built from the same parts plus those
+measured costs: T_plain = P + N·t_plain and T_spec(k) = P + N/E(k) · (t_1·(k·c + v(k)) + o), with P
+the prefill per prompt, N the tokens per prompt, t_plain the plain step per token, t_1 the 1-token
+step and o the speculative loop's overhead per round.
 
 Acceptance is measured with adaptive k off and k = K, so that every position 1..K is drafted.
 Tokens/s is measured with plain and speculative runs of every prompt alternating in one process.
@@ -134,9 +142,9 @@ def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats
         target.sync_rows(["__specdec_profile__"])
         if start > 0:
             target.forward(torch.tensor([ids[:-1]], device=device), [0])
-        for k in range(k_max + 1):
-            tokens = torch.tensor([[ids[-1]] + (ids * (k + 1))[:k]], device=device)  # [1, k+1]
-            for rep in range(warmup + repeats):
+        inputs = [torch.tensor([[ids[-1]] + (ids * (k + 1))[:k]], device=device) for k in range(k_max + 1)]  # [1, k+1]
+        for rep in range(warmup + repeats):
+            for k, tokens in enumerate(inputs):  # every repeat times every k: load changes hit all alike
                 _sync(device)
                 t0 = time.perf_counter()
                 target.forward(tokens, [start], all_logits=True)  # rewrites positions start..start+k each time
@@ -242,10 +250,13 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
         advance()
 
     draft_tokens = stats.num_draft_tokens
-    c = (stats.draft_time_s / draft_tokens) / t1 if draft_tokens else 0.0
+    plain = _merge([s_["ar"] for s_ in sides.values()])
+    t_step = plain.verify_s / plain.passes if plain.passes else t1  # the 1-token target step, in the engine
+    c = (stats.draft_time_s / draft_tokens) / t_step if draft_tokens else 0.0
     result = {
         "method": spec.method, "speculative_config": cfg, "k_measured": K,
         "draft_time_per_position_s": stats.draft_time_s / draft_tokens if draft_tokens else 0.0,
+        "target_step_s": t_step,
         "draft_cost_ratio": c,
         "greedy_match": {"matched": matched, "total": len(records)} if params.greedy else None,
         "categories": {},
@@ -269,22 +280,32 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
             "time_split": _time_split(sp),
             "plain_time_split": _time_split(ar),
         }
-        # The same prediction with the loop's own per-round overhead (rounds minus forwards) added as a
-        # cost: plain decoding pays it once per token, speculation once per round.
-        entry["predicted_speedup_with_overhead"] = _with_overhead(entry, ar, sp, c, v, t1, K)
+        entry["predicted_speedup_end_to_end"] = _end_to_end(entry, ar, sp, c, v, t_step)
         result["categories"][name] = entry
     result["overall"] = result["categories"][ALL]
     del spec_llm
     return result
 
 
-def _with_overhead(entry: dict, ar: _Side, sp: _Side, c: float, v: list[float], t1: float, K: int) -> list[float]:
-    if not (ar.passes and sp.passes and t1 > 0):
+def _end_to_end(entry: dict, ar: _Side, sp: _Side, c: float, v: list[float], t_step: float) -> list[float]:
+    """T_plain / T_spec(k) per prompt: prefill P, N tokens, plain step t_plain per token, and per speculative
+    round t_step·(k·c + v(k)) plus the loop overhead o measured at k = K."""
+    n_prompts = entry["num_prompts"]
+    if not (ar.passes and sp.passes and n_prompts):
         return entry["predicted_speedup"]
-    o_ar = max(0.0, ar.step_s / ar.passes / t1 - 1.0)  # plain step = one 1-token forward + overhead
-    o_spec = max(0.0, sp.step_s / sp.passes / t1 - (K * c + v[K]))
-    return [expected_tokens(entry["alpha_conditional"], k) * (1.0 + o_ar) / (k * c + v[k] + (o_spec if k else o_ar))
-            for k in range(K + 1)]
+    prefill = ar.prefill_s / n_prompts
+    tokens = ar.tokens / n_prompts
+    t_plain = ar.step_s / ar.passes
+    overhead = max(0.0, sp.step_s - sp.draft_s - sp.verify_s) / sp.passes
+    plain_time = prefill + tokens * t_plain
+    out = []
+    for k in range(len(v)):
+        if k == 0:
+            out.append(1.0)
+            continue
+        rounds = tokens / expected_tokens(entry["alpha_conditional"], k)
+        out.append(plain_time / (prefill + rounds * (t_step * (k * c + v[k]) + overhead)))
+    return out
 
 
 def _validate(ar_llm: LLM, model: str, best: dict, k: int, records: list, params: SamplingParams, dtype: str,
@@ -296,7 +317,7 @@ def _validate(ar_llm: LLM, model: str, best: dict, k: int, records: list, params
     result = run_bench(ar_llm, spec_llm, prompts, params).as_dict()
     advance()
     predicted = best["overall"]["predicted_speedup"][k]
-    predicted_oh = best["overall"]["predicted_speedup_with_overhead"][k]
+    predicted_e2e = best["overall"]["predicted_speedup_end_to_end"][k]
     measured = result["speedup"]
     m = result["spec"]["metrics"]
     by_cat = {}
@@ -306,9 +327,9 @@ def _validate(ar_llm: LLM, model: str, best: dict, k: int, records: list, params
                        "predicted_speedup": pc["predicted_speedup"][k] if pc else None}
     return {
         "speculative_config": cfg, "k": k, "predicted_speedup": predicted,
-        "predicted_speedup_with_overhead": predicted_oh, "measured_speedup": measured,
+        "predicted_speedup_end_to_end": predicted_e2e, "measured_speedup": measured,
         "relative_error": (predicted - measured) / measured if measured else None,
-        "relative_error_with_overhead": (predicted_oh - measured) / measured if measured else None,
+        "relative_error_end_to_end": (predicted_e2e - measured) / measured if measured else None,
         "plain_tokens_per_s": result["ar"]["tokens_per_s"], "spec_tokens_per_s": result["spec"]["tokens_per_s"],
         "acceptance_rate": result["spec"]["acceptance_rate"],
         "mean_acceptance_length": result["spec"]["mean_acceptance_length"],
