@@ -47,8 +47,8 @@ class SamplingParams:
                f"min_p must be in [0, 1], got {self.min_p!r}; use 0 to disable it")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(self.seed is None or _is_int(self.seed),
-               f"seed must be an integer or None, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+               f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),

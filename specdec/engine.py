@@ -76,6 +76,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def release_memory(self) -> None:
+        """Free the KV caches while nothing runs (a server between bursts); they regrow on demand."""
+        if self.running:
+            raise RuntimeError("release_memory() while sequences are running would lose their caches")
+        self.target.release()
+        if self.drafter is not None:
+            self.drafter.release_memory()
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
@@ -163,8 +171,8 @@ class Engine:
             return
         t0 = time.perf_counter()
         self.running += new
-        longest = max(min(s.num_prompt_tokens + s.params.max_tokens, s.max_len) for s in self.running)
-        self.target.reserve(len(self.running), longest + self.k + 1)
+        # room for the prompts now; the cache grows in steps as the outputs do
+        self.target.reserve(len(self.running), max(s.num_prompt_tokens for s in self.running) + self.k + 1)
         self.target.sync_rows([s.seq_id for s in self.running])
         # Prefill each new prompt but its last token, which the first round's verify pass feeds.
         prefill = [s for s in new if s.num_prompt_tokens > 1]

@@ -276,3 +276,12 @@ def test_a_drafter_failure_only_affects_the_sequences_it_failed_on(models):
     later = llm.generate({"prompt_token_ids": prompts[0]}, sp)  # a new request speculates again
     assert later[0].outputs[0].token_ids == expected[0]
     assert llm.get_metrics()["num_drafts"] > 0
+
+
+def test_release_memory_frees_the_caches_and_generation_resumes(models):
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = llm.generate({"prompt_token_ids": [4, 5, 6]}, sp)[0].outputs[0].token_ids
+    llm.engine.release_memory()
+    assert llm.engine.target.cache is None and llm.engine.drafter.runner.cache is None
+    assert llm.generate({"prompt_token_ids": [4, 5, 6]}, sp)[0].outputs[0].token_ids == first

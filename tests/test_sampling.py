@@ -94,3 +94,10 @@ def test_bad_sampling_values_are_refused(kw, message):
 
 def test_top_k_minus_one_means_disabled_as_in_vllm():
     assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_seed_range_is_what_a_torch_generator_takes():
+    for seed in (-(2**63), 0, 2**64 - 1):
+        make_generator(SamplingParams(seed=seed).seed)
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        SamplingParams(seed=2**64)

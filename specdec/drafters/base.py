@@ -46,3 +46,6 @@ class Drafter(ABC):
 
     def release(self, seqs: list[Sequence]) -> None:
         """Forget finished sequences (their histories are final)."""
+
+    def release_memory(self) -> None:
+        """No sequence is running: free buffers that the next proposal can rebuild (a KV cache)."""

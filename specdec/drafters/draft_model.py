@@ -61,6 +61,9 @@ class DraftModelDrafter(Drafter):
             self.committed[s.seq_id] = len(s.token_ids)
         return proposal
 
+    def release_memory(self) -> None:
+        self.runner.release()  # every row starts empty again; propose() notices new rows
+
     def release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             self.cached.pop(s.seq_id, None)

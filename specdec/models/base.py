@@ -25,6 +25,10 @@ class ModelRunner(ABC):
         """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
 
     @abstractmethod
+    def release(self) -> None:
+        """Free the KV cache; the next forward allocates what it needs (every row starts empty)."""
+
+    @abstractmethod
     def sync_rows(self, ids: Sequence[Hashable]) -> list[bool]:
         """Put the cache rows of sequences ``ids`` at rows 0..B-1; returns which ids are new (cached length 0)."""
 

@@ -236,10 +236,7 @@ class AsyncEngine:
         """No sequence left: give the KV caches' memory back (the engine keeps them at their peak size)."""
         if not self.release_when_idle:
             return
-        runners = [self.engine.target, getattr(self.engine.drafter, "runner", None)]
-        for r in runners:
-            if r is not None and hasattr(r, "release"):
-                r.release()
+        self.engine.release_memory()
         _malloc_trim()
 
 

@@ -73,8 +73,6 @@ class _SamplingFields(BaseModel):
                 raise ApiError(400, f"{name} is not supported; leave it unset or 0", name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported; leave it unset", "logit_bias")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator takes
-            raise ApiError(400, f"seed must be in [-2**63, 2**64), got {self.seed}", "seed")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises ValueError (mapped to 400) for out-of-range values, with the library's message."""
