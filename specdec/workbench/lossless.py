@@ -152,6 +152,9 @@ def _last_logits(target, prompts: list[list[int]], device) -> torch.Tensor:
 def _prompt_ids(llm: LLM, prompts: list | None) -> list[list[int]]:
     V = llm.engine.target.vocab_size
     if prompts:
+        if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            raise ValueError("this model folder has no tokenizer, so text prompts cannot be encoded; omit --prompt "
+                             "to use the built-in token-id prompts")
         out = [llm._tokenize(p) for p in prompts]
     elif llm.tokenizer is not None:
         out = [llm._tokenize(p) for p in TEXT_PROMPTS]
