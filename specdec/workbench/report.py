@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 from pathlib import Path
 
 from specdec.workbench.profile import ALL, TAU_NOTE
@@ -262,7 +263,8 @@ def _html(profile: dict, summary: dict, folder: Path) -> str:
         elif line.startswith("# "):
             body.append(f"<h1>{html.escape(line[2:])}</h1>")
         elif line.strip():
-            text = html.escape(line).replace("**", "")
+            text = re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", html.escape(line))
+            text = re.sub(r"`(.+?)`", r"<code>\1</code>", text)
             body.append(f"<p>{text}</p>")
     flush_table()
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
