@@ -22,7 +22,12 @@ from specdec.cli import app  # noqa: E402
 from specdec.sampling import sample  # noqa: E402
 from specdec.workbench.export import ENGINES, export_config  # noqa: E402
 from specdec.workbench.lossless import chi_square, verify_lossless  # noqa: E402
-from specdec.workbench.profile import acceptance_from_rounds, expected_tokens, predicted_speedups  # noqa: E402
+from specdec.workbench.profile import (  # noqa: E402
+    acceptance_from_rounds,
+    expected_tokens,
+    predicted_speedups,
+    round_cost,
+)
 from tiny_models import make_model, perturbed_copy  # noqa: E402
 
 runner = CliRunner()
@@ -88,6 +93,14 @@ def test_expected_tokens_and_acceptance_from_rounds():
     assert acc["acceptance_rate_per_pos"] == pytest.approx([2 / 3, 1 / 3])
     assert acc["tau_histogram"] == [1, 1, 1]
     assert acc["mean_acceptance_length"] == pytest.approx(2.0)
+    # (asked, drafted, accepted): a lookup drafter that found only 1 token fails position 2 by proposing nothing
+    acc = acceptance_from_rounds([(2, 1, 1), (2, 2, 2), (2, 0, 0), (1, 1, 1)], 2)
+    assert acc["alpha_conditional"] == pytest.approx([3 / 4, 1 / 2])  # position 2: asked 3 times, reached by 2
+    assert acc["proposal_rate_per_pos"] == pytest.approx([3 / 4, 1 / 3])
+    assert acc["draft_length_histogram"] == [1, 2, 1] and acc["num_rounds"] == 3
+    # the round cost averages over the proposal lengths: n = 0, 1, 1, 2 at k = 2
+    assert round_cost(2, 0.5, [1.0, 1.2, 1.4], [1, 2, 1]) == pytest.approx((1.0 + 2 * 1.7 + 2.4) / 4)
+    assert round_cost(2, 0.5, [1.0, 1.2, 1.4]) == pytest.approx(2.4)
 
 
 # -- profile and report ---------------------------------------------------------------------------
@@ -121,8 +134,13 @@ def test_profile_writes_measurements_and_predictions(profiled):
             assert 1.0 <= e["mean_acceptance_length"] <= 4.0
             assert sum(e["tau_histogram"]) == e["num_rounds"] == len(e["accepted_per_round"]) > 0
             assert e["plain_tokens_per_s"] > 0 and e["spec_tokens_per_s"] > 0
-            # the prediction is exactly S(k) = E(k) / (k c + v(k)) with the measured alphas
-            expect = [expected_tokens(e["alpha_conditional"], k) / (k * c["draft_cost_ratio"] + v[k]) for k in range(4)]
+            # the prediction is exactly S(k) = E(k) / (k c + v(k)) with the measured alphas, the cost averaged
+            # over the measured proposal lengths (the room left at a sequence's end asks for fewer drafts)
+            lengths = e["draft_length_histogram"]
+            assert lengths[3] >= sum(lengths[:3])  # mostly full proposals
+            expect = [expected_tokens(e["alpha_conditional"], k)
+                      / (sum(n * (min(i, k) * c["draft_cost_ratio"] + v[min(i, k)]) for i, n in enumerate(lengths))
+                         / sum(lengths)) for k in range(4)]
             assert e["predicted_speedup"] == pytest.approx(expect)
             assert e["predicted_speedup"][0] == pytest.approx(1.0)
             assert e["best_k"] == max(range(4), key=lambda k: e["predicted_speedup"][k])

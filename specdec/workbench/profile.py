@@ -2,15 +2,18 @@
 setting, then run it and compare the prediction with the measured speedup.
 
 The cost model is ALGORITHM.md's, with the measured per-position acceptance instead of one i.i.d. α:
-- α_i, the conditional acceptance of draft position i: of the rounds that reached position i (drafted
-  it with positions 1..i-1 accepted), the share that accepted it;
+- α_i, the conditional acceptance of draft position i: of the rounds that asked for at least i drafts
+  and accepted positions 1..i-1, the share that accepted position i (a drafter that proposed fewer than
+  i tokens counts as not accepted: lookup drafters often find shorter continuations);
 - E(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j, tokens per round (the recovered or bonus token included);
 - c = drafter time per drafted position ÷ one 1-token target step (the plain engine's verify pass,
   timed in the same alternating runs as the drafter);
 - v(k) = one (k+1)-token target forward ÷ one 1-token target forward, timed directly on the target
   runner at batch 1 on real prompt prefixes (median of repeats, the k interleaved so that load
   changes hit every k alike), so v(0) = 1;
-- S(k) = E(k) / (k·c + v(k)); S(0) = 1 is plain decoding. The recommended k maximises S(k).
+- S(k) = E(k) / (k·c + v(k)); S(0) = 1 is plain decoding. The recommended k maximises S(k). k here
+  is the number of tokens drafted: when the drafter proposed fewer than asked, the cost is averaged
+  over the measured proposal lengths n, n_k = min(n, k): mean(n_k·c + v(n_k)).
 
 S(k) is the decode-loop speedup. Measured tokens/s also pays the prefill and the loop's own
 per-round work, so the profile adds an end-to-end prediction built from the same parts plus those
@@ -52,21 +55,48 @@ def expected_tokens(alphas: list[float], k: int) -> float:
     return expected
 
 
-def predicted_speedups(alphas: list[float], c: float, v: list[float]) -> list[float]:
+def round_cost(k: int, c: float, v: list[float], draft_lengths: list[int] | None = None) -> float:
+    """Cost of one round in 1-token target steps: k·c + v(k), or, given ``draft_lengths`` (rounds that
+    proposed n tokens at k = K, indexed by n), its mean over the proposal lengths truncated to k."""
+    if not draft_lengths or sum(draft_lengths) == 0:
+        return k * c + v[k]
+    total = sum(draft_lengths)
+    return sum(count * (min(n, k) * c + v[min(n, k)]) for n, count in enumerate(draft_lengths)) / total
+
+
+def predicted_speedups(alphas: list[float], c: float, v: list[float],
+                       draft_lengths: list[int] | None = None) -> list[float]:
     """S(k) = E(k) / (k·c + v(k)) for k = 0..len(v)-1, in units of one 1-token target step."""
-    return [expected_tokens(alphas, k) / (k * c + v[k]) for k in range(len(v))]
+    return [expected_tokens(alphas, k) / round_cost(k, c, v, draft_lengths) for k in range(len(v))]
 
 
 @dataclass
 class _RecordingStats(SpecDecodingStats):
-    """The engine's counters, plus (tag, drafts, accepted) for every sequence in every round."""
+    """The engine's counters, plus (tag, asked, drafted, accepted) for every sequence in every round."""
 
     rounds: list = field(default_factory=list)
     tag: str | None = None
+    asked: list[int] | None = None  # what the engine asked the drafter for in the current round
 
     def record_round(self, k_per_seq: list[int], num_accepted: list[int]) -> None:
         super().record_round(k_per_seq, num_accepted)
-        self.rounds += [(self.tag, k, n) for k, n in zip(k_per_seq, num_accepted)]
+        asked = self.asked or [0] * len(k_per_seq)
+        self.rounds += [(self.tag, max(a, k), k, n) for a, k, n in zip(asked, k_per_seq, num_accepted)]
+        self.asked = None
+
+
+def _record_asked(llm: LLM) -> None:
+    """Remember how many drafts the engine asks for (the room at the end of a sequence limits it)."""
+    drafter = llm.engine.drafter
+    if drafter is None:
+        return
+    propose = drafter.propose
+
+    def recording_propose(seqs, num_draft, sb):
+        llm.engine.stats.asked = list(num_draft)
+        return propose(seqs, num_draft, sb)
+
+    drafter.propose = recording_propose
 
 
 @dataclass
@@ -95,12 +125,20 @@ class _Side:
         self.passes += after.num_verify_passes - before.num_verify_passes
 
 
-def acceptance_from_rounds(rounds: list[tuple[int, int]], k_max: int) -> dict:
-    """Per-position acceptance from (drafts, accepted) pairs, one per sequence and round."""
-    drafted = [(nd, na) for nd, na in rounds if nd > 0]
-    reached = [sum(1 for nd, na in drafted if nd >= i and na >= i - 1) for i in range(1, k_max + 1)]
-    accepted = [sum(1 for nd, na in drafted if na >= i) for i in range(1, k_max + 1)]
-    proposed = [sum(1 for nd, _ in drafted if nd >= i) for i in range(1, k_max + 1)]
+def acceptance_from_rounds(rounds: list[tuple], k_max: int) -> dict:
+    """Per-position acceptance from (asked, drafted, accepted) triples, one per sequence and round
+    ((drafted, accepted) pairs mean the drafter always proposed what it was asked for)."""
+    rounds = [r if len(r) == 3 else (r[0], r[0], r[1]) for r in rounds]
+    asked_rounds = [(a, nd, na) for a, nd, na in rounds if a > 0]
+    drafted = [(nd, na) for _, nd, na in asked_rounds if nd > 0]
+    pos = range(1, k_max + 1)
+    reached = [sum(1 for a, nd, na in asked_rounds if a >= i and na >= i - 1) for i in pos]
+    accepted = [sum(1 for _, _, na in asked_rounds if na >= i) for i in pos]
+    proposed = [sum(1 for _, nd, _ in asked_rounds if nd >= i) for i in pos]
+    asked = [sum(1 for a, _, _ in asked_rounds if a >= i) for i in pos]
+    lengths = [0] * (k_max + 1)  # lengths[n]: rounds in which the drafter proposed n tokens
+    for _, nd, _ in asked_rounds:
+        lengths[min(nd, k_max)] += 1
     alphas: list[float] = []
     for r, a in zip(reached, accepted):
         # a position never reached keeps the previous one's rate (0 when nothing was measured)
@@ -123,6 +161,9 @@ def acceptance_from_rounds(rounds: list[tuple[int, int]], k_max: int) -> dict:
         "acceptance_rate_per_pos": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
         "tau_histogram": hist[1:],  # index t-1 holds the rounds that emitted t tokens, t = 1..k+1
         "accepted_per_round": [na for _, na in drafted],
+        "num_rounds_asked": len(asked_rounds),  # rounds that asked for drafts, also those that got none
+        "proposal_rate_per_pos": [p / a if a else 0.0 for p, a in zip(proposed, asked)],
+        "draft_length_histogram": lengths,
     }
 
 
@@ -232,6 +273,7 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
     _warm(ar_llm, records[0][0], params)
     stats = _RecordingStats()
     spec_llm.engine.stats = stats
+    _record_asked(spec_llm)
     sides = {cat: {"ar": _Side(), "spec": _Side()} for cat in categories}
     matched = 0
     advance = tick(f"{spec.method} at k={K}", len(records))
@@ -264,11 +306,11 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
     groups = {cat: [cat] for cat in categories}
     groups[ALL] = categories
     for name, cats in groups.items():
-        rounds = [(nd, na) for tag, nd, na in stats.rounds if tag in cats]
+        rounds = [(asked, nd, na) for tag, asked, nd, na in stats.rounds if tag in cats]
         acc = acceptance_from_rounds(rounds, K)
         ar = _merge([sides[c_]["ar"] for c_ in cats])
         sp = _merge([sides[c_]["spec"] for c_ in cats])
-        s_pred = predicted_speedups(acc["alpha_conditional"], c, v)
+        s_pred = predicted_speedups(acc["alpha_conditional"], c, v, acc["draft_length_histogram"])
         best_k = max(range(K + 1), key=lambda k: s_pred[k])
         entry = {
             **acc,
@@ -280,14 +322,15 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
             "time_split": _time_split(sp),
             "plain_time_split": _time_split(ar),
         }
-        entry["predicted_speedup_end_to_end"] = _end_to_end(entry, ar, sp, c, v, t_step)
+        entry["round_cost"] = [round_cost(k, c, v, acc["draft_length_histogram"]) for k in range(K + 1)]
+        entry["predicted_speedup_end_to_end"] = _end_to_end(entry, ar, sp, t_step)
         result["categories"][name] = entry
     result["overall"] = result["categories"][ALL]
     del spec_llm
     return result
 
 
-def _end_to_end(entry: dict, ar: _Side, sp: _Side, c: float, v: list[float], t_step: float) -> list[float]:
+def _end_to_end(entry: dict, ar: _Side, sp: _Side, t_step: float) -> list[float]:
     """T_plain / T_spec(k) per prompt: prefill P, N tokens, plain step t_plain per token, and per speculative
     round t_step·(k·c + v(k)) plus the loop overhead o measured at k = K."""
     n_prompts = entry["num_prompts"]
@@ -299,12 +342,12 @@ def _end_to_end(entry: dict, ar: _Side, sp: _Side, c: float, v: list[float], t_s
     overhead = max(0.0, sp.step_s - sp.draft_s - sp.verify_s) / sp.passes
     plain_time = prefill + tokens * t_plain
     out = []
-    for k in range(len(v)):
+    for k, cost in enumerate(entry["round_cost"]):
         if k == 0:
             out.append(1.0)
             continue
         rounds = tokens / expected_tokens(entry["alpha_conditional"], k)
-        out.append(plain_time / (prefill + rounds * (t_step * (k * c + v[k]) + overhead)))
+        out.append(plain_time / (prefill + rounds * (t_step * cost + overhead)))
     return out
 
 
