@@ -110,7 +110,7 @@ def test_expected_tokens_and_acceptance_from_rounds():
 def profiled(models, prompts_file, tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("profile_out")
     result = cli("profile", "--model", models["target"], "--prompts", prompts_file, "--max-tokens", 16,
-                 "--k-max", 3, "--out", out, "--json",
+                 "--k-max", 3, "--out", out, "--json", "--sweep",
                  "--speculative-config", json.dumps({"method": "draft_model", "model": models["near"]}),
                  "--speculative-config", json.dumps({"method": "layer_skip", "num_draft_layers": 1}))
     summary = json_out(result)
@@ -155,6 +155,7 @@ def test_profile_writes_measurements_and_predictions(profiled):
     assert val["greedy_match"]["matched"] == 4
     assert val["predicted_speedup"] == pytest.approx(
         p["configs"][rec["config_index"]]["overall"]["predicted_speedup"][val["k"]])
+    assert [r["k"] for r in p["sweep"]] == [1, 2, 3] and all(r["measured_speedup"] > 0 for r in p["sweep"])
 
 
 def test_report_writes_html_png_and_markdown(profiled):
@@ -166,7 +167,7 @@ def test_report_writes_html_png_and_markdown(profiled):
     page = Path(files["report.html"]).read_text()
     assert page.count("data:image/png;base64,") == 4 and "<table>" in page
     md = Path(files["report.md"]).read_text()
-    assert "| config |" in md and "speedup_vs_k.png" in md and "τ" in md
+    assert "| config |" in md and "speedup_vs_k.png" in md and "τ" in md and "| k | predicted S(k) |" in md
     assert summary["summary"]["recommendation"]["method"] in ("draft_model", "layer_skip")
 
 

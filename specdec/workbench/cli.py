@@ -52,6 +52,8 @@ def profile(
     out: Annotated[str, typer.Option("--out", help="Folder for profile.json.")] = "specdec-profile",
     validate: Annotated[bool, typer.Option(
         "--validate/--no-validate", help="Run the recommended setting and measure its speedup.")] = True,
+    sweep: Annotated[bool, typer.Option(
+        "--sweep", help="Also measure the recommended method at every k = 1..K (checks the whole S(k) curve).")] = False,
     dtype: base.DtypeOpt = "float32",
     device: base.DeviceOpt = "cpu",
     as_json: base.JsonOpt = False,
@@ -77,7 +79,7 @@ def profile(
         with progress_bars() as tick:
             result = run_profile(model, configs, records, max_tokens=max_tokens, k_max=k_max,
                                  temperature=temperature, dtype=dtype, device=device, validate=validate,
-                                 progress=tick)
+                                 sweep=sweep, progress=tick)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "profile.json").write_text(json.dumps(result, indent=1))
     summary = {**summarize(result), "profile": str(folder / "profile.json")}
@@ -214,4 +216,7 @@ def _print_profile(p: dict, path: str, console: Console) -> None:
                       f"{v['plain_tokens_per_s']:.1f} tokens/s, same process, alternating); predicted "
                       f"{v['predicted_speedup']:.2f}x, {v['predicted_speedup_end_to_end']:.2f}x end to end",
                       markup=False, soft_wrap=True)
+    for row in p.get("sweep", []):
+        console.print(f"  k={row['k']}: measured {row['measured_speedup']:.2f}x, predicted {row['predicted_speedup']:.2f}x "
+                      f"({row['predicted_speedup_end_to_end']:.2f}x end to end)", markup=False, soft_wrap=True)
     console.print(f"wrote {path}; `specdec report {Path(path).parent}` draws it", markup=False, soft_wrap=True)

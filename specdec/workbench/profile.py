@@ -200,9 +200,10 @@ def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats
 
 def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict], *, max_tokens: int = 128,
                 k_max: int | None = None, temperature: float = 0.0, seed: int | None = 0, dtype: str = "float32",
-                device: str = "cpu", validate: bool = True, verify_repeats: int = 9,
+                device: str = "cpu", validate: bool = True, sweep: bool = False, verify_repeats: int = 9,
                 progress: Progress | None = None) -> dict:
     """Measure, predict, recommend and (``validate``) check the recommendation; returns the profile dict.
+    ``sweep``: also measure the recommended method at every k = 1..K against its prediction.
 
     ``prompts``: ``load_prompts`` records ({"prompt": ..., "category": ...}) or token-id dicts."""
     if not speculative_configs:
@@ -224,7 +225,8 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
         "num_prompts": len(records), "categories": categories, "max_tokens": max_tokens,
         "temperature": temperature, "k_max": K,
         "cost_model": "S(k) = E(k) / (k*c + v(k)); E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j; "
-                      "alpha_j = conditional acceptance of draft position j",
+                      "alpha_j = conditional acceptance of draft position j; k*c + v(k) averaged over the "
+                      "measured proposal lengths when a drafter proposes fewer than k",
         "tau_definition": TAU_NOTE,
     }
 
@@ -261,6 +263,14 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
     if validate:
         k_run = k_best if k_best > 0 else max(range(1, K + 1), key=lambda k: best["overall"]["predicted_speedup"][k])
         profile["validation"] = _validate(ar_llm, model, best, k_run, records, params, dtype, device, tick)
+    if sweep:
+        profile["sweep"] = []
+        for k in range(1, K + 1):
+            run = (profile["validation"] if validate and k == profile["validation"]["k"] else
+                   _validate(ar_llm, model, best, k, records, params, dtype, device, tick))
+            profile["sweep"].append({key: run[key] for key in (
+                "k", "predicted_speedup", "predicted_speedup_end_to_end", "measured_speedup",
+                "plain_tokens_per_s", "spec_tokens_per_s")})
     return profile
 
 

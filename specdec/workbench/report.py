@@ -126,6 +126,10 @@ def _plot_speedup(plt, profile: dict):
                    label=f"{_label(c)}: measured at k={c['k_measured']}", zorder=3)
         v = profile.get("validation")
         rec = profile.get("recommendation") or {}
+        sweep = profile.get("sweep")
+        if sweep and rec.get("config_index") == i:
+            ax.plot([r["k"] for r in sweep], [r["measured_speedup"] for r in sweep], marker="x", linestyle="--",
+                    color="black", label=f"{_label(c)}: measured at every k (sweep)", zorder=3)
         if v and rec.get("config_index") == i:
             ax.scatter([v["k"]], [v["measured_speedup"]], marker="*", s=160, color=line.get_color(), zorder=4,
                        edgecolor="black", label=f"measured at recommended k={v['k']}")
@@ -227,6 +231,13 @@ def _markdown(profile: dict, summary: dict) -> str:
                       f" tokens/s); predicted {v['predicted_speedup']:.2f}x (error {_pct(v['relative_error'])}), "
                       f"{v['predicted_speedup_end_to_end']:.2f}x end to end (prefill and loop overhead included) "
                       f"(error {_pct(v['relative_error_end_to_end'])})."]
+    if profile.get("sweep"):
+        lines += ["", "| k | predicted S(k) | predicted end to end | measured | error (end to end) |",
+                  "| --- | --- | --- | --- | --- |"]
+        for r in profile["sweep"]:
+            err = (r["predicted_speedup_end_to_end"] - r["measured_speedup"]) / r["measured_speedup"]
+            lines.append(f"| {r['k']} | {r['predicted_speedup']:.2f}x | {r['predicted_speedup_end_to_end']:.2f}x | "
+                         f"{r['measured_speedup']:.2f}x | {err:+.0%} |")
     lines += [""] + [f"![{name}]({name})" for name in FIGURES] + [""]
     return "\n".join(lines)
 
