@@ -128,7 +128,8 @@ def _plot_speedup(plt, profile: dict):
         rec = profile.get("recommendation") or {}
         sweep = profile.get("sweep")
         if sweep and rec.get("config_index") == i:
-            ax.plot([r["k"] for r in sweep], [r["measured_speedup"] for r in sweep], marker="x", linestyle="--",
+            ax.plot([0] + [r["k"] for r in sweep], [1.0] + [r["measured_speedup"] for r in sweep], marker="x",
+                    linestyle="--",
                     color="black", label=f"{_label(c)}: measured at every k (sweep)", zorder=3)
         if v and rec.get("config_index") == i:
             ax.scatter([v["k"]], [v["measured_speedup"]], marker="*", s=160, color=line.get_color(), zorder=4,
