@@ -374,9 +374,11 @@ def _print_bench(r: dict, console: Console) -> None:
         console.print(line, markup=False, soft_wrap=True)
 
 
-from specdec.workbench.cli import register  # noqa: E402  (profile, report, verify-lossless, export)
+if __name__ == "__main__":  # python -m specdec.cli: run the module proper, where the workbench registers
+    from specdec.cli import main as _main
 
-register(app)
+    _main()
+else:
+    from specdec.workbench.cli import register  # (profile, report, verify-lossless, export)
 
-if __name__ == "__main__":
-    main()
+    register(app)

@@ -1,0 +1,5 @@
+"""``python -m specdec``: the command line."""
+
+from specdec.cli import main
+
+main()
