@@ -285,3 +285,14 @@ def test_release_memory_frees_the_caches_and_generation_resumes(models):
     llm.engine.release_memory()
     assert llm.engine.target.cache is None and llm.engine.drafter.runner.cache is None
     assert llm.generate({"prompt_token_ids": [4, 5, 6]}, sp)[0].outputs[0].token_ids == first
+
+
+def test_caches_grown_during_decoding_survive_batch_changes(tmp_path):
+    """A cache that grows inside a forward pass must still be reorderable when requests come and go."""
+    target = make_model(tmp_path / "long", "llama", max_pos=1024)
+    llm = LLM(str(target), speculative_config={"model": str(target), "num_speculative_tokens": 3})
+    sp = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)  # past the first 256-position block
+    a = llm.generate({"prompt_token_ids": [4] * 40}, sp)[0].outputs[0].token_ids
+    assert llm.generate({"prompt_token_ids": [4] * 40}, sp)[0].outputs[0].token_ids == a  # a new row id
+    outs = llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [4] * 40}], sp)
+    assert outs[1].outputs[0].token_ids == a

@@ -128,6 +128,7 @@ class LlamaRunner(ModelRunner):
 
     # -- cache -----------------------------------------------------------------------------------
 
+    @torch.inference_mode()  # the cache is only ever touched in inference mode, wherever it was made
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
         length = -(-length // _CACHE_LEN_STEP) * _CACHE_LEN_STEP
@@ -147,6 +148,7 @@ class LlamaRunner(ModelRunner):
         self.cache = None
         self.rows = RowTable()
 
+    @torch.inference_mode()
     def sync_rows(self, ids: Sequence[Hashable]) -> list[bool]:
         self.reserve(len(ids), self.cache.max_len if self.cache else 1)
         return self.rows.sync(ids, self.cache)
