@@ -9,8 +9,8 @@ The cost model is ALGORITHM.md's, with the measured per-position acceptance inst
 - c = drafter time per drafted position ÷ one 1-token target step (the plain engine's verify pass,
   timed in the same alternating runs as the drafter);
 - v(k) = one (k+1)-token target forward ÷ one 1-token target forward, timed directly on the target
-  runner at batch 1 on real prompt prefixes (median of repeats, the k interleaved so that load
-  changes hit every k alike), so v(0) = 1;
+  runner at batch 1 on real prompt prefixes (lower quartile of repeats: preemption by other work only
+  ever adds time; the k interleaved so that load changes hit every k alike), so v(0) = 1;
 - S(k) = E(k) / (k·c + v(k)); S(0) = 1 is plain decoding. The recommended k maximises S(k). k here
   is the number of tokens drafted: when the drafter proposed fewer than asked, the cost is averaged
   over the measured proposal lengths n, n_k = min(n, k): mean(n_k·c + v(n_k)).
@@ -170,7 +170,7 @@ def acceptance_from_rounds(rounds: list[tuple], k_max: int) -> dict:
 def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats: int = 9,
                         warmup: int = 2) -> dict:
     """v(k) for k = 0..k_max: (k+1)-token target forwards at batch 1 after real prompt prefixes,
-    median seconds of ``repeats`` each, divided by the 1-token median. The engine must be idle."""
+    the lower quartile of ``repeats`` timings each, divided by the 1-token one. The engine must be idle."""
     engine = llm.engine
     if engine.has_unfinished():
         raise RuntimeError("measure_verify_cost needs an idle engine")
@@ -192,10 +192,11 @@ def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats
                 _sync(device)
                 if rep >= warmup:
                     times[k].append(time.perf_counter() - t0)
-    medians = [statistics.median(t) for t in times]
-    t1 = medians[0]
-    return {"k": list(range(k_max + 1)), "v": [m / t1 for m in medians], "t1_s": t1, "median_s": medians,
-            "repeats": repeats * len(prefixes), "prefix_lengths": [len(p) for p in prefixes]}
+    quartiles = [statistics.quantiles(t, n=4)[0] if len(t) > 1 else t[0] for t in times]
+    t1 = quartiles[0]
+    return {"k": list(range(k_max + 1)), "v": [q / t1 for q in quartiles], "t1_s": t1, "lower_quartile_s": quartiles,
+            "median_s": [statistics.median(t) for t in times], "repeats": repeats * len(prefixes),
+            "prefix_lengths": [len(p) for p in prefixes]}
 
 
 def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict], *, max_tokens: int = 128,
