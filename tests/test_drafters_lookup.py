@@ -41,23 +41,27 @@ def propose(drafter, seqs: list[Sequence], k: int | list[int]) -> list[list[int]
 
 
 def ngram_reference(h: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """The definition, by a full scan: the longest n-gram match, its most recent earlier occurrence."""
+    """The definition, by a full scan: the longest n-gram match, its most recent earlier occurrence,
+    and k tokens copied after it (the copy running on through itself when the match is near the end)."""
     L = len(h)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         for e in range(L - 2, n - 2, -1):
             if h[e - n + 1:e + 1] == h[L - n:]:
-                return h[e + 1:e + 1 + k]
+                extended = list(h)
+                for i in range(k):
+                    extended.append(extended[e + 1 + i])
+                return extended[L:]
     return []
 
 
 @pytest.mark.parametrize("history, n_min, n_max, k, expected", [
     ([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3], 1, 2, 2, [5, 7]),  # most recent of two matches
-    ([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3], 1, 2, 10, [5, 7, 2, 3]),  # fewer than k: the match is near the end
+    ([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3], 1, 2, 10, [5, 7, 2, 3, 5, 7, 2, 3, 5, 7]),  # the loop runs on
     ([5, 2, 3, 9, 7, 2, 3, 4, 5, 2, 3], 1, 3, 3, [9, 7, 2]),  # the 3-gram beats a more recent 2-gram
     ([5, 2, 3, 9, 7, 2, 3, 4, 5, 2, 3], 1, 2, 3, [4, 5, 2]),
     ([1, 2, 3, 1], 1, 4, 3, [2, 3, 1]),
     ([1, 2, 3, 1], 2, 4, 3, []),  # only a 1-gram matches, below prompt_lookup_min
-    ([7, 7], 1, 4, 4, [7]),
+    ([7, 7], 1, 4, 4, [7, 7, 7, 7]),
     ([1, 2, 3, 4], 1, 4, 4, []),  # no match
     ([6], 1, 4, 4, []),
 ])
@@ -69,7 +73,7 @@ def test_ngram_proposes_what_followed_the_most_recent_match(history, n_min, n_ma
 def test_ngram_rows_propose_their_own_numbers_of_drafts():
     d = NgramDrafter(1, 3)
     seqs = [make_seq([1, 2, 3, 1, 2]), make_seq([4, 5, 4]), make_seq([8, 9])]
-    assert propose(d, seqs, [4, 0, 3]) == [[3, 1, 2], [], []]
+    assert propose(d, seqs, [4, 0, 3]) == [[3, 1, 2, 3], [], []]
     assert propose(d, seqs[1:], [2, 2]) == [[5, 4], []]
     assert propose(d, seqs[2:], 4) == [[]]  # nothing to propose: a [1, 0] proposal
 

@@ -3,8 +3,9 @@
 For each sequence, the last n tokens of its history (prompt + output), n from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``, are looked up in the same
 history; at the first n that matches, the tokens that followed the most recent
-earlier occurrence are proposed, up to the k asked for: fewer when that
-occurrence is near the end, none when no n matches. Drafts are deterministic
+earlier occurrence are proposed, k of them: when that occurrence is near the
+end the copy runs on through its own drafts (a repeating history keeps
+repeating); none when no n matches. Drafts are deterministic
 (q = one-hot), so the verifier needs no draft probabilities.
 
 The lookup is incremental: each sequence keeps an index from n-gram to the end
@@ -82,11 +83,19 @@ class NgramIndex:
                 last_end[tuple(toks[e - n + 1:e + 1])] = e
 
     def lookup(self, k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+        """k tokens that followed the most recent earlier occurrence of the longest matching suffix.
+
+        When that occurrence is closer to the end than k tokens, the copy runs on into its own
+        drafts: the history is repeating with a period of L - 1 - e tokens, and so do the drafts.
+        """
         toks = self.tokens
         L = len(toks)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             e = self.last_end.get(tuple(toks[L - n:]))
             if e is not None:
-                return toks[e + 1:e + 1 + k]
+                draft = toks[e + 1:e + 1 + k]
+                period = L - 1 - e
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - period])
+                return draft
         return []
