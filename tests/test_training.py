@@ -232,9 +232,11 @@ def test_bf16_autocast_trains(tmp_path, corpus):
 
 
 DDP_SCRIPT = """
-import os, pickle, sys
+import faulthandler, os, pickle, sys
 import torch
 from specdec.training.train import run_training
+
+faulthandler.dump_traceback_later(90, exit=True)  # a hung collective fails with stacks, not silence
 
 cfg = pickle.loads(bytes.fromhex(sys.argv[1]))
 result = run_training(cfg)
@@ -252,7 +254,7 @@ def test_ddp_two_ranks_identical_weights(tmp_path, corpus):
     script.write_text(textwrap.dedent(DDP_SCRIPT))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), pickle.dumps(cfg).hex()]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     r0 = torch.load(tmp_path / "run" / "rank0.pt", weights_only=False)
