@@ -62,7 +62,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     target_dir, draft_dir = build_models(root)
     llm = LLM(str(target_dir))
-    spec = LLM(str(target_dir), speculative_config={"model": str(draft_dir), "num_speculative_tokens": 4})
+    spec = LLM(str(target_dir), speculative_config={"model": str(draft_dir), "num_speculative_tokens": 4,
+                                                    "adaptive": False})  # every round drafts k = 4
     hf = llm.engine.target  # not used for generation; transformers' own model is loaded below
     from transformers import AutoModelForCausalLM
 
