@@ -106,6 +106,7 @@ class Engine:
                   for k, s in zip(ks, seqs)]                                           # are wasted
 
         # 1. draft: up to wanted[b] tokens per sequence; a drafter may propose fewer
+        t_draft = time.perf_counter()
         proposal = self._propose(seqs, wanted, sb) if max(wanted) > 0 else None
         if proposal is None:
             draft_ids = torch.zeros(len(seqs), 0, dtype=torch.long, device=self.device)  # [B, 0]
@@ -137,8 +138,8 @@ class Engine:
             self.drafter.observe(seqs, result.num_accepted)
         self.stats.record_round(num_draft, result.num_accepted)
         if self.controller is not None:
-            self.controller.record([s.seq_id for s in seqs], num_draft, result.num_accepted, t1 - t0, t2 - t1)
-        self.stats.draft_time_s += t1 - t0
+            self.controller.record([s.seq_id for s in seqs], num_draft, result.num_accepted, t1 - t_draft, t2 - t1)
+        self.stats.draft_time_s += t1 - t_draft
         self.stats.verify_time_s += t2 - t1
         self.stats.step_time_s += time.perf_counter() - t0
         self._retire()
