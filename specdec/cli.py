@@ -66,7 +66,7 @@ def generate(
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 64,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past end-of-sequence.")] = False,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string; repeat for several.")] = None,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
@@ -117,7 +117,7 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Run every prompt this many times with each.")] = 1,
     peer: Annotated[str | None, typer.Option(
         "--peer", help="hf: also run transformers' generate and its assisted generation, alternating.")] = None,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     as_json: JsonOpt = False,
 ) -> None:
@@ -204,7 +204,7 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences decoded at once; the rest wait.")] = 256,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients send (default: --model).")] = None,
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
 ) -> None:
     """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching."""

@@ -133,7 +133,7 @@ class ModelConfig:
     """How to load a checkpoint."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None
     trust_remote_code: bool = False

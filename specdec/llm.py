@@ -25,7 +25,7 @@ class LLM:
     >>> out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
     """
 
-    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str, dtype: str = "auto", device: str = "cpu",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, trust_remote_code: bool = False):
         from specdec.drafters import build_drafter

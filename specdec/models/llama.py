@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from specdec.models.base import ModelRunner
 from specdec.models.kv_cache import KVCache, RowTable
+from specdec.models.linear import Linear
 from specdec.models.loader import LoadedModel
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -25,17 +26,13 @@ _CACHE_LEN_STEP = 256  # grow the cache in steps, not one token at a time
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [D]
-    qkv: torch.Tensor  # [(H + 2*KVH) * hd, D]
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # D -> (H + 2*KVH) * hd
     q_norm: torch.Tensor | None  # [hd], Qwen3 only
     k_norm: torch.Tensor | None
-    o: torch.Tensor  # [D, H * hd]
-    o_bias: torch.Tensor | None
+    o: Linear  # H * hd -> D
     post_norm: torch.Tensor  # [D]
-    gate_up: torch.Tensor  # [2 * I, D]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [D, I]
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # D -> 2 * I
+    down: Linear  # I -> D
     sliding_window: int | None
 
 
@@ -47,7 +44,11 @@ class LlamaRunner(ModelRunner):
         self.config = cfg
         self.tokenizer = loaded.tokenizer
         self.device = inner.embed_tokens.weight.device
-        self.dtype = inner.embed_tokens.weight.dtype
+        self.dtype = inner.embed_tokens.weight.dtype  # of the weights
+        # Activations, norms, RoPE and the KV cache: float32 on CPU, whatever the weights are (CPU
+        # kernels for half-precision elementwise ops and attention are slower than float32 ones;
+        # bf16 weights still halve the bytes the matrix products read), the weights' dtype elsewhere.
+        self.compute_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -67,8 +68,8 @@ class LlamaRunner(ModelRunner):
             rows = self.embed.shape[0]
             tok_len = len(loaded.tokenizer) if loaded.tokenizer is not None else rows
             self.vocab_size = min(vocab_size or tok_len, rows)
-            self.lm_head = model.lm_head.weight.detach()[: self.vocab_size]  # [V, D]; ids past the tokenizer masked
-            self.final_norm = inner.norm.weight.detach()
+            self.lm_head = Linear(model.lm_head.weight.detach()[: self.vocab_size])  # D -> V; ids past the tokenizer cut
+            self.final_norm = self._act(inner.norm.weight)
             self.layers = [self._pack_layer(i, layer, cfg) for i, layer in enumerate(inner.layers)]
         self._init_rope(inner.rotary_emb, cfg)
         self.cache: KVCache | None = None
@@ -91,20 +92,21 @@ class LlamaRunner(ModelRunner):
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         return LayerWeights(
-            input_norm=layer.input_layernorm.weight.detach(),
-            qkv=cat([attn.q_proj, attn.k_proj, attn.v_proj], "weight"),
-            qkv_bias=cat([attn.q_proj, attn.k_proj, attn.v_proj], "bias"),
-            q_norm=None if q_norm is None else q_norm.weight.detach(),
-            k_norm=None if k_norm is None else k_norm.weight.detach(),
-            o=attn.o_proj.weight.detach(),
-            o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=cat([mlp.gate_proj, mlp.up_proj], "weight"),
-            gate_up_bias=cat([mlp.gate_proj, mlp.up_proj], "bias"),
-            down=mlp.down_proj.weight.detach(),
-            down_bias=None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach(),
+            input_norm=self._act(layer.input_layernorm.weight),
+            qkv=Linear(cat([attn.q_proj, attn.k_proj, attn.v_proj], "weight"),
+                       cat([attn.q_proj, attn.k_proj, attn.v_proj], "bias")),
+            q_norm=None if q_norm is None else self._act(q_norm.weight),
+            k_norm=None if k_norm is None else self._act(k_norm.weight),
+            o=Linear(attn.o_proj.weight.detach(), None if attn.o_proj.bias is None else attn.o_proj.bias.detach()),
+            post_norm=self._act(layer.post_attention_layernorm.weight),
+            gate_up=Linear(cat([mlp.gate_proj, mlp.up_proj], "weight"), cat([mlp.gate_proj, mlp.up_proj], "bias")),
+            down=Linear(mlp.down_proj.weight.detach(),
+                        None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach()),
             sliding_window=window,
         )
+
+    def _act(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(self.compute_dtype)
 
     def _init_rope(self, rotary_emb, cfg) -> None:
         params = getattr(cfg, "rope_parameters", None) or {}
@@ -123,8 +125,8 @@ class LlamaRunner(ModelRunner):
         pos = torch.arange(length, device=self.device, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # [L, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [L, hd]
-        self.cos = (emb.cos() * self.rope_scaling).to(self.dtype)
-        self.sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        self.cos = (emb.cos() * self.rope_scaling).to(self.compute_dtype)
+        self.sin = (emb.sin() * self.rope_scaling).to(self.compute_dtype)
 
     # -- cache -----------------------------------------------------------------------------------
 
@@ -137,7 +139,8 @@ class LlamaRunner(ModelRunner):
             return
         rows = max(num_rows, old.num_rows if old else 0)
         max_len = max(length, old.max_len if old else 0)
-        new = KVCache(self.num_layers, rows, self.num_kv_heads, max_len, self.head_dim, self.dtype, self.device)
+        new = KVCache(self.num_layers, rows, self.num_kv_heads, max_len, self.head_dim, self.compute_dtype,
+                      self.device)
         if old is not None:
             new.k[:, : old.num_rows, :, : old.max_len] = old.k
             new.v[:, : old.num_rows, :, : old.max_len] = old.v
@@ -170,10 +173,10 @@ class LlamaRunner(ModelRunner):
         masks: dict[int | None, torch.Tensor | None] = {}
         H, KVH, hd = self.num_heads, self.num_kv_heads, self.head_dim
 
-        x = F.embedding(token_ids, self.embed)  # [B, T, D]
+        x = F.embedding(token_ids, self.embed).to(self.compute_dtype)  # [B, T, D]
         for li, w in enumerate(self.layers[: num_layers or self.num_layers]):
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
-            qkv = _linear(h, w.qkv, w.qkv_bias)  # [B, T, (H + 2*KVH) * hd]
+            qkv = w.qkv(h)  # [B, T, (H + 2*KVH) * hd]
             q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
             q, k, v = q.view(B, T, H, hd), k.view(B, T, KVH, hd), v.view(B, T, KVH, hd)
             if w.q_norm is not None:
@@ -195,37 +198,17 @@ class LlamaRunner(ModelRunner):
                 masks[w.sliding_window] = _attention_mask(pos, end, w.sliding_window)
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=masks[w.sliding_window],
                                                   enable_gqa=KVH != H)  # [B, H, T, hd]
-            x = x + _linear(attn.transpose(1, 2).reshape(B, T, H * hd), w.o, w.o_bias)
+            x = x + w.o(attn.transpose(1, 2).reshape(B, T, H * hd))
             h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-            gate, up = _linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [B, T, I] each
-            x = x + _linear(self.act(gate) * up, w.down, w.down_bias)
+            gate, up = w.gate_up(h).chunk(2, dim=-1)  # [B, T, I] each
+            x = x + w.down(self.act(gate) * up)
 
         if logits_index is not None:
             x = x[torch.arange(B, device=self.device), logits_index]  # [B, D]
         elif not all_logits:
             return None
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        return _linear(x, self.lm_head).float()  # [B, V] or [B, T, V]
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` computed as ``(w @ x^T)^T`` on CPU.
-
-    The CPU BLAS behind ``F.linear`` (x @ w^T) takes slow paths for the few-row products of
-    decoding and verification; ``w @ x^T`` with a row-major x and at least two columns runs 1.5-3x
-    faster for 1-8 rows and no slower for prefill (measured on the 2-core machine, 512-wide
-    layers). Results are equal up to float rounding.
-    """
-    if x.device.type != "cpu":
-        return F.linear(x, w, b)
-    rows = x.numel() // x.shape[-1]
-    x2 = x.reshape(rows, x.shape[-1]).contiguous()  # row-major, so x2^T is a transposed view
-    if rows == 1:
-        x2 = torch.cat([x2, x2])  # one column would take the slow matrix-vector path again
-    y = (w @ x2.t()).t()[:rows]  # [rows, out]
-    if b is not None:
-        y = y + b
-    return y.reshape(*x.shape[:-1], w.shape[0])
+        return self.lm_head(x).float()  # [B, V] or [B, T, V]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.models.linear import onednn_bf16_supported
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED = {"specdec/demo-target": ASSETS / "demo-target", "specdec/demo-draft": ASSETS / "demo-draft"}
@@ -62,7 +64,7 @@ def check_architecture(config) -> None:
                          f"specdec runs {', '.join(SUPPORTED_ARCHITECTURES)} checkpoints")
 
 
-def load_model(name: str, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False) -> LoadedModel:
+def load_model(name: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve_model_path(name)
@@ -71,7 +73,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", trust_rem
     if not glob.glob(os.path.join(path, "*.safetensors")):
         raise ValueError(f"model folder {path!r} has no .safetensors weights; specdec loads safetensors only "
                          "(convert with transformers: model.save_pretrained(folder, safe_serialization=True))")
-    torch_dtype = _torch_dtype(dtype, config)
+    torch_dtype = _torch_dtype(dtype, config, device)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True,
                                                     trust_remote_code=trust_remote_code)
     hf_model.to(device).eval()
@@ -88,12 +90,19 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _torch_dtype(dtype: str, config) -> torch.dtype:
+def _torch_dtype(dtype: str, config, device: str = "cpu") -> torch.dtype:
+    """The weights' dtype. ``auto`` keeps the checkpoint's dtype where this device computes in it
+    natively: on a CPU, bfloat16 only with oneDNN bf16 support (avx512_bf16 / AMX), and float16
+    never (both become float32 otherwise)."""
     if dtype == "auto":
         dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(dt, str):
             dt = DTYPES.get(dt)
-        return dt if dt in DTYPES.values() else torch.float32
+        if dt not in DTYPES.values():
+            return torch.float32
+        if str(device).startswith("cpu") and (dt == torch.float16 or (dt == torch.bfloat16 and not onednn_bf16_supported())):
+            return torch.float32
+        return dt
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {dtype!r}")
     return DTYPES[dtype]

@@ -54,7 +54,7 @@ def profile(
         "--validate/--no-validate", help="Run the recommended setting and measure its speedup.")] = True,
     sweep: Annotated[bool, typer.Option(
         "--sweep", help="Also measure the recommended method at every k = 1..K (checks the whole S(k) curve).")] = False,
-    dtype: base.DtypeOpt = "float32",
+    dtype: base.DtypeOpt = "auto",
     device: base.DeviceOpt = "cpu",
     as_json: base.JsonOpt = False,
 ) -> None:
@@ -116,7 +116,7 @@ def verify_lossless(
         help="Chance that a correct engine FAILs the whole run (split over the tests, Bonferroni).")] = 1e-3,
     prompt: Annotated[list[str] | None, typer.Option(
         "--prompt", help="Prompt text; repeat for several (default: two built-in prompts).")] = None,
-    dtype: base.DtypeOpt = "float32",
+    dtype: base.DtypeOpt = "auto",
     device: base.DeviceOpt = "cpu",
     as_json: base.JsonOpt = False,
 ) -> None:

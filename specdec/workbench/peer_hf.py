@@ -24,7 +24,7 @@ NEAR_TIE = 1e-3
 class HFPeer:
     """Loads the target (and draft) with transformers and runs ``generate`` for one prompt at a time."""
 
-    def __init__(self, spec_llm: LLM, params: SamplingParams, dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, spec_llm: LLM, params: SamplingParams, dtype: str = "auto", device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -44,7 +44,7 @@ class HFPeer:
         path = resolve_model_path(spec_llm.model_config.model)
         from transformers import AutoConfig
 
-        torch_dtype = _torch_dtype(dtype, AutoConfig.from_pretrained(path))
+        torch_dtype = _torch_dtype(dtype, AutoConfig.from_pretrained(path), device)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
         self.k = spec.num_speculative_tokens
         eos = sorted(spec_llm.engine.eos_token_ids)
@@ -97,7 +97,7 @@ class HFPeer:
 
 
 def run_bench_with_hf(ar_llm: LLM, spec_llm: LLM, prompts: list, params: SamplingParams, repeats: int = 1,
-                      dtype: str = "float32", device: str = "cpu") -> BenchResult:
+                      dtype: str = "auto", device: str = "cpu") -> BenchResult:
     """``run_bench`` with transformers' plain and assisted ``generate`` in the same rotation; adds
     ``hf_ar``, ``hf_spec``, ``speedup_vs_hf`` and ``hf_agreement`` to the result's ``extra``."""
     _quiet_generation_warnings()

@@ -200,7 +200,7 @@ def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats
 
 
 def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict], *, max_tokens: int = 128,
-                k_max: int | None = None, temperature: float = 0.0, seed: int | None = 0, dtype: str = "float32",
+                k_max: int | None = None, temperature: float = 0.0, seed: int | None = 0, dtype: str = "auto",
                 device: str = "cpu", validate: bool = True, sweep: bool = False, verify_repeats: int = 9,
                 progress: Progress | None = None) -> dict:
     """Measure, predict, recommend and (``validate``) check the recommendation; returns the profile dict.

@@ -1,0 +1,66 @@
+"""Linear layers laid out for the fastest CPU kernel of their dtype.
+
+Decoding and verification multiply every weight matrix by a handful of rows (1 to k+1), a
+shape CPU BLAS handles badly. Two layouts fix that:
+
+- bfloat16 on a CPU with native bf16 instructions (avx512_bf16 / AMX): the weight is reordered
+  once into oneDNN's blocked layout and multiplied with oneDNN's inner product. Measured on the
+  2-core avx512_bf16 machine for the 28M demo target, all linears of one forward take about
+  3.1 ms at 1 row and 3.4 ms at 5 rows, against 5.1 and 10.8 ms for the float32 path below.
+  oneDNN computes each output row the same way whatever the number of rows, so a verify pass
+  gives the same logits as one-token decoding (checked in the tests).
+- anything else on CPU: ``(w @ x^T)^T`` with a row-major x of at least two rows; ``F.linear``'s
+  ``x @ w^T`` takes slow paths for few rows (1.5-3x slower for 1-8 rows on 512-wide layers).
+
+On other devices it is ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def onednn_bf16_supported() -> bool:
+    """True where oneDNN runs bfloat16 matrix products natively on this CPU."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Linear:
+    """``y = x @ weight^T + bias`` for a fixed weight [out, in]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.bias = bias
+        if weight.device.type != "cpu":
+            self.kind = "dense"
+        elif weight.dtype == torch.bfloat16 and onednn_bf16_supported():
+            self.kind = "onednn"
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        else:
+            self.kind = "wxt"
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] in any float dtype -> [..., out] in x's dtype."""
+        if self.kind == "dense":
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        rows = x.numel() // x.shape[-1]
+        x2 = x.reshape(rows, x.shape[-1]).to(self.dtype)
+        x2 = x2.contiguous()  # [rows, in]
+        if self.kind == "onednn":
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")  # [rows, out]
+        else:
+            if rows == 1:
+                x2 = torch.cat([x2, x2])  # one column would take the slow matrix-vector path again
+            y = (self.weight @ x2.t()).t()[:rows]  # x2^T is a transposed view of the row-major x2
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
