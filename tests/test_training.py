@@ -315,6 +315,10 @@ def test_distill_reduces_kl_and_saves_draft_with_target_tokenizer(tmp_path, corp
     summary = distill(cfg)
     assert summary["train_kl"] < summary["first_kl"] * 0.7
     assert summary["held_out_kl"] < summary["first_kl"]
+    acc = summary["held_out_acceptance"]  # greedy acceptance of the saved draft by the target, k = 4 fixed
+    assert acc["num_drafts"] > 0 and 0 <= acc["acceptance_rate"] <= 1
+    assert len(acc["acceptance_rate_per_pos"]) == 4 and 1 <= acc["mean_acceptance_length"] <= 5
+    assert "greedy acceptance on held-out prompts" in (out / "README.md").read_text()
     draft = AutoModelForCausalLM.from_pretrained(str(out))
     target_tok = AutoTokenizer.from_pretrained(str(tiny_target))
     draft_tok = AutoTokenizer.from_pretrained(str(out))

@@ -14,7 +14,8 @@ Data is either windows of a corpus (off-policy) or, with
 a short corpus prefix: the contexts the draft will see when drafting.
 
 Steps: 1. processes; 2. target and its tokenizer; 3. data; 4. draft,
-optimizer, schedule; 5. resume; 6. distill; 7. save the draft folder.
+optimizer, schedule; 5. resume; 6. distill; 7. save the draft folder; 8. measure
+the saved draft's acceptance by the target on held-out prompts (greedy, k fixed).
 
     python -m specdec.training.distill --target TARGET --data stdlib --out DRAFT
 """
@@ -37,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
 
 from specdec.training import distributed
+from specdec.training.acceptance import draft_acceptance, format_acceptance
 from specdec.training.checkpoint import CHECKPOINT_NAME, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from specdec.training.data import (
     TokenWindows,
@@ -60,6 +62,9 @@ from specdec.training.train import (
     use_bf16,
     weights_checksum,
 )
+
+
+ACCEPT_PROMPT_LEN = 128  # tokens of held-out text before each acceptance-report continuation
 
 
 @dataclass
@@ -90,6 +95,8 @@ class DistillConfig:
     device: str = "auto"
     seed: int = 0
     save_dtype: str = "bfloat16"
+    accept_prompts: int = 8  # held-out prompts for the final acceptance report (0: skip it)
+    accept_k: int = 4
     optim: OptimConfig = field(default_factory=OptimConfig)
     command: str = ""
 
@@ -108,6 +115,8 @@ class DistillConfig:
             raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
         if min(self.seq_len, self.batch_size, self.grad_accum, self.max_steps) < 1:
             raise ValueError("seq_len, batch_size, grad_accum and max_steps must be >= 1")
+        if self.accept_prompts < 0 or not 1 <= self.accept_k <= 16:
+            raise ValueError("accept_prompts must be >= 0 and accept_k in [1, 16]")
 
     @property
     def run_path(self) -> Path:
@@ -342,8 +351,16 @@ def run_distill(cfg: DistillConfig) -> DistillResult:
         export.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
         export.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
-        write_distill_card(out, cfg, summary)
         log(f"saved draft to {out}")
+
+        # 8. Acceptance of the saved draft on held-out prompts (prefixes of held-out windows).
+        plen = min(ACCEPT_PROMPT_LEN, cfg.seq_len // 2)  # prompt + continuation stay within the trained context
+        if cfg.accept_prompts and len(val_tokens) > plen + 1:
+            prompts = TokenWindows(val_tokens, plen).fixed(cfg.accept_prompts)[:, :plen]
+            summary["held_out_acceptance"] = draft_acceptance(cfg.target, str(out), prompts.tolist(), k=cfg.accept_k,
+                                                              max_tokens=plen // 2, device=str(d.device))
+            log(f"held-out {format_acceptance(summary['held_out_acceptance'])}")
+        write_distill_card(out, cfg, summary)
     d.barrier()
     distributed.teardown(d)
     return DistillResult(model=draft, summary=summary)
@@ -368,6 +385,8 @@ def write_distill_card(out: Path, cfg: DistillConfig, summary: dict) -> Path:
         "initial / final train KL": f"{summary['first_kl']:.4f} / {summary['train_kl']:.4f}",
         "final held-out KL": summary["held_out_kl"],
     }
+    if "held_out_acceptance" in summary:
+        facts["greedy acceptance on held-out prompts"] = format_acceptance(summary["held_out_acceptance"])
     text = (
         "A draft model distilled from the target's logits with `specdec.training.distill`, "
         "sharing the target's tokenizer, for speculative decoding."
@@ -414,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="bfloat16")
+    p.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for the acceptance report (0: skip)")
+    p.add_argument("--accept-k", type=int, default=4, help="draft length for the acceptance report")
     return p
 
 
@@ -455,6 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
         device=a.device,
         seed=a.seed,
         save_dtype=a.save_dtype,
+        accept_prompts=a.accept_prompts,
+        accept_k=a.accept_k,
         optim=OptimConfig(
             lr=a.lr, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, grad_clip=a.grad_clip
         ),
