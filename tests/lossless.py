@@ -17,12 +17,15 @@ def top2_gap(hf_model, token_ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def assert_greedy_equal(hf_model, prompt: list[int], expected: list[int], got: list[int]) -> None:
-    """``got`` must equal ``expected`` (plain greedy) unless they part at a near-tie of the target."""
+def assert_greedy_equal(hf_model, prompt: list[int], expected: list[int], got: list[int],
+                        near_tie: float = NEAR_TIE) -> None:
+    """``got`` must equal ``expected`` (plain greedy) unless they part at a near-tie of the target
+    (a top-2 logit gap below ``near_tie``). ``hf_model`` is anything that maps ids [1, T] to an
+    object with ``.logits`` [1, T, V]."""
     for j, (a, b) in enumerate(zip(expected, got)):
         if a != b:
             gap = top2_gap(hf_model, prompt + expected[:j])
-            assert gap < NEAR_TIE, f"outputs diverge at token {j} ({a} vs {b}) where the top-2 gap is {gap:.2e}"
+            assert gap < near_tie, f"outputs diverge at token {j} ({a} vs {b}) where the top-2 gap is {gap:.2e}"
             return
     assert len(expected) == len(got), f"lengths differ: {len(expected)} vs {len(got)}"
 
