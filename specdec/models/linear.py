@@ -49,7 +49,10 @@ class Linear:
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] in any float dtype -> [..., out] in x's dtype."""
+        """x [..., in] in any float dtype -> [..., out] in x's dtype.
+
+        x is cast to the weight's dtype first, and the product comes back in that dtype: with bf16
+        weights both the input and the result are rounded to bf16."""
         if self.kind == "dense":
             return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         rows = x.numel() // x.shape[-1]

@@ -45,9 +45,10 @@ class LlamaRunner(ModelRunner):
         self.tokenizer = loaded.tokenizer
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype  # of the weights
-        # Activations, norms, RoPE and the KV cache: float32 on CPU, whatever the weights are (CPU
-        # kernels for half-precision elementwise ops and attention are slower than float32 ones;
-        # bf16 weights still halve the bytes the matrix products read), the weights' dtype elsewhere.
+        # The residual stream, norms, RoPE, attention and the KV cache: float32 on CPU whatever the
+        # weights are (CPU kernels for half-precision elementwise ops and attention are slower than
+        # float32 ones), the weights' dtype elsewhere. With bf16 weights each matrix product reads
+        # half the bytes, takes its input rounded to bf16 and gives a bf16 result (logits included).
         self.compute_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
