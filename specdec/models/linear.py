@@ -49,15 +49,15 @@ class Linear:
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] in any float dtype -> [..., out] in x's dtype.
+        """x [..., in] in any float dtype -> [..., out] in the weight's dtype.
 
-        x is cast to the weight's dtype first, and the product comes back in that dtype: with bf16
-        weights both the input and the result are rounded to bf16."""
+        x is cast to the weight's dtype first: with bf16 weights both the input and the result are
+        rounded to bf16. Adding the result to a float32 tensor promotes it back to float32."""
+        x = x.to(self.dtype)
         if self.kind == "dense":
-            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
-        x2 = x.reshape(rows, x.shape[-1]).to(self.dtype)
-        x2 = x2.contiguous()  # [rows, in]
+        x2 = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
         if self.kind == "onednn":
             y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")  # [rows, out]
         else:
@@ -66,4 +66,4 @@ class Linear:
             y = (self.weight @ x2.t()).t()[:rows]  # x2^T is a transposed view of the row-major x2
             if self.bias is not None:
                 y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)

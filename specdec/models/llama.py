@@ -117,7 +117,7 @@ class LlamaRunner(ModelRunner):
                              f"supported: {', '.join(STATIC_ROPE_TYPES)}")
         self.inv_freq = rotary_emb.inv_freq.detach().float().to(self.device)  # [hd / 2]
         self.rope_scaling = float(rotary_emb.attention_scaling)
-        self.cos = self.sin = torch.empty(0, self.head_dim)
+        self.cos = self.sin_signed = torch.empty(0, self.head_dim)
         self._grow_rope(min(self.max_model_len, 2 * _CACHE_LEN_STEP))
 
     def _grow_rope(self, length: int) -> None:
@@ -127,7 +127,9 @@ class LlamaRunner(ModelRunner):
         freqs = pos[:, None] * self.inv_freq[None, :]  # [L, hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [L, hd]
         self.cos = (emb.cos() * self.rope_scaling).to(self.compute_dtype)
-        self.sin = (emb.sin() * self.rope_scaling).to(self.compute_dtype)
+        sin = emb.sin() * self.rope_scaling
+        half = self.head_dim // 2  # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1]*half + [1]*half
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(self.compute_dtype)
 
     # -- cache -----------------------------------------------------------------------------------
 
@@ -167,41 +169,45 @@ class LlamaRunner(ModelRunner):
         self.reserve(row_offset + B, end)
         r0, r1 = row_offset, row_offset + B  # the cache rows of this batch
         cache = self.cache
-        start_t = torch.tensor(start, device=self.device)
-        pos = start_t[:, None] + torch.arange(T, device=self.device)  # [B, T]
-        cos = self.cos[pos].unsqueeze(2)  # [B, T, 1, hd]
-        sin = self.sin[pos].unsqueeze(2)
+        if B == 1:  # one sequence: slices, not gathers
+            s = start[0]
+            pos = torch.arange(s, s + T, device=self.device)[None]  # [1, T]
+            cos, sin = self.cos[s : s + T, None], self.sin_signed[s : s + T, None]  # [T, 1, hd]
+        else:
+            pos = torch.tensor(start, device=self.device)[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            cos, sin = self.cos[pos].unsqueeze(2), self.sin_signed[pos].unsqueeze(2)  # [B, T, 1, hd]
         masks: dict[int | None, torch.Tensor | None] = {}
         H, KVH, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        cd = self.compute_dtype
 
-        x = F.embedding(token_ids, self.embed).to(self.compute_dtype)  # [B, T, D]
+        x = F.embedding(token_ids, self.embed).to(cd)  # [B, T, D]
         for li, w in enumerate(self.layers[: num_layers or self.num_layers]):
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
-            qkv = w.qkv(h)  # [B, T, (H + 2*KVH) * hd]
-            q, k, v = qkv.split([H * hd, KVH * hd, KVH * hd], dim=-1)
-            q, k, v = q.view(B, T, H, hd), k.view(B, T, KVH, hd), v.view(B, T, KVH, hd)
+            qkv = w.qkv(h)  # [B, T, (H + 2*KVH) * hd], in the weights' dtype
+            qk = qkv[..., : (H + KVH) * hd].view(B, T, H + KVH, hd).to(cd)
+            v = qkv[..., (H + KVH) * hd :].view(B, T, KVH, hd)
             if w.q_norm is not None:
-                q = F.rms_norm(q, (hd,), w.q_norm, self.eps)
-                k = F.rms_norm(k, (hd,), w.k_norm, self.eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+                qk = torch.cat([F.rms_norm(qk[:, :, :H], (hd,), w.q_norm, self.eps),
+                                F.rms_norm(qk[:, :, H:], (hd,), w.k_norm, self.eps)], dim=2)
+            # RoPE on q and k at once: x cos + rotate_half(x) sin, with rotate_half's sign folded into sin
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)  # [B, T, H + KVH, hd]
+            q, k = qk[:, :, :H], qk[:, :, H:]
             if B == 1:
-                s = start[0]
                 cache.k[li, r0, :, s : s + T] = k[0].transpose(0, 1)  # [KVH, T, hd]
                 cache.v[li, r0, :, s : s + T] = v[0].transpose(0, 1)
             else:
                 rows = torch.arange(r0, r1, device=self.device)[:, None].expand(B, T)
                 cache.k[li][rows, :, pos] = k  # [B, T, KVH, hd] into rows at their positions
-                cache.v[li][rows, :, pos] = v
+                cache.v[li][rows, :, pos] = v.to(cd)
             keys = cache.k[li, r0:r1, :, :end]  # [B, KVH, end, hd]
             values = cache.v[li, r0:r1, :, :end]
             if w.sliding_window not in masks:
                 masks[w.sliding_window] = _attention_mask(pos, end, w.sliding_window)
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=masks[w.sliding_window],
                                                   enable_gqa=KVH != H)  # [B, H, T, hd]
-            x = x + w.o(attn.transpose(1, 2).reshape(B, T, H * hd))
+            x = x + w.o(attn.transpose(1, 2).reshape(B, T, H * hd))  # promotes a bf16 product to x's float32
             h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-            gate, up = w.gate_up(h).chunk(2, dim=-1)  # [B, T, I] each
+            gate, up = w.gate_up(h).chunk(2, dim=-1)  # [B, T, I] each, in the weights' dtype
             x = x + w.down(self.act(gate) * up)
 
         if logits_index is not None:
@@ -210,11 +216,6 @@ class LlamaRunner(ModelRunner):
             return None
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         return self.lm_head(x).float()  # [B, V] or [B, T, V]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _attention_mask(pos: torch.Tensor, end: int, window: int | None) -> torch.Tensor | None:
