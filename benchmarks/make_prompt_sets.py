@@ -6,8 +6,10 @@ training. Writes JSONL files (``prompt`` / ``prompt_token_ids`` and ``category``
 benchmarks/prompts/:
 
 - code_heldout.jsonl  prefixes (~256 tokens) of test files, cut at a line start;
-- code_copy.jsonl     ~512-token prefixes whose next 128 tokens mostly repeat n-grams of the
+- code_copy.jsonl     ~384-token prefixes whose next 128 tokens mostly repeat n-grams of the
                       prefix (names, lines, patterns), the case prompt lookup is made for;
+                      prefix and continuation fill the shipped target's 512-token training
+                      context (past it the target ignores the prompt and copies nothing);
 - random_tokens.jsonl uniformly random token ids: nothing in them is predictable.
 
     python benchmarks/make_prompt_sets.py [--tokenizer specdec/assets/demo-target]
@@ -22,6 +24,7 @@ import sysconfig
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "prompts"
+PREFIX = 384  # tokens of a copy prompt; + 128 generated = the target's trained context
 
 
 def test_files() -> list[Path]:
@@ -36,12 +39,21 @@ def copy_share(prefix: list[int], continuation: list[int], n: int = 4) -> float:
     return sum(g in seen for g in grams) / max(len(grams), 1)
 
 
-def cut_at_line(tok, ids: list[int], from_start: bool) -> str:
-    """Decode and keep whole lines only."""
-    text = tok.decode(ids)
-    if not from_start:
-        text = text[text.find("\n") + 1 :]
-    return text[: text.rfind("\n") + 1] or text
+def cut(tok, ids: list[int], from_start: bool) -> str:
+    """The text of ``ids`` cut at the file's own token boundaries, starting at a line.
+
+    Cutting the text at a line end instead leaves a bare newline token where training text has a
+    newline merged with the next line's indentation: the model then starts a top-level line and
+    ignores the prompt. Cut token ids, so the prompt ends as the file's tokens do, and keep only a
+    cut whose text encodes back to the same ids."""
+    if not from_start:  # begin after the first token that ends a line
+        first = next((i for i, t in enumerate(ids) if "\n" in tok.decode([t])), -1)
+        ids = ids[first + 1 :]
+    for n in range(len(ids), max(len(ids) - 8, 0), -1):
+        text = tok.decode(ids[:n])
+        if tok.encode(text) == ids[:n]:
+            return text
+    return tok.decode(ids)
 
 
 def main() -> None:
@@ -68,11 +80,11 @@ def main() -> None:
         name = str(path.relative_to(path.parents[1]))
         if len(heldout) < args.num and len(ids) > 400:
             start = rnd.randrange(0, len(ids) - 400)
-            heldout.append({"prompt": cut_at_line(tok, ids[start : start + 256], start == 0), "category": "code", "source": name})
-        if len(copy) < args.num and len(ids) > 700:
-            best = max(range(0, len(ids) - 640, 64), key=lambda s: copy_share(ids[s : s + 512], ids[s + 512 : s + 640]))
-            if copy_share(ids[best : best + 512], ids[best + 512 : best + 640]) >= 0.6:
-                copy.append({"prompt": cut_at_line(tok, ids[best : best + 512], best == 0), "category": "code-copy",
+            heldout.append({"prompt": cut(tok, ids[start : start + 256], start == 0), "category": "code", "source": name})
+        if len(copy) < args.num and len(ids) > PREFIX + 200:
+            best = max(range(0, len(ids) - PREFIX - 128, 64), key=lambda s: copy_share(ids[s : s + PREFIX], ids[s + PREFIX : s + PREFIX + 128]))
+            if copy_share(ids[best : best + PREFIX], ids[best + PREFIX : best + PREFIX + 128]) >= 0.6:
+                copy.append({"prompt": cut(tok, ids[best : best + PREFIX], best == 0), "category": "code-copy",
                              "source": name})
         if len(heldout) >= args.num and len(copy) >= args.num:
             break

@@ -9,8 +9,9 @@ ALGORITHM.md's cost model with measured quantities instead of assumptions:
   t_d(B), the drafter's time per drafted position, both moving averages of what the engine timed;
 - S(k) = E(k) * t_v(B, 1) / (k * t_d(B) + t_v(B, k + 1)); S(0) = 1 is plain decoding.
 The sequence drafts k* = argmax S(k). When k* = 0 it decodes plainly and probes again with a
-short draft after a while, backing off while the probes keep failing, so a drafter that never
-helps costs almost nothing.
+one-token draft after a while, backing off while the probes keep failing, so a drafter that
+never helps costs almost nothing. A new sequence starts from the probe interval the last finished
+one had reached: a workload where speculation does not pay keeps probing rarely.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-rounds of the batch-wide rates mixed into a sequenc
 DECAY = 0.95  # per update: older rounds weigh less, so a sequence's estimate follows its text
 PRIOR_VERIFY_SLOPE = 0.07  # v(T) = 1 + slope * (T - 1) until measured (ALGORITHM.md: v(4) ~ 1.2-1.3 on CPU)
 PRIOR_DRAFT_COST = 0.1  # c, one draft step in units of a 1-token target step, until measured
-PROBE_K = 2
+PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
 PROBE_INTERVAL = 8  # rounds; doubles after every probe that does not switch speculation back on
 MAX_PROBE_INTERVAL = 128
 
@@ -82,6 +83,7 @@ class AdaptiveK:
         self.verify_time: dict[tuple[int, int], Ema] = {}  # (B, T) -> seconds per verify pass
         self.draft_time: dict[int, Ema] = {}  # B -> seconds per drafted position
         self.seqs: dict[int, _SeqState] = {}
+        self.initial_probe_interval = PROBE_INTERVAL  # for new sequences; learnt from finished ones
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -90,7 +92,9 @@ class AdaptiveK:
         prior = self._batch_alphas()
         ks = []
         for sid in seq_ids:
-            st = self.seqs.setdefault(sid, _SeqState())
+            st = self.seqs.get(sid)
+            if st is None:
+                st = self.seqs[sid] = _SeqState(probe_interval=self.initial_probe_interval)
             alphas = st.stats.alphas(self.k_max, prior, PRIOR_WEIGHT)
             best = max(range(self.k_max + 1), key=lambda k: self._speedup(B, k, alphas))
             st.probing = False
@@ -167,4 +171,6 @@ class AdaptiveK:
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
-            self.seqs.pop(sid, None)
+            st = self.seqs.pop(sid, None)
+            if st is not None:  # speculation off at the end: the next sequence probes as rarely
+                self.initial_probe_interval = st.probe_interval if st.off_rounds else PROBE_INTERVAL

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 
 from specdec.models.base import ModelRunner
 from specdec.models.kv_cache import KVCache, RowTable
-from specdec.models.linear import Linear
+from specdec.models.linear import ONEDNN_MIN_ROWS, Linear
 from specdec.models.loader import LoadedModel
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+CACHE_RESIDENT_BYTES = 16 << 20  # weights up to this size stay in a server CPU's caches between tokens
 _CACHE_LEN_STEP = 256  # grow the cache in steps, not one token at a time
 
 
@@ -64,12 +65,14 @@ class LlamaRunner(ModelRunner):
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[cfg.hidden_act]
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.min_rows = ONEDNN_MIN_ROWS if weight_bytes > CACHE_RESIDENT_BYTES else 1
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach()  # [V_rows, D]
             rows = self.embed.shape[0]
             tok_len = len(loaded.tokenizer) if loaded.tokenizer is not None else rows
             self.vocab_size = min(vocab_size or tok_len, rows)
-            self.lm_head = Linear(model.lm_head.weight.detach()[: self.vocab_size])  # D -> V; ids past the tokenizer cut
+            self.lm_head = self._linear(model.lm_head.weight[: self.vocab_size], None)  # D -> V; ids past the tokenizer cut
             self.final_norm = self._act(inner.norm.weight)
             self.layers = [self._pack_layer(i, layer, cfg) for i, layer in enumerate(inner.layers)]
         self._init_rope(inner.rotary_emb, cfg)
@@ -94,17 +97,19 @@ class LlamaRunner(ModelRunner):
         k_norm = getattr(attn, "k_norm", None)
         return LayerWeights(
             input_norm=self._act(layer.input_layernorm.weight),
-            qkv=Linear(cat([attn.q_proj, attn.k_proj, attn.v_proj], "weight"),
-                       cat([attn.q_proj, attn.k_proj, attn.v_proj], "bias")),
+            qkv=self._linear(cat([attn.q_proj, attn.k_proj, attn.v_proj], "weight"),
+                             cat([attn.q_proj, attn.k_proj, attn.v_proj], "bias")),
             q_norm=None if q_norm is None else self._act(q_norm.weight),
             k_norm=None if k_norm is None else self._act(k_norm.weight),
-            o=Linear(attn.o_proj.weight.detach(), None if attn.o_proj.bias is None else attn.o_proj.bias.detach()),
+            o=self._linear(attn.o_proj.weight, attn.o_proj.bias),
             post_norm=self._act(layer.post_attention_layernorm.weight),
-            gate_up=Linear(cat([mlp.gate_proj, mlp.up_proj], "weight"), cat([mlp.gate_proj, mlp.up_proj], "bias")),
-            down=Linear(mlp.down_proj.weight.detach(),
-                        None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach()),
+            gate_up=self._linear(cat([mlp.gate_proj, mlp.up_proj], "weight"), cat([mlp.gate_proj, mlp.up_proj], "bias")),
+            down=self._linear(mlp.down_proj.weight, mlp.down_proj.bias),
             sliding_window=window,
         )
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return Linear(weight.detach(), None if bias is None else bias.detach(), self.min_rows)
 
     def _act(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(self.compute_dtype)
