@@ -74,14 +74,16 @@ def main() -> None:
                    "acceptance_rate": r["spec"]["acceptance_rate"],
                    "mean_acceptance_length": r["spec"]["mean_acceptance_length"],
                    "acceptance_rate_per_pos": r["spec"]["acceptance_rate_per_pos"],
-                   "matched": r["greedy_match"]["matched"], "prompts": r["greedy_match"]["total"]}
+                   "decode_speedup": r["decode_speedup"],
+                   "matched": r["greedy_match"]["matched"], "near_ties": r["greedy_match"]["near_ties"],
+                   "prompts": r["greedy_match"]["total"]}
             results.append(row)
             if not args.json:
                 per_pos = " ".join(f"{a:.2f}" for a in row["acceptance_rate_per_pos"])
                 print(f"{row['set']:>14} {method:>22}  plain {row['ar_tokens_per_s']:6.1f} tok/s  "
-                      f"spec {row['spec_tokens_per_s']:6.1f} tok/s  x{row['speedup']:.2f}  "
+                      f"spec {row['spec_tokens_per_s']:6.1f} tok/s  x{row['speedup']:.2f} (decode x{row['decode_speedup']:.2f})  "
                       f"accept {row['acceptance_rate']:.2f} [{per_pos}]  tau {row['mean_acceptance_length']:.2f}  "
-                      f"match {row['matched']}/{row['prompts']}", flush=True)
+                      f"equal {row['matched']}/{row['prompts']} +{row['near_ties']} near-tie", flush=True)
     if args.json:
         print(json.dumps(results))
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams
 from specdec.llm import LLM
+from specdec.near_tie import first_divergence
 
 Prompt = str | dict | list[int]
 Peer = Callable[[Prompt], list[int]]  # runs one prompt with the bench's settings, returns the output token ids
@@ -32,11 +33,14 @@ class PromptRun:
     ar_time_s: float = 0.0
     spec_tokens: int = 0
     spec_time_s: float = 0.0
+    ar_prefill_s: float = 0.0  # of the times above, the target's prompt prefill
+    spec_prefill_s: float = 0.0
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     matched: bool | None = None  # greedy only: spec output == plain output, token for token
     first_mismatch: int | None = None  # index into the output of the first differing token
+    divergence: dict | None = None  # where it differs: the target's top-2 gap there and whether it is a near-tie
     peer_tokens: dict[str, int] = field(default_factory=dict)  # per peer (e.g. "hf_ar"): tokens over the repeats
     peer_time_s: dict[str, float] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # per side: the output of the last repeat
@@ -48,6 +52,10 @@ class PromptRun:
     @property
     def spec_tokens_per_s(self) -> float:
         return _rate(self.spec_tokens, self.spec_time_s)
+
+    @property
+    def near_tie(self) -> bool:
+        return bool(self.divergence and self.divergence["near_tie"])
 
 
 @dataclass
@@ -71,6 +79,13 @@ class BenchResult:
     @property
     def speedup(self) -> float:
         return self.spec_tokens_per_s / self.ar_tokens_per_s if self.ar_tokens_per_s else 0.0
+
+    @property
+    def decode_speedup(self) -> float:
+        """The speedup of the generation phase alone: the prompt's prefill, the same on both sides, left out."""
+        ar = _rate(sum(r.ar_tokens for r in self.runs), sum(r.ar_time_s - r.ar_prefill_s for r in self.runs))
+        spec = _rate(sum(r.spec_tokens for r in self.runs), sum(r.spec_time_s - r.spec_prefill_s for r in self.runs))
+        return spec / ar if ar else 0.0
 
     @property
     def num_matched(self) -> int | None:
@@ -111,8 +126,11 @@ class BenchResult:
                      "draft_time_s": m["draft_time_s"], "verify_time_s": m["verify_time_s"],
                      "metrics": m},
             "speedup": self.speedup,
+            "decode_speedup": self.decode_speedup,
+            "prefill_time_s": {"ar": sum(r.ar_prefill_s for r in runs), "spec": sum(r.spec_prefill_s for r in runs)},
             "greedy_match": ({"matched": self.num_matched, "total": len(runs),
-                              "mismatched": [{"prompt": i, "first_mismatch": r.first_mismatch}
+                              "near_ties": sum(r.near_tie for r in runs),
+                              "mismatched": [{"prompt": i, "first_mismatch": r.first_mismatch, **(r.divergence or {})}
                                              for i, r in enumerate(runs) if not r.matched]}
                              if self.greedy else None),
             "by_category": self.by_category(),
@@ -179,14 +197,19 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
                 llm = ar_llm if side == "ar" else spec_llm
                 before = llm.get_metrics()
                 t0 = time.perf_counter()
-                out = llm.generate([prompt], params)[0].outputs[0]
+                request = llm.generate([prompt], params)[0]
                 elapsed = time.perf_counter() - t0
+                out = request.outputs[0]
                 outs[side] = out.token_ids
+                after = llm.get_metrics()
+                prefill = after["prefill_time_s"] - before["prefill_time_s"]
                 if side == "ar":
                     run.ar_tokens += len(out.token_ids)
                     run.ar_time_s += elapsed
+                    run.ar_prefill_s += prefill
+                    prompt_ids = request.prompt_token_ids
                 else:
-                    after = llm.get_metrics()
+                    run.spec_prefill_s += prefill
                     run.spec_tokens += len(out.token_ids)
                     run.spec_time_s += elapsed
                     for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
@@ -197,6 +220,8 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
                 if run.matched is None or mismatch is not None:
                     run.matched = mismatch is None
                     run.first_mismatch = mismatch if mismatch is not None else run.first_mismatch
+                if mismatch is not None and "ar" in outs and run.divergence is None:
+                    run.divergence = first_divergence(ar_llm.engine.target, prompt_ids, outs["ar"], outs["spec"])
 
     spec = spec_llm.speculative_config
     return BenchResult(runs=runs, spec_metrics=spec_llm.get_metrics(), greedy=params.greedy, repeats=repeats,

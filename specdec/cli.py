@@ -22,10 +22,13 @@ app = typer.Typer(help="Lossless speculative decoding for Hugging Face Llama-fam
 
 TAU = "τ (mean acceptance length: tokens per verify pass, incl. bonus)"
 DEMO_TARGET, DEMO_DRAFT = "specdec/demo-target", "specdec/demo-draft"
+# Each ends where the tokenizer ends a token in running text: a prompt ending in a bare newline
+# leaves a token that training text merges with the next line's indentation, and the model then
+# starts a top-level line instead of the function body.
 DEMO_PROMPTS = [
-    "def fibonacci(n):\n",
-    "def is_prime(n):\n",
-    "class Stack:\n    def __init__(self):\n",
+    'def fibonacci(n):\n    """',
+    'def is_prime(n):\n    """',
+    "class Stack:\n    def __init__(self):\n        self.",
 ]
 
 ModelOpt = Annotated[str, typer.Option("--model", help="Target: a checkpoint folder or a hub id.")]
@@ -331,6 +334,14 @@ def _print_json(obj: dict) -> None:
     sys.stdout.flush()
 
 
+def _divergence(m: dict) -> str:
+    where = f"prompt {m['prompt']} token {m['first_mismatch']}"
+    if m.get("gap") is None:
+        return f"{where} (length differs)"
+    kind = "a near-tie" if m["near_tie"] else "NOT a near-tie"
+    return f"{where}, {kind} (top-2 logit gap {m['gap']:.3f} vs rounding threshold {m['threshold']:.3f})"
+
+
 def _print_bench(r: dict, console: Console) -> None:
     table = Table(title=f"{r['num_prompts']} prompts × {r['repeats']}, batch 1, max {r['max_tokens']} tokens, "
                         f"k={r['num_speculative_tokens']}", title_style="bold")
@@ -343,7 +354,8 @@ def _print_bench(r: dict, console: Console) -> None:
     s = r["spec"]
     per_pos = ", ".join(f"{a:.2f}" for a in s["acceptance_rate_per_pos"]) or "-"
     lines = [
-        f"speedup: {r['speedup']:.2f}x (speculative tokens/s ÷ plain tokens/s)",
+        f"speedup: {r['speedup']:.2f}x (speculative tokens/s ÷ plain tokens/s, prompt prefill included); "
+        f"decoding alone: {r['decode_speedup']:.2f}x",
         f"acceptance rate: {s['acceptance_rate']:.1%}",
         f"{TAU}: {s['mean_acceptance_length']:.2f}",
         f"acceptance per draft position: {per_pos}",
@@ -353,8 +365,7 @@ def _print_bench(r: dict, console: Console) -> None:
     if gm is not None:
         line = f"greedy outputs identical: {gm['matched']}/{gm['total']} prompts"
         if gm["mismatched"]:
-            line += " (first differing token: " + ", ".join(
-                f"prompt {m['prompt']} at {m['first_mismatch']}" for m in gm["mismatched"]) + ")"
+            line += "; the others part at " + ", ".join(_divergence(m) for m in gm["mismatched"])
         lines.append(line)
     if "hf_spec" in r:
         hf_ar, hf_spec, agree = r["hf_ar"], r["hf_spec"], r["hf_agreement"]

@@ -160,7 +160,8 @@ def test_bench_json(models, prompts_file, plain_llm):
     assert len(spec["acceptance_rate_per_pos"]) == 3
     # the warm-up is excluded: the counters cover exactly the timed runs
     assert spec["metrics"]["num_emitted_tokens"] == spec["tokens"]
-    assert out["greedy_match"] == {"matched": len(PROMPTS), "total": len(PROMPTS), "mismatched": []}
+    assert out["greedy_match"] == {"matched": len(PROMPTS), "total": len(PROMPTS), "near_ties": 0, "mismatched": []}
+    assert 0 < out["decode_speedup"] and out["prefill_time_s"]["ar"] > 0
     assert set(out["by_category"]) == {"c0", "c1"}
 
 

@@ -1,0 +1,44 @@
+"""Where greedy speculative output may part from plain greedy output: a measured near-tie.
+
+A verify pass computes the same logits as one-token steps up to floating-point rounding. Where
+the target's top-2 logits are closer than that rounding, the two paths may pick different
+tokens; anywhere else they must not. The rounding depends on the weights' dtype: float32 sums
+differ by ~1e-5, while bfloat16 matrix products round their results to 8 significant bits, so
+two logits within a couple of bf16 steps of each other (2^-6 of their size) are a tie.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT32_NEAR_TIE = 1e-3  # logits; 100x the float32 differences measured between the two paths
+BF16_RELATIVE_STEP = 2.0**-6  # two bf16 rounding steps (8 significant bits), relative to the logit
+
+
+def near_tie_threshold(runner, top_logit: float) -> float:
+    """The top-2 gap below which ``runner``'s rounding can reorder two logits of this size."""
+    if runner.dtype in (torch.bfloat16, torch.float16):
+        return max(FLOAT32_NEAR_TIE, abs(top_logit) * BF16_RELATIVE_STEP)
+    return FLOAT32_NEAR_TIE
+
+
+def top2(runner, token_ids: list[int]) -> tuple[float, float]:
+    """(top logit, top-2 gap) of the next token after ``token_ids``, from a fresh cache row."""
+    runner.sync_rows([("__specdec_near_tie__", 0)])
+    tokens = torch.tensor([token_ids], device=runner.device)  # [1, T]
+    logits = runner.forward(tokens, [0], logits_index=torch.tensor([len(token_ids) - 1], device=runner.device))[0]
+    top = logits.topk(2).values
+    return float(top[0]), float(top[0] - top[1])
+
+
+def first_divergence(runner, prompt_ids: list[int], expected: list[int], got: list[int]) -> dict | None:
+    """None where ``got`` equals ``expected``; else where they part, the target's top-2 gap there,
+    the dtype's threshold and whether it is a near-tie (lossless) or not (a bug)."""
+    j = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    if j is None:
+        if len(expected) == len(got):
+            return None
+        return {"position": min(len(expected), len(got)), "gap": None, "threshold": None, "near_tie": False}
+    top, gap = top2(runner, list(prompt_ids) + list(expected[:j]))
+    threshold = near_tie_threshold(runner, top)
+    return {"position": j, "gap": gap, "threshold": threshold, "near_tie": gap < threshold}
