@@ -37,18 +37,20 @@ from pathlib import Path
 
 import httpx
 
+# Code prompts end where the tokenizer ends a token in running code (a bare trailing newline is a
+# token that training text merges with the next line's indentation).
 DEFAULT_PROMPTS = [
-    "def fibonacci(n):\n",
-    "def is_prime(n):\n",
-    "class Stack:\n    def __init__(self):\n",
+    'def fibonacci(n):\n    """',
+    'def is_prime(n):\n    """',
+    "class Stack:\n    def __init__(self):\n        self.",
     "The three most important ideas in computer science are",
-    "import numpy as np\n\ndef softmax(x):\n",
+    "import numpy as np\n\ndef softmax(x):\n   ",
     "Once upon a time, in a small village by the sea,",
-    "def quicksort(items):\n",
+    'def quicksort(items):\n    """',
     "Here is a short summary of how a transformer language model works:",
-    "for i in range(10):\n",
+    "for i in range(10):\n       ",
     "The capital of France is",
-    "def binary_search(arr, target):\n",
+    'def binary_search(arr, target):\n    """',
     "SELECT name, COUNT(*) FROM",
 ]
 
@@ -215,6 +217,22 @@ def latency_summary(results: list[Result]) -> dict:
             "tpot_median_ms": 1e3 * statistics.median(tpot), "tpot_p95_ms": 1e3 * pct(tpot, 95)}
 
 
+def classify(args, cases: list[tuple]) -> list[dict]:
+    """For (prompt, sequential output, concurrent output) that differ: where they part, the target's
+    top-2 logit gap there, and whether it is a near-tie (specdec.near_tie), judged in-process."""
+    if not cases:
+        return []
+    from specdec import LLM
+    from specdec.near_tie import first_divergence
+
+    judge = LLM(args.model, dtype=args.dtype, device=args.device)
+    out = []
+    for prompt, ref, got in cases:
+        ids = prompt if isinstance(prompt, list) else judge.get_tokenizer().encode(prompt)
+        out.append(first_divergence(judge.engine.target, ids, ref, got))
+    return out
+
+
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -262,7 +280,7 @@ def main() -> None:
     ap.add_argument("--token-prompts", action="store_true", help="random token-id prompts (tiny test models)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--threads", type=int, help="torch threads of each server (OMP_NUM_THREADS)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
@@ -314,6 +332,7 @@ def main() -> None:
         m1 = spec.metrics()
         mismatches = [(i, j) for i, (r, ref) in enumerate(zip(results, reference))
                       if (j := first_mismatch(ref, r.token_ids)) is not None]
+        divergences = classify(args, [(load_prompts_[i], reference[i], results[i].token_ids) for i, _ in mismatches])
         tokens = sum(len(r.token_ids) for r in results)
         report["load"] = {
             "requests": len(results), "disconnected": len(leavers),
@@ -322,6 +341,8 @@ def main() -> None:
             - m0.get('specdec:request_success_total{finished_reason="abort"}', 0),
             "equal_to_sequential": len(results) - len(mismatches),
             "mismatches_first_position": mismatches,
+            "divergences": divergences,
+            "near_ties": sum(d["near_tie"] for d in divergences),
             "generated_tokens": tokens, "wall_s": wall, "throughput_tokens_per_s": tokens / wall,
             "sequential_tokens_per_s": sum(map(len, reference)) / seq_wall,
             **latency_summary(results), **spec_counters(m0, m1),
@@ -363,8 +384,8 @@ def main() -> None:
         print(json.dumps(report, indent=2))
     else:
         print_report(report)
-    if mismatches:
-        sys.exit(1)
+    if any(not d["near_tie"] for d in divergences):
+        sys.exit(1)  # a divergence that rounding cannot explain
 
 
 def print_report(r: dict) -> None:
@@ -373,8 +394,10 @@ def print_report(r: dict) -> None:
     print(f"model {r['model']} | {' '.join(r['speculative'])} | greedy, {r['max_tokens']} tokens per request")
     print(f"load: {L['requests']} streaming requests + {L['disconnected']} that disconnect mid-stream")
     print(f"  completed {L['completed']}/{L['requests']}, equal to sequential {L['equal_to_sequential']}/"
-          f"{L['requests']}" + (f" (first differing token per request: {L['mismatches_first_position']})"
-                                if L["mismatches_first_position"] else ""))
+          f"{L['requests']}" + (f"; the others part at a near-tie of the target: {L['near_ties']}/"
+                                f"{len(L['divergences'])} (gap vs threshold: "
+                                + ", ".join(f"{d['gap']:.3f}/{d['threshold']:.3f}" if d["gap"] is not None else "length"
+                                            for d in L["divergences"]) + ")" if L["divergences"] else ""))
     print(f"  aborted by the server: {L['aborted_by_server']:.0f} (expected {L['disconnected']})")
     print(f"  throughput {L['throughput_tokens_per_s']:.1f} tokens/s ({L['generated_tokens']} tokens in "
           f"{L['wall_s']:.2f} s); one at a time: {L['sequential_tokens_per_s']:.1f} tokens/s")
