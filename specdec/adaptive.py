@@ -1,17 +1,20 @@
-"""Adaptive speculation: each round, each sequence gets the k that the cost model says pays most.
+"""Adaptive speculation: each round, the k that the cost model says pays most for the batch.
 
 ALGORITHM.md's cost model with measured quantities instead of assumptions:
 - acceptance: per sequence and per draft position i, the conditional rate
   alpha_i = P(x_i accepted | x_1..x_{i-1} accepted), from decayed counts, smoothed towards
   the same rates over all sequences;
-- E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j  (tokens per round, bonus included);
+- E_b(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j  (tokens per round for sequence b, bonus included);
 - costs: t_v(B, T), the wall time of a verify pass of T tokens per row at batch size B, and
   t_d(B), the drafter's time per drafted position, both moving averages of what the engine timed;
-- S(k) = E(k) * t_v(B, 1) / (k * t_d(B) + t_v(B, k + 1)); S(0) = 1 is plain decoding.
-The sequence drafts k* = argmax S(k). When k* = 0 it decodes plainly and probes again with a
-one-token draft after a while, backing off while the probes keep failing, so a drafter that
-never helps costs almost nothing. A new sequence starts from the probe interval the last finished
-one had reached: a workload where speculation does not pay keeps probing rarely.
+- S(k) = mean_b E_b(k) * t_v(B, 1) / (k * t_d(B) + t_v(B, k + 1)); S(0) = 1 is plain decoding.
+One k for the whole batch: a verify pass runs k + 1 tokens for every row as soon as one row drafts
+k, and a draft step costs the same for the batch however many rows draft, so rows that would
+draft less only give up expected tokens. The batch drafts k* = argmax S(k), unless S(k*) is
+within MIN_GAIN of 1: a predicted gain that small is inside the estimates' noise. Every batch
+size first takes one plain step, so that S is measured against its real baseline.
+When k* = 0 the batch decodes plainly and probes again with a one-token draft after a while,
+backing off while the probes keep failing, so a drafter that never helps costs almost nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ PRIOR_WEIGHT = 4.0  # pseudo-rounds of the batch-wide rates mixed into a sequenc
 DECAY = 0.95  # per update: older rounds weigh less, so a sequence's estimate follows its text
 PRIOR_VERIFY_SLOPE = 0.07  # v(T) = 1 + slope * (T - 1) until measured (ALGORITHM.md: v(4) ~ 1.2-1.3 on CPU)
 PRIOR_DRAFT_COST = 0.1  # c, one draft step in units of a 1-token target step, until measured
+MIN_GAIN = 0.03  # speculate only where the predicted speedup exceeds 1 + MIN_GAIN
 PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
-PROBE_INTERVAL = 8  # rounds; doubles after every probe that does not switch speculation back on
+PROBE_INTERVAL = 8  # rounds; doubles after every probe whose drafts were all rejected
 MAX_PROBE_INTERVAL = 128
 
 
@@ -68,55 +72,53 @@ class PositionStats:
         return out
 
 
-@dataclass
-class _SeqState:
-    stats: PositionStats = field(default_factory=PositionStats)
-    off_rounds: int = 0  # rounds decoded plainly since speculation was switched off
-    probe_interval: int = PROBE_INTERVAL
-    probing: bool = False
-
-
 class AdaptiveK:
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.batch_stats = PositionStats()
         self.verify_time: dict[tuple[int, int], Ema] = {}  # (B, T) -> seconds per verify pass
         self.draft_time: dict[int, Ema] = {}  # B -> seconds per drafted position
-        self.seqs: dict[int, _SeqState] = {}
-        self.initial_probe_interval = PROBE_INTERVAL  # for new sequences; learnt from finished ones
+        self.seqs: dict[int, PositionStats] = {}
+        self.off_rounds = 0  # rounds decoded plainly since speculation was switched off
+        self.probe_interval = PROBE_INTERVAL
+        self.probing = False
 
     # -- decisions --------------------------------------------------------------------------------
 
     def choose(self, seq_ids: list[int]) -> list[int]:
         B = len(seq_ids)
+        if self._measured(B, 1) is None:
+            return [0] * B  # every speedup at this batch size is relative to a plain step of it
         prior = self._batch_alphas()
-        ks = []
-        for sid in seq_ids:
-            st = self.seqs.get(sid)
-            if st is None:
-                st = self.seqs[sid] = _SeqState(probe_interval=self.initial_probe_interval)
-            alphas = st.stats.alphas(self.k_max, prior, PRIOR_WEIGHT)
-            best = max(range(self.k_max + 1), key=lambda k: self._speedup(B, k, alphas))
-            st.probing = False
-            if best == 0:
-                st.off_rounds += 1
-                if st.off_rounds % st.probe_interval == 0:
-                    best, st.probing = min(PROBE_K, self.k_max), True
-            else:
-                st.off_rounds, st.probe_interval = 0, PROBE_INTERVAL
-            ks.append(best)
-        return ks
+        alphas = [self.seqs.setdefault(sid, PositionStats()).alphas(self.k_max, prior, PRIOR_WEIGHT)
+                  for sid in seq_ids]
+        best = max(range(self.k_max + 1), key=lambda k: self._speedup(B, k, alphas))
+        if best and self._speedup(B, best, alphas) < 1.0 + MIN_GAIN:
+            best = 0
+        self.probing = False
+        if best == 0:
+            self.off_rounds += 1
+            if self.off_rounds % self.probe_interval == 0:
+                best, self.probing = min(PROBE_K, self.k_max), True
+        else:
+            self.off_rounds, self.probe_interval = 0, PROBE_INTERVAL
+        return [best] * B
 
     def predicted_speedup(self, batch: int, k: int, alphas: list[float] | None = None) -> float:
-        return self._speedup(batch, k, alphas if alphas is not None else self._batch_alphas())
+        """S(k) at this batch size for sequences whose conditional acceptance is ``alphas``."""
+        return self._speedup(batch, k, [alphas if alphas is not None else self._batch_alphas()])
 
-    def _speedup(self, B: int, k: int, alphas: list[float]) -> float:
+    def _speedup(self, B: int, k: int, alphas_per_seq: list[list[float]]) -> float:
         if k == 0:
             return 1.0
-        expected, run = 1.0, 1.0
-        for a in alphas[:k]:
-            run *= a
-            expected += run
+        expected = 0.0
+        for alphas in alphas_per_seq:
+            run = 1.0
+            expected += 1.0
+            for a in alphas[:k]:
+                run *= a
+                expected += run
+        expected /= len(alphas_per_seq)  # mean tokens per sequence per round
         t1 = self._verify_cost(B, 1)
         return expected * t1 / (k * self._draft_cost(B, t1) + self._verify_cost(B, k + 1))
 
@@ -129,21 +131,31 @@ class AdaptiveK:
                 alphas[i] = alphas[i - 1]
         return alphas
 
-    def _verify_cost(self, B: int, T: int) -> float:
-        """Seconds of a verify pass with T tokens per row, measured, else scaled from a measured T."""
+    def _measured(self, B: int, T: int) -> float | None:
         e = self.verify_time.get((B, T))
-        if e is not None and e.value is not None:
-            return e.value
-        known = [(t, em.value) for (b, t), em in self.verify_time.items() if b == B and em.value is not None]
+        return e.value if e is not None else None
+
+    def _verify_cost(self, B: int, T: int) -> float:
+        """Seconds of a verify pass with T tokens per row: measured, else interpolated between the
+        nearest measured lengths, else extrapolated along the last measured slope (never below the
+        prior's)."""
+        v = self._measured(B, T)
+        if v is not None:
+            return v
+        known = sorted((t, em.value) for (b, t), em in self.verify_time.items() if b == B and em.value is not None)
         if not known:
             return 1.0 + PRIOR_VERIFY_SLOPE * (T - 1)  # unitless prior; only ratios matter
         lower = [(t, v) for t, v in known if t <= T]
         upper = [(t, v) for t, v in known if t >= T]
         if lower and upper:  # interpolate between the nearest measured lengths
-            (t0, v0), (t1, v1) = max(lower), min(upper)
-            return v0 if t1 == t0 else v0 + (v1 - v0) * (T - t0) / (t1 - t0)
-        t0, v0 = min(known, key=lambda tv: abs(tv[0] - T))
-        return v0 * (1.0 + PRIOR_VERIFY_SLOPE * (T - 1)) / (1.0 + PRIOR_VERIFY_SLOPE * (t0 - 1))
+            (t0, v0), (t1, v1) = lower[-1], upper[0]
+            return v0 + (v1 - v0) * (T - t0) / (t1 - t0)
+        t0, v0 = known[-1] if lower else known[0]
+        slope = PRIOR_VERIFY_SLOPE * known[0][1] / (1.0 + PRIOR_VERIFY_SLOPE * (known[0][0] - 1))  # seconds per token
+        if len(known) >= 2 and lower:
+            (ta, va), (tb, vb) = known[-2], known[-1]
+            slope = max(slope, (vb - va) / (tb - ta))
+        return max(v0 + slope * (T - t0), 1e-9)
 
     def _draft_cost(self, B: int, t1: float) -> float:
         e = self.draft_time.get(B)
@@ -163,14 +175,11 @@ class AdaptiveK:
         for sid, nd, na in zip(seq_ids, num_draft, num_accepted):
             if nd == 0:
                 continue
-            st = self.seqs.setdefault(sid, _SeqState())
-            st.stats.update(nd, na, DECAY)
+            self.seqs.setdefault(sid, PositionStats()).update(nd, na, DECAY)
             self.batch_stats.update(nd, na, DECAY ** (1.0 / max(B, 1)))
-            if st.probing and na == 0:
-                st.probe_interval = min(2 * st.probe_interval, MAX_PROBE_INTERVAL)
+        if self.probing and k_round > 0 and not any(num_accepted):
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
-            st = self.seqs.pop(sid, None)
-            if st is not None:  # speculation off at the end: the next sequence probes as rarely
-                self.initial_probe_interval = st.probe_interval if st.off_rounds else PROBE_INTERVAL
+            self.seqs.pop(sid, None)

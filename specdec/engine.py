@@ -22,6 +22,7 @@ import torch
 from specdec.adaptive import AdaptiveK
 from specdec.config import SamplingParams
 from specdec.drafters.base import DraftProposal, Drafter
+from specdec.host_memory import trim_heap
 from specdec.metrics import SpecDecodingStats
 from specdec.models.base import ModelRunner
 from specdec.sampling import SamplingBatch, make_generator
@@ -83,6 +84,7 @@ class Engine:
         self.target.release()
         if self.drafter is not None:
             self.drafter.release_memory()
+        trim_heap()
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ On other devices it is ``F.linear``.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,25 @@ import torch.nn.functional as F
 # results for 4+ rows do not depend on the row count. Models too large for the CPU's caches pad
 # their products to this many rows; small ones, whose weights stay in cache, are faster unpadded.
 ONEDNN_MIN_ROWS = 4
+
+
+# oneDNN keeps up to 1,024 built kernels by default, with their buffers: after a burst of varied
+# batch shapes a server then held ~60 MB more than before it (demo pair). 128 covers the shapes of
+# steady decoding. Read by oneDNN when it first builds a kernel; a value set by the user stays.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+
+
+def onednn_rows(rows: int, min_rows: int) -> int:
+    """The row count a product of ``rows`` rows runs at: at least ``min_rows``, then rounded up to
+    one of 8 sizes per octave (multiples of 4 below 64). oneDNN builds and caches a kernel per
+    shape (up to 1,024 of them, with their buffers); without buckets, the row counts a server's
+    changing batches produce would keep adding kernels and memory. The padding costs at most
+    1/8 of the work."""
+    rows = max(rows, min_rows)
+    if rows <= min_rows:
+        return rows
+    step = max(4, 1 << max(0, rows.bit_length() - 4))
+    return -(-rows // step) * step
 
 
 @functools.cache
@@ -67,8 +87,9 @@ class Linear:
         rows = x.numel() // x.shape[-1]
         x2 = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
         if self.kind == "onednn":
-            if rows < self.min_rows:  # rows are computed independently: padding changes nothing else
-                x2 = torch.cat([x2, x2.new_zeros(self.min_rows - rows, x2.shape[1])])
+            padded = onednn_rows(rows, self.min_rows)  # rows are computed independently: padding changes nothing else
+            if padded > rows:
+                x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
             y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")[:rows]  # [rows, out]
         else:
             if rows == 1:

@@ -8,8 +8,11 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from specdec.host_memory import pin_mmap_threshold
+
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    pin_mmap_threshold()  # this process is a server: give memory back after bursts (host_memory.py)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
