@@ -12,7 +12,8 @@ One k for the whole batch: a verify pass runs k + 1 tokens for every row as soon
 k, and a draft step costs the same for the batch however many rows draft, so rows that would
 draft less only give up expected tokens. The batch drafts k* = argmax S(k), unless S(k*) is
 within MIN_GAIN of 1: a predicted gain that small is inside the estimates' noise. Every batch
-size first takes one plain step, so that S is measured against its real baseline.
+size first takes plain steps (and again every REFRESH_ROUNDS rounds), so that S is measured
+against its real baseline.
 When k* = 0 the batch decodes plainly and probes again with a one-token draft after a while,
 backing off while the probes keep failing, so a drafter that never helps costs almost nothing.
 """
@@ -30,15 +31,25 @@ MIN_GAIN = 0.03  # speculate only where the predicted speedup exceeds 1 + MIN_GA
 PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
 PROBE_INTERVAL = 8  # rounds; doubles after every probe whose drafts were all rejected
 MAX_PROBE_INTERVAL = 128
+REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
 
 
 class Ema:
-    def __init__(self, weight: float = 0.2):
+    """Moving average of a timing that ignores the first ``skip`` samples: the first pass at a new
+    shape also builds its kernels (oneDNN) and would inflate the estimate for a long time."""
+
+    def __init__(self, weight: float = 0.2, skip: int = 1):
         self.weight = weight
+        self.skip = skip
         self.value: float | None = None
 
     def update(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.weight) * self.value + self.weight * x
+        if self.skip > 0:
+            self.skip -= 1
+        elif self.value is None:
+            self.value = x
+        else:
+            self.value = (1 - self.weight) * self.value + self.weight * x
 
 
 @dataclass
@@ -79,6 +90,8 @@ class AdaptiveK:
         self.verify_time: dict[tuple[int, int], Ema] = {}  # (B, T) -> seconds per verify pass
         self.draft_time: dict[int, Ema] = {}  # B -> seconds per drafted position
         self.seqs: dict[int, PositionStats] = {}
+        self.rounds = 0  # rounds recorded
+        self.plain_measured_at: dict[int, int] = {}  # B -> the round its plain step was last timed
         self.off_rounds = 0  # rounds decoded plainly since speculation was switched off
         self.probe_interval = PROBE_INTERVAL
         self.probing = False
@@ -87,8 +100,9 @@ class AdaptiveK:
 
     def choose(self, seq_ids: list[int]) -> list[int]:
         B = len(seq_ids)
-        if self._measured(B, 1) is None:
-            return [0] * B  # every speedup at this batch size is relative to a plain step of it
+        stale = self.rounds - self.plain_measured_at.get(B, -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
+        if self._measured(B, 1) is None or stale:
+            return [0] * B  # every speedup at this batch size is relative to a fresh plain step of it
         prior = self._batch_alphas()
         alphas = [self.seqs.setdefault(sid, PositionStats()).alphas(self.k_max, prior, PRIOR_WEIGHT)
                   for sid in seq_ids]
@@ -169,6 +183,9 @@ class AdaptiveK:
                draft_time_s: float, verify_time_s: float) -> None:
         B = len(seq_ids)
         k_round = max(num_draft)
+        self.rounds += 1
+        if k_round == 0:
+            self.plain_measured_at[B] = self.rounds
         self.verify_time.setdefault((B, k_round + 1), Ema()).update(verify_time_s)
         if k_round > 0:
             self.draft_time.setdefault(B, Ema()).update(draft_time_s / k_round)

@@ -363,9 +363,11 @@ def _print_bench(r: dict, console: Console) -> None:
     ]
     gm = r.get("greedy_match")
     if gm is not None:
-        line = f"greedy outputs identical: {gm['matched']}/{gm['total']} prompts"
+        lossless = gm["matched"] + gm["near_ties"]
+        line = f"greedy outputs equal to plain decoding: {lossless}/{gm['total']} prompts"
         if gm["mismatched"]:
-            line += "; the others part at " + ", ".join(_divergence(m) for m in gm["mismatched"])
+            line += (f" ({gm['matched']} token for token; the others part at "
+                     + ", ".join(_divergence(m) for m in gm["mismatched"]) + ")")
         lines.append(line)
     if "hf_spec" in r:
         hf_ar, hf_spec, agree = r["hf_ar"], r["hf_spec"], r["hf_agreement"]

@@ -14,7 +14,6 @@ When no sequence is left it releases the KV caches and blocks on the inbox.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import queue
 import threading
@@ -236,8 +235,7 @@ class AsyncEngine:
         """No sequence left: give the KV caches' memory back (the engine keeps them at their peak size)."""
         if not self.release_when_idle:
             return
-        self.engine.release_memory()
-        _malloc_trim()
+        self.engine.release_memory()  # and trims the heap (host_memory.py)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None, error: BaseException | None = None):
@@ -252,12 +250,4 @@ def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None, 
     try:
         loop.call_soon_threadsafe(set_)
     except RuntimeError:
-        pass
-
-
-def _malloc_trim() -> None:
-    """Ask glibc to hand freed heap pages back to the OS (freed tensors otherwise stay in RSS)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
         pass
