@@ -74,12 +74,16 @@ class PositionStats:
             self.accepted[i] += 1.0
 
     def alphas(self, k: int, prior: list[float], weight: float) -> list[float]:
-        """Conditional acceptance alpha_1..alpha_k, each smoothed towards ``prior``."""
+        """Conditional acceptance alpha_1..alpha_k: alpha_1 smoothed towards ``prior[0]``, each later
+        one towards the estimate before it. A position the sequence has not reached lately (its
+        counts decay) thus follows the one before, instead of staying at an old low value that no
+        round would ever correct once k had dropped below it."""
         out = []
         for i in range(k):
             r = self.reached[i] if i < len(self.reached) else 0.0
             a = self.accepted[i] if i < len(self.accepted) else 0.0
-            out.append((a + weight * prior[i]) / (r + weight))
+            toward = prior[0] if i == 0 else out[-1]
+            out.append((a + weight * toward) / (r + weight))
         return out
 
 
@@ -150,26 +154,24 @@ class AdaptiveK:
         return e.value if e is not None else None
 
     def _verify_cost(self, B: int, T: int) -> float:
-        """Seconds of a verify pass with T tokens per row: measured, else interpolated between the
-        nearest measured lengths, else extrapolated along the last measured slope (never below the
-        prior's)."""
-        v = self._measured(B, T)
-        if v is not None:
-            return v
+        """Seconds of a verify pass with T tokens per row. T = 1: the measured plain step. T > 1:
+        the least-squares line through the lengths measured at this batch size (single timings
+        are noisy enough to make k = 3 look cheaper than k = 2), never below the plain step; with
+        one length measured, the prior slope from it."""
         known = sorted((t, em.value) for (b, t), em in self.verify_time.items() if b == B and em.value is not None)
+        if T == 1 and known and known[0][0] == 1:
+            return known[0][1]
         if not known:
             return 1.0 + PRIOR_VERIFY_SLOPE * (T - 1)  # unitless prior; only ratios matter
-        lower = [(t, v) for t, v in known if t <= T]
-        upper = [(t, v) for t, v in known if t >= T]
-        if lower and upper:  # interpolate between the nearest measured lengths
-            (t0, v0), (t1, v1) = lower[-1], upper[0]
-            return v0 + (v1 - v0) * (T - t0) / (t1 - t0)
-        t0, v0 = known[-1] if lower else known[0]
-        slope = PRIOR_VERIFY_SLOPE * known[0][1] / (1.0 + PRIOR_VERIFY_SLOPE * (known[0][0] - 1))  # seconds per token
-        if len(known) >= 2 and lower:
-            (ta, va), (tb, vb) = known[-2], known[-1]
-            slope = max(slope, (vb - va) / (tb - ta))
-        return max(v0 + slope * (T - t0), 1e-9)
+        floor = known[0][1] if known[0][0] == 1 else 0.0
+        if len(known) == 1:
+            t0, v0 = known[0]
+            return v0 * (1.0 + PRIOR_VERIFY_SLOPE * (T - 1)) / (1.0 + PRIOR_VERIFY_SLOPE * (t0 - 1))
+        n = len(known)
+        mt = sum(t for t, _ in known) / n
+        mv = sum(v for _, v in known) / n
+        slope = sum((t - mt) * (v - mv) for t, v in known) / sum((t - mt) ** 2 for t, _ in known)
+        return max(mv + slope * (T - mt), floor)
 
     def _draft_cost(self, B: int, t1: float) -> float:
         e = self.draft_time.get(B)

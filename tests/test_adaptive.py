@@ -74,4 +74,6 @@ def test_position_stats_count_reached_and_accepted():
     st.update(num_draft=2, num_accepted=2, decay=1.0)  # reached 1, 2; accepted 1, 2
     assert st.reached == [2.0, 2.0, 0.0] and st.accepted == [2.0, 1.0, 0.0]
     assert st.alphas(2, [0.5, 0.5], weight=0.0) == [1.0, 0.5]
-    assert st.alphas(3, [0.5, 0.5, 0.5], weight=1.0)[2] == 0.5  # never reached: the prior
+    a = st.alphas(3, [0.5, 0.5, 0.5], weight=1.0)
+    assert a[0] == pytest.approx((2 + 0.5) / 3) and a[1] == pytest.approx((1 + a[0]) / 3)
+    assert a[2] == pytest.approx(a[1])  # never reached: the estimate of the position before
