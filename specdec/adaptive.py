@@ -6,7 +6,7 @@ ALGORITHM.md's cost model with measured quantities instead of assumptions:
   the same rates over all sequences;
 - E_b(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j  (tokens per round for sequence b, bonus included);
 - costs: t_v(B, T), the wall time of a verify pass of T tokens per row at batch size B, and
-  t_d(B), the drafter's time per drafted position, both moving averages of what the engine timed;
+  t_d(B), the drafter's time per drafted position, both the fastest of their recent timings;
 - S(k) = mean_b E_b(k) * t_v(B, 1) / (k * t_d(B) + t_v(B, k + 1)); S(0) = 1 is plain decoding.
 One k for the whole batch: a verify pass runs k + 1 tokens for every row as soon as one row drafts
 k, and a draft step costs the same for the batch however many rows draft, so rows that would
@@ -20,6 +20,7 @@ backing off while the probes keep failing, so a drafter that never helps costs a
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is measured
@@ -34,22 +35,25 @@ MAX_PROBE_INTERVAL = 128
 REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
 
 
-class Ema:
-    """Moving average of a timing that ignores the first ``skip`` samples: the first pass at a new
-    shape also builds its kernels (oneDNN) and would inflate the estimate for a long time."""
+class Timing:
+    """A wall-time estimate robust to a busy machine: the fastest of the last ``window`` samples,
+    skipping the first ``skip`` (the first pass at a new shape also builds its kernels). Noise on
+    a shared CPU only ever adds time, and one slow plain step would otherwise flatter every
+    speculative round compared with it."""
 
-    def __init__(self, weight: float = 0.2, skip: int = 1):
-        self.weight = weight
+    def __init__(self, window: int = 8, skip: int = 1):
+        self.samples: deque[float] = deque(maxlen=window)
         self.skip = skip
-        self.value: float | None = None
 
     def update(self, x: float) -> None:
         if self.skip > 0:
             self.skip -= 1
-        elif self.value is None:
-            self.value = x
         else:
-            self.value = (1 - self.weight) * self.value + self.weight * x
+            self.samples.append(x)
+
+    @property
+    def value(self) -> float | None:
+        return min(self.samples) if self.samples else None
 
 
 @dataclass
@@ -91,8 +95,8 @@ class AdaptiveK:
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.batch_stats = PositionStats()
-        self.verify_time: dict[tuple[int, int], Ema] = {}  # (B, T) -> seconds per verify pass
-        self.draft_time: dict[int, Ema] = {}  # B -> seconds per drafted position
+        self.verify_time: dict[tuple[int, int], Timing] = {}  # (B, T) -> seconds per verify pass
+        self.draft_time: dict[int, Timing] = {}  # B -> seconds per drafted position
         self.seqs: dict[int, PositionStats] = {}
         self.rounds = 0  # rounds recorded
         self.plain_measured_at: dict[int, int] = {}  # B -> the round its plain step was last timed
@@ -188,9 +192,9 @@ class AdaptiveK:
         self.rounds += 1
         if k_round == 0:
             self.plain_measured_at[B] = self.rounds
-        self.verify_time.setdefault((B, k_round + 1), Ema()).update(verify_time_s)
+        self.verify_time.setdefault((B, k_round + 1), Timing()).update(verify_time_s)
         if k_round > 0:
-            self.draft_time.setdefault(B, Ema()).update(draft_time_s / k_round)
+            self.draft_time.setdefault(B, Timing()).update(draft_time_s / k_round)
         for sid, nd, na in zip(seq_ids, num_draft, num_accepted):
             if nd == 0:
                 continue

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.adaptive import AdaptiveK, Ema, PositionStats
+from specdec.adaptive import AdaptiveK, PositionStats, Timing
 from specdec.metrics import predicted_speedup
 
 
@@ -20,8 +20,8 @@ def feed(ctrl: AdaptiveK, rounds: int, accept, t1=0.010, per_token=0.001, draft=
 def test_cost_model_matches_algorithm_md_when_costs_are_measured():
     ctrl = AdaptiveK(4)
     for T, t in [(1, 0.010), (2, 0.011), (3, 0.012), (4, 0.013), (5, 0.014)]:
-        ctrl.verify_time.setdefault((1, T), Ema(skip=0)).update(t)
-    ctrl.draft_time.setdefault(1, Ema(skip=0)).update(0.002)
+        ctrl.verify_time.setdefault((1, T), Timing(skip=0)).update(t)
+    ctrl.draft_time.setdefault(1, Timing(skip=0)).update(0.002)
     alpha = 0.7
     for k in range(1, 5):
         got = ctrl.predicted_speedup(1, k, [alpha] * 4)
