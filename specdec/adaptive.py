@@ -30,7 +30,7 @@ PRIOR_VERIFY_SLOPE = 0.07  # v(T) = 1 + slope * (T - 1) until measured (ALGORITH
 PRIOR_DRAFT_COST = 0.1  # c, one draft step in units of a 1-token target step, until measured
 MIN_GAIN = 0.03  # speculate only where the predicted speedup exceeds 1 + MIN_GAIN
 PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
-PROBE_INTERVAL = 8  # rounds; doubles after every probe whose drafts were all rejected
+PROBE_INTERVAL = 8  # rounds; doubles after every probe that does not switch speculation back on
 MAX_PROBE_INTERVAL = 128
 REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
 
@@ -117,8 +117,10 @@ class AdaptiveK:
         best = max(range(self.k_max + 1), key=lambda k: self._speedup(B, k, alphas))
         if best and self._speedup(B, best, alphas) < 1.0 + MIN_GAIN:
             best = 0
-        self.probing = False
+        was_probe, self.probing = self.probing, False
         if best == 0:
+            if was_probe:  # the probe did not switch speculation back on: wait longer next time
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
             self.off_rounds += 1
             if self.off_rounds % self.probe_interval == 0:
                 best, self.probing = min(PROBE_K, self.k_max), True
@@ -200,8 +202,6 @@ class AdaptiveK:
                 continue
             self.seqs.setdefault(sid, PositionStats()).update(nd, na, DECAY)
             self.batch_stats.update(nd, na, DECAY ** (1.0 / max(B, 1)))
-        if self.probing and k_round > 0 and not any(num_accepted):
-            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
