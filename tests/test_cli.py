@@ -274,6 +274,11 @@ def test_generate_needs_exactly_one_prompt(models):
         assert result.exit_code == 2 and "exactly one of --prompt" in result.stderr
 
 
+def test_serve_bad_threads_exits_2(models):
+    result = cli("serve", "--model", models["target"], "--threads", "0")
+    assert result.exit_code == 2 and "--threads must be >= 1, got 0" in result.stderr, result.output
+
+
 @pytest.mark.parametrize("case", ["no drafter", "missing file", "bad line", "repeats 0"])
 def test_bench_bad_input_exits_2(models, tmp_path, prompts_file, case):
     bad = tmp_path / "bad.jsonl"
