@@ -233,13 +233,6 @@ def classify(args, cases: list[tuple]) -> list[dict]:
     return out
 
 
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def spec_counters(before: dict, after: dict) -> dict:
     d = {k: after.get(f"specdec:spec_decode_{k}_total", 0) - before.get(f"specdec:spec_decode_{k}_total", 0)
          for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
@@ -265,6 +258,8 @@ def make_prompts(args) -> list:
 
 
 def main() -> None:
+    from specdec.near_tie import first_mismatch  # here, not at the top: specdec loads torch
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="target: a checkpoint folder or hub id")
     ap.add_argument("--draft", help="draft model (method draft_model)")

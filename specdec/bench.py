@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams
 from specdec.llm import LLM
-from specdec.near_tie import first_divergence
+from specdec.near_tie import first_divergence, first_mismatch
 
 Prompt = str | dict | list[int]
 Peer = Callable[[Prompt], list[int]]  # runs one prompt with the bench's settings, returns the output token ids
@@ -216,7 +216,7 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
                         setattr(run, key, getattr(run, key) + after[key] - before[key])
             run.outputs = outs
             if params.greedy:
-                mismatch = _first_mismatch(outs["ar"], outs["spec"])
+                mismatch = first_mismatch(outs["ar"], outs["spec"])
                 if run.matched is None or mismatch is not None:
                     run.matched = mismatch is None
                     run.first_mismatch = mismatch if mismatch is not None else run.first_mismatch
@@ -234,13 +234,6 @@ def _split(p) -> tuple[Prompt, str | None]:
     if isinstance(p, dict) and "prompt" in p and "prompt_token_ids" not in p:
         return p["prompt"], p.get("category")
     return p, None
-
-
-def _first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _rate(tokens: int, seconds: float) -> float:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.models.base import next_token_logits
+
 FLOAT32_NEAR_TIE = 1e-3  # logits; 100x the float32 differences measured between the two paths
 BF16_RELATIVE_STEP = 2.0**-6  # two bf16 rounding steps (8 significant bits), relative to the logit
 
@@ -24,21 +26,28 @@ def near_tie_threshold(runner, top_logit: float) -> float:
 
 def top2(runner, token_ids: list[int]) -> tuple[float, float]:
     """(top logit, top-2 gap) of the next token after ``token_ids``, from a fresh cache row."""
-    runner.sync_rows([("__specdec_near_tie__", 0)])
-    tokens = torch.tensor([token_ids], device=runner.device)  # [1, T]
-    logits = runner.forward(tokens, [0], logits_index=torch.tensor([len(token_ids) - 1], device=runner.device))[0]
+    logits = next_token_logits(runner, [list(token_ids)], row_tag="__specdec_near_tie__")[0]  # [V]
     top = logits.topk(2).values
     return float(top[0]), float(top[0] - top[1])
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (the shorter one's length when one is a
+    prefix of the other); None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def first_divergence(runner, prompt_ids: list[int], expected: list[int], got: list[int]) -> dict | None:
     """None where ``got`` equals ``expected``; else where they part, the target's top-2 gap there,
     the dtype's threshold and whether it is a near-tie (lossless) or not (a bug)."""
-    j = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    j = first_mismatch(expected, got)
     if j is None:
-        if len(expected) == len(got):
-            return None
-        return {"position": min(len(expected), len(got)), "gap": None, "threshold": None, "near_tie": False}
+        return None
+    if j >= min(len(expected), len(got)):  # one stopped earlier: no token to compare, not a near-tie
+        return {"position": j, "gap": None, "threshold": None, "near_tie": False}
     top, gap = top2(runner, list(prompt_ids) + list(expected[:j]))
     threshold = near_tie_threshold(runner, top)
     return {"position": j, "gap": gap, "threshold": threshold, "near_tie": gap < threshold}

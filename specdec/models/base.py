@@ -41,3 +41,12 @@ class ModelRunner(ABC):
         Returns float32 logits [B, T, V] when ``all_logits``, [B, V] at ``logits_index`` [B]
         (index into T) when given, otherwise None (a prefill that needs no logits).
         """
+
+
+def next_token_logits(runner: ModelRunner, prompts: list[list[int]], row_tag: str = "__specdec_probe__") -> torch.Tensor:
+    """Next-token logits [B, V] after each prompt (equal lengths), computed in fresh cache rows
+    tagged ``row_tag``: the rows of the sequences the engine runs are left as they are."""
+    B, T = len(prompts), len(prompts[0])
+    runner.sync_rows([(row_tag, b) for b in range(B)])
+    tokens = torch.tensor(prompts, device=runner.device)  # [B, T]
+    return runner.forward(tokens, [0] * B, logits_index=torch.full((B,), T - 1, device=runner.device))

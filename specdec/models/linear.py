@@ -5,10 +5,10 @@ shape CPU BLAS handles badly. Two layouts fix that:
 
 - bfloat16 on a CPU with native bf16 instructions (avx512_bf16 / AMX): the weight is reordered
   once into oneDNN's blocked layout and multiplied with oneDNN's inner product. Measured on the
-  2-core avx512_bf16 machine for the 28M demo target, all linears of one forward take about
-  3.1 ms at 1 row and 3.4 ms at 5 rows, against 5.1 and 10.8 ms for the float32 path below.
-  oneDNN computes each output row the same way whatever the number of rows, so a verify pass
-  gives the same logits as one-token decoding (checked in the tests).
+  2-core avx512_bf16 machine for the 28M demo target (1 thread, weights cached), all linears of
+  one forward take about 3.1 ms at 1 row and 3.4 ms at 5 rows, against 5.1 and 10.8 ms for the
+  float32 path below. For 4 rows and more oneDNN computes each output row the same way whatever
+  the number of rows (checked in the tests), which is one reason large models pad to 4 rows.
 - anything else on CPU: ``(w @ x^T)^T`` with a row-major x of at least two rows; ``F.linear``'s
   ``x @ w^T`` takes slow paths for few rows (1.5-3x slower for 1-8 rows on 512-wide layers).
 

@@ -21,6 +21,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.llm import LLM
+from specdec.models.base import next_token_logits
 from specdec.sampling import SamplingBatch, probs_from_logits
 
 SETTINGS: list[tuple[str, dict]] = [
@@ -102,14 +103,14 @@ def exact_joint(llm: LLM, ids: list[int], params: SamplingParams, n: int) -> tup
     sb = SamplingBatch.from_params([params], device)
     if llm.engine.has_unfinished():
         raise RuntimeError("exact_joint needs an idle engine")
-    p1 = probs_from_logits(_last_logits(target, [ids], device), sb)[0].double().cpu()  # [V]
+    p1 = probs_from_logits(_last_logits(target, [ids]), sb)[0].double().cpu()  # [V]
     first = torch.nonzero(p1 * n >= MIN_EXPECTED).flatten()
     if first.numel() == 0:
         first = p1.argmax().view(1)
     rows = []
     for start in range(0, len(first), CHUNK):
         chunk = first[start:start + CHUNK].tolist()
-        logits = _last_logits(target, [ids + [t] for t in chunk], device)  # [b, V]
+        logits = _last_logits(target, [ids + [t] for t in chunk])  # [b, V]
         rows.append(probs_from_logits(logits, SamplingBatch.from_params([params] * len(chunk), device)).double().cpu())
     p2 = torch.cat(rows)  # [len(first), V]
     joint = (p1[first][:, None] * p2).flatten()
@@ -141,12 +142,9 @@ def chi_square(observed: torch.Tensor, probs: torch.Tensor) -> tuple[float, int,
     return statistic, df, p, 0
 
 
-def _last_logits(target, prompts: list[list[int]], device) -> torch.Tensor:
+def _last_logits(target, prompts: list[list[int]]) -> torch.Tensor:
     """Next-token logits [B, V] after each prompt (equal lengths), from fresh cache rows of the target."""
-    B, T = len(prompts), len(prompts[0])
-    target.sync_rows([("__specdec_lossless__", b) for b in range(B)])
-    tokens = torch.tensor(prompts, device=device)  # [B, T]
-    return target.forward(tokens, [0] * B, logits_index=torch.full((B,), T - 1, device=device))
+    return next_token_logits(target, prompts, row_tag="__specdec_lossless__")
 
 
 def _prompt_ids(llm: LLM, prompts: list | None) -> list[list[int]]:

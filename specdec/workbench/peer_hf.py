@@ -17,6 +17,7 @@ from __future__ import annotations
 from specdec.bench import BenchResult, run_bench
 from specdec.config import SamplingParams
 from specdec.llm import LLM
+from specdec.near_tie import first_mismatch
 
 NEAR_TIE = 1e-3
 
@@ -130,7 +131,7 @@ def _agreement(peer: HFPeer, prompts: list, result: BenchResult) -> dict:
         exact, near_tie, mismatched = 0, 0, []
         for i, (prompt, run) in enumerate(zip(prompts, result.runs)):
             ref, got = run.outputs["ar"], run.outputs[side]
-            j = _first_mismatch(ref, got)
+            j = first_mismatch(ref, got)
             if j is None:
                 exact += 1
                 continue
@@ -146,13 +147,6 @@ def _agreement(peer: HFPeer, prompts: list, result: BenchResult) -> dict:
                      "mismatched": mismatched}
     out["all_agree"] = all(out[s]["agree"] == out[s]["total"] for s in ("spec", "hf_ar", "hf_spec"))
     return out
-
-
-def _first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _quiet_generation_warnings() -> None:
