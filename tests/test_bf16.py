@@ -208,7 +208,10 @@ def test_onednn_rows_are_bucketed_and_padding_is_bounded():
 
 
 def test_host_memory_calls_are_safe():
+    import platform
+
     from specdec.host_memory import pin_mmap_threshold, trim_heap
 
-    assert isinstance(pin_mmap_threshold(), bool)
+    pinned = pin_mmap_threshold()
+    assert pinned is (platform.libc_ver()[0] == "glibc")  # mallopt succeeds on glibc; elsewhere a no-op
     trim_heap()
