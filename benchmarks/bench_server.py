@@ -10,7 +10,9 @@ the target alone. This process is only the client (asyncio + httpx, server-sent 
    throughput (generated tokens/s over all requests), TTFT and TPOT medians and p95, the aborts the
    server counted, and the server's RSS before the load, at its peak and after it.
 2. Speculative vs plain, alternating runs so machine noise hits both alike: throughput at C (default 8)
-   concurrent greedy requests, and TPOT at 1 request.
+   concurrent greedy requests, two ways: a burst of C sent at once, timed to the end of the last (the
+   slowest request sets the time), and a sustained run of --sustained-requests with C in flight, a new
+   one sent as each ends (vLLM's ``benchmark_serving --max-concurrency``); and TPOT at 1 request.
 
     python benchmarks/bench_server.py --model T --draft D [-k 4] [--num-requests 64] [--num-disconnect 10]
         [--max-tokens 64] [--prompts FILE | --token-prompts] [--threads N] [--json]
@@ -199,6 +201,24 @@ async def concurrent(url: str, prompts: list, max_tokens: int, leavers: list | N
     return list(results[: len(prompts)]), wall
 
 
+async def sustained(url: str, prompts: list, max_tokens: int, concurrency: int) -> tuple[list[Result], float]:
+    """Every prompt, with ``concurrency`` requests in flight until the last is sent (as vLLM's
+    ``benchmark_serving --max-concurrency`` does): a client starts its next request as soon as one
+    finishes. Returns results and the wall time from the first request to the last token."""
+    queue = list(reversed(prompts))
+    results: list[Result] = []
+
+    async def worker(c: httpx.AsyncClient) -> None:
+        while queue:
+            results.append(await stream_one(c, url, queue.pop(), max_tokens))
+
+    async with client() as c:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(c) for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
 # -- figures -----------------------------------------------------------------------------------------
 
 
@@ -269,6 +289,8 @@ def main() -> None:
     ap.add_argument("--num-disconnect", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8, help="concurrent requests in the throughput comparison")
+    ap.add_argument("--sustained-requests", type=int, default=32,
+                    help="requests per sustained run: --concurrency in flight until all are sent (0: skip)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per server in the comparison")
     ap.add_argument("--single-requests", type=int, default=4, help="requests per server for TPOT at 1 request")
     ap.add_argument("--prompts", help="JSONL prompts file ({prompt} or Spec-Bench question.jsonl)")
@@ -347,14 +369,19 @@ def main() -> None:
 
         # 2. speculative vs plain: throughput at C concurrent, TPOT at 1 request; alternating runs
         batch = prompts[: args.concurrency]
-        side = {"spec": {"tokens": 0, "wall": 0.0, "tpot": [], "ttft": []},
-                "plain": {"tokens": 0, "wall": 0.0, "tpot": [], "ttft": []}}
+        stream = [prompts[i % len(prompts)] for i in range(args.sustained_requests)]
+        side = {name: {"tokens": 0, "wall": 0.0, "s_tokens": 0, "s_wall": 0.0, "tpot": [], "ttft": []}
+                for name in ("spec", "plain")}
         m0 = spec.metrics()
         for _ in range(args.repeats):
             for name, s in (("plain", plain), ("spec", spec)):
-                res, w = asyncio.run(concurrent(s.url, batch, n_tok))
+                res, w = asyncio.run(concurrent(s.url, batch, n_tok))  # a burst: C at once, wait for all
                 side[name]["tokens"] += sum(len(r.token_ids) for r in res)
                 side[name]["wall"] += w
+                if stream:  # sustained: C in flight, a new request as soon as one ends
+                    res, w = asyncio.run(sustained(s.url, stream, n_tok, args.concurrency))
+                    side[name]["s_tokens"] += sum(len(r.token_ids) for r in res)
+                    side[name]["s_wall"] += w
         for p in prompts[: args.single_requests]:
             for name, s in (("plain", plain), ("spec", spec)):
                 res, _ = asyncio.run(concurrent(s.url, [p], n_tok))
@@ -362,10 +389,15 @@ def main() -> None:
                 side[name]["ttft"].append(res[0].ttft)
         m1 = spec.metrics()
         cmp_ = {name: {"throughput_tokens_per_s": v["tokens"] / v["wall"],
+                       "sustained_throughput_tokens_per_s": v["s_tokens"] / v["s_wall"] if v["s_wall"] else None,
                        "tpot_1_request_median_ms": 1e3 * statistics.median(v["tpot"]),
                        "ttft_1_request_median_ms": 1e3 * statistics.median(v["ttft"])} for name, v in side.items()}
         cmp_["throughput_ratio_spec_over_plain"] = (cmp_["spec"]["throughput_tokens_per_s"]
                                                     / cmp_["plain"]["throughput_tokens_per_s"])
+        cmp_["sustained_throughput_ratio_spec_over_plain"] = (
+            cmp_["spec"]["sustained_throughput_tokens_per_s"] / cmp_["plain"]["sustained_throughput_tokens_per_s"]
+            if stream else None)
+        cmp_["sustained_requests"] = len(stream)
         cmp_["tpot_ratio_plain_over_spec"] = (cmp_["plain"]["tpot_1_request_median_ms"]
                                               / cmp_["spec"]["tpot_1_request_median_ms"])
         cmp_["concurrency"] = args.concurrency
@@ -403,11 +435,18 @@ def print_report(r: dict) -> None:
     print(f"  server RSS: before {m['before']:.0f} MiB, peak {m['peak']:.0f} MiB, after {m['after']:.0f} MiB "
           f"({m['after_over_before']:.2f}x before)")
     print("speculative vs plain (alternating runs, same prompts):")
+    sustained = C["sustained_requests"] > 0
     for name in ("plain", "spec"):
         s = C[name]
-        print(f"  {name:5}: {C['concurrency']} concurrent: {s['throughput_tokens_per_s']:.1f} tokens/s | "
-              f"1 request: TPOT {s['tpot_1_request_median_ms']:.2f} ms, TTFT {s['ttft_1_request_median_ms']:.1f} ms")
-    print(f"  throughput at {C['concurrency']} concurrent, spec / plain: {C['throughput_ratio_spec_over_plain']:.2f}x")
+        print(f"  {name:5}: {C['concurrency']} at once: {s['throughput_tokens_per_s']:.1f} tokens/s | "
+              + (f"{C['concurrency']} in flight: {s['sustained_throughput_tokens_per_s']:.1f} tokens/s | "
+                 if sustained else "")
+              + f"1 request: TPOT {s['tpot_1_request_median_ms']:.2f} ms, TTFT {s['ttft_1_request_median_ms']:.1f} ms")
+    print(f"  throughput, {C['concurrency']} requests at once (wall time to the last one's end), spec / plain: "
+          f"{C['throughput_ratio_spec_over_plain']:.2f}x")
+    if sustained:
+        print(f"  throughput, {C['concurrency']} in flight over {C['sustained_requests']} requests, spec / plain: "
+              f"{C['sustained_throughput_ratio_spec_over_plain']:.2f}x")
     print(f"  TPOT at 1 request, plain / spec: {C['tpot_ratio_plain_over_spec']:.2f}x")
     print(f"  acceptance rate {C['acceptance_rate']:.1%}, {tau} {C['mean_acceptance_length']:.2f}")
 

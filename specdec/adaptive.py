@@ -32,6 +32,8 @@ MIN_GAIN = 0.03  # speculate only where the predicted speedup exceeds 1 + MIN_GA
 PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
 PROBE_INTERVAL = 8  # rounds; doubles after every probe that does not switch speculation back on
 MAX_PROBE_INTERVAL = 128
+PLAIN_SAMPLES = 3  # plain steps timed at a batch size before it may speculate: the fastest of one or
+#                    two samples is a poor baseline beside the fastest of eight speculative rounds
 REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
 
 
@@ -109,7 +111,8 @@ class AdaptiveK:
     def choose(self, seq_ids: list[int]) -> list[int]:
         B = len(seq_ids)
         stale = self.rounds - self.plain_measured_at.get(B, -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
-        if self._measured(B, 1) is None or stale:
+        plain = self.verify_time.get((B, 1))
+        if plain is None or len(plain.samples) < PLAIN_SAMPLES or stale:
             return [0] * B  # every speedup at this batch size is relative to a fresh plain step of it
         prior = self._batch_alphas()
         alphas = [self.seqs.setdefault(sid, PositionStats()).alphas(self.k_max, prior, PRIOR_WEIGHT)

@@ -192,7 +192,7 @@ class Engine:
     def _retire(self) -> None:
         done = [s for s in self.running if s.finished]
         if done:
-            self.running = [s for s in self.running if not s.finished]
+            self.running = _fill_holes(self.running)
             if self.drafter is not None:
                 self.drafter.release(done)
             if self.controller is not None:
@@ -241,3 +241,13 @@ class Engine:
         if isinstance(seq.stop_reason, str):
             return seq.text
         return self.decode(seq.output_token_ids, seq.params)
+
+
+def _fill_holes(running: list[Sequence]) -> list[Sequence]:
+    """The unfinished sequences, each in its old place where that is still inside the batch; the
+    ones past the new end move into the places the finished left. Cache rows follow batch order,
+    so this moves as few rows as possible (RowTable.sync)."""
+    n = sum(not s.finished for s in running)
+    kept = running[:n]
+    movers = iter(s for s in running[n:] if not s.finished)
+    return [s if not s.finished else next(movers) for s in kept]

@@ -296,3 +296,23 @@ def test_caches_grown_during_decoding_survive_batch_changes(tmp_path):
     assert llm.generate({"prompt_token_ids": [4] * 40}, sp)[0].outputs[0].token_ids == a  # a new row id
     outs = llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [4] * 40}], sp)
     assert outs[1].outputs[0].token_ids == a
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, adaptive):
+    """Staggered arrivals and departures (a server's traffic): sequences leave at different rounds,
+    newcomers with long prompts join a running batch, and each output still equals plain decoding."""
+    prompts = random_prompts(6, [2, 14, 6, 11, 3, 9], seed=11)
+    lengths = [5, 17, 9, 12, 20, 7]
+    spec = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3,
+                                                     "adaptive": adaptive})
+    engine = spec.engine
+    seqs, pending = {}, list(range(len(prompts)))
+    while pending or engine.has_unfinished():
+        if pending and len(engine.running) + len(engine.waiting) < 3:
+            i = pending.pop(0)
+            sp = SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
+            seqs[i] = engine.add_request(prompts[i], sp)
+        engine.step()
+    for i, p in enumerate(prompts):
+        assert seqs[i].output_token_ids == plain_greedy(models["target"], [p], lengths[i])[0]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specdec.models.llama import LlamaRunner
+from specdec.models.llama import LlamaRunner, _attention_mask, _few_query_attention
 from specdec.models.loader import load_model
 from tiny_models import make_model
 
@@ -80,6 +80,40 @@ def test_rows_follow_their_sequences_when_the_batch_changes(tmp_path):
     torch.testing.assert_close(out[0], ref[2, 8:], atol=1e-4, rtol=0)
     torch.testing.assert_close(out[1], ref[0, 8:], atol=1e-4, rtol=0)
     torch.testing.assert_close(out[2], ref[2, 8:], atol=1e-4, rtol=0)
+
+
+def test_a_departure_moves_only_the_rows_that_must_move(tmp_path, monkeypatch):
+    folder = make_model(tmp_path / "m", "llama")
+    hf = load_model(str(folder)).hf_model
+    runner = LlamaRunner(load_model(str(folder)))
+    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    runner.sync_rows(["a", "b", "c", "d"])
+    runner.forward(ids[:, :8], [0] * 4)
+    moves = []
+    move_rows = runner.cache.move_rows
+    monkeypatch.setattr(runner.cache, "move_rows", lambda m: (moves.append(list(m)), move_rows(m)))
+    runner.sync_rows(["a", "d", "c"])  # b left; d takes its row, a and c stay
+    assert moves == [[(1, 3)]]
+    out = runner.forward(ids[[0, 3, 2], 8:], [8, 8, 8], all_logits=True)
+    for row, src in enumerate([0, 3, 2]):
+        torch.testing.assert_close(out[row], ref[src, 8:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("window", [None, 5])
+def test_few_query_attention_equals_sdpa(kv_heads, window):
+    g = torch.Generator().manual_seed(0)
+    B, H, T, end, hd = 3, 4, 4, 11, 8
+    q = torch.randn(B, H, T, hd, generator=g)
+    k, v = torch.randn(2, B, kv_heads, end, hd, generator=g)
+    pos = torch.tensor([[7], [3], [10]]) - torch.arange(T - 1, -1, -1)  # rows at different positions
+    pos = pos.clamp(min=0)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=_attention_mask(pos, end, window), enable_gqa=kv_heads != H)
+    out = _few_query_attention(q, k, v, _attention_mask(pos, end, window, additive=True))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
 
 def test_padded_embedding_rows_are_cut_to_the_tokenizer(tmp_path):

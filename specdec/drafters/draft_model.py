@@ -16,6 +16,8 @@ from specdec.models.base import ModelRunner
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
+CATCH_UP_TOGETHER = 4  # newcomers' chunks up to this long ride along in the running rows' forward
+
 
 class DraftModelDrafter(Drafter):
     def __init__(self, runner: ModelRunner, draft_p_min: float = 0.0):
@@ -39,12 +41,15 @@ class DraftModelDrafter(Drafter):
                 m += 1
             starts.append(m)
             chunks.append(s.token_ids[m:])
-        T = max(len(c) for c in chunks)
-        tokens = torch.zeros(B, T, dtype=torch.long)  # [B, T], right-padded; padding KV is overwritten later
-        for b, c in enumerate(chunks):
-            tokens[b, : len(c)] = torch.tensor(c)
-        last = torch.tensor([len(c) - 1 for c in chunks], device=device)
-        logits = self.runner.forward(tokens.to(device), starts, logits_index=last)  # [B, V]
+        # Newcomers join at the end of the batch with their whole prompt: they catch up in a forward
+        # of their own, so the running rows' one- or two-token feeds are not padded to a prompt's length.
+        split = B
+        while split > 0 and is_new[split - 1]:
+            split -= 1
+        if split in (0, B) or max(len(c) for c in chunks[split:]) <= CATCH_UP_TOGETHER:
+            split = B
+        logits = torch.cat([self._catch_up(chunks[lo:hi], starts[lo:hi], lo)
+                            for lo, hi in ((0, split), (split, B)) if hi > lo])  # [B, V]
 
         # 2. Draft up to k tokens autoregressively.
         pos = [s + len(c) for s, c in zip(starts, chunks)]
@@ -60,6 +65,15 @@ class DraftModelDrafter(Drafter):
             self.cached[s.seq_id] = s.token_ids + fed[b]
             self.committed[s.seq_id] = len(s.token_ids)
         return proposal
+
+    def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:
+        """Feed each row's chunk at its start; returns the logits after each chunk's last token [B, V]."""
+        T = max(len(c) for c in chunks)
+        tokens = torch.zeros(len(chunks), T, dtype=torch.long)  # [B, T], right-padded; padding KV is overwritten later
+        for b, c in enumerate(chunks):
+            tokens[b, : len(c)] = torch.tensor(c)
+        last = torch.tensor([len(c) - 1 for c in chunks], device=self.runner.device)
+        return self.runner.forward(tokens.to(self.runner.device), starts, logits_index=last, row_offset=row_offset)
 
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows

@@ -31,12 +31,14 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def gather_rows(self, src_rows: Sequence[int]) -> None:
-        """Row i becomes the old row ``src_rows[i]`` (advanced indexing copies first, so no aliasing)."""
-        n = len(src_rows)
-        idx = torch.tensor(src_rows, device=self.k.device)
-        self.k[:, :n] = self.k[:, idx]
-        self.v[:, :n] = self.v[:, idx]
+    def move_rows(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy row ``src`` into row ``dst`` for each (dst, src), all sources read before any write."""
+        if not moves:
+            return
+        dst = torch.tensor([d for d, _ in moves], device=self.k.device)
+        src = torch.tensor([s for _, s in moves], device=self.k.device)
+        self.k[:, dst] = self.k[:, src]  # advanced indexing on the right copies first: no aliasing
+        self.v[:, dst] = self.v[:, src]
 
 
 class RowTable:
@@ -51,10 +53,9 @@ class RowTable:
     def sync(self, ids: Sequence[Hashable], cache: KVCache) -> list[bool]:
         rows = [self.row_of.get(i) for i in ids]
         is_new = [r is None for r in rows]
-        if rows != list(range(len(ids))):
-            # rows of new sequences hold stale data; their owners start them at length 0
-            free = iter(sorted(set(range(cache.num_rows)) - {r for r in rows if r is not None}))
-            src = [r if r is not None else next(free) for r in rows]
-            cache.gather_rows(src)
+        # Only sequences that were cached and now sit elsewhere are copied; the rows of new ones hold
+        # stale data that their owners overwrite from length 0. The engine keeps survivors in place
+        # and fills holes from the end, so a departure usually moves one row, not the whole cache.
+        cache.move_rows([(n, r) for n, r in enumerate(rows) if r is not None and r != n])
         self.row_of = {i: n for n, i in enumerate(ids)}
         return is_new
