@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.adaptive import AdaptiveK, PositionStats, Timing
+from specdec.adaptive import PLAIN_SAMPLES, AdaptiveK, PositionStats, Timing
 from specdec.metrics import predicted_speedup
 
 
@@ -32,6 +32,21 @@ def test_good_drafts_keep_k_high():
     ctrl = AdaptiveK(4)
     ks = feed(ctrl, 30, accept=lambda k: k)  # everything accepted, drafting cheap
     assert ks == [4]
+
+
+def test_each_batch_size_times_its_plain_steps_before_speculating():
+    ctrl = AdaptiveK(4)
+    chosen = []
+    for batch in (1, 2):
+        ids = list(range(batch))
+        for _ in range(PLAIN_SAMPLES + 3):
+            k = max(ctrl.choose(ids))
+            chosen.append((batch, k))
+            ctrl.record(ids, [k] * batch, [k] * batch, 0.001 * k, 0.010 + 0.001 * k)
+    # the first plain step builds kernels and is not timed; then PLAIN_SAMPLES timed ones
+    for batch in (1, 2):
+        ks = [k for b, k in chosen if b == batch]
+        assert ks[: PLAIN_SAMPLES + 1] == [0] * (PLAIN_SAMPLES + 1) and ks[-1] > 0
 
 
 def test_useless_drafts_switch_speculation_off_and_probes_back_off():
