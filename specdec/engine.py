@@ -31,6 +31,8 @@ from specdec.verify import verify
 
 log = logging.getLogger(__name__)
 
+MERGED_PREFILL_TOKENS = 512  # new prompts up to this many tokens in all join a running batch's verify pass
+
 
 class Engine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
@@ -104,8 +106,11 @@ class Engine:
             # controller's choices depend on timings, so only a fixed k makes the seed reproducible.
             chosen = self.controller.choose([s.seq_id for s in seqs])
             ks = [self.k if s.params.seed is not None and not s.params.greedy else c for s, c in zip(seqs, chosen)]
-        wanted = [0 if s.seq_id in self.plain_only else max(0, min(k, s.room - 1))  # drafts beyond the room
-                  for k, s in zip(ks, seqs)]                                           # are wasted
+        # what each target cache row lacks: the newest token, or a newcomer's whole prompt when its
+        # prefill rides in this round's verify pass (_admit); such a row drafts from the next round
+        hist = [s.token_ids[s.num_computed:] for s in seqs]
+        wanted = [0 if s.seq_id in self.plain_only or len(h) > 1 else max(0, min(k, s.room - 1))  # drafts beyond
+                  for k, s, h in zip(ks, seqs, hist)]                                           # the room are wasted
 
         # 1. draft: up to wanted[b] tokens per sequence; a drafter may propose fewer
         t_draft = time.perf_counter()
@@ -118,9 +123,22 @@ class Engine:
         t1 = time.perf_counter()
 
         # 2. verify: one target pass over [last committed token, x_1..x_k] -> p_1..p_{k+1}
-        last = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.device)  # [B, 1]
-        tokens = torch.cat([last, draft_ids], dim=1)  # [B, k+1]; rows with fewer drafts carry padding
-        target_logits = self.target.forward(tokens, [s.num_computed for s in seqs], all_logits=True)  # [B, k+1, V]
+        #    (a merged prompt comes before its last token; only the last k+1 positions give logits)
+        k_round = draft_ids.shape[1]
+        lengths = [len(h) + n for h, n in zip(hist, num_draft)]  # real tokens per row; the rest is padding
+        if all(len(h) == 1 for h in hist):
+            last = torch.tensor([h for h in hist], device=self.device)  # [B, 1]
+            tokens = torch.cat([last, draft_ids], dim=1)  # [B, k+1]
+            logits_index = None
+        else:
+            tokens = torch.zeros(len(seqs), max(map(len, hist)) + k_round, dtype=torch.long)  # [B, T]
+            for b, (h, d) in enumerate(zip(hist, draft_ids.tolist())):
+                tokens[b, : len(h) + k_round] = torch.tensor(h + d)
+            tokens = tokens.to(self.device)
+            logits_index = torch.tensor([[len(h) - 1 + j for j in range(k_round + 1)] for h in hist],
+                                        device=self.device)  # [B, k+1]
+        target_logits = self.target.forward(tokens, [s.num_computed for s in seqs], all_logits=logits_index is None,
+                                            logits_index=logits_index, lengths=lengths)  # [B, k+1, V]
 
         # 3. accept / reject
         result = verify(draft_ids, proposal.draft_probs if proposal else None, target_logits, sb,
@@ -131,16 +149,18 @@ class Engine:
         #    [last, accepted drafts], everything after is rolled back by the length alone.
         drafts = draft_ids.tolist()
         gained = []
-        for s, d, n, nxt in zip(seqs, drafts, result.num_accepted, result.next_token_ids):
-            s.num_computed += 1 + n
+        for s, h, d, n, nxt in zip(seqs, hist, drafts, result.num_accepted, result.next_token_ids):
+            s.num_computed += len(h) + n
             gained.append((s, self._append(s, d[:n] + [nxt])))
 
         # 5. update the drafter and the counters
         if self.drafter is not None and proposal is not None:
             self.drafter.observe(seqs, result.num_accepted)
         self.stats.record_round(num_draft, result.num_accepted)
-        if self.controller is not None:
-            self.controller.record([s.seq_id for s in seqs], num_draft, result.num_accepted, t1 - t_draft, t2 - t1)
+        if self.controller is not None:  # a pass that carried a prompt is no timing of a verify pass
+            merged = any(len(h) > 1 for h in hist)
+            self.controller.record([s.seq_id for s in seqs], num_draft, result.num_accepted, t1 - t_draft,
+                                   None if merged else t2 - t1)
         self.stats.draft_time_s += t1 - t_draft
         self.stats.verify_time_s += t2 - t1
         self.stats.step_time_s += time.perf_counter() - t0
@@ -173,10 +193,18 @@ class Engine:
         if not new:
             return
         t0 = time.perf_counter()
+        decoding = bool(self.running)
         self.running += new
         # room for the prompts now; the cache grows in steps as the outputs do
         self.target.reserve(len(self.running), max(s.num_prompt_tokens for s in self.running) + self.k + 1)
         self.target.sync_rows([s.seq_id for s in self.running])
+        if decoding and sum(s.num_prompt_tokens for s in new) <= MERGED_PREFILL_TOKENS:
+            # Sequences are decoding: the new prompts ride in the next verify pass (step() feeds each
+            # row what its cache lacks), which costs far less than a pass of their own that reads
+            # every weight once more (vLLM's chunked prefill does the same).
+            for s in new:
+                s.num_computed = 0
+            return
         # Prefill each new prompt but its last token, which the first round's verify pass feeds.
         prefill = [s for s in new if s.num_prompt_tokens > 1]
         if prefill:

@@ -307,12 +307,20 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, a
     spec = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3,
                                                      "adaptive": adaptive})
     engine = spec.engine
-    seqs, pending = {}, list(range(len(prompts)))
+    calls = []
+    forward = engine.target.forward
+    engine.target.forward = lambda *a, **kw: (calls.append(1), forward(*a, **kw))[1]
+    seqs, pending, passes = {}, list(range(len(prompts))), []
     while pending or engine.has_unfinished():
         if pending and len(engine.running) + len(engine.waiting) < 3:
             i = pending.pop(0)
             sp = SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
             seqs[i] = engine.add_request(prompts[i], sp)
+        calls.clear()
         engine.step()
+        passes.append(len(calls))
     for i, p in enumerate(prompts):
         assert seqs[i].output_token_ids == plain_greedy(models["target"], [p], lengths[i])[0]
+    # only the first prompt, admitted to an empty batch, had a prefill pass of its own; every later
+    # one rode in a running batch's verify pass
+    assert passes[0] == 2 and set(passes[1:]) == {1}

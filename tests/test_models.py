@@ -101,6 +101,31 @@ def test_a_departure_moves_only_the_rows_that_must_move(tmp_path, monkeypatch):
         torch.testing.assert_close(out[row], ref[src, 8:], atol=1e-4, rtol=0)
 
 
+def test_ragged_rows_are_packed_and_equal_their_dense_results(tmp_path):
+    """lengths: each row's real tokens; the packed pass equals each row run alone, and a 2-D
+    logits_index picks each row's own positions."""
+    folder = make_model(tmp_path / "m", "llama")
+    hf = load_model(str(folder)).hf_model
+    runner = LlamaRunner(load_model(str(folder)))
+    ids = torch.randint(3, 100, (3, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    runner.sync_rows(["a", "b", "c"])
+    runner.forward(ids[:2, :6], [0, 0])  # rows a and b hold 6 tokens; c is new
+    tokens = torch.zeros(3, 10, dtype=torch.long)  # a: 2 tokens, b: 1, c: its first 10
+    tokens[0, :2], tokens[1, :1], tokens[2] = ids[0, 6:8], ids[1, 6:7], ids[2, :10]
+    index = torch.tensor([[0, 1], [0, 0], [8, 9]])  # [B, L]
+    out = runner.forward(tokens, [6, 6, 0], logits_index=index, lengths=[2, 1, 10])  # [3, 2, V]
+    torch.testing.assert_close(out[0], ref[0, 6:8], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1, 0], ref[1, 6], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[2], ref[2, 8:10], atol=1e-4, rtol=0)
+    # the cache holds every row's real tokens: continue each by one token
+    nxt = runner.forward(torch.stack([ids[0, 8:9], ids[1, 7:8], ids[2, 10:11]]), [8, 7, 10],
+                         logits_index=torch.zeros(3, dtype=torch.long))
+    for b, p in enumerate([8, 7, 10]):
+        torch.testing.assert_close(nxt[b], ref[b, p], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("window", [None, 5])
 def test_few_query_attention_equals_sdpa(kv_heads, window):

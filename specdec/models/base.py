@@ -34,12 +34,16 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def forward(self, token_ids: torch.Tensor, start: Sequence[int], logits_index: torch.Tensor | None = None,
-                all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None) -> torch.Tensor | None:
+                all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None,
+                lengths: Sequence[int] | None = None) -> torch.Tensor | None:
         """Run ``token_ids`` [B, T] at positions ``start[b] + t`` in cache rows ``row_offset + b``; write their KV.
         ``num_layers``: run only the first layers, then the final norm and head (self-speculation).
+        ``lengths``: row b holds only its first lengths[b] tokens, the rest is padding (its KV may be
+        written, its logits are meaningless); a backend may skip the padding's work.
 
         Returns float32 logits [B, T, V] when ``all_logits``, [B, V] at ``logits_index`` [B]
-        (index into T) when given, otherwise None (a prefill that needs no logits).
+        (index into T) or [B, L, V] at ``logits_index`` [B, L] when given, otherwise None (a
+        prefill that needs no logits).
         """
 
 

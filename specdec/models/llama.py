@@ -38,6 +38,7 @@ class LayerWeights:
 
 
 FEW_QUERIES = 16  # up to this many queries per row, batched attention uses _few_query_attention
+PACK_BELOW = 0.75  # ragged rows are packed when their real tokens are at most this share of B * T
 
 
 class LlamaRunner(ModelRunner):
@@ -171,7 +172,8 @@ class LlamaRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, start: Sequence[int], logits_index: torch.Tensor | None = None,
-                all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None) -> torch.Tensor | None:
+                all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None,
+                lengths: Sequence[int] | None = None) -> torch.Tensor | None:
         B, T = token_ids.shape  # [B, T]
         end = max(start) + T  # keys 0..end-1 are read
         self.reserve(row_offset + B, end)
@@ -192,10 +194,21 @@ class LlamaRunner(ModelRunner):
         H, KVH, hd = self.num_heads, self.num_kv_heads, self.head_dim
         cd = self.compute_dtype
 
-        x = F.embedding(token_ids, self.embed).to(cd)  # [B, T, D]
+        # Ragged rows: row b holds lengths[b] real tokens, the rest of its T is padding. The per-token
+        # work (embedding, norms, products, MLP) then runs on the N real tokens only, packed [N, D];
+        # RoPE, the cache writes and attention stay padded [B, T] (cheap), so a pass costs what its
+        # real tokens cost: a prompt merged into a round's verify pass does not pad the other rows.
+        packed = None
+        if lengths is not None and B > 1 and sum(lengths) <= PACK_BELOW * B * T:
+            valid = torch.arange(T, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
+            packed = valid.nonzero(as_tuple=True)  # (row [N], t [N]), row-major
+
+        x = F.embedding(token_ids if packed is None else token_ids[packed], self.embed).to(cd)  # [B, T, D] or [N, D]
         for li, w in enumerate(self.layers[: num_layers or self.num_layers]):
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
             qkv = w.qkv(h)  # [B, T, (H + 2*KVH) * hd], in the weights' dtype
+            if packed is not None:  # [N, ...] -> [B, T, ...], zeros at padding
+                qkv = qkv.new_zeros(B, T, qkv.shape[-1]).index_put_(packed, qkv)
             qk = qkv[..., : (H + KVH) * hd].view(B, T, H + KVH, hd).to(cd)
             v = qkv[..., (H + KVH) * hd :].view(B, T, KVH, hd)
             if w.q_norm is not None:
@@ -220,17 +233,21 @@ class LlamaRunner(ModelRunner):
             else:
                 attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
                                                       attn_mask=masks[w.sliding_window], enable_gqa=KVH != H)
-            x = x + w.o(attn.transpose(1, 2).reshape(B, T, H * hd))  # promotes a bf16 product to x's float32
+            attn = attn.transpose(1, 2).reshape(B, T, H * hd)
+            x = x + w.o(attn if packed is None else attn[packed])  # promotes a bf16 product to x's float32
             h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
             gate, up = w.gate_up(h).chunk(2, dim=-1)  # [B, T, I] each, in the weights' dtype
             x = x + w.down(self.act(gate) * up)
 
-        if logits_index is not None:
-            x = x[torch.arange(B, device=self.device), logits_index]  # [B, D]
+        if packed is not None and (logits_index is not None or all_logits):
+            x = x.new_zeros(B, T, x.shape[-1]).index_put_(packed, x)  # [B, T, D]
+        if logits_index is not None:  # [B] or [B, L]
+            rows = torch.arange(B, device=self.device)
+            x = x[rows if logits_index.dim() == 1 else rows[:, None], logits_index]  # [B, D] or [B, L, D]
         elif not all_logits:
             return None
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        return self.lm_head(x).float()  # [B, V] or [B, T, V]
+        return self.lm_head(x).float()  # [B, V], [B, L, V] or [B, T, V]
 
 
 def _attention_mask(pos: torch.Tensor, end: int, window: int | None, additive: bool = False) -> torch.Tensor | None:
