@@ -65,13 +65,18 @@ def test_rollback_is_a_length_change(pair):
     torch.testing.assert_close(last[0], ref[0, 15], atol=1e-4, rtol=0)
 
 
-def test_rows_follow_their_sequences_when_the_batch_changes(tmp_path):
+def runner_and_reference(tmp_path, shape: tuple[int, int], seed: int):
+    """A tiny Llama's runner, random token ids of ``shape`` and transformers' logits for them."""
     folder = make_model(tmp_path / "m", "llama")
     hf = load_model(str(folder)).hf_model
-    runner = LlamaRunner(load_model(str(folder)))
-    ids = torch.randint(3, 100, (3, 12), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 100, shape, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         ref = hf(ids).logits
+    return LlamaRunner(load_model(str(folder))), ids, ref
+
+
+def test_rows_follow_their_sequences_when_the_batch_changes(tmp_path):
+    runner, ids, ref = runner_and_reference(tmp_path, (3, 12), seed=2)
     assert runner.sync_rows(["a", "b", "c"]) == [True, True, True]
     runner.forward(ids[:, :8], [0, 0, 0])
     assert runner.sync_rows(["c", "a", "new"]) == [False, False, True]  # b left, c and a move, new joins
@@ -83,12 +88,7 @@ def test_rows_follow_their_sequences_when_the_batch_changes(tmp_path):
 
 
 def test_a_departure_moves_only_the_rows_that_must_move(tmp_path, monkeypatch):
-    folder = make_model(tmp_path / "m", "llama")
-    hf = load_model(str(folder)).hf_model
-    runner = LlamaRunner(load_model(str(folder)))
-    ids = torch.randint(3, 100, (4, 12), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        ref = hf(ids).logits
+    runner, ids, ref = runner_and_reference(tmp_path, (4, 12), seed=3)
     runner.sync_rows(["a", "b", "c", "d"])
     runner.forward(ids[:, :8], [0] * 4)
     moves = []
@@ -104,12 +104,7 @@ def test_a_departure_moves_only_the_rows_that_must_move(tmp_path, monkeypatch):
 def test_ragged_rows_are_packed_and_equal_their_dense_results(tmp_path):
     """lengths: each row's real tokens; the packed pass equals each row run alone, and a 2-D
     logits_index picks each row's own positions."""
-    folder = make_model(tmp_path / "m", "llama")
-    hf = load_model(str(folder)).hf_model
-    runner = LlamaRunner(load_model(str(folder)))
-    ids = torch.randint(3, 100, (3, 16), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        ref = hf(ids).logits
+    runner, ids, ref = runner_and_reference(tmp_path, (3, 16), seed=4)
     runner.sync_rows(["a", "b", "c"])
     runner.forward(ids[:2, :6], [0, 0])  # rows a and b hold 6 tokens; c is new
     tokens = torch.zeros(3, 10, dtype=torch.long)  # a: 2 tokens, b: 1, c: its first 10
