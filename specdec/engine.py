@@ -124,19 +124,8 @@ class Engine:
 
         # 2. verify: one target pass over [last committed token, x_1..x_k] -> p_1..p_{k+1}
         #    (a merged prompt comes before its last token; only the last k+1 positions give logits)
-        k_round = draft_ids.shape[1]
+        tokens, logits_index = self._verify_tokens(hist, draft_ids)
         lengths = [len(h) + n for h, n in zip(hist, num_draft)]  # real tokens per row; the rest is padding
-        if all(len(h) == 1 for h in hist):
-            last = torch.tensor([h for h in hist], device=self.device)  # [B, 1]
-            tokens = torch.cat([last, draft_ids], dim=1)  # [B, k+1]
-            logits_index = None
-        else:
-            tokens = torch.zeros(len(seqs), max(map(len, hist)) + k_round, dtype=torch.long)  # [B, T]
-            for b, (h, d) in enumerate(zip(hist, draft_ids.tolist())):
-                tokens[b, : len(h) + k_round] = torch.tensor(h + d)
-            tokens = tokens.to(self.device)
-            logits_index = torch.tensor([[len(h) - 1 + j for j in range(k_round + 1)] for h in hist],
-                                        device=self.device)  # [B, k+1]
         target_logits = self.target.forward(tokens, [s.num_computed for s in seqs], all_logits=logits_index is None,
                                             logits_index=logits_index, lengths=lengths)  # [B, k+1, V]
 
@@ -168,6 +157,19 @@ class Engine:
         return gained
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _verify_tokens(self, hist: list[list[int]], draft_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The verify pass's tokens: each row's ``hist`` then its drafts (padded to k). Returns them and,
+        when some row carries a prompt, the index of each row's last k+1 positions [B, k+1]
+        (None: the tokens are exactly those positions)."""
+        k = draft_ids.shape[1]
+        if all(len(h) == 1 for h in hist):
+            return torch.cat([torch.tensor(hist, device=self.device), draft_ids], dim=1), None  # [B, k+1]
+        tokens = torch.zeros(len(hist), max(map(len, hist)) + k, dtype=torch.long)  # [B, T]
+        for b, (h, d) in enumerate(zip(hist, draft_ids.tolist())):
+            tokens[b, : len(h) + k] = torch.tensor(h + d)
+        index = torch.tensor([[len(h) - 1 + j for j in range(k + 1)] for h in hist], device=self.device)
+        return tokens.to(self.device), index
 
     def _propose(self, seqs: list[Sequence], wanted: list[int], sb: SamplingBatch) -> DraftProposal | None:
         try:

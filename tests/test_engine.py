@@ -324,3 +324,15 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, a
     # only the first prompt, admitted to an empty batch, had a prefill pass of its own; every later
     # one rode in a running batch's verify pass
     assert passes[0] == 2 and set(passes[1:]) == {1}
+
+
+def test_a_queue_longer_than_max_num_seqs_equals_plain_decoding(models):
+    """generate() with more prompts than max_num_seqs: the rest wait, then join the running batch
+    (their prompts prefilled inside its verify passes), in order, each equal to plain decoding."""
+    prompts = random_prompts(5, [3, 9, 5, 12, 2], seed=12)
+    llm = LLM(models["target"], max_num_seqs=2,
+              speculative_config={"model": models["near"], "num_speculative_tokens": 3, "adaptive": False})
+    sp = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 15, 9, 4, 11)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for p, params, o in zip(prompts, sp, outs):
+        assert o.outputs[0].token_ids == plain_greedy(models["target"], [p], params.max_tokens)[0]
