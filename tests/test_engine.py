@@ -336,3 +336,31 @@ def test_a_queue_longer_than_max_num_seqs_equals_plain_decoding(models):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     for p, params, o in zip(prompts, sp, outs):
         assert o.outputs[0].token_ids == plain_greedy(models["target"], [p], params.max_tokens)[0]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+@pytest.mark.parametrize("text", ["def naïve(x):\n    return '😀' + x  # 日本語 ok\n",
+                                  "    self.assertEqual(w[0].lineno, 1)\n\n        with warnings.catch_warnings():"])
+def test_incremental_detokenizing_streams_exactly_the_whole_decode(text, chunk):
+    """The streamer decodes only the newest window each round; what it emits, round by round and
+    in pieces of any size, adds up to the whole output's decode, never half a character."""
+    from types import SimpleNamespace
+
+    from specdec.llm import TextStreamer
+    from specdec.models.loader import load_tokenizer, resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("specdec/demo-target"))
+    ids = tok.encode(text, add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=len(ids))
+    engine = SimpleNamespace(decode=lambda t, params: tok.decode(t, skip_special_tokens=params.skip_special_tokens))
+    engine.output_text = lambda s: engine.decode(s.output_token_ids, s.params)
+    seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None)
+    streamer, pieces = TextStreamer(engine, seq), []
+    for i in range(0, len(ids), chunk):
+        seq.output_token_ids = ids[: i + chunk]
+        seq.finished = i + chunk >= len(ids)
+        seq.finish_reason = "length" if seq.finished else None
+        pieces.append(streamer.delta(ids[i : i + chunk]).text)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(bool(p) for p in pieces[:-1]) >= len(pieces) // 2  # text flows before the end
