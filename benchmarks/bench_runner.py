@@ -64,7 +64,6 @@ def main() -> None:
     llm = LLM(str(target_dir))
     spec = LLM(str(target_dir), speculative_config={"model": str(draft_dir), "num_speculative_tokens": 4,
                                                     "adaptive": False})  # every round drafts k = 4
-    hf = llm.engine.target  # not used for generation; transformers' own model is loaded below
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

@@ -31,7 +31,6 @@ from specdec.training.train import (  # noqa: E402
     TrainConfig,
     lr_lambda,
     main,
-    run_training,
     train,
 )
 

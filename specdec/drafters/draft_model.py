@@ -28,7 +28,6 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         B = len(seqs)
-        device = self.runner.device
         is_new = self.runner.sync_rows([s.seq_id for s in seqs])
 
         # 1. Catch up: feed each sequence's tokens that the draft cache lacks (at least the newest one).

@@ -17,8 +17,6 @@ sequence, a rollback, a changed tail) is indexed from scratch.
 
 from __future__ import annotations
 
-import torch
-
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
