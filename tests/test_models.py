@@ -121,6 +121,18 @@ def test_ragged_rows_are_packed_and_equal_their_dense_results(tmp_path):
         torch.testing.assert_close(nxt[b], ref[b, p], atol=1e-4, rtol=0)
 
 
+def test_a_long_ragged_row_does_not_push_the_others_past_the_context(tmp_path):
+    """A row deep in its context beside a newcomer's long prompt: the short row's padding goes to
+    one scratch position, not to start + T, so the cache stays within the context."""
+    folder = make_model(tmp_path / "m", "llama", max_pos=256)
+    runner = LlamaRunner(load_model(str(folder)))
+    runner.sync_rows(["old", "new"])
+    runner.forward(torch.randint(3, 100, (1, 250)), [0])  # "old" holds 250 tokens
+    tokens = torch.randint(3, 100, (2, 100))  # old: 1 token at 250; new: a 100-token prompt
+    out = runner.forward(tokens, [250, 0], logits_index=torch.tensor([0, 99]), lengths=[1, 100])
+    assert runner.cache.max_len == 256 and torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("window", [None, 5])
 def test_few_query_attention_equals_sdpa(kv_heads, window):

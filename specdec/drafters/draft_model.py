@@ -68,11 +68,12 @@ class DraftModelDrafter(Drafter):
     def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:
         """Feed each row's chunk at its start; returns the logits after each chunk's last token [B, V]."""
         T = max(len(c) for c in chunks)
-        tokens = torch.zeros(len(chunks), T, dtype=torch.long)  # [B, T], right-padded; padding KV is overwritten later
+        tokens = torch.zeros(len(chunks), T, dtype=torch.long)  # [B, T], right-padded
         for b, c in enumerate(chunks):
             tokens[b, : len(c)] = torch.tensor(c)
         last = torch.tensor([len(c) - 1 for c in chunks], device=self.runner.device)
-        return self.runner.forward(tokens.to(self.runner.device), starts, logits_index=last, row_offset=row_offset)
+        return self.runner.forward(tokens.to(self.runner.device), starts, logits_index=last, row_offset=row_offset,
+                                   lengths=[len(c) for c in chunks])
 
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows

@@ -175,7 +175,13 @@ class LlamaRunner(ModelRunner):
                 all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None,
                 lengths: Sequence[int] | None = None) -> torch.Tensor | None:
         B, T = token_ids.shape  # [B, T]
-        end = max(start) + T  # keys 0..end-1 are read
+        ragged = lengths is not None and B > 1 and min(lengths) < T
+        if ragged:
+            # Padding sits at one scratch position past every row's real tokens, so that a long row
+            # (a merged prompt) does not push the others' padding past the context and grow the cache.
+            end = max(s + n for s, n in zip(start, lengths)) + 1
+        else:
+            end = max(start) + T  # keys 0..end-1 are read
         self.reserve(row_offset + B, end)
         r0, r1 = row_offset, row_offset + B  # the cache rows of this batch
         cache = self.cache
@@ -185,6 +191,8 @@ class LlamaRunner(ModelRunner):
             cos, sin = self.cos[s : s + T, None], self.sin_signed[s : s + T, None]  # [T, 1, hd]
         else:
             pos = torch.tensor(start, device=self.device)[:, None] + torch.arange(T, device=self.device)  # [B, T]
+            if ragged:
+                pos = pos.clamp_(max=end - 1)
             cos, sin = self.cos[pos].unsqueeze(2), self.sin_signed[pos].unsqueeze(2)  # [B, T, 1, hd]
         masks: dict[int | None, torch.Tensor | None] = {}
         # Decoding and verifying a batch: a few queries per row. SDPA's CPU kernel is built for long
@@ -199,7 +207,7 @@ class LlamaRunner(ModelRunner):
         # RoPE, the cache writes and attention stay padded [B, T] (cheap), so a pass costs what its
         # real tokens cost: a prompt merged into a round's verify pass does not pad the other rows.
         packed = None
-        if lengths is not None and B > 1 and sum(lengths) <= PACK_BELOW * B * T:
+        if ragged and sum(lengths) <= PACK_BELOW * B * T:
             valid = torch.arange(T, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
             packed = valid.nonzero(as_tuple=True)  # (row [N], t [N]), row-major
 
