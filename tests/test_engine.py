@@ -298,18 +298,22 @@ def test_caches_grown_during_decoding_survive_batch_changes(tmp_path):
     assert outs[1].outputs[0].token_ids == a
 
 
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip", "ngram", "suffix"])
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
-def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, adaptive):
+def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, method, adaptive):
     """Staggered arrivals and departures (a server's traffic): sequences leave at different rounds,
-    newcomers with long prompts join a running batch, and each output still equals plain decoding."""
+    newcomers with long prompts join a running batch, and each output still equals plain decoding,
+    for every drafter (layer_skip shares the target's cache with a newcomer's merged prompt)."""
     prompts = random_prompts(6, [2, 14, 6, 11, 3, 9], seed=11)
     lengths = [5, 17, 9, 12, 20, 7]
-    spec = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3,
-                                                     "adaptive": adaptive})
+    cfg = {"method": method, "num_speculative_tokens": 3, "adaptive": adaptive}
+    cfg.update({"draft_model": {"model": models["near"]}, "layer_skip": {"num_draft_layers": 1},
+                "ngram": {"prompt_lookup_min": 1}}.get(method, {}))
+    spec = LLM(models["target"], speculative_config=cfg)
     engine = spec.engine
     calls = []
     forward = engine.target.forward
-    engine.target.forward = lambda *a, **kw: (calls.append(1), forward(*a, **kw))[1]
+    engine.target.forward = lambda *a, **kw: (calls.append(kw.get("num_layers")), forward(*a, **kw))[1]
     seqs, pending, passes = {}, list(range(len(prompts))), []
     while pending or engine.has_unfinished():
         if pending and len(engine.running) + len(engine.waiting) < 3:
@@ -318,7 +322,7 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, a
             seqs[i] = engine.add_request(prompts[i], sp)
         calls.clear()
         engine.step()
-        passes.append(len(calls))
+        passes.append(calls.count(None))  # full target passes (layer_skip drafts with num_layers set)
     for i, p in enumerate(prompts):
         assert seqs[i].output_token_ids == plain_greedy(models["target"], [p], lengths[i])[0]
     # only the first prompt, admitted to an empty batch, had a prefill pass of its own; every later
