@@ -179,8 +179,11 @@ class TextStreamer:
             if after.endswith("\ufffd"):
                 pass  # the newest tokens end inside a character: wait for the rest
             elif after.startswith(before):
-                self.text += after[len(before) :]
-                self.prefix, self.read = self.read, len(ids)
+                new = after[len(before) :]
+                self.text += new
+                if new:  # tokens that decode to nothing (special ones) stay in the window: the next
+                    self.prefix = self.read  # text must still be joined to the words before them
+                self.read = len(ids)
             else:  # a tokenizer whose decode does not extend this way: decode it all once more
                 self.text = decode(ids)
                 self.prefix = self.read = len(ids)

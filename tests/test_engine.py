@@ -342,6 +342,51 @@ def test_a_queue_longer_than_max_num_seqs_equals_plain_decoding(models):
         assert o.outputs[0].token_ids == plain_greedy(models["target"], [p], params.max_tokens)[0]
 
 
+def _stream_pieces(decode, ids: list[int], cuts: list[int]) -> list[str]:
+    """Run a TextStreamer over ``ids`` revealed at the positions ``cuts``; returns each round's text."""
+    from types import SimpleNamespace
+
+    from specdec.llm import TextStreamer
+
+    params = SamplingParams(temperature=0, max_tokens=len(ids))
+    engine = SimpleNamespace(decode=lambda t, params: decode(t))
+    engine.output_text = lambda s: decode(s.output_token_ids)
+    seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None)
+    streamer, pieces, last = TextStreamer(engine, seq), [], 0
+    for cut in sorted(set(cuts)) + [len(ids)]:
+        if cut <= last:
+            continue
+        seq.output_token_ids = ids[:cut]
+        seq.finished = cut == len(ids)
+        seq.finish_reason = "length" if seq.finished else None
+        pieces.append(streamer.delta(ids[last:cut]).text)
+        last = cut
+    return pieces
+
+
+def test_streamed_text_with_special_tokens_equals_the_whole_decode(tmp_path):
+    """Tokens that decode to nothing (special tokens, skipped) must not eat the space a word-joining
+    decoder puts between the words around them, wherever the rounds cut the output."""
+    from hypothesis import given, settings, strategies as st
+    from transformers import AutoTokenizer
+
+    from tiny_models import make_tokenizer
+
+    make_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+
+    def decode(t):
+        return tok.decode(t, skip_special_tokens=True)
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(0, 12), min_size=1, max_size=14), st.lists(st.integers(1, 14), max_size=8))
+    def check(ids, cuts):
+        pieces = _stream_pieces(decode, ids, cuts)
+        assert "".join(pieces) == decode(ids)
+
+    check()
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 @pytest.mark.parametrize("text", ["def naïve(x):\n    return '😀' + x  # 日本語 ok\n",
                                   "    self.assertEqual(w[0].lineno, 1)\n\n        with warnings.catch_warnings():"])
