@@ -107,10 +107,13 @@ class Engine:
             chosen = self.controller.choose([s.seq_id for s in seqs])
             ks = [self.k if s.params.seed is not None and not s.params.greedy else c for s, c in zip(seqs, chosen)]
         # what each target cache row lacks: the newest token, or a newcomer's whole prompt when its
-        # prefill rides in this round's verify pass (_admit); such a row drafts from the next round
+        # prefill rides in this round's verify pass (_admit)
         hist = [s.token_ids[s.num_computed:] for s in seqs]
-        wanted = [0 if s.seq_id in self.plain_only or len(h) > 1 else max(0, min(k, s.room - 1))  # drafts beyond
-                  for k, s, h in zip(ks, seqs, hist)]                                           # the room are wasted
+        # A sequence's first token comes from a plain pass, as vLLM's does from its prefill: drafting
+        # for it would add the draft's prompt catch-up and a longer verify pass to the time to first
+        # token. Drafts beyond the room left are wasted.
+        wanted = [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0 else max(0, min(k, s.room - 1))
+                  for k, s in zip(ks, seqs)]
 
         # 1. draft: up to wanted[b] tokens per sequence; a drafter may propose fewer
         t_draft = time.perf_counter()
