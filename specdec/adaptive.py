@@ -29,7 +29,8 @@ PRIOR_WEIGHT = 4.0  # pseudo-rounds of the batch-wide rates mixed into a sequenc
 DECAY = 0.95  # per update: older rounds weigh less, so a sequence's estimate follows its text
 PRIOR_VERIFY_SLOPE = 0.07  # v(T) = 1 + slope * (T - 1) until measured (ALGORITHM.md: v(4) ~ 1.2-1.3 on CPU)
 PRIOR_DRAFT_COST = 0.1  # c, one draft step in units of a 1-token target step, until measured
-MIN_GAIN = 0.03  # speculate only where the predicted speedup exceeds 1 + MIN_GAIN
+MIN_GAIN = 0.06  # speculate only where the predicted speedup exceeds 1 + MIN_GAIN (0.03 let a marginal
+#                  drafter, layer_skip with 6 of 8 layers, flip on and off for 0.94-0.96x)
 PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
 PROBE_INTERVAL = 8  # rounds; doubles after every probe that does not switch speculation back on
 MAX_PROBE_INTERVAL = 128
