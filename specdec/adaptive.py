@@ -6,7 +6,7 @@ ALGORITHM.md's cost model with measured quantities instead of assumptions:
   the same rates over all sequences;
 - E_b(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j  (tokens per round for sequence b, bonus included);
 - costs: t_v(B, T), the wall time of a verify pass of T tokens per row at batch size B, and
-  t_d(B), the drafter's time per drafted position, both the fastest of their recent timings;
+  t_d(B), the drafter's time per drafted position, both medians of their recent timings (Timing);
 - S(k) = mean_b E_b(k) * t_v(B, 1) / (k * t_d(B) + t_v(B, k + 1)); S(0) = 1 is plain decoding.
 One k for the whole batch: a verify pass runs k + 1 tokens for every row as soon as one row drafts
 k, and a draft step costs the same for the batch however many rows draft, so rows that would
@@ -50,16 +50,14 @@ class Timing:
     def __init__(self, window: int = 8, skip: int = 1):
         self.samples: deque[float] = deque(maxlen=window)
         self.skip = skip
+        self.value: float | None = None  # the median, kept current: the controller reads it ~10 times a round
 
     def update(self, x: float) -> None:
         if self.skip > 0:
             self.skip -= 1
         else:
             self.samples.append(x)
-
-    @property
-    def value(self) -> float | None:
-        return statistics.median(self.samples) if self.samples else None
+            self.value = statistics.median(self.samples)
 
 
 @dataclass
@@ -161,10 +159,6 @@ class AdaptiveK:
             if i >= len(self.batch_stats.reached) or self.batch_stats.reached[i] < 1e-3:
                 alphas[i] = alphas[i - 1]
         return alphas
-
-    def _measured(self, B: int, T: int) -> float | None:
-        e = self.verify_time.get((B, T))
-        return e.value if e is not None else None
 
     def _verify_cost(self, B: int, T: int) -> float:
         """Seconds of a verify pass with T tokens per row. T = 1: the measured plain step. T > 1:

@@ -149,10 +149,9 @@ class Engine:
         if self.drafter is not None and proposal is not None:
             self.drafter.observe(seqs, result.num_accepted)
         self.stats.record_round(num_draft, result.num_accepted)
-        if self.controller is not None:  # a pass that carried a prompt is no timing of a verify pass
-            merged = any(len(h) > 1 for h in hist)
+        if self.controller is not None:  # a pass that carried a prompt (logits_index set) times no verify pass
             self.controller.record([s.seq_id for s in seqs], num_draft, result.num_accepted, t1 - t_draft,
-                                   None if merged else t2 - t1)
+                                   None if logits_index is not None else t2 - t1)
         self.stats.draft_time_s += t1 - t_draft
         self.stats.verify_time_s += t2 - t1
         self.stats.step_time_s += time.perf_counter() - t0

@@ -24,6 +24,8 @@ from specdec.llm import LLM
 from specdec.models.base import next_token_logits
 from specdec.sampling import SamplingBatch, probs_from_logits
 
+ROW_TAG = "__specdec_lossless__"  # the cache rows its next-token probes use, apart from the engine's
+
 SETTINGS: list[tuple[str, dict]] = [
     ("temperature=1", {"temperature": 1.0}),
     ("top_k=8", {"temperature": 1.0, "top_k": 8}),
@@ -103,14 +105,14 @@ def exact_joint(llm: LLM, ids: list[int], params: SamplingParams, n: int) -> tup
     sb = SamplingBatch.from_params([params], device)
     if llm.engine.has_unfinished():
         raise RuntimeError("exact_joint needs an idle engine")
-    p1 = probs_from_logits(_last_logits(target, [ids]), sb)[0].double().cpu()  # [V]
+    p1 = probs_from_logits(next_token_logits(target, [ids], ROW_TAG), sb)[0].double().cpu()  # [V]
     first = torch.nonzero(p1 * n >= MIN_EXPECTED).flatten()
     if first.numel() == 0:
         first = p1.argmax().view(1)
     rows = []
     for start in range(0, len(first), CHUNK):
         chunk = first[start:start + CHUNK].tolist()
-        logits = _last_logits(target, [ids + [t] for t in chunk])  # [b, V]
+        logits = next_token_logits(target, [ids + [t] for t in chunk], ROW_TAG)  # [b, V]
         rows.append(probs_from_logits(logits, SamplingBatch.from_params([params] * len(chunk), device)).double().cpu())
     p2 = torch.cat(rows)  # [len(first), V]
     joint = (p1[first][:, None] * p2).flatten()
@@ -140,11 +142,6 @@ def chi_square(observed: torch.Tensor, probs: torch.Tensor) -> tuple[float, int,
     p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
                                       torch.tensor(statistic / 2, dtype=torch.float64)))
     return statistic, df, p, 0
-
-
-def _last_logits(target, prompts: list[list[int]]) -> torch.Tensor:
-    """Next-token logits [B, V] after each prompt (equal lengths), from fresh cache rows of the target."""
-    return next_token_logits(target, prompts, row_tag="__specdec_lossless__")
 
 
 def _prompt_ids(llm: LLM, prompts: list | None) -> list[list[int]]:
