@@ -6,7 +6,7 @@ ALGORITHM.md's cost model with measured quantities instead of assumptions:
   the same rates over all sequences;
 - E_b(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j  (tokens per round for sequence b, bonus included);
 - costs: t_v(B, T), the wall time of a verify pass of T tokens per row at batch size B, and
-  t_d(B), the drafter's time per drafted position, both medians of their recent timings (Timing);
+  t_d(B), the drafter's time per drafted position, both means of their recent timings (Timing);
 - S(k) = mean_b E_b(k) * t_v(B, 1) / (k * t_d(B) + t_v(B, k + 1)); S(0) = 1 is plain decoding.
 One k for the whole batch: a verify pass runs k + 1 tokens for every row as soon as one row drafts
 k, and a draft step costs the same for the batch however many rows draft, so rows that would
@@ -40,24 +40,26 @@ REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many roun
 
 
 class Timing:
-    """A wall-time estimate robust to a busy machine: the median of the last ``window`` samples,
-    skipping the first ``skip`` (the first pass at a new shape also builds its kernels). A single
-    slow step (a pause, a neighbour's burst) moves it little. Not the fastest sample: a round's
-    throughput follows its typical time, and a speculative round's time varies more than a plain
-    step's (catch-ups of different lengths, a newcomer's prompt in the draft), so the fastest of
-    each flattered speculation: at 8 rows it predicted 1.22x for rounds that gave 0.98x."""
+    """A wall-time estimate: the mean of the last ``window`` samples, skipping the first ``skip``
+    (the first pass at a new shape also builds its kernels). The mean, because throughput is
+    tokens over the sum of round times. A speculative round's time is skewed in a way a plain
+    step's is not: most rounds feed the drafter one or two tokens, some a newcomer's whole prompt.
+    The fastest sample (session 2) predicted 1.22x at 8 rows for rounds that gave 0.98x; the
+    median (session 3) still put 8-row rounds 2.1-2.6 ms below their mean and chose k = 2
+    (825 tokens/s) over k = 1 (860 tokens/s). A window of 16 keeps one slow step from moving
+    the mean much."""
 
-    def __init__(self, window: int = 8, skip: int = 1):
+    def __init__(self, window: int = 16, skip: int = 1):
         self.samples: deque[float] = deque(maxlen=window)
         self.skip = skip
-        self.value: float | None = None  # the median, kept current: the controller reads it ~10 times a round
+        self.value: float | None = None  # the mean, kept current: the controller reads it ~10 times a round
 
     def update(self, x: float) -> None:
         if self.skip > 0:
             self.skip -= 1
         else:
             self.samples.append(x)
-            self.value = statistics.median(self.samples)
+            self.value = statistics.fmean(self.samples)
 
 
 @dataclass
@@ -107,6 +109,7 @@ class AdaptiveK:
         self.off_rounds = 0  # rounds decoded plainly since speculation was switched off
         self.probe_interval = PROBE_INTERVAL
         self.probing = False
+        self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -198,8 +201,13 @@ class AdaptiveK:
             if k_round == 0:
                 self.plain_measured_at[B] = self.rounds
             self.verify_time.setdefault((B, k_round + 1), Timing()).update(verify_time_s)
-        if k_round > 0:
+        # A round right after plain ones first feeds the drafter everything it missed (a draft model
+        # catches up on every token since its last proposal): a cost of switching on, not of drafting.
+        # Timed with the rest, a probe after a long plain stretch looked 2x dearer than steady
+        # drafting (8 rows: 3.9 vs 2.0 ms) and kept speculation off where it paid 1.04-1.09x.
+        if k_round > 0 and self.last_k > 0:
             self.draft_time.setdefault(B, Timing()).update(draft_time_s / k_round)
+        self.last_k = k_round
         for sid, nd, na in zip(seq_ids, num_draft, num_accepted):
             if nd == 0:
                 continue

@@ -67,6 +67,19 @@ def test_expensive_drafts_are_not_worth_it_even_when_accepted():
     assert ks == [0]
 
 
+def test_a_round_after_plain_ones_does_not_time_drafting():
+    """Its drafter first catches up on every token of the plain rounds: a one-off cost of switching
+    on. Timed as drafting, it made a probe look several times dearer and kept speculation off."""
+    ctrl = AdaptiveK(4)
+    for _ in range(5):
+        ctrl.record([0], [0], [0], 0.0, 0.010)
+    ctrl.record([0], [1], [1], 0.050, 0.011)  # the probe: 50 ms of catching up, then one draft
+    assert 1 not in ctrl.draft_time
+    for _ in range(3):  # steady drafting: timed (the first sample builds kernels and is skipped)
+        ctrl.record([0], [2], [2], 0.002, 0.012)
+    assert ctrl.draft_time[1].value == pytest.approx(0.001)
+
+
 def test_decaying_acceptance_picks_a_middle_k():
     ctrl = AdaptiveK(8)
     import random
