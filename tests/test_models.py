@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from specdec.models.llama import LlamaRunner, _attention_mask, _few_query_attention
+from specdec.models.llama import FEW_QUERIES, LlamaRunner, _attention_mask, _few_query_attention
 from specdec.models.loader import load_model
 from tiny_models import make_model
 
@@ -47,6 +47,31 @@ def test_logits_match_transformers_in_chunks_and_ragged_batches(pair):
     out = runner.forward(step, starts, all_logits=True)  # [3, 6, V]
     for b, s in enumerate(starts):
         torch.testing.assert_close(out[b], ref[b, s : s + 6], atol=1e-4, rtol=0)
+
+
+def test_packed_rows_with_a_long_prompt_match_transformers(pair):
+    """A merged prompt longer than FEW_QUERIES among short rows (not the last row, so the short
+    ones are not contiguous): packed, the prompt attends alone, the short rows together."""
+    hf, runner = pair
+    ids = torch.randint(3, 100, (4, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf(ids).logits[..., : runner.vocab_size]  # [4, 24, V]
+    runner.release()
+    runner.sync_rows([0, 1, 2, 3])
+    runner.forward(ids[:, :10], [0, 0, 0, 0])  # rows 0, 2, 3 go on from 10 tokens; row 1 starts over
+    lengths, starts = [2, FEW_QUERIES + 4, 1, 3], [10, 0, 10, 10]
+    tokens = torch.zeros(4, max(lengths), dtype=torch.long)
+    for b, (n, s) in enumerate(zip(lengths, starts)):
+        tokens[b, :n] = ids[b, s : s + n]
+    out = runner.forward(tokens, starts, all_logits=True, lengths=lengths)  # [4, T, V]
+    for b, (n, s) in enumerate(zip(lengths, starts)):
+        torch.testing.assert_close(out[b, :n], ref[b, s : s + n], atol=1e-4, rtol=0)
+    # the cache holds exactly the real tokens: each row goes on by one
+    ends = [s + n for s, n in zip(starts, lengths)]
+    nxt = runner.forward(torch.stack([ids[b, e : e + 1] for b, e in enumerate(ends)]), ends,
+                         logits_index=torch.zeros(4, dtype=torch.long))
+    for b, e in enumerate(ends):
+        torch.testing.assert_close(nxt[b], ref[b, e], atol=1e-4, rtol=0)
 
 
 def test_rollback_is_a_length_change(pair):

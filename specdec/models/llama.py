@@ -176,16 +176,25 @@ class LlamaRunner(ModelRunner):
                 lengths: Sequence[int] | None = None) -> torch.Tensor | None:
         B, T = token_ids.shape  # [B, T]
         ragged = lengths is not None and B > 1 and min(lengths) < T
-        if ragged:
+        # Ragged rows: row b holds lengths[b] real tokens, the rest of its T is padding. With enough
+        # padding they are packed: every layer runs on the N real tokens only, attention included
+        # (_Packed), so a prompt merged into a round's verify pass costs what its tokens cost and
+        # does not pad the other rows to its length.
+        packed = _Packed(start, lengths, T, row_offset, self.device) if ragged and sum(lengths) <= PACK_BELOW * B * T \
+            else None
+        if packed is not None:
+            end = packed.end
+        elif ragged:
             # Padding sits at one scratch position past every row's real tokens, so that a long row
-            # (a merged prompt) does not push the others' padding past the context and grow the cache.
+            # does not push the others' padding past the context and grow the cache.
             end = max(s + n for s, n in zip(start, lengths)) + 1
         else:
             end = max(start) + T  # keys 0..end-1 are read
         self.reserve(row_offset + B, end)
-        r0, r1 = row_offset, row_offset + B  # the cache rows of this batch
-        cache = self.cache
-        if B == 1:  # one sequence: slices, not gathers
+        if packed is not None:
+            pos = packed.pos  # [N]
+            cos, sin = self.cos[pos].unsqueeze(1), self.sin_signed[pos].unsqueeze(1)  # [N, 1, hd]
+        elif B == 1:  # one sequence: slices, not gathers
             s = start[0]
             pos = torch.arange(s, s + T, device=self.device)[None]  # [1, T]
             cos, sin = self.cos[s : s + T, None], self.sin_signed[s : s + T, None]  # [T, 1, hd]
@@ -194,61 +203,32 @@ class LlamaRunner(ModelRunner):
             if ragged:
                 pos = pos.clamp_(max=end - 1)
             cos, sin = self.cos[pos].unsqueeze(2), self.sin_signed[pos].unsqueeze(2)  # [B, T, 1, hd]
-        masks: dict[int | None, torch.Tensor | None] = {}
-        # Decoding and verifying a batch: a few queries per row. SDPA's CPU kernel is built for long
-        # sequences and costs 2-2.5x more than two batched matmuls here (8 rows of 3 queries over 80
-        # keys: 354 vs 144 us a layer); one sequence keeps SDPA, which is as fast for it.
-        small = B > 1 and T <= FEW_QUERIES
+        dense = _Dense(pos, start[0], end, row_offset, self.device) if packed is None else None
         H, KVH, hd = self.num_heads, self.num_kv_heads, self.head_dim
         cd = self.compute_dtype
 
-        # Ragged rows: row b holds lengths[b] real tokens, the rest of its T is padding. The per-token
-        # work (embedding, norms, products, MLP) then runs on the N real tokens only, packed [N, D];
-        # RoPE, the cache writes and attention stay padded [B, T] (cheap), so a pass costs what its
-        # real tokens cost: a prompt merged into a round's verify pass does not pad the other rows.
-        packed = None
-        if ragged and sum(lengths) <= PACK_BELOW * B * T:
-            valid = torch.arange(T, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
-            packed = valid.nonzero(as_tuple=True)  # (row [N], t [N]), row-major
-
-        x = F.embedding(token_ids if packed is None else token_ids[packed], self.embed).to(cd)  # [B, T, D] or [N, D]
+        x = F.embedding(token_ids if packed is None else token_ids[packed.index], self.embed).to(cd)  # [B, T, D] / [N, D]
+        lead = x.shape[:-1]  # (B, T) or (N,)
         for li, w in enumerate(self.layers[: num_layers or self.num_layers]):
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
-            qkv = w.qkv(h)  # [B, T, (H + 2*KVH) * hd], in the weights' dtype
-            if packed is not None:  # [N, ...] -> [B, T, ...], zeros at padding
-                qkv = qkv.new_zeros(B, T, qkv.shape[-1]).index_put_(packed, qkv)
-            qk = qkv[..., : (H + KVH) * hd].view(B, T, H + KVH, hd).to(cd)
-            v = qkv[..., (H + KVH) * hd :].view(B, T, KVH, hd)
+            qkv = w.qkv(h)  # [*lead, (H + 2*KVH) * hd], in the weights' dtype
+            qk = qkv[..., : (H + KVH) * hd].view(*lead, H + KVH, hd).to(cd)
+            v = qkv[..., (H + KVH) * hd :].view(*lead, KVH, hd).to(cd)
             if w.q_norm is not None:
-                qk = torch.cat([F.rms_norm(qk[:, :, :H], (hd,), w.q_norm, self.eps),
-                                F.rms_norm(qk[:, :, H:], (hd,), w.k_norm, self.eps)], dim=2)
+                qk = torch.cat([F.rms_norm(qk[..., :H, :], (hd,), w.q_norm, self.eps),
+                                F.rms_norm(qk[..., H:, :], (hd,), w.k_norm, self.eps)], dim=-2)
             # RoPE on q and k at once: x cos + rotate_half(x) sin, with rotate_half's sign folded into sin
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)  # [B, T, H + KVH, hd]
-            q, k = qk[:, :, :H], qk[:, :, H:]
-            if B == 1:
-                cache.k[li, r0, :, s : s + T] = k[0].transpose(0, 1)  # [KVH, T, hd]
-                cache.v[li, r0, :, s : s + T] = v[0].transpose(0, 1)
-            else:
-                rows = torch.arange(r0, r1, device=self.device)[:, None].expand(B, T)
-                cache.k[li][rows, :, pos] = k  # [B, T, KVH, hd] into rows at their positions
-                cache.v[li][rows, :, pos] = v.to(cd)
-            keys = cache.k[li, r0:r1, :, :end]  # [B, KVH, end, hd]
-            values = cache.v[li, r0:r1, :, :end]
-            if w.sliding_window not in masks:
-                masks[w.sliding_window] = _attention_mask(pos, end, w.sliding_window, additive=small)
-            if small:
-                attn = _few_query_attention(q.transpose(1, 2), keys, values, masks[w.sliding_window])  # [B, H, T, hd]
-            else:
-                attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
-                                                      attn_mask=masks[w.sliding_window], enable_gqa=KVH != H)
-            attn = attn.transpose(1, 2).reshape(B, T, H * hd)
-            x = x + w.o(attn if packed is None else attn[packed])  # promotes a bf16 product to x's float32
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)  # [*lead, H + KVH, hd]
+            q, k = qk[..., :H, :], qk[..., H:, :]
+            attend = dense.attend if packed is None else packed.attend
+            attn = attend(self.cache, li, q, k, v, w.sliding_window)  # [*lead, H, hd]; k and v now in the cache
+            x = x + w.o(attn.reshape(*lead, H * hd))  # promotes a bf16 product to x's float32
             h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-            gate, up = w.gate_up(h).chunk(2, dim=-1)  # [B, T, I] each, in the weights' dtype
+            gate, up = w.gate_up(h).chunk(2, dim=-1)  # [*lead, I] each, in the weights' dtype
             x = x + w.down(self.act(gate) * up)
 
         if packed is not None and (logits_index is not None or all_logits):
-            x = x.new_zeros(B, T, x.shape[-1]).index_put_(packed, x)  # [B, T, D]
+            x = x.new_zeros(B, T, x.shape[-1]).index_put_(packed.index, x)  # [B, T, D]
         if logits_index is not None:  # [B] or [B, L]
             rows = torch.arange(B, device=self.device)
             x = x[rows if logits_index.dim() == 1 else rows[:, None], logits_index]  # [B, D] or [B, L, D]
@@ -256,6 +236,109 @@ class LlamaRunner(ModelRunner):
             return None
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         return self.lm_head(x).float()  # [B, V], [B, L, V] or [B, T, V]
+
+
+class _Dense:
+    """Attention for a [B, T] batch (padded rows included): write k and v at their positions, read
+    each row's keys 0..end-1. Decoding and verifying a batch have a few queries per row: SDPA's CPU
+    kernel is built for long sequences and costs 2-2.5x more than two batched matmuls there (8 rows
+    of 3 queries over 80 keys: 354 vs 144 us a layer); one sequence keeps SDPA, as fast for it."""
+
+    def __init__(self, pos: torch.Tensor, start: int, end: int, row_offset: int, device: torch.device):
+        self.pos, self.start, self.end = pos, start, end  # pos [B, T]; start: row 0's first position
+        B, T = pos.shape
+        self.r0, self.r1 = row_offset, row_offset + B
+        self.rows = None if B == 1 else torch.arange(self.r0, self.r1, device=device)[:, None].expand(B, T)
+        self.small = B > 1 and T <= FEW_QUERIES
+        self.masks: dict[int | None, torch.Tensor | None] = {}
+
+    def attend(self, cache: KVCache, li: int, q, k, v, window: int | None) -> torch.Tensor:
+        """q [B, T, H, hd]; k, v [B, T, KVH, hd] -> [B, T, H, hd]."""
+        r0, r1, end = self.r0, self.r1, self.end
+        if self.rows is None:
+            s, T = self.start, q.shape[1]
+            cache.k[li, r0, :, s : s + T] = k[0].transpose(0, 1)  # [KVH, T, hd]
+            cache.v[li, r0, :, s : s + T] = v[0].transpose(0, 1)
+        else:
+            cache.k[li][self.rows, :, self.pos] = k  # [B, T, KVH, hd] into rows at their positions
+            cache.v[li][self.rows, :, self.pos] = v
+        keys, values = cache.k[li, r0:r1, :, :end], cache.v[li, r0:r1, :, :end]  # [B, KVH, end, hd]
+        if window not in self.masks:
+            self.masks[window] = _attention_mask(self.pos, end, window, additive=self.small)
+        if self.small:
+            out = _few_query_attention(q.transpose(1, 2), keys, values, self.masks[window])  # [B, H, T, hd]
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.masks[window],
+                                                 enable_gqa=keys.shape[1] != q.shape[2])
+        return out.transpose(1, 2)
+
+
+class _Packed:
+    """Attention for ragged rows packed into their N real tokens (row-major): row b's tokens are
+    positions start[b]..start[b]+lengths[b]-1 of cache row row_offset + b. k and v are written for
+    the real tokens only; rows of typical length attend together (_few_query_attention, padded to
+    the longest of them), each longer row (a merged prompt) alone with SDPA. Padding the
+    whole batch to a 200-token prompt made such a pass cost 218 ms where the prompt alone and the
+    other 7 rows alone cost 70 + 14 ms (demo target, 1 thread)."""
+
+    def __init__(self, start: Sequence[int], lengths: Sequence[int], T: int, row_offset: int, device: torch.device):
+        B = len(lengths)
+        n = torch.tensor(lengths, device=device)
+        valid = torch.arange(T, device=device)[None] < n[:, None]  # [B, T]
+        self.index = valid.nonzero(as_tuple=True)  # (row [N], t [N])
+        self.pos = torch.tensor(start, device=device)[self.index[0]] + self.index[1]  # [N]
+        self.rows = self.index[0] + row_offset  # [N] cache rows
+        self.end = max(s + m for s, m in zip(start, lengths))
+        N = len(self.pos)
+        offsets = [sum(lengths[:b]) for b in range(B)]
+        # Rows attend together padded to the longest of them, so a row much longer than is typical
+        # here (a newcomer's prompt among 1-5 token feeds) attends alone: 8 rows padded to one
+        # 16-token prompt spent 7.4 ms a pass in attention, against ~1.5 for their real tokens.
+        together = min(FEW_QUERIES, 2 * sorted(lengths)[B // 2])
+        short = [b for b in range(B) if lengths[b] <= together]
+        # short rows, padded to the longest of them: a gather index into [q; zeros] ([N + 1] rows)
+        self.short = None
+        if short:
+            Ts = max(lengths[b] for b in short)
+            t = torch.arange(Ts, device=device)
+            lens = n[short][:, None]  # [S, 1]
+            offs = torch.tensor([offsets[b] for b in short], device=device)[:, None]
+            real = t[None] < lens  # [S, Ts]
+            gather = torch.where(real, offs + t, N)  # [S, Ts]
+            # padding queries sit at their row's last real position: their outputs are dropped
+            pos = torch.minimum(torch.tensor([start[b] for b in short], device=device)[:, None] + t,
+                                torch.tensor([start[b] + lengths[b] - 1 for b in short], device=device)[:, None])
+            rows = torch.tensor([row_offset + b for b in short], device=device)
+            contiguous = short == list(range(short[0], short[0] + len(short)))
+            self.short = (gather, real, gather[real], pos, max(start[b] + lengths[b] for b in short),
+                          slice(row_offset + short[0], row_offset + short[-1] + 1) if contiguous else rows)
+        self.long = [(row_offset + b, offsets[b], lengths[b], start[b]) for b in range(B) if lengths[b] > together]
+        self.masks: dict[tuple, torch.Tensor | None] = {}
+
+    def _mask(self, key, pos: torch.Tensor, end: int, window: int | None, additive: bool):
+        if (key, window) not in self.masks:
+            self.masks[(key, window)] = _attention_mask(pos, end, window, additive=additive)
+        return self.masks[(key, window)]
+
+    def attend(self, cache: KVCache, li: int, q, k, v, window: int | None) -> torch.Tensor:
+        """q [N, H, hd]; k, v [N, KVH, hd] -> [N, H, hd]."""
+        cache.k[li][self.rows, :, self.pos] = k  # [N, KVH, hd] into their rows and positions
+        cache.v[li][self.rows, :, self.pos] = v
+        out = torch.empty_like(q)
+        if self.short is not None:
+            gather, real, dst, pos, end, cache_rows = self.short
+            qs = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[gather]  # [S, Ts, H, hd]
+            keys, values = cache.k[li][cache_rows, :, :end], cache.v[li][cache_rows, :, :end]  # [S, KVH, end, hd]
+            o = _few_query_attention(qs.transpose(1, 2), keys, values, self._mask("short", pos, end, window, True))
+            out[dst] = o.transpose(1, 2)[real]  # [S, Ts, H, hd] -> the real tokens
+        for row, off, n, s in self.long:
+            pos = self.pos[off : off + n][None]  # [1, n]
+            keys, values = cache.k[li, row : row + 1, :, : s + n], cache.v[li, row : row + 1, :, : s + n]
+            o = F.scaled_dot_product_attention(q[off : off + n].transpose(0, 1)[None], keys, values,
+                                               attn_mask=self._mask(row, pos, s + n, window, False),
+                                               enable_gqa=keys.shape[1] != q.shape[1])  # [1, H, n, hd]
+            out[off : off + n] = o[0].transpose(0, 1)
+        return out
 
 
 def _attention_mask(pos: torch.Tensor, end: int, window: int | None, additive: bool = False) -> torch.Tensor | None:
