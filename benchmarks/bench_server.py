@@ -15,10 +15,13 @@ the target alone. This process is only the client (asyncio + httpx, server-sent 
    one sent as each ends (vLLM's ``benchmark_serving --max-concurrency``); and TPOT at 1 request.
 
     python benchmarks/bench_server.py --model T --draft D [-k 4] [--num-requests 64] [--num-disconnect 10]
-        [--max-tokens 64] [--prompts FILE | --token-prompts] [--threads N] [--json]
+        [--max-tokens 64] [--prompts FILE [--max-prompt-tokens N] | --token-prompts] [--threads N] [--json]
 
-Without --prompts a built-in set of short code and prose prompts is cycled; --token-prompts sends
-random token ids instead (for tiny test models whose tokenizers know no real words).
+Without --prompts a built-in set of 12 short code and prose prompts is cycled; --token-prompts sends
+random token ids instead (for tiny test models whose tokenizers know no real words). With enough
+prompts (Spec-Bench's 480: ``--prompts ../shared/data/spec_bench/question.jsonl``) the comparison
+sends each prompt once and none from the load test, so drafters that learn from earlier outputs
+(suffix) are not measured on text they have already seen.
 """
 
 from __future__ import annotations
@@ -261,20 +264,48 @@ def spec_counters(before: dict, after: dict) -> dict:
 
 
 def make_prompts(args) -> list:
+    """The distinct prompts, in order: a file's, random token ids, or the built-in set."""
     if args.prompts:
         from specdec.prompts import load_prompts
 
-        texts = [r["prompt"] for r in load_prompts(args.prompts)]
-    elif args.token_prompts:
+        return [r["prompt"] for r in load_prompts(args.prompts)]
+    if args.token_prompts:
         from transformers import AutoTokenizer
 
         vocab = len(AutoTokenizer.from_pretrained(args.model))
         rng = random.Random(0)
         return [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))]
-                for _ in range(args.num_requests + args.num_disconnect)]
-    else:
-        texts = DEFAULT_PROMPTS
-    return [texts[i % len(texts)] for i in range(args.num_requests + args.num_disconnect)]
+                for _ in range(args.num_requests + args.num_disconnect + comparison_size(args))]
+    return DEFAULT_PROMPTS
+
+
+def fitting(prompts: list, args) -> list:
+    """The prompts whose tokens and max_tokens fit the target's context, and at most --max-prompt-tokens
+    long (Spec-Bench's summarization and RAG prompts run to 2,000 tokens: their prefill, not decoding,
+    would set the throughput of 64-token answers)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdec.models.loader import resolve_model_path  # the shipped pair's names, a folder or a hub id
+
+    path = resolve_model_path(args.model)
+    tok = AutoTokenizer.from_pretrained(path)
+    context = AutoConfig.from_pretrained(path).max_position_embeddings
+    limit = min(context - args.max_tokens, args.max_prompt_tokens or context)
+    kept = [p for p in prompts if (len(p) if isinstance(p, list) else len(tok.encode(p))) <= limit]
+    if len(kept) < len(prompts):
+        print(f"({len(prompts) - len(kept)} of {len(prompts)} prompts left out: longer than {limit} tokens)",
+              file=sys.stderr)
+    return kept
+
+
+def comparison_size(args) -> int:
+    """Prompts the speculative-vs-plain comparison sends: per repeat a burst and a sustained run, then
+    the single requests."""
+    return args.repeats * (args.concurrency + args.sustained_requests) + args.single_requests
+
+
+def cycle(prompts: list, start: int, n: int) -> list:
+    return [prompts[(start + i) % len(prompts)] for i in range(n)]
 
 
 def main() -> None:
@@ -294,6 +325,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per server in the comparison")
     ap.add_argument("--single-requests", type=int, default=4, help="requests per server for TPOT at 1 request")
     ap.add_argument("--prompts", help="JSONL prompts file ({prompt} or Spec-Bench question.jsonl)")
+    ap.add_argument("--max-prompt-tokens", type=int, help="leave out longer prompts")
     ap.add_argument("--token-prompts", action="store_true", help="random token-id prompts (tiny test models)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--threads", type=int, help="torch threads of each server (OMP_NUM_THREADS)")
@@ -310,8 +342,15 @@ def main() -> None:
         raise SystemExit("pass --draft D or --speculative-config JSON")
     common = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
               "--max-num-seqs", str(args.max_num_seqs)]
-    prompts = make_prompts(args)
-    load_prompts_, leavers = prompts[: args.num_requests], prompts[args.num_requests:]
+    distinct = fitting(make_prompts(args), args)
+    n_load = args.num_requests + args.num_disconnect
+    load_prompts_ = cycle(distinct, 0, args.num_requests)
+    leavers = cycle(distinct, args.num_requests, args.num_disconnect)
+    # The comparison sends prompts neither server has seen, each once, when there are enough: a drafter
+    # that learns from earlier outputs (suffix, ngram over its cache) would otherwise be measured on
+    # text it has memorized. With too few (the built-in 12), it cycles them and says so.
+    fresh = len(distinct) >= n_load + comparison_size(args)
+    pool = iter(cycle(distinct, n_load if fresh else 0, comparison_size(args)))
     n_tok = args.max_tokens
 
     spec, plain = Server("spec", common + spec_args, args.threads), Server("plain", common, args.threads)
@@ -319,7 +358,7 @@ def main() -> None:
         spec.wait_ready()
         plain.wait_ready()
         for s in (spec, plain):  # warm up
-            asyncio.run(sequential(s.url, prompts[:2], 8))
+            asyncio.run(sequential(s.url, distinct[:2], 8))
         report: dict = {"model": args.model, "speculative": spec_args, "max_tokens": n_tok}
 
         # 1. load on the speculative server
@@ -368,12 +407,12 @@ def main() -> None:
         }
 
         # 2. speculative vs plain: throughput at C concurrent, TPOT at 1 request; alternating runs
-        batch = prompts[: args.concurrency]
-        stream = [prompts[i % len(prompts)] for i in range(args.sustained_requests)]
         side = {name: {"tokens": 0, "wall": 0.0, "s_tokens": 0, "s_wall": 0.0, "tpot": [], "ttft": []}
                 for name in ("spec", "plain")}
         m0 = spec.metrics()
         for _ in range(args.repeats):
+            batch = [next(pool) for _ in range(args.concurrency)]
+            stream = [next(pool) for _ in range(args.sustained_requests)]
             for name, s in (("plain", plain), ("spec", spec)):
                 res, w = asyncio.run(concurrent(s.url, batch, n_tok))  # a burst: C at once, wait for all
                 side[name]["tokens"] += sum(len(r.token_ids) for r in res)
@@ -382,7 +421,7 @@ def main() -> None:
                     res, w = asyncio.run(sustained(s.url, stream, n_tok, args.concurrency))
                     side[name]["s_tokens"] += sum(len(r.token_ids) for r in res)
                     side[name]["s_wall"] += w
-        for p in prompts[: args.single_requests]:
+        for p in [next(pool) for _ in range(args.single_requests)]:
             for name, s in (("plain", plain), ("spec", spec)):
                 res, _ = asyncio.run(concurrent(s.url, [p], n_tok))
                 side[name]["tpot"].append(res[0].tpot)
@@ -396,8 +435,10 @@ def main() -> None:
                                                     / cmp_["plain"]["throughput_tokens_per_s"])
         cmp_["sustained_throughput_ratio_spec_over_plain"] = (
             cmp_["spec"]["sustained_throughput_tokens_per_s"] / cmp_["plain"]["sustained_throughput_tokens_per_s"]
-            if stream else None)
-        cmp_["sustained_requests"] = len(stream)
+            if args.sustained_requests else None)
+        cmp_["sustained_requests"] = args.sustained_requests
+        cmp_["fresh_prompts"] = fresh
+        cmp_["distinct_prompts"] = len(distinct)
         cmp_["tpot_ratio_plain_over_spec"] = (cmp_["plain"]["tpot_1_request_median_ms"]
                                               / cmp_["spec"]["tpot_1_request_median_ms"])
         cmp_["concurrency"] = args.concurrency
@@ -434,7 +475,9 @@ def print_report(r: dict) -> None:
     m = L["server_rss_mib"]
     print(f"  server RSS: before {m['before']:.0f} MiB, peak {m['peak']:.0f} MiB, after {m['after']:.0f} MiB "
           f"({m['after_over_before']:.2f}x before)")
-    print("speculative vs plain (alternating runs, same prompts):")
+    print("speculative vs plain (alternating runs, same prompts; "
+          + ("each prompt new to both servers):" if C["fresh_prompts"] else
+             f"the {C['distinct_prompts']} prompts repeat, also from the load above):"))
     sustained = C["sustained_requests"] > 0
     for name in ("plain", "spec"):
         s = C[name]
