@@ -213,7 +213,7 @@ class LlamaRunner(ModelRunner):
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
             qkv = w.qkv(h)  # [*lead, (H + 2*KVH) * hd], in the weights' dtype
             qk = qkv[..., : (H + KVH) * hd].view(*lead, H + KVH, hd).to(cd)
-            v = qkv[..., (H + KVH) * hd :].view(*lead, KVH, hd).to(cd)
+            v = qkv[..., (H + KVH) * hd :].view(*lead, KVH, hd)  # cast as it is written into the cache
             if w.q_norm is not None:
                 qk = torch.cat([F.rms_norm(qk[..., :H, :], (hd,), w.q_norm, self.eps),
                                 F.rms_norm(qk[..., H:, :], (hd,), w.k_norm, self.eps)], dim=-2)
@@ -261,7 +261,7 @@ class _Dense:
             cache.v[li, r0, :, s : s + T] = v[0].transpose(0, 1)
         else:
             cache.k[li][self.rows, :, self.pos] = k  # [B, T, KVH, hd] into rows at their positions
-            cache.v[li][self.rows, :, self.pos] = v
+            cache.v[li][self.rows, :, self.pos] = v.to(cache.v.dtype)
         keys, values = cache.k[li, r0:r1, :, :end], cache.v[li, r0:r1, :, :end]  # [B, KVH, end, hd]
         if window not in self.masks:
             self.masks[window] = _attention_mask(self.pos, end, window, additive=self.small)
@@ -323,7 +323,7 @@ class _Packed:
     def attend(self, cache: KVCache, li: int, q, k, v, window: int | None) -> torch.Tensor:
         """q [N, H, hd]; k, v [N, KVH, hd] -> [N, H, hd]."""
         cache.k[li][self.rows, :, self.pos] = k  # [N, KVH, hd] into their rows and positions
-        cache.v[li][self.rows, :, self.pos] = v
+        cache.v[li][self.rows, :, self.pos] = v.to(cache.v.dtype)
         out = torch.empty_like(q)
         if self.short is not None:
             gather, real, dst, pos, end, cache_rows = self.short
