@@ -323,7 +323,8 @@ def main() -> None:
     ap.add_argument("--sustained-requests", type=int, default=32,
                     help="requests per sustained run: --concurrency in flight until all are sent (0: skip)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs per server in the comparison")
-    ap.add_argument("--single-requests", type=int, default=4, help="requests per server for TPOT at 1 request")
+    ap.add_argument("--single-requests", type=int, default=12,
+                    help="requests per server for TPOT at 1 request (12: each built-in prompt once)")
     ap.add_argument("--prompts", help="JSONL prompts file ({prompt} or Spec-Bench question.jsonl)")
     ap.add_argument("--max-prompt-tokens", type=int, help="leave out longer prompts")
     ap.add_argument("--token-prompts", action="store_true", help="random token-id prompts (tiny test models)")

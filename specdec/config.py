@@ -85,6 +85,11 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     # layer_skip (self-speculation with the target's first layers)
     num_draft_layers: int | None = None  # None: a quarter of the target's layers
+    # draft_model / layer_skip with suffix decoding in front (Arctic Inference's hybrid): a sequence
+    # takes the suffix tries' draft when it expects at least suffix_decoding_min_score accepted
+    # tokens, else the model's; a round in which no sequence needs the model skips it
+    enable_suffix_decoding: bool = False
+    suffix_decoding_min_score: float = 2.0
 
     def __post_init__(self) -> None:
         _check(self.method in SPECULATIVE_METHODS,
@@ -111,6 +116,13 @@ class SpeculativeConfig:
                f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor!r}")
         _check(_is_number(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1,
                f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob!r}")
+        _check(isinstance(self.enable_suffix_decoding, bool),
+               f"enable_suffix_decoding must be true or false, got {self.enable_suffix_decoding!r}")
+        _check(not self.enable_suffix_decoding or self.method in ("draft_model", "layer_skip"),
+               f"enable_suffix_decoding puts suffix decoding in front of a model drafter (draft_model or "
+               f"layer_skip); for suffix decoding alone use method 'suffix' (got method {self.method!r})")
+        _check(_is_number(self.suffix_decoding_min_score) and self.suffix_decoding_min_score >= 0,
+               f"suffix_decoding_min_score must be a number >= 0, got {self.suffix_decoding_min_score!r}")
         _check(self.num_draft_layers is None or (_is_int(self.num_draft_layers) and self.num_draft_layers >= 1),
                f"num_draft_layers must be an integer >= 1, got {self.num_draft_layers!r}")
 

@@ -139,12 +139,15 @@ def exact_joint(hf, prompt, params, n_tokens=2):
     dict(temperature=0.8, top_k=4),
     dict(temperature=1.0, top_p=0.7),
 ], ids=["t1", "topk", "topp"])
-@pytest.mark.parametrize("drafter", ["sampling", "greedy"])
+@pytest.mark.parametrize("drafter", ["sampling", "greedy", "suffix-then-sampling"])
 def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, drafter):
+    """suffix-then-sampling: suffix decoding in front of the draft model, taking any suffix draft
+    (min score 0), so one round mixes one-hot suffix drafts with sampled model drafts."""
     target, draft, hf = small_vocab
     prompt = [5, 9, 3]
     N = 3000
-    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 2})
+    hybrid = {"enable_suffix_decoding": True, "suffix_decoding_min_score": 0.0} if drafter.startswith("suffix") else {}
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 2, **hybrid})
     if drafter == "greedy":
         llm.engine.drafter = GreedyDrafter(llm.engine.drafter)
     sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
@@ -156,6 +159,8 @@ def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, dra
     third = exact_joint(hf, prompt, sps[0], 3).reshape(V * V, V).sum(0)  # marginal of t3
     assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
     assert llm.get_metrics()["num_accepted_tokens"] > 0  # the drafts did get used
+    if hybrid:
+        assert llm.engine.drafter.suffix_rows > 0 and llm.engine.drafter.model_rows > 0  # both kinds were used
 
 
 # -- stop conditions ------------------------------------------------------------------------------
@@ -298,7 +303,7 @@ def test_caches_grown_during_decoding_survive_batch_changes(tmp_path):
     assert outs[1].outputs[0].token_ids == a
 
 
-@pytest.mark.parametrize("method", ["draft_model", "layer_skip", "ngram", "suffix"])
+@pytest.mark.parametrize("method", ["draft_model", "layer_skip", "ngram", "suffix", "suffix+draft_model"])
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
 def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, method, adaptive):
     """Staggered arrivals and departures (a server's traffic): sequences leave at different rounds,
@@ -308,7 +313,9 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, m
     lengths = [5, 17, 9, 12, 20, 7]
     cfg = {"method": method, "num_speculative_tokens": 3, "adaptive": adaptive}
     cfg.update({"draft_model": {"model": models["near"]}, "layer_skip": {"num_draft_layers": 1},
-                "ngram": {"prompt_lookup_min": 1}}.get(method, {}))
+                "ngram": {"prompt_lookup_min": 1},
+                "suffix+draft_model": {"method": "draft_model", "model": models["near"], "enable_suffix_decoding": True,
+                                       "suffix_decoding_min_score": 0.0}}.get(method, {}))
     spec = LLM(models["target"], speculative_config=cfg)
     engine = spec.engine
     calls = []
@@ -328,6 +335,27 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, m
     # only the first prompt, admitted to an empty batch, had a prefill pass of its own; every later
     # one rode in a running batch's verify pass
     assert passes[0] == 2 and set(passes[1:]) == {1}
+
+
+def test_suffix_decoding_in_front_skips_the_draft_model_on_repeated_text(models):
+    """A request asked again: its earlier answer is in the suffix cache, so once the match is two
+    tokens long every round's suffix draft is confident and the draft model no longer runs; the
+    output still equals plain decoding."""
+    prompts = random_prompts(2, [5, 8], seed=13)
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3,
+                                                    "adaptive": False, "enable_suffix_decoding": True})
+    drafter = llm.engine.drafter
+    model_calls = []
+    propose = drafter.model.propose
+    drafter.model.propose = lambda *a: (model_calls.append(1), propose(*a))[1]
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert first == plain_greedy(models["target"], prompts, 30)
+    first_calls, suffix_rows = len(model_calls), drafter.suffix_rows
+    again = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert again == first
+    # the first drafting round matches one token (a one-token draft, below the score of 2): the model
+    assert first_calls > 5 and len(model_calls) - first_calls == 1 and drafter.suffix_rows - suffix_rows > 10
 
 
 def test_a_queue_longer_than_max_num_seqs_equals_plain_decoding(models):

@@ -37,6 +37,8 @@ def test_padded_draft_embeddings_with_the_same_tokenizer_are_accepted(target, tm
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"model": "x", "num_speculative_token": 2}, "unknown speculative_config keys"),
     ({"model": "/no/such/draft", "num_speculative_tokens": 2}, "does not exist"),
+    ({"method": "ngram", "enable_suffix_decoding": True}, "in front of a model drafter"),
+    ({"model": "x", "enable_suffix_decoding": True, "suffix_decoding_min_score": -1}, "min_score must be a number >= 0"),
 ])
 def test_bad_speculative_config(target, cfg, message):
     with pytest.raises(ValueError, match=message):

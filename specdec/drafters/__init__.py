@@ -10,6 +10,24 @@ __all__ = ["DraftProposal", "Drafter", "build_drafter"]
 
 
 def build_drafter(spec: SpeculativeConfig, target: ModelRunner, dtype: str, device: str) -> Drafter:
+    drafter = _build(spec, target, dtype, device)
+    if spec.enable_suffix_decoding:
+        from specdec.drafters.hybrid import HybridDrafter
+
+        return HybridDrafter(_suffix(spec), drafter, spec.suffix_decoding_min_score)
+    return drafter
+
+
+def _suffix(spec: SpeculativeConfig) -> Drafter:
+    from specdec.drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(max_tree_depth=spec.suffix_decoding_max_tree_depth,
+                         max_cached_requests=spec.suffix_decoding_max_cached_requests,
+                         max_spec_factor=spec.suffix_decoding_max_spec_factor,
+                         min_token_prob=spec.suffix_decoding_min_token_prob)
+
+
+def _build(spec: SpeculativeConfig, target: ModelRunner, dtype: str, device: str) -> Drafter:
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
         from specdec.models.llama import LlamaRunner
@@ -30,12 +48,7 @@ def build_drafter(spec: SpeculativeConfig, target: ModelRunner, dtype: str, devi
 
         return NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
     if spec.method == "suffix":
-        from specdec.drafters.suffix import SuffixDrafter
-
-        return SuffixDrafter(max_tree_depth=spec.suffix_decoding_max_tree_depth,
-                             max_cached_requests=spec.suffix_decoding_max_cached_requests,
-                             max_spec_factor=spec.suffix_decoding_max_spec_factor,
-                             min_token_prob=spec.suffix_decoding_min_token_prob)
+        return _suffix(spec)
     if spec.method == "layer_skip":
         from specdec.drafters.layer_skip import LayerSkipDrafter
 

@@ -54,13 +54,21 @@ class SuffixDrafter(Drafter):
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         rows = []
         for s, want in zip(seqs, num_draft):
-            req = self._sync(s)
-            rows.append(self._draft(req, want) if want > 0 else [])
+            if want > 0:
+                rows.append(self.draft(s, want)[0])
+            else:
+                self.sync(s)
+                rows.append([])
         return DraftProposal.from_rows(rows, sb.device)
+
+    def draft(self, seq: Sequence, want: int) -> tuple[list[int], float]:
+        """Up to ``want`` tokens continuing ``seq`` and their expected accepted count (the summed
+        path probabilities)."""
+        return self._draft(self.sync(seq), want)
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         for s in seqs:
-            self._sync(s)
+            self.sync(s)
 
     def release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
@@ -76,14 +84,15 @@ class SuffixDrafter(Drafter):
 
     # -- drafting ---------------------------------------------------------------------------------
 
-    def _sync(self, seq: Sequence) -> RequestTrie:
+    def sync(self, seq: Sequence) -> RequestTrie:
+        """The sequence's trie, grown to its committed history."""
         req = self.requests.get(seq.seq_id)
         if req is None or not req.is_prefix_of(seq.token_ids):
             req = self.requests[seq.seq_id] = RequestTrie(self.depth, seq)
         req.extend(seq.token_ids[len(req.tokens):])
         return req
 
-    def _draft(self, req: RequestTrie, want: int) -> list[int]:
+    def _draft(self, req: RequestTrie, want: int) -> tuple[list[int], float]:
         history = req.tokens
         best, best_score = [], 0.0
         for node, m in req.open:  # the request's own repeated suffixes, longest first
@@ -100,7 +109,7 @@ class SuffixDrafter(Drafter):
                     draft, score = self.cache.follow(at, limit, self.min_token_prob)
                     if score > best_score:
                         best, best_score = draft, score
-        return best
+        return best, best_score
 
     def _limit(self, want: int, m: int) -> int:
         """The most drafts a match of m tokens may propose (floor, as vLLM; the epsilon absorbs rounding)."""

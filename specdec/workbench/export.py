@@ -85,6 +85,9 @@ def _common_notes(spec: SpeculativeConfig) -> list[str]:
     if spec.adaptive:
         notes.append("specdec's adaptive k (per sequence, from measured acceptance and costs) has no equivalent "
                      f"here; this uses a fixed k = {spec.num_speculative_tokens} (profile with --k-max to pick it)")
+    if spec.enable_suffix_decoding:
+        notes.append("enable_suffix_decoding (suffix drafts in front of the model's) has no equivalent here; this "
+                     f"exports {spec.method} alone (Snowflake's Arctic Inference plugin for vLLM pairs the two)")
     return notes
 
 

@@ -1,0 +1,79 @@
+"""Suffix decoding in front of a model drafter (``"enable_suffix_decoding": true`` with ``draft_model``
+or ``layer_skip``), as Arctic Inference pairs suffix decoding with its speculator.
+
+Each round, per sequence, the suffix tries propose first: that costs no forward pass. A sequence
+whose suffix draft is expected to have at least ``min_score`` tokens accepted (the summed path
+probabilities that rank suffix drafts, SuffixDrafter) takes it; the others draft with the model.
+When no sequence needs the model it does not run at all: text that repeats (code, a template,
+an earlier answer) is drafted for the cost of a dictionary walk, and the model covers the rest.
+A draft model catches up on the tokens it missed the next time it runs, in that same forward.
+
+Suffix drafts are deterministic (q = one-hot); the model's are sampled from q. Next to a
+sampled model draft, a suffix row's q is its one-hot, so the verifier's rule stays exact per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.sampling import SamplingBatch
+from specdec.sequence import Sequence
+
+
+class HybridDrafter(Drafter):
+    def __init__(self, suffix: SuffixDrafter, model: Drafter, min_score: float):
+        if min_score < 0:
+            raise ValueError(f"min_score must be >= 0, got {min_score}")
+        self.suffix, self.model, self.min_score = suffix, model, min_score
+        self.suffix_rows = 0  # sequence-rounds drafted from the suffix tries, and by the model
+        self.model_rows = 0
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        # 1. the suffix tries' draft and its expected accepted length, per sequence that drafts
+        rows: list[list[int] | None] = []  # None: the model drafts this row
+        for s, want in zip(seqs, num_draft):
+            if want == 0:
+                self.suffix.sync(s)
+                rows.append([])
+                continue
+            draft, score = self.suffix.draft(s, want)
+            rows.append(draft if draft and score >= min(self.min_score, want) else None)
+        model_want = [want if r is None else 0 for r, want in zip(rows, num_draft)]
+        self.suffix_rows += sum(1 for r in rows if r)
+        self.model_rows += sum(1 for w in model_want if w)
+        if not any(model_want):
+            return DraftProposal.from_rows(rows, sb.device)
+
+        # 2. the model drafts the other rows (and skips the suffix rows: they ask for 0)
+        proposal = self.model.propose(seqs, model_want, sb)
+        width = max([proposal.draft_token_ids.shape[1]] + [len(r) for r in rows if r])
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=sb.device)  # [B, k]
+        ids[:, : proposal.draft_token_ids.shape[1]] = proposal.draft_token_ids
+        probs = None
+        if proposal.draft_probs is not None:  # [B, k_model, V] -> [B, k, V], one-hot q for suffix rows
+            V = proposal.draft_probs.shape[-1]
+            probs = proposal.draft_probs.new_zeros(len(seqs), width, V)
+            probs[:, : proposal.draft_probs.shape[1]] = proposal.draft_probs
+        num = list(proposal.num_draft_tokens)
+        for b, r in enumerate(rows):
+            if r:
+                ids[b, : len(r)] = torch.tensor(r, device=sb.device)
+                if probs is not None:
+                    probs[b] = 0.0
+                    probs[b, torch.arange(len(r), device=sb.device), ids[b, : len(r)]] = 1.0
+                num[b] = len(r)
+        return DraftProposal(ids, probs, num)
+
+    def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        self.suffix.observe(seqs, num_accepted)
+        self.model.observe(seqs, num_accepted)
+
+    def release(self, seqs: list[Sequence]) -> None:
+        self.suffix.release(seqs)
+        self.model.release(seqs)
+
+    def release_memory(self) -> None:
+        self.suffix.release_memory()
+        self.model.release_memory()
