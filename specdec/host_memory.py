@@ -13,7 +13,7 @@ import ctypes
 import functools
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter
-MMAP_THRESHOLD_BYTES = 128 << 10  # glibc's initial value, kept instead of growing
+MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 @functools.cache
