@@ -358,3 +358,12 @@ def test_bench_peer_hf(models, prompts_file):
                    "--peer", "vllm"), "--peer")
     fails_with(cli("bench", "--model", models["target"], "--prompts", prompts_file, "--speculative-config", spec,
                    "--peer", "hf", "--temperature", 0.8), "greedy")
+
+
+def test_a_recommendation_keeps_suffix_decoding_in_front_of_the_model():
+    from specdec.config import SpeculativeConfig
+    from specdec.workbench.profile import _config_dict
+
+    cfg = _config_dict(SpeculativeConfig(model="d", enable_suffix_decoding=True, suffix_decoding_min_score=1.5))
+    assert cfg["enable_suffix_decoding"] is True and cfg["suffix_decoding_min_score"] == 1.5 and cfg["model"] == "d"
+    assert "enable_suffix_decoding" not in _config_dict(SpeculativeConfig(model="d"))

@@ -409,6 +409,8 @@ def _config_dict(spec: SpeculativeConfig) -> dict:
     keep |= {"draft_model": {"model"}, "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
              "suffix": {f for f in vars(spec) if f.startswith("suffix_decoding_")},
              "layer_skip": {"num_draft_layers"}}[spec.method]
+    if spec.enable_suffix_decoding:  # suffix drafts in front of the model's
+        keep |= {f for f in vars(spec) if f.startswith("suffix_decoding_")} | {"enable_suffix_decoding"}
     return {k: v for k, v in vars(spec).items() if k in keep}
 
 
