@@ -10,7 +10,8 @@ checks that the outputs match token for token (near-ties aside).
         [--num-prompts 8] [--max-tokens 128] [--json]
 
 A method is a name with options after colons: ``draft_model``, ``draft_model:k=2:fixed``,
-``ngram``, ``suffix``, ``layer_skip:2`` (num_draft_layers), ``...:k=N`` and ``...:fixed`` (adaptive off).
+``ngram``, ``suffix``, ``layer_skip:2`` (num_draft_layers), ``...:k=N`` and ``...:fixed`` (adaptive off);
+``draft_model:suffix`` and ``layer_skip:1:suffix`` put suffix decoding in front of the model.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def method_config(spec: str, draft: str, k_default: int) -> dict:
             cfg["adaptive"] = False
         elif o.startswith("k="):
             cfg["num_speculative_tokens"] = int(o[2:])
+        elif o == "suffix" and name in ("draft_model", "layer_skip"):
+            cfg["enable_suffix_decoding"] = True  # suffix drafts in front of the model's
         elif name == "layer_skip" and o.isdigit():
             cfg["num_draft_layers"] = int(o)
         else:
