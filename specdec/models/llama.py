@@ -203,7 +203,7 @@ class LlamaRunner(ModelRunner):
             if ragged:
                 pos = pos.clamp_(max=end - 1)
             cos, sin = self.cos[pos].unsqueeze(2), self.sin_signed[pos].unsqueeze(2)  # [B, T, 1, hd]
-        dense = _Dense(pos, start[0], end, row_offset, self.device) if packed is None else None
+        attention = packed if packed is not None else _Dense(pos, start[0], end, row_offset, self.device)
         H, KVH, hd = self.num_heads, self.num_kv_heads, self.head_dim
         cd = self.compute_dtype
 
@@ -220,8 +220,7 @@ class LlamaRunner(ModelRunner):
             # RoPE on q and k at once: x cos + rotate_half(x) sin, with rotate_half's sign folded into sin
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)  # [*lead, H + KVH, hd]
             q, k = qk[..., :H, :], qk[..., H:, :]
-            attend = dense.attend if packed is None else packed.attend
-            attn = attend(self.cache, li, q, k, v, w.sliding_window)  # [*lead, H, hd]; k and v now in the cache
+            attn = attention.attend(self.cache, li, q, k, v, w.sliding_window)  # [*lead, H, hd]; k, v now cached
             x = x + w.o(attn.reshape(*lead, H * hd))  # promotes a bf16 product to x's float32
             h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
             gate, up = w.gate_up(h).chunk(2, dim=-1)  # [*lead, I] each, in the weights' dtype
