@@ -216,7 +216,8 @@ class Engine:
             tokens = torch.zeros(len(new), T, dtype=torch.long)  # [B_new, T], right-padded
             for b, s in enumerate(new):
                 tokens[b, : s.num_prompt_tokens - 1] = torch.tensor(s.prompt_token_ids[:-1])
-            self.target.forward(tokens.to(self.device), [0] * len(new), row_offset=len(self.running) - len(new))
+            self.target.forward(tokens.to(self.device), [0] * len(new), row_offset=len(self.running) - len(new),
+                                lengths=[s.num_prompt_tokens - 1 for s in new])  # packed: no padding to the longest
         for s in new:
             s.num_computed = s.num_prompt_tokens - 1
         self.stats.prefill_time_s += time.perf_counter() - t0

@@ -337,6 +337,20 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, m
     assert passes[0] == 2 and set(passes[1:]) == {1}
 
 
+def test_prompts_admitted_together_are_prefilled_packed_and_match_transformers(models):
+    """Prompts of 1 to 23 tokens admitted at once share one packed prefill pass (a 1-token prompt has
+    nothing to prefill); plain decoding of each equals transformers' greedy loop on it alone."""
+    prompts = random_prompts(4, [1, 23, 5, 9], seed=14)
+    out = plain_greedy(models["target"], prompts, 6)
+    hf = models["hf"]
+    for p, got in zip(prompts, out):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(6):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert got == ids[len(p):]
+
+
 def test_suffix_decoding_in_front_skips_the_draft_model_on_repeated_text(models):
     """A request asked again: its earlier answer is in the suffix cache, so once the match is two
     tokens long every round's suffix draft is confident and the draft model no longer runs; the
