@@ -263,35 +263,38 @@ def spec_counters(before: dict, after: dict) -> dict:
             "mean_acceptance_length": 1 + d["num_accepted_tokens"] / d["num_drafts"] if d["num_drafts"] else 1.0}
 
 
-def make_prompts(args) -> list:
+def target_tokenizer(args):
+    """The target's tokenizer and context length (the shipped pair's names resolve to its folders)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdec.models.loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).max_position_embeddings
+
+
+def make_prompts(args, tok) -> list:
     """The distinct prompts, in order: a file's, random token ids, or the built-in set."""
     if args.prompts:
         from specdec.prompts import load_prompts
 
         return [r["prompt"] for r in load_prompts(args.prompts)]
     if args.token_prompts:
-        from transformers import AutoTokenizer
-
-        vocab = len(AutoTokenizer.from_pretrained(args.model))
         rng = random.Random(0)
-        return [[rng.randrange(3, vocab) for _ in range(rng.randint(4, 24))]
+        return [[rng.randrange(3, len(tok)) for _ in range(rng.randint(4, 24))]
                 for _ in range(args.num_requests + args.num_disconnect + comparison_size(args))]
     return DEFAULT_PROMPTS
 
 
-def fitting(prompts: list, args) -> list:
+def fitting(prompts: list, args, tok, context: int) -> list:
     """The prompts whose tokens and max_tokens fit the target's context, and at most --max-prompt-tokens
     long (Spec-Bench's summarization and RAG prompts run to 2,000 tokens: their prefill, not decoding,
     would set the throughput of 64-token answers)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from specdec.models.loader import resolve_model_path  # the shipped pair's names, a folder or a hub id
-
-    path = resolve_model_path(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
-    context = AutoConfig.from_pretrained(path).max_position_embeddings
     limit = min(context - args.max_tokens, args.max_prompt_tokens or context)
     kept = [p for p in prompts if (len(p) if isinstance(p, list) else len(tok.encode(p))) <= limit]
+    if not kept:
+        raise SystemExit(f"no prompt is at most {limit} tokens long (the context of {context} less --max-tokens "
+                         f"{args.max_tokens}, or --max-prompt-tokens); raise the limit or pass shorter prompts")
     if len(kept) < len(prompts):
         print(f"({len(prompts) - len(kept)} of {len(prompts)} prompts left out: longer than {limit} tokens)",
               file=sys.stderr)
@@ -343,7 +346,8 @@ def main() -> None:
         raise SystemExit("pass --draft D or --speculative-config JSON")
     common = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
               "--max-num-seqs", str(args.max_num_seqs)]
-    distinct = fitting(make_prompts(args), args)
+    tok, context = target_tokenizer(args)
+    distinct = fitting(make_prompts(args, tok), args, tok, context)
     n_load = args.num_requests + args.num_disconnect
     load_prompts_ = cycle(distinct, 0, args.num_requests)
     leavers = cycle(distinct, args.num_requests, args.num_disconnect)

@@ -8,6 +8,7 @@ transformers' forward within float32 rounding.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -289,7 +290,7 @@ class _Packed:
         self.rows = self.index[0] + row_offset  # [N] cache rows
         self.end = max(s + m for s, m in zip(start, lengths))
         N = len(self.pos)
-        offsets = [sum(lengths[:b]) for b in range(B)]
+        offsets = [0, *itertools.accumulate(lengths)][:B]  # row b's first token in the packed order
         # Rows attend together padded to the longest of them, so a row much longer than is typical
         # here (a newcomer's prompt among 1-5 token feeds) attends alone: 8 rows padded to one
         # 16-token prompt spent 7.4 ms a pass in attention, against ~1.5 for their real tokens.

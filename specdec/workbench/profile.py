@@ -405,12 +405,12 @@ def _parse_config(raw) -> SpeculativeConfig:
 
 def _config_dict(spec: SpeculativeConfig) -> dict:
     """Only the fields that matter for the method (so exports and reports stay readable)."""
+    suffix = {f for f in vars(spec) if f.startswith("suffix_decoding_")}
     keep = {"method", "num_speculative_tokens", "adaptive", "draft_p_min"}
     keep |= {"draft_model": {"model"}, "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
-             "suffix": {f for f in vars(spec) if f.startswith("suffix_decoding_")},
-             "layer_skip": {"num_draft_layers"}}[spec.method]
+             "suffix": suffix, "layer_skip": {"num_draft_layers"}}[spec.method]
     if spec.enable_suffix_decoding:  # suffix drafts in front of the model's
-        keep |= {f for f in vars(spec) if f.startswith("suffix_decoding_")} | {"enable_suffix_decoding"}
+        keep |= suffix | {"enable_suffix_decoding"}
     return {k: v for k, v in vars(spec).items() if k in keep}
 
 
