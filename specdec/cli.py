@@ -32,7 +32,8 @@ DEMO_PROMPTS = [
     "class Stack:\n    def __init__(self):\n        self.",
 ]
 
-ModelOpt = Annotated[str, typer.Option("--model", help="Target: a checkpoint folder or a hub id.")]
+ModelOpt = Annotated[str, typer.Option(
+    "--model", help="Target: a checkpoint folder, a hub id, a .gguf file or a folder holding one.")]
 DraftOpt = Annotated[str | None, typer.Option(
     "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
 AdaptiveOpt = Annotated[bool | None, typer.Option(
@@ -45,6 +46,10 @@ SpecOpt = Annotated[str | None, typer.Option(
                                  '"num_speculative_tokens": 4}\'.')]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")]
+BackendOpt = Annotated[str, typer.Option(
+    "--backend", help="auto (llama.cpp for GGUF files), torch or llama.cpp.")]
+TokenizerOpt = Annotated[str | None, typer.Option(
+    "--tokenizer", help="HF tokenizer folder for a GGUF model (default: the one in the GGUF).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 
 
@@ -72,6 +77,8 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string; repeat for several.")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    tokenizer: TokenizerOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a completion for one prompt, with or without a drafter, and print speed and acceptance."""
@@ -83,7 +90,8 @@ def generate(
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stop)
         spec = _speculative_config(draft, k, speculative_config, adaptive)
         _quiet_transformers()
-        llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
+        llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
+                  tokenizer=tokenizer)
         t0 = time.perf_counter()
         out = llm.generate([request], params)[0].outputs[0]
         elapsed = time.perf_counter() - t0
@@ -123,6 +131,8 @@ def bench(
         "--peer", help="hf: also run transformers' generate and its assisted generation, alternating.")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    tokenizer: TokenizerOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Plain vs speculative decoding, batch 1, same process: tokens/s, speedup, acceptance and τ."""
@@ -139,8 +149,9 @@ def bench(
         _quiet_transformers()
         if peer not in (None, "hf"):
             raise CliError(f"--peer must be 'hf', got {peer!r}")
-        spec_llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
-        ar_llm = LLM(model=model, dtype=dtype, device=device)
+        spec_llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
+                       tokenizer=tokenizer)
+        ar_llm = LLM(model=model, dtype=dtype, device=device, backend=backend, tokenizer=tokenizer)
         if peer == "hf":
             from specdec.workbench.peer_hf import run_bench_with_hf
 
@@ -157,6 +168,7 @@ def bench(
 def demo(
     max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 64,
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Complete three Python prompts with the shipped pair (greedy, k=4), then bench plain vs speculative."""
@@ -174,24 +186,41 @@ def demo(
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         _quiet_transformers()
-        spec_llm = LLM(model=DEMO_TARGET, device=device, speculative_config={
+        spec_llm = LLM(model=DEMO_TARGET, device=device, backend=backend, speculative_config={
             "method": "draft_model", "model": DEMO_DRAFT, "num_speculative_tokens": 4})
-        ar_llm = LLM(model=DEMO_TARGET, device=device)
+        ar_llm = LLM(model=DEMO_TARGET, device=device, backend=backend)
         completions = [o.outputs[0].text for o in spec_llm.generate(DEMO_PROMPTS, params)]
         result = run_bench(ar_llm, spec_llm, DEMO_PROMPTS, params).as_dict()
     summary = {"ar_tokens_per_s": result["ar"]["tokens_per_s"], "spec_tokens_per_s": result["spec"]["tokens_per_s"],
                "speedup": result["speedup"], "acceptance_rate": result["spec"]["acceptance_rate"],
-               "mean_acceptance_length": result["spec"]["mean_acceptance_length"]}
+               "mean_acceptance_length": result["spec"]["mean_acceptance_length"], "backend": spec_llm.backend}
     if as_json:
         _print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
         return
     console = Console(highlight=False)
     for p, c in zip(DEMO_PROMPTS, completions):
-        console.rule(f"{DEMO_TARGET} + {DEMO_DRAFT}, k=4, greedy", style="dim")
+        console.rule(f"{DEMO_TARGET} + {DEMO_DRAFT}, k=4, greedy, backend {spec_llm.backend}", style="dim")
         console.print(p, style="bold", end="", markup=False)
         console.print(c, markup=False)
     console.rule(style="dim")
     _print_bench(result, console)
+
+
+@app.command()
+def convert(
+    hf_dir: Annotated[str, typer.Argument(help="A Hugging Face checkpoint folder (Llama, Mistral, Qwen2, Qwen3).")],
+    out: Annotated[str, typer.Option("--out", help="The GGUF file to write.")],
+    outtype: Annotated[str, typer.Option(help="Weight type: f32, bf16, f16, q8_0 or q4_k_m.")] = "bf16",
+) -> None:
+    """Convert a checkpoint to GGUF for the llama.cpp backend (and llama.cpp's own tools)."""
+    with _errors_exit_2():
+        from specdec.models.gguf import convert as convert_checkpoint
+        from specdec.models.loader import resolve_model_path
+
+        _quiet_transformers()
+        path = convert_checkpoint(resolve_model_path(hf_dir), out, outtype,
+                                  progress=lambda line: typer.echo(line, err=True))
+    typer.echo(path)
 
 
 @app.command()
@@ -210,6 +239,8 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients send (default: --model).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
+    backend: BackendOpt = "auto",
+    tokenizer: TokenizerOpt = None,
     threads: Annotated[int | None, typer.Option(
         help="Torch threads (default: $OMP_NUM_THREADS, else one fewer than the CPU cores, leaving one to "
              "the HTTP event loop: on 2 cores one thread served 8 concurrent requests 10% faster than two).")] = None,
@@ -231,7 +262,8 @@ def serve(
         _quiet_transformers()
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                               served_model_name=served_model_name, api_key=api_key)
+                               served_model_name=served_model_name, api_key=api_key, backend=backend,
+                               tokenizer=tokenizer)
     run_server(server_app, host=host, port=port)
 
 

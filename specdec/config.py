@@ -149,6 +149,8 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     trust_remote_code: bool = False
+    backend: str = "auto"  # "torch", "llama.cpp", or auto: llama.cpp for GGUF files and convertible checkpoints on CPU
+    tokenizer: str | None = None  # an HF tokenizer folder for a GGUF model (default: the GGUF's own)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -156,6 +158,8 @@ class ModelConfig:
                "model must be a local folder or a Hugging Face hub id, e.g. model='path/to/checkpoint'")
         _check(self.dtype in ("float32", "bfloat16", "float16", "auto"),
                f"dtype must be one of float32, bfloat16, float16, auto; got {self.dtype!r}")
+        _check(self.backend in ("auto", "torch", "llama.cpp"),
+               f"backend must be 'auto', 'torch' or 'llama.cpp', got {self.backend!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
                f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
 

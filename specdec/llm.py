@@ -28,22 +28,22 @@ class LLM:
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256, trust_remote_code: bool = False):
+                 max_model_len: int | None = None, max_num_seqs: int = 256, trust_remote_code: bool = False,
+                 backend: str = "auto", tokenizer: str | None = None):
         from specdec.drafters import build_drafter
-        from specdec.models.llama import LlamaRunner
-        from specdec.models.loader import load_model
+        from specdec.models.loader import choose_backend, load_runner
 
         self.model_config = ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                                        trust_remote_code=trust_remote_code)
+                                        trust_remote_code=trust_remote_code, backend=backend, tokenizer=tokenizer)
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         _check_device(device)
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        loaded = load_model(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
-        self.tokenizer = loaded.tokenizer
-        self.target = LlamaRunner(loaded, max_model_len=max_model_len)
-        eos = _eos_token_ids(loaded)
-        del loaded
+        method = self.speculative_config.method if self.speculative_config else None
+        self.backend = choose_backend(model, backend, device, method)  # "torch" or "llama.cpp"
+        self.target, eos = load_runner(model, self.backend, dtype, device, max_model_len, trust_remote_code,
+                                       tokenizer=tokenizer)
+        self.tokenizer = self.target.tokenizer
         spec = self.speculative_config
         drafter, k = None, 0
         if spec is not None and spec.num_speculative_tokens > 0:
@@ -196,14 +196,3 @@ def _check_device(device: str) -> None:
     if not (device == "cpu" or device.startswith("cuda")):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
 
-
-def _eos_token_ids(loaded) -> set[int]:
-    ids: set[int] = set()
-    gen = getattr(loaded.hf_model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), getattr(loaded.config, "eos_token_id", None),
-                getattr(loaded.tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(i for i in src if isinstance(i, int))
-    return ids

@@ -30,18 +30,19 @@ def _suffix(spec: SpeculativeConfig) -> Drafter:
 def _build(spec: SpeculativeConfig, target: ModelRunner, dtype: str, device: str) -> Drafter:
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
-        from specdec.models.llama import LlamaRunner
-        from specdec.models.loader import check_same_vocabulary, load_model
+        from specdec.models.gguf import find_gguf
+        from specdec.models.loader import SHIPPED, check_same_vocabulary, load_runner
 
-        loaded = load_model(spec.model, dtype=dtype, device=device)
-        check_same_vocabulary(getattr(target, "tokenizer", None), loaded.tokenizer, "target", spec.model)
-        rows = loaded.hf_model.get_input_embeddings().weight.shape[0]
-        if rows < target.vocab_size:
-            raise ValueError(f"draft {spec.model!r} has {rows} embedding rows but the target's vocabulary has "
-                             f"{target.vocab_size} tokens; use a draft from the target's model family")
-        runner = LlamaRunner(loaded, max_model_len=min(target.max_model_len,
-                                                       loaded.config.max_position_embeddings),
-                             vocab_size=target.vocab_size)
+        # the draft runs where the target does; a GGUF draft runs on llama.cpp whatever the target's backend
+        is_gguf = spec.model not in SHIPPED and find_gguf(spec.model) is not None
+        backend = "llama.cpp" if is_gguf or getattr(target, "backend", "torch") == "llama.cpp" else "torch"
+        runner, _ = load_runner(spec.model, backend, "auto" if is_gguf else dtype, device,
+                                vocab_size=target.vocab_size)
+        check_same_vocabulary(getattr(target, "tokenizer", None), runner.tokenizer, "target", spec.model)
+        if runner.vocab_size < target.vocab_size:
+            raise ValueError(f"draft {spec.model!r} has {runner.vocab_size} vocabulary rows but the target's "
+                             f"vocabulary has {target.vocab_size} tokens; use a draft from the target's model family")
+        runner.max_model_len = min(runner.max_model_len, target.max_model_len)
         return DraftModelDrafter(runner, spec.draft_p_min)
     if spec.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
@@ -51,6 +52,10 @@ def _build(spec: SpeculativeConfig, target: ModelRunner, dtype: str, device: str
         return _suffix(spec)
     if spec.method == "layer_skip":
         from specdec.drafters.layer_skip import LayerSkipDrafter
+        from specdec.models.loader import _LAYER_SKIP
+
+        if getattr(target, "backend", "torch") == "llama.cpp":
+            raise ValueError(_LAYER_SKIP)
 
         return LayerSkipDrafter(target, spec.num_draft_layers, spec.draft_p_min)
     raise ValueError(f"unknown speculative method {spec.method!r}")

@@ -119,3 +119,148 @@ def check_same_vocabulary(target_tok, draft_tok, target_name: str, draft_name: s
         raise ValueError(f"draft {draft_name!r} and target {target_name!r} have different vocabularies "
                          f"({len(dv)} vs {len(tv)} tokens; {only_t} target and {only_d} draft entries differ); "
                          "speculative decoding needs a draft with the target's tokenizer (same model family)")
+
+
+# -- backends: torch (HF safetensors) and llama.cpp (GGUF) --------------------------------------------
+
+BACKENDS = ("auto", "torch", "llama.cpp")
+# auto converts an HF checkpoint for llama.cpp on CPU only where that was measured faster (README, Speed)
+AUTO_CONVERTS_HF_ON_CPU = False
+OUTTYPE_OF_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def choose_backend(name: str, backend: str = "auto", device: str = "cpu", method: str | None = None) -> str:
+    """The backend that runs model ``name``: what was asked for, or for ``auto`` llama.cpp for a GGUF
+    file and, on CPU, for a checkpoint it can convert; torch for CUDA and layer_skip."""
+    from specdec.models.gguf import find_gguf
+    from specdec.models.llamacpp import llama_cpp_available
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    gguf_file = find_gguf(name) if name not in SHIPPED else None
+    if backend == "torch":
+        if gguf_file:
+            raise ValueError(f"{name!r} is a GGUF file, which the torch backend cannot load; use backend='llama.cpp' "
+                             "(or 'auto'), or pass the Hugging Face checkpoint it came from")
+        return "torch"
+    if backend == "llama.cpp":
+        if not str(device).startswith("cpu"):
+            raise ValueError(f"specdec's llama.cpp backend runs on the CPU; got device={device!r} (use backend='torch')")
+        if method == "layer_skip":
+            raise ValueError(_LAYER_SKIP)
+        return "llama.cpp"
+    if gguf_file:
+        return "llama.cpp"
+    if (AUTO_CONVERTS_HF_ON_CPU and str(device).startswith("cpu") and method != "layer_skip"
+            and llama_cpp_available() and _convertible(name)):
+        return "llama.cpp"
+    return "torch"
+
+
+_LAYER_SKIP = ("layer_skip runs the target's first layers, which the llama.cpp backend cannot do (it runs whole "
+               "models only); use backend='torch' with an HF checkpoint, or method draft_model, ngram or suffix")
+
+
+def _convertible(name: str) -> bool:
+    import json
+
+    from specdec.models.gguf import ARCHITECTURES
+
+    try:
+        path = resolve_model_path(name)
+        archs = json.loads(Path(path, "config.json").read_text()).get("architectures") or []
+    except (ValueError, OSError):
+        return False
+    return bool(archs) and archs[0] in ARCHITECTURES and bool(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def load_runner(name: str, backend: str = "torch", dtype: str = "auto", device: str = "cpu",
+                max_model_len: int | None = None, trust_remote_code: bool = False, vocab_size: int | None = None,
+                tokenizer: str | None = None):
+    """A runner for model ``name`` on ``backend`` ("torch" or "llama.cpp", as choose_backend gave) and the
+    model's end-of-sequence ids. ``tokenizer``: an HF tokenizer folder for a GGUF model (default: its own)."""
+    if backend == "torch":
+        from specdec.models.llama import LlamaRunner
+
+        loaded = load_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        runner = LlamaRunner(loaded, max_model_len=max_model_len, vocab_size=vocab_size)
+        return runner, _eos_token_ids(loaded.hf_model, loaded.config, loaded.tokenizer)
+    from specdec.models.gguf import find_gguf, read_info
+    from specdec.models.llamacpp import LlamaCppRunner
+
+    path = None if name in SHIPPED else find_gguf(name)
+    if path is not None and dtype != "auto":
+        raise ValueError(f"dtype={dtype!r} cannot change a GGUF file's weight types ({name!r}); leave dtype at 'auto' "
+                         "or convert the checkpoint again with `specdec convert --outtype`")
+    if path is None:
+        path = converted_gguf(name, dtype)
+    info = read_info(path)
+    tok = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(info)
+    runner = LlamaCppRunner(path, tokenizer=tok, max_model_len=max_model_len, vocab_size=vocab_size, info=info)
+    return runner, _eos_token_ids(None, info, tok)
+
+
+def converted_gguf(name: str, dtype: str = "auto") -> str:
+    """The GGUF conversion of checkpoint ``name``, made once and cached under ~/.cache/specdec/gguf
+    (SPECDEC_CACHE) by the checkpoint's contents and the weight type."""
+    import json
+    import sys
+
+    from specdec.models.gguf import checkpoint_digest, convert
+
+    path = resolve_model_path(name)
+    if dtype == "auto":
+        config = json.loads(Path(path, "config.json").read_text())
+        dt = config.get("dtype") or config.get("torch_dtype")
+        outtype = OUTTYPE_OF_DTYPE.get(dt, "f32")
+    elif dtype in OUTTYPE_OF_DTYPE:
+        outtype = OUTTYPE_OF_DTYPE[dtype]
+    else:
+        raise ValueError(f"dtype must be one of {list(OUTTYPE_OF_DTYPE)} or 'auto', got {dtype!r}")
+    cache = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "gguf"
+    out = cache / f"{Path(path).name}-{checkpoint_digest(path)}-{outtype}.gguf"
+    if not out.exists():
+        print(f"specdec: converting {name} to GGUF ({outtype}) for llama.cpp, once: {out}", file=sys.stderr, flush=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            convert(path, str(tmp), outtype)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return str(out)
+
+
+def gguf_tokenizer(info):
+    """The tokenizer of a GGUF file: the HF tokenizer specdec stored in it, else transformers' reading of
+    its llama.cpp vocabulary; None when neither works (prompts then go in as token ids)."""
+    import tempfile
+    import warnings
+
+    from transformers import AutoTokenizer
+
+    if info.hf_tokenizer_json:
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "tokenizer.json").write_text(info.hf_tokenizer_json)
+            if info.hf_tokenizer_config:
+                Path(d, "tokenizer_config.json").write_text(info.hf_tokenizer_config)
+            return AutoTokenizer.from_pretrained(d)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(info.path)),
+                                                 gguf_file=os.path.basename(info.path))
+    except Exception:  # a vocabulary transformers cannot rebuild
+        return None
+
+
+def _eos_token_ids(hf_model, config, tokenizer) -> set[int]:
+    """End-of-sequence ids from the generation config, the model config (or GGUF metadata) and the tokenizer."""
+    ids: set[int] = set()
+    gen = getattr(hf_model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(config, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(i for i in src if isinstance(i, int))
+    return ids

@@ -1,0 +1,232 @@
+"""specdec on its llama.cpp backend against llama.cpp's own ``llama-server``: same GGUF files, same
+prompts, greedy, batch 1, alternating in one run.
+
+llama-server runs plain, with the draft (``-md``, ``--spec-draft-n-max`` 2..8, the best reported) and
+with its draft-free types (ngram-mod, ngram-simple, ngram-map-k); specdec runs plain, the draft
+(adaptive k), suffix, ngram and the draft with suffix in front. Prompts go to the server as token ids
+and both sides generate exactly ``--max-tokens`` tokens (EOS ignored), so the outputs compare token for
+token. End to end is the client's wall time per request (prefill included); decode-only leaves out
+the prompt's prefill (the server's ``prompt_ms``, specdec's ``prefill_time_s``).
+
+llama.cpp's tools are built once with CMake from the llama.cpp tree vendored in llama-cpp-python's
+source distribution, cached outside the repository (~/.cache/specdec/llama.cpp-build):
+
+    python benchmarks/peer_llamacpp.py                       # the shipped pair, bf16 target, f32 draft
+    python benchmarks/peer_llamacpp.py --target X.gguf --draft-free-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+BUILD = Path("~/.cache/specdec/llama.cpp-build").expanduser()
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "code_heldout.jsonl"
+FREE_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k")
+
+
+def build_tools(build: Path = BUILD) -> Path:
+    """llama-server and llama-bench from the llama.cpp tree of the installed llama-cpp-python's sdist."""
+    from importlib.metadata import version
+
+    bin_dir = build / "build" / "bin"
+    if (bin_dir / "llama-server").exists() and (bin_dir / "llama-bench").exists():
+        return bin_dir
+    ver = version("llama-cpp-python")
+    src = build / f"llama_cpp_python-{ver}"
+    if not src.exists():
+        build.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["pip", "download", "--no-binary", ":all:", "--no-deps", f"llama-cpp-python=={ver}",
+                        "-d", str(build)], check=True)
+        with tarfile.open(build / f"llama_cpp_python-{ver}.tar.gz") as tar:
+            tar.extractall(build, filter="data")
+    tree = src / "vendor" / "llama.cpp"
+    t0 = time.time()
+    subprocess.run(["cmake", "-S", str(tree), "-B", str(build / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build / "build"), "--target", "llama-server", "llama-bench",
+                    "-j", str(os.cpu_count() or 2)], check=True)
+    print(f"built llama.cpp's tools in {time.time() - t0:.0f} s")
+    return bin_dir
+
+
+class Server:
+    """One llama-server process with the given extra arguments, on a free local port."""
+
+    def __init__(self, bin_dir: Path, model: str, threads: int, extra: list[str]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [str(bin_dir / "llama-server"), "-m", model, "--port", str(self.port), "-t", str(threads),
+               "-tb", str(threads), "-c", "4096", "-np", "1", "--no-webui", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {' '.join(cmd)}\n{self.proc.stderr.read()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise RuntimeError("llama-server did not become healthy")
+
+    def complete(self, ids: list[int], n: int) -> tuple[list[int], float, dict]:
+        body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                           "cache_prompt": False, "return_tokens": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
+                                     {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req) as r:
+            out = json.loads(r.read())
+        return out["tokens"], time.perf_counter() - t0, out.get("timings", {})
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def run_specdec(llm, prompts: list[list[int]], n: int) -> dict:
+    from specdec import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(temperature=0, max_tokens=8))  # warm up
+    total = prefill = 0.0
+    outs = []
+    llm.reset_metrics()
+    for ids in prompts:
+        t0 = time.perf_counter()
+        outs.append(llm.generate([{"prompt_token_ids": ids}], sp)[0].outputs[0].token_ids)
+        total += time.perf_counter() - t0
+    m = llm.get_metrics()
+    prefill = m.get("prefill_time_s", 0.0)
+    tokens = sum(map(len, outs))
+    return {"tokens": tokens, "e2e": tokens / total, "decode": tokens / max(total - prefill, 1e-9), "outputs": outs,
+            "accept": m.get("acceptance_rate"), "tau": m.get("mean_acceptance_length")}
+
+
+def run_server(bin_dir: Path, target: str, threads: int, extra: list[str], prompts: list[list[int]], n: int) -> dict:
+    server = Server(bin_dir, target, threads, extra)
+    try:
+        server.complete(prompts[0][:8], 8)  # warm up
+        total = decode_ms = 0.0
+        outs, drafted, accepted = [], 0, 0
+        for ids in prompts:
+            toks, t, timings = server.complete(ids, n)
+            outs.append(toks)
+            total += t
+            decode_ms += timings.get("predicted_ms", 0.0)
+            drafted += timings.get("draft_n", 0)
+            accepted += timings.get("draft_n_accepted", 0)
+    finally:
+        server.close()
+    tokens = sum(map(len, outs))
+    return {"tokens": tokens, "e2e": tokens / total, "decode": tokens / max(decode_ms / 1000, 1e-9), "outputs": outs,
+            "accept": accepted / drafted if drafted else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="specdec/demo-target", help="GGUF file or HF checkpoint (converted)")
+    ap.add_argument("--target-outtype", default="bf16")
+    ap.add_argument("--draft", default="specdec/demo-draft")
+    ap.add_argument("--draft-outtype", default="f32")
+    ap.add_argument("--draft-free-only", action="store_true", help="no draft model (a random-weight target)")
+    ap.add_argument("--prompts", default=str(PROMPTS))
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--ks", default="2,3,4,5,6,8", help="llama-server --spec-draft-n-max values to try")
+    ap.add_argument("--rounds", type=int, default=1, help="alternations of every configuration")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+
+    import torch
+
+    from specdec import LLM
+    from specdec.models.gguf import convert, find_gguf
+    from specdec.models.loader import resolve_model_path
+    from specdec.prompts import load_prompts
+
+    torch.set_num_threads(args.threads)
+    bin_dir = build_tools()
+
+    def gguf_of(name: str, outtype: str) -> str:
+        found = None if name.startswith("specdec/") else find_gguf(name)
+        if found:
+            return found
+        out = BUILD.parent / "peer" / f"{Path(resolve_model_path(name)).name}-{outtype}.gguf"
+        if not out.exists():
+            convert(resolve_model_path(name), str(out), outtype, progress=print)
+        return str(out)
+
+    target = gguf_of(args.target, args.target_outtype)
+    draft = None if args.draft_free_only else gguf_of(args.draft, args.draft_outtype)
+    plain_llm = LLM(target)
+    tok = plain_llm.tokenizer
+    prompts = [tok.encode(r["prompt"]) for r in load_prompts(args.prompts, args.num_prompts)]
+
+    specdec_cfgs = {"plain": None, "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8},
+                    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4}}
+    server_cfgs = {"plain": [], **{t: ["--spec-type", t] for t in FREE_TYPES}}
+    if draft:
+        specdec_cfgs |= {"draft k=8 adaptive": {"method": "draft_model", "model": draft, "num_speculative_tokens": 8},
+                         "draft+suffix": {"method": "draft_model", "model": draft, "num_speculative_tokens": 8,
+                                          "enable_suffix_decoding": True}}
+        server_cfgs |= {f"-md k={k}": ["-md", draft, "--spec-draft-n-max", str(k), "-tbd", str(args.threads),
+                                       "-td", str(args.threads)] for k in map(int, args.ks.split(","))}
+    llms = {name: plain_llm if cfg is None else LLM(target, speculative_config=cfg) for name, cfg in specdec_cfgs.items()}
+
+    results: dict[str, list[dict]] = {}
+    ours, theirs = [("specdec", n) for n in specdec_cfgs], [("llama-server", n) for n in server_cfgs]
+    mixed = [x for i in range(max(len(ours), len(theirs))) for x in ours[i : i + 1] + theirs[i : i + 1]]
+    for r in range(args.rounds):
+        for side, name in (mixed if r % 2 == 0 else mixed[::-1]):
+            res = run_specdec(llms[name], prompts, args.max_tokens) if side == "specdec" else \
+                run_server(bin_dir, target, args.threads, server_cfgs[name], prompts, args.max_tokens)
+            results.setdefault(f"{side} {name}", []).append(res)
+            print(f"{side:12s} {name:20s} e2e {res['e2e']:7.1f} tok/s  decode {res['decode']:7.1f} tok/s  "
+                  f"accept {res['accept'] if res['accept'] is not None else '-'}", flush=True)
+
+    mean = {k: {m: sum(x[m] for x in v) / len(v) for m in ("e2e", "decode")} for k, v in results.items()}
+    base = results["specdec plain"][0]["outputs"]
+    print("\nsame greedy outputs as specdec plain:")
+    for k, v in results.items():
+        same = sum(a == b for a, b in zip(v[0]["outputs"], base))
+        print(f"  {k:34s} {same}/{len(base)}")
+    print("\nmeans over rounds (tok/s, end to end / decode-only):")
+    for k, v in sorted(mean.items(), key=lambda kv: -kv[1]["e2e"]):
+        print(f"  {k:34s} {v['e2e']:7.1f} / {v['decode']:7.1f}")
+
+    def best(prefix: str, names) -> tuple[str, float]:
+        cands = [(k, mean[k]["e2e"]) for k in mean if k.startswith(prefix) and any(n in k for n in names)]
+        return max(cands, key=lambda x: x[1]) if cands else ("-", float("nan"))
+
+    sp_plain, lc_plain = mean["specdec plain"]["e2e"], mean["llama-server plain"]["e2e"]
+    print(f"\nspecdec plain / llama-server plain: {sp_plain / lc_plain:.2f}x")
+    if draft:
+        md, md_v = best("llama-server", ["-md"])
+        print(f"specdec draft (adaptive) / llama-server best -md ({md}): "
+              f"{mean['specdec draft k=8 adaptive']['e2e'] / md_v:.2f}x")
+    any_spec, any_v = best("llama-server", ["-md", *FREE_TYPES])
+    free, free_v = best("llama-server", FREE_TYPES)
+    sd_best, sd_v = best("specdec", ["suffix", "ngram", "draft"])
+    print(f"specdec best ({sd_best}) / llama-server best speculative ({any_spec}): {sd_v / any_v:.2f}x")
+    sd_free, sd_free_v = best("specdec", ["suffix", "ngram"])
+    print(f"specdec best draft-free ({sd_free}) / llama-server best draft-free ({free}): {sd_free_v / free_v:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"mean": mean, "runs": {k: [{m: x[m] for m in x if m != "outputs"}
+                                                                         for x in v] for k, v in results.items()}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""A ``ModelRunner`` on llama.cpp's kernels, through llama-cpp-python's low-level bindings.
+
+One llama context per model with one unified KV cache; each specdec sequence owns one llama
+sequence id for as long as it lives (rows never move: ``sync_rows`` maps ids to sequence ids).
+A forward first removes each row's positions from its ``start`` on (rollback), then feeds every
+row's real tokens as one llama batch (ragged rows, no padding) and asks for logits at exactly
+the positions the caller indexes. When the cache is full the context is rebuilt twice as large
+and every sequence's KV is copied over.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.models.gguf import GGUFInfo, read_info
+
+log = logging.getLogger(__name__)
+
+BACKEND = "llama.cpp"
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids one context can hold
+BATCH_TOKENS = 512  # tokens per llama_decode call; longer feeds are split
+MIN_CELLS = 1024  # KV cells of a new context
+# the dtype whose rounding a GGUF weight type resembles, for the near-tie threshold (specdec.near_tie):
+# llama.cpp rounds a product's activations to the weights' type (bf16, f16) or to 8-bit blocks (q8_0, k-quants)
+WEIGHT_DTYPES = {"F32": torch.float32, "F16": torch.float16}
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _lib():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ValueError("the llama.cpp backend needs llama-cpp-python: run `make install` (builds it for this CPU) "
+                         "or `pip install llama-cpp-python gguf`; or pass backend='torch'") from None
+    if not getattr(_lib, "ready", False):
+        llama_cpp.llama_backend_init()
+        _lib.callback = llama_cpp.llama_log_callback(_log_from_llama)  # kept alive: C holds the pointer
+        llama_cpp.llama_log_set(_lib.callback, None)
+        _lib.ready = True
+    return llama_cpp
+
+
+def _log_from_llama(level: int, text: bytes, _user) -> None:
+    if os.environ.get("SPECDEC_LLAMA_LOG"):  # llama.cpp's own log lines, on request only
+        log.warning("llama.cpp: %s", text.decode(errors="replace").rstrip())
+
+
+class LlamaCppRunner(ModelRunner):
+    backend = BACKEND
+
+    def __init__(self, path: str, tokenizer=None, max_model_len: int | None = None, vocab_size: int | None = None,
+                 threads: int | None = None, info: GGUFInfo | None = None):
+        lib = _lib()
+        self.lib = lib
+        self.info = info or read_info(path)
+        self.path = path
+        self.tokenizer = tokenizer
+        self.device = torch.device("cpu")
+        self.dtype = WEIGHT_DTYPES.get(self.info.weight_type, torch.bfloat16)
+        params = lib.llama_model_default_params()
+        if self.info.weight_type not in ("F32", "BF16", "F16"):
+            # no repacked (AMX / interleaved) copies of quantized weights: on an AMX CPU llama.cpp's
+            # repacked q8_0 matmuls segfault in llama_decode (tiny models; any model after an
+            # in-process quantize)
+            params.use_extra_bufts = False
+        model = lib.llama_model_load_from_file(path.encode(), params)
+        if not model:
+            raise ValueError(f"llama.cpp could not load {path!r} (architecture {self.info.architecture!r}); it needs a "
+                             "GGUF of an architecture this llama.cpp build knows: reconvert with `specdec convert`, "
+                             "or set SPECDEC_LLAMA_LOG=1 to see llama.cpp's reason")
+        self.model = model
+        self.num_layers = lib.llama_model_n_layer(model)
+        n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        tok_len = len(tokenizer) if tokenizer is not None else n_vocab
+        self.vocab_size = min(vocab_size or tok_len, n_vocab)
+        self.n_vocab = n_vocab
+        limit = lib.llama_model_n_ctx_train(model)
+        if max_model_len is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {limit}")
+        self.max_model_len = max_model_len or limit
+        self.threads = threads or torch.get_num_threads()
+        # float32 weights compute in float32 throughout (KV cache included, and without flash attention,
+        # whose CPU kernel rounds to f16), so their logits match the torch runner's float32 ones within 1e-5
+        self.exact = self.info.weight_type == "F32"
+        self.kv_type = lib.GGML_TYPE_F32 if self.exact else lib.GGML_TYPE_F16
+        self.ctx = None
+        self.cells = 0
+        self.seq_of: dict[Hashable, int] = {}  # specdec id -> llama sequence id
+        self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
+        self.cached: dict[int, int] = {}  # llama sequence id -> positions held
+        self.order: list[int] = []  # llama sequence id of cache row 0, 1, ...
+        self._batch = _Batch(lib, BATCH_TOKENS)
+
+    def __del__(self):
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            lib.llama_model_free(self.model)
+            self.model = None
+
+    # -- cache ------------------------------------------------------------------------------------
+
+    def reserve(self, num_rows: int, length: int) -> None:
+        if num_rows > MAX_SEQUENCES:
+            raise ValueError(f"llama.cpp holds at most {MAX_SEQUENCES} sequences per context, asked for {num_rows}; "
+                             "lower max_num_seqs")
+        need = num_rows * length
+        if self.ctx is None or need > self.cells:
+            self._rebuild(max(need, 2 * self.cells, MIN_CELLS))
+
+    def release(self) -> None:
+        if self.ctx is not None:
+            self.lib.llama_free(self.ctx)
+        self.ctx, self.cells = None, 0
+        self.seq_of.clear()
+        self.cached.clear()
+        self.order = []
+        self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
+
+    def sync_rows(self, ids: Sequence[Hashable]) -> list[bool]:
+        if len(ids) > MAX_SEQUENCES:
+            raise ValueError(f"llama.cpp holds at most {MAX_SEQUENCES} sequences per context, got {len(ids)}; "
+                             "lower max_num_seqs")
+        if self.ctx is None:
+            self.reserve(len(ids), 1)
+        keep = set(ids)
+        mem = self.lib.llama_get_memory(self.ctx)
+        for i in [i for i in self.seq_of if i not in keep]:
+            s = self.seq_of.pop(i)
+            self.lib.llama_memory_seq_rm(mem, s, -1, -1)
+            self.cached.pop(s, None)
+            self.free.append(s)
+        new = []
+        for i in ids:
+            new.append(i not in self.seq_of)
+            if new[-1]:
+                s = self.free.pop()
+                self.seq_of[i] = s
+                self.cached[s] = 0
+        self.order = [self.seq_of[i] for i in ids]
+        return new
+
+    def kv_bytes_per_token(self) -> int:
+        per = 4 if self.kv_type == self.lib.GGML_TYPE_F32 else 2
+        return self.num_layers * 2 * self.info.kv_width * per
+
+    def _rebuild(self, cells: int) -> None:
+        """A context of ``cells`` KV cells; the sequences of the old one are copied over."""
+        lib = self.lib
+        cells = -(-cells // 256) * 256
+        params = lib.llama_context_default_params()
+        params.n_ctx = cells
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_seq_max = MAX_SEQUENCES
+        params.kv_unified = True  # one batch of ragged rows is one graph; per-sequence streams would split it
+        params.n_threads = params.n_threads_batch = self.threads
+        params.type_k = params.type_v = self.kv_type
+        if self.exact:
+            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.no_perf = True
+        ctx = lib.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise ValueError(f"llama.cpp could not make a context of {cells} KV cells for {self.path!r} "
+                             "(out of memory?); lower max_num_seqs or max_model_len")
+        old = self.ctx
+        if old is not None:
+            for s, n in self.cached.items():
+                if n == 0:
+                    continue
+                size = lib.llama_state_seq_get_size(old, s)
+                buf = (ctypes.c_uint8 * size)()
+                lib.llama_state_seq_get_data(old, buf, size, s)
+                if lib.llama_state_seq_set_data(ctx, buf, size, s) == 0:
+                    raise RuntimeError(f"llama.cpp could not move sequence {s} to a larger context")
+            lib.llama_free(old)
+        self.ctx, self.cells = ctx, cells
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if batch.num_layers is not None:
+            raise ValueError("the llama.cpp backend runs whole models only (num_layers is unsupported); "
+                             "use backend='torch' for layer_skip")
+        B, T = batch.token_ids.shape
+        rows = self.order[batch.row_offset : batch.row_offset + B]
+        if len(rows) != B:
+            raise RuntimeError(f"forward over rows {batch.row_offset}..{batch.row_offset + B - 1} but sync_rows "
+                               f"placed {len(self.order)}")
+        lengths = np.asarray(batch.lengths, dtype=np.int64)  # [B]
+        start = np.asarray(batch.start, dtype=np.int64)  # [B]
+        end = start + lengths
+        if int(end.max(initial=0)) > self.max_model_len:
+            raise ValueError(f"a row reaches position {int(end.max())}, past max_model_len={self.max_model_len}")
+        mem = self.lib.llama_get_memory(self.ctx)
+        for b, s in enumerate(rows):  # rollback: drop what each row held from its start on
+            held = self.cached[s]
+            if start[b] > held:
+                raise RuntimeError(f"row {batch.row_offset + b} starts at {start[b]} but its cache holds {held} positions")
+            if start[b] < held:
+                self.lib.llama_memory_seq_rm(mem, s, int(start[b]), -1)
+            self.cached[s] = int(start[b])
+
+        # the real tokens, row-major: (row b, column t) for t < lengths[b]
+        real = np.arange(T)[None, :] < lengths[:, None]  # [B, T]
+        tokens = batch.token_ids.cpu().numpy()[real]  # [N]
+        pos = (start[:, None] + np.arange(T)[None, :])[real]  # [N]
+        seq = np.broadcast_to(np.asarray(rows, dtype=np.int32)[:, None], (B, T))[real]  # [N]
+        index = batch.logits_index
+        out_rows = None
+        if index is not None:
+            idx = index.cpu().numpy()
+            idx2 = idx[:, None] if idx.ndim == 1 else idx  # [B, L]
+            valid = idx2 < lengths[:, None]  # asked-for positions past a row's tokens come back as zeros
+            flat = np.cumsum(lengths) - lengths  # row b's first token in the flat order
+            want = (flat[:, None] + idx2)[valid]  # [M] flat token indices whose logits come back
+            flags = np.zeros(len(tokens), dtype=np.int8)
+            flags[want] = 1
+            # llama.cpp returns outputs in batch order; slot of each asked-for (b, j)
+            slot = np.cumsum(flags) - 1
+            out_rows = (valid, slot[want])
+        else:
+            flags = np.zeros(len(tokens), dtype=np.int8)
+        for b, s in enumerate(rows):
+            self.cached[s] = int(end[b])
+        logits = self._decode(tokens, pos, seq, flags)  # [n_outputs, V]
+        if out_rows is None:
+            return None
+        valid, slots = out_rows
+        out = torch.zeros(*valid.shape, self.vocab_size)  # [B, L, V]
+        out[torch.from_numpy(valid)] = logits[torch.from_numpy(slots)]
+        return out[:, 0] if index.dim() == 1 else out
+
+    def _decode(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, flags: np.ndarray) -> torch.Tensor:
+        """Feed N tokens in llama_decode calls of up to BATCH_TOKENS; returns the logits of the flagged
+        ones, in order [n_flagged, vocab_size]."""
+        lib, n = self.lib, len(tokens)
+        need = sum(self.cached.values())
+        if need > self.cells:
+            self._rebuild(max(need, 2 * self.cells))
+        parts = []
+        for lo in range(0, n, BATCH_TOKENS):
+            hi = min(n, lo + BATCH_TOKENS)
+            batch = self._batch.fill(tokens[lo:hi], pos[lo:hi], seq[lo:hi], flags[lo:hi])
+            rc = lib.llama_decode(self.ctx, batch)
+            if rc == 1:  # no room in the KV cache (fragmented): grow and retry once
+                self._rebuild(2 * self.cells)
+                rc = lib.llama_decode(self.ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc}; set SPECDEC_LLAMA_LOG=1 for llama.cpp's reason")
+            m = int(flags[lo:hi].sum())
+            if m:
+                ptr = lib.llama_get_logits(self.ctx)
+                arr = np.ctypeslib.as_array(ptr, shape=(m, self.n_vocab))
+                parts.append(torch.from_numpy(arr[:, : self.vocab_size].copy()))  # the buffer is reused
+        if not parts:
+            return torch.zeros(0, self.vocab_size)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _Batch:
+    """A llama_batch over numpy arrays of ``cap`` tokens, filled without per-token Python calls."""
+
+    def __init__(self, lib, cap: int):
+        self.token = np.zeros(cap, dtype=np.int32)
+        self.pos = np.zeros(cap, dtype=np.int32)
+        self.n_seq_id = np.ones(cap, dtype=np.int32)
+        self.seq = np.zeros(cap, dtype=np.int32)
+        self.logits = np.zeros(cap, dtype=np.int8)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self.seq_ptrs = (i32 * cap)(*[ctypes.cast(base + 4 * i, i32) for i in range(cap)])  # token i -> &seq[i]
+        self.batch = lib.llama_batch()
+        self.batch.token = self.token.ctypes.data_as(i32)
+        self.batch.embd = None
+        self.batch.pos = self.pos.ctypes.data_as(i32)
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(i32)
+        self.batch.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(i32))
+        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, flags: np.ndarray):
+        n = len(tokens)
+        self.token[:n], self.pos[:n], self.seq[:n], self.logits[:n] = tokens, pos, seq, flags
+        self.batch.n_tokens = n
+        return self.batch

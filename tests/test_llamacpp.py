@@ -1,0 +1,275 @@
+"""The llama.cpp backend: `specdec convert`, LlamaCppRunner against transformers' logits, the engine on
+top of it (greedy equality, exact sampled distributions) and its bad-input errors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p  # noqa: E402
+from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.models.base import ForwardBatch  # noqa: E402
+from specdec.models.gguf import convert, read_info  # noqa: E402
+from specdec.models.loader import load_model, load_runner  # noqa: E402
+from specdec.sampling import SamplingBatch, probs_from_logits  # noqa: E402
+from tiny_models import make_model, perturbed_copy, random_prompts  # noqa: E402
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: small enough for exact distribution tests
+LOGIT_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Per architecture: the HF folder, its f32 GGUF and the transformers model (the reference)."""
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for arch in ARCHS:
+        hf = make_model(root / arch, arch)
+        gguf_path = convert(str(hf), str(root / f"{arch}.gguf"), "f32")
+        out[arch] = (str(hf), gguf_path, load_model(str(hf)).hf_model)
+    return out
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]  # [T, V]
+
+
+# -- conversion and the runner ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_converted_f32_logits_match_transformers(converted, arch):
+    _, path, hf = converted[arch]
+    runner, _ = load_runner(path, "llama.cpp")
+    prompts = random_prompts(3, [9], seed=1)
+    runner.sync_rows(["a", "b", "c"])
+    got = runner.forward(ForwardBatch.from_rows(prompts, [0, 0, 0], logits="all"))  # [3, 9, V]
+    ref = torch.stack([hf_logits(hf, p) for p in prompts])[..., : runner.vocab_size]
+    assert (got - ref).abs().max() < LOGIT_TOL
+
+
+def test_ragged_rows_rollback_and_continuation_match_transformers(converted):
+    """Rows of different lengths in one llama batch, a row rolled back to an earlier start, and rows
+    synced in a new order: each row's logits equal a fresh pass over its whole sequence."""
+    _, path, hf = converted["llama"]
+    runner, _ = load_runner(path, "llama.cpp")
+    seqs = random_prompts(3, [12, 7, 10], seed=2)
+    runner.sync_rows(["x", "y", "z"])
+    runner.forward(ForwardBatch.from_rows([s[:5] for s in seqs], [0, 0, 0], logits="none"))
+    # ragged continuation: 3, 1 and 4 tokens, logits of each row's last 1
+    feeds = [seqs[0][5:8], seqs[1][5:6], seqs[2][5:9]]
+    got = runner.forward(ForwardBatch.from_rows(feeds, [5, 5, 5], logits="last"))  # [3, V]
+    for b, (s, f) in enumerate(zip(seqs, feeds)):
+        assert (got[b] - hf_logits(hf, s[: 5 + len(f)])[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
+    # rows move: z first, x second (y forgotten); x rolls back from 8 to 6 with other tokens
+    assert runner.sync_rows(["z", "x"]) == [False, False]
+    other = [3, 4, 5]
+    got = runner.forward(ForwardBatch.from_rows([seqs[2][9:10], other], [9, 6], logits=1))  # [2, 1, V]
+    assert (got[0, 0] - hf_logits(hf, seqs[2][:10])[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
+    assert (got[1, 0] - hf_logits(hf, seqs[0][:6] + other)[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
+    assert runner.sync_rows(["z", "new"]) == [False, True]
+
+
+def test_the_cache_grows_and_keeps_every_sequence(converted):
+    """More positions than a context holds: it is rebuilt larger with every sequence's KV copied over."""
+    _, path, hf = converted["llama"]
+    runner, _ = load_runner(path, "llama.cpp")
+    runner.reserve(2, 8)
+    first = runner.cells
+    seqs = [random_prompts(1, [200], seed=s)[0] for s in (3, 4)]
+    runner.sync_rows(["p", "q"])
+    for lo in range(0, 200, 50):  # 400 positions in all, then more rows
+        runner.forward(ForwardBatch.from_rows([s[lo : lo + 50] for s in seqs], [lo, lo], logits="none"))
+    runner.sync_rows(["p", "q"] + [f"r{i}" for i in range(8)])
+    runner.forward(ForwardBatch.from_rows([[5] * 100] * 8, [0] * 8, logits="none", row_offset=2))
+    assert runner.cells > first
+    got = runner.forward(ForwardBatch.from_rows([[7], [8]], [200, 200], logits="last"))
+    for b, (s, t) in enumerate(zip(seqs, [7, 8])):
+        assert (got[b] - hf_logits(hf, s + [t])[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
+
+
+# largest logit error relative to the largest logit (5.5 here), measured: bf16 0.024, f16 0.005, q8_0 0.055,
+# q4_k_m 0.26 (a tiny model's rows are too short for k-quants: llama.cpp falls back to q5_0)
+@pytest.mark.parametrize("outtype,tol", [("bf16", 0.05), ("f16", 0.01), ("q8_0", 0.1), ("q4_k_m", 0.4)])
+def test_other_outtypes_load_and_stay_close(converted, tmp_path, outtype, tol):
+    hf_dir, _, hf = converted["llama"]
+    path = convert(hf_dir, str(tmp_path / f"m-{outtype}.gguf"), outtype)
+    assert read_info(path).weight_type != "F32"
+    runner, _ = load_runner(path, "llama.cpp")
+    ids = random_prompts(1, [8], seed=5)[0]
+    runner.sync_rows(["a"])
+    got = runner.forward(ForwardBatch.from_rows([ids], [0], logits="all"))[0]  # [8, V]
+    ref = hf_logits(hf, ids)[:, : runner.vocab_size]
+    assert (got - ref).abs().max() < tol * ref.abs().max()
+
+
+def test_the_tokenizer_travels_in_the_gguf(converted):
+    hf_dir, path, _ = converted["qwen2"]
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(hf_dir)
+    runner, eos = load_runner(path, "llama.cpp")
+    text = "w1 w2 w17 w99"
+    assert runner.tokenizer.encode(text) == ref.encode(text)
+    assert runner.tokenizer.get_vocab() == ref.get_vocab()
+    assert eos == {2}
+
+
+# -- the engine on llama.cpp --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, converted):
+    root = tmp_path_factory.mktemp("pair")
+    hf_dir, target, hf = converted["llama"]
+    near = convert(str(perturbed_copy(hf_dir, root / "near", 0.01)), str(root / "near.gguf"), "f32")
+    return target, near, hf
+
+
+def plain(target, prompts, n):
+    llm = LLM(target)
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix", "suffix+draft_model"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_plain_on_llamacpp(pair, method, batch):
+    target, near, hf = pair
+    # repeated text, so ngram and suffix find drafts
+    prompts = [(p * 3)[:20] for p in random_prompts(batch, [5, 7, 4, 6], seed=7)]
+    expected = plain(target, prompts, 24)
+    cfg = {"num_speculative_tokens": 4}
+    if "draft_model" in method:
+        cfg |= {"method": "draft_model", "model": near}
+        if method.startswith("suffix"):
+            cfg |= {"enable_suffix_decoding": True}
+    else:
+        cfg |= {"method": method}
+    llm = LLM(target, speculative_config=cfg)
+    assert llm.backend == "llama.cpp"
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    for p, e, g in zip(prompts, expected, got):
+        assert_greedy_equal(hf, p, e, g)  # f32 GGUF: the backend's rounding is float32's (lossless.NEAR_TIE)
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    target = make_model(root / "t", "llama", words=SMALL_WORDS, seed=3, init_std=0.5)
+    draft = perturbed_copy(target, root / "d", 0.05)
+    return (convert(str(target), str(root / "t.gguf"), "f32"), convert(str(draft), str(root / "d.gguf"), "f32"),
+            load_model(str(target)).hf_model)
+
+
+def exact_joint(hf, prompt, params, n_tokens):
+    """Exact target probabilities of the first ``n_tokens`` outputs, after the request's logit processing."""
+    sb = SamplingBatch.from_params([params])
+    V = 23
+    joint = torch.ones(1)
+    prefixes = [[]]
+    for _ in range(n_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + p for p in prefixes])).logits[:, -1, :V]
+        probs = torch.stack([probs_from_logits(l[None], sb)[0] for l in logits])  # [n_prefix, V]
+        joint = (joint[:, None] * probs).reshape(-1)
+        prefixes = [p + [t] for p in prefixes for t in range(V)]
+    return joint.double().numpy()
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_k=4),
+    dict(temperature=1.0, top_p=0.7),
+], ids=["t1", "topk", "topp"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "suffix"])
+def test_sampled_outputs_follow_the_target_distribution_on_llamacpp(small_vocab, params, method):
+    target, draft, hf = small_vocab
+    prompt = [5, 9, 3, 5, 9]  # "5 9" repeats: ngram drafts from the first token on
+    N = 2000
+    cfg = {"method": method, "num_speculative_tokens": 2}
+    if method == "draft_model":
+        cfg["model"] = draft
+    if method == "ngram":
+        cfg |= {"prompt_lookup_min": 1}
+    if method == "suffix":
+        cfg |= {"suffix_decoding_min_token_prob": 0.0}
+    llm = LLM(target, speculative_config=cfg)
+    sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
+    tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
+    V = 23
+    joint2 = exact_joint(hf, prompt, sps[0], 2)  # (t1, t2)
+    assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
+    third = exact_joint(hf, prompt, sps[0], 3).reshape(V * V, V).sum(0)  # marginal of t3
+    assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+
+
+def test_missing_and_corrupt_gguf_files_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist.*specdec convert"):
+        LLM(str(tmp_path / "nope.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(200))
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        LLM(str(bad))
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "a.gguf").write_bytes(b"x")
+    (folder / "b.gguf").write_bytes(b"x")
+    with pytest.raises(ValueError, match="holds 2 GGUF files"):
+        LLM(str(folder))
+
+
+def test_a_draft_gguf_with_another_vocabulary_is_refused(pair, tmp_path):
+    target, _, _ = pair
+    other = make_model(tmp_path / "o", "llama", words=[f"v{i}" for i in range(120)])
+    other_gguf = convert(str(other), str(tmp_path / "o.gguf"), "f32")
+    with pytest.raises(ValueError, match="different vocabularies"):
+        LLM(target, speculative_config={"method": "draft_model", "model": other_gguf})
+
+
+def test_layer_skip_on_llamacpp_names_the_backend(pair, converted):
+    target, _, _ = pair
+    with pytest.raises(ValueError, match="llama.cpp backend cannot do"):
+        LLM(target, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2})
+    hf_dir = converted["llama"][0]
+    with pytest.raises(ValueError, match="llama.cpp backend cannot do"):
+        LLM(hf_dir, backend="llama.cpp", speculative_config={"method": "layer_skip", "num_speculative_tokens": 2})
+    assert LLM(hf_dir, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2}).backend == "torch"
+    with pytest.raises(ValueError, match="GGUF file, which the torch backend cannot load"):
+        LLM(target, backend="torch")
+
+
+def test_converting_an_unsupported_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "g")
+    with pytest.raises(ValueError, match="cannot convert architecture 'GPT2LMHeadModel'"):
+        convert(str(tmp_path / "g"), str(tmp_path / "g.gguf"))
+
+
+def test_an_hf_checkpoint_on_llamacpp_is_converted_once_into_the_cache(converted, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    hf_dir, _, hf = converted["qwen3"]
+    a = LLM(hf_dir, backend="llama.cpp")
+    assert "converting" in capfd.readouterr().err
+    b = LLM(hf_dir, backend="llama.cpp")
+    assert "converting" not in capfd.readouterr().err
+    assert len(list((tmp_path / "cache" / "gguf").glob("*.gguf"))) == 1
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert a.generate("w1 w2", sp)[0].outputs[0].token_ids == b.generate("w1 w2", sp)[0].outputs[0].token_ids
