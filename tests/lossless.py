@@ -43,3 +43,19 @@ def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
     obs, exp = obs[keep], exp[keep]
     statistic = ((obs - exp) ** 2 / exp).sum()
     return float(stats.chi2.sf(statistic, df=len(obs) - 1))
+
+
+def exact_joint(hf_model, prompt: list[int], params, n_tokens: int, vocab_size: int) -> np.ndarray:
+    """Exact target probabilities [V ** n_tokens] of the first ``n_tokens`` outputs after ``prompt``,
+    with the request's logit processing (outcome (t1, t2, ..) at index t1 * V ** (n-1) + t2 * ..)."""
+    from specdec.sampling import SamplingBatch, probs_from_logits
+
+    sb = SamplingBatch.from_params([params])
+    joint, prefixes = torch.ones(1), [[]]
+    for _ in range(n_tokens):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + p for p in prefixes])).logits[:, -1, :vocab_size]
+        probs = torch.stack([probs_from_logits(row[None], sb)[0] for row in logits])  # [n_prefix, V]
+        joint = (joint[:, None] * probs).reshape(-1)
+        prefixes = [p + [t] for p in prefixes for t in range(vocab_size)]
+    return joint.double().numpy()

@@ -15,6 +15,7 @@ import specdec.models.linear as linear_mod
 import specdec.models.loader as loader_mod
 from lossless import NEAR_TIE, assert_greedy_equal
 from specdec import LLM, SamplingParams
+from specdec.models.base import ForwardBatch
 from specdec.models.linear import Linear, onednn_bf16_supported
 from specdec.models.llama import LlamaRunner
 from specdec.models.loader import _torch_dtype, load_model
@@ -136,8 +137,8 @@ def verify_noise(runner: LlamaRunner, ids: torch.Tensor, T: int) -> torch.Tensor
     for steps in ([ids[:, L - T :]], [ids[:, j : j + 1] for j in range(L - T, L)]):
         runner.release()
         runner.sync_rows(list(range(B)))
-        runner.forward(ids[:, : L - T], [0] * B)
-        outs.append(torch.cat([runner.forward(s, [L - T + i * s.shape[1]] * B, all_logits=True)
+        runner.forward(ForwardBatch.dense(ids[:, : L - T], [0] * B))
+        outs.append(torch.cat([runner.forward(ForwardBatch.dense(s, [L - T + i * s.shape[1]] * B, "all"))
                                for i, s in enumerate(steps)], dim=1))  # [B, T, V]
     return (outs[0] - outs[1]).abs().max()
 
@@ -154,7 +155,7 @@ def test_bf16_runner_logits(pair):
         ref = hf32(ids).logits[:, -1, : runner.vocab_size]
     runner.release()
     runner.sync_rows(list(range(4)))
-    out = runner.forward(ids, [0] * 4, logits_index=torch.full((4,), 23))
+    out = runner.forward(ForwardBatch.dense(ids, [0] * 4, "last"))
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=LOGIT_TOL, rtol=0)
     # a verify pass (T = k+1) against k+1 one-token steps; measured 0.0 (oneDNN rows are row-count invariant)
@@ -171,7 +172,7 @@ class RunnerLogits:
     def __call__(self, ids: torch.Tensor):
         self.runner.release()
         self.runner.sync_rows([0])
-        return SimpleNamespace(logits=self.runner.forward(ids, [0], all_logits=True))
+        return SimpleNamespace(logits=self.runner.forward(ForwardBatch.dense(ids, [0], "all")))
 
 
 @needs_onednn

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p
+from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p, exact_joint
 from specdec import LLM, SamplingParams
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import END_MASK, SLOT_SHIFT, Node, RequestTrie, SuffixDrafter, SuffixTrie
 from specdec.models.loader import load_model
-from specdec.sampling import SamplingBatch, probs_from_logits
+from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from tiny_models import make_model, random_prompts
 
@@ -316,20 +316,6 @@ def small_vocab(tmp_path_factory):
     return path, load_model(path).hf_model
 
 
-def exact_joint(hf, prompt: list[int], params: SamplingParams, n_tokens: int) -> np.ndarray:
-    """Exact target probabilities of the first ``n_tokens`` outputs, after the request's logit processing."""
-    sb = SamplingBatch.from_params([params])
-    V = len(SMALL_WORDS) + 3
-    joint, prefixes = torch.ones(1), [[]]
-    for _ in range(n_tokens):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + p for p in prefixes])).logits[:, -1, :V]
-        probs = torch.stack([probs_from_logits(row[None], sb)[0] for row in logits])  # [n_prefix, V]
-        joint = (joint[:, None] * probs).reshape(-1)
-        prefixes = [p + [t] for p in prefixes for t in range(V)]
-    return joint.double().numpy()
-
-
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_k=4)], ids=["t1", "topk"])
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_sampled_outputs_follow_the_target_distribution(small_vocab, method, params, caplog):
@@ -339,8 +325,8 @@ def test_sampled_outputs_follow_the_target_distribution(small_vocab, method, par
     llm = LLM(path, speculative_config={**METHODS[method], "num_speculative_tokens": 2})
     sps = [SamplingParams(max_tokens=3, seed=2000 + i, ignore_eos=True, **params) for i in range(N)]
     tokens = np.array([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompt}] * N, sps)])
-    joint2 = exact_joint(hf, prompt, sps[0], 2)  # (t1, t2)
+    joint2 = exact_joint(hf, prompt, sps[0], 2, V)  # (t1, t2)
     assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
-    third = exact_joint(hf, prompt, sps[0], 3).reshape(V * V, V).sum(0)  # marginal of t3
+    third = exact_joint(hf, prompt, sps[0], 3, V).reshape(V * V, V).sum(0)  # marginal of t3
     assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
     assert "drafter failed" not in caplog.text and llm.get_metrics()["num_accepted_tokens"] > 0  # drafts were used

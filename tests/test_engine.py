@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p
+from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p, exact_joint
 from specdec import LLM, SamplingParams
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
@@ -117,23 +117,6 @@ def small_vocab(tmp_path_factory):
     return str(target), str(draft), load_model(str(target)).hf_model
 
 
-def exact_joint(hf, prompt, params, n_tokens=2):
-    """Exact target probabilities of the first ``n_tokens`` outputs, after the request's logit processing."""
-    from specdec.sampling import probs_from_logits
-
-    sb = SamplingBatch.from_params([params])
-    V = 23
-    joint = torch.ones(1)
-    prefixes = [[]]
-    for _ in range(n_tokens):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + p for p in prefixes])).logits[:, -1, :V]
-        probs = torch.stack([probs_from_logits(l[None], sb)[0] for l in logits])  # [n_prefix, V]
-        joint = (joint[:, None] * probs).reshape(-1)
-        prefixes = [p + [t] for p in prefixes for t in range(V)]
-    return joint.double().numpy()
-
-
 @pytest.mark.parametrize("params", [
     dict(temperature=1.0),
     dict(temperature=0.8, top_k=4),
@@ -154,9 +137,9 @@ def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, dra
     outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
     tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
     V = 23
-    joint2 = exact_joint(hf, prompt, sps[0], 2)  # (t1, t2)
+    joint2 = exact_joint(hf, prompt, sps[0], 2, V)  # (t1, t2)
     assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
-    third = exact_joint(hf, prompt, sps[0], 3).reshape(V * V, V).sum(0)  # marginal of t3
+    third = exact_joint(hf, prompt, sps[0], 3, V).reshape(V * V, V).sum(0)  # marginal of t3
     assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
     assert llm.get_metrics()["num_accepted_tokens"] > 0  # the drafts did get used
     if hybrid:
@@ -177,12 +160,12 @@ def test_stop_conditions(models):
     assert out.token_ids == ids[: ids.index(stop_tok) + 1] and out.finish_reason == "stop"
     assert out.stop_reason == stop_tok
     # EOS: make the model's eos the same token
-    llm.engine.eos_token_ids = {stop_tok}
+    llm.engine.detokenizer.eos_token_ids = {stop_tok}
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
     assert out.token_ids == ids[: ids.index(stop_tok) + 1] and out.finish_reason == "stop"
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ids
-    llm.engine.eos_token_ids = set()
+    llm.engine.detokenizer.eos_token_ids = set()
     # a stop string cuts the text before it
     words = full.text.split()
     stop = " " + words[5]

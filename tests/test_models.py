@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from specdec.models.base import ForwardBatch
 from specdec.models.llama import FEW_QUERIES, LlamaRunner, _attention_mask, _few_query_attention
 from specdec.models.loader import load_model
 from tiny_models import make_model
@@ -39,12 +40,12 @@ def test_logits_match_transformers_in_chunks_and_ragged_batches(pair):
     runner.release()
     runner.sync_rows([0, 1, 2])
     # different rows at different positions in one call: row b has fed 5 + 4b tokens already
-    runner.forward(ids[:, :5], [0, 0, 0])
-    runner.forward(torch.stack([ids[1, 5:9], ids[2, 5:9]]), [5, 5], row_offset=1)
-    runner.forward(ids[2:3, 9:13], [9], row_offset=2)
+    runner.forward(ForwardBatch.dense(ids[:, :5], [0, 0, 0]))
+    runner.forward(ForwardBatch.dense(torch.stack([ids[1, 5:9], ids[2, 5:9]]), [5, 5], row_offset=1))
+    runner.forward(ForwardBatch.dense(ids[2:3, 9:13], [9], row_offset=2))
     starts = [5, 9, 13]
     step = torch.stack([ids[b, s : s + 6] for b, s in enumerate(starts)])
-    out = runner.forward(step, starts, all_logits=True)  # [3, 6, V]
+    out = runner.forward(ForwardBatch.dense(step, starts, "all"))  # [3, 6, V]
     for b, s in enumerate(starts):
         torch.testing.assert_close(out[b], ref[b, s : s + 6], atol=1e-4, rtol=0)
 
@@ -58,18 +59,18 @@ def test_packed_rows_with_a_long_prompt_match_transformers(pair):
         ref = hf(ids).logits[..., : runner.vocab_size]  # [4, 24, V]
     runner.release()
     runner.sync_rows([0, 1, 2, 3])
-    runner.forward(ids[:, :10], [0, 0, 0, 0])  # rows 0, 2, 3 go on from 10 tokens; row 1 starts over
+    runner.forward(ForwardBatch.dense(ids[:, :10], [0, 0, 0, 0]))  # rows 0, 2, 3 go on from 10 tokens; row 1 starts over
     lengths, starts = [2, FEW_QUERIES + 4, 1, 3], [10, 0, 10, 10]
     tokens = torch.zeros(4, max(lengths), dtype=torch.long)
     for b, (n, s) in enumerate(zip(lengths, starts)):
         tokens[b, :n] = ids[b, s : s + n]
-    out = runner.forward(tokens, starts, all_logits=True, lengths=lengths)  # [4, T, V]
+    out = runner.forward(ForwardBatch(tokens, starts, lengths, torch.arange(tokens.shape[1]).expand(4, -1)))  # [4, T, V]
     for b, (n, s) in enumerate(zip(lengths, starts)):
         torch.testing.assert_close(out[b, :n], ref[b, s : s + n], atol=1e-4, rtol=0)
     # the cache holds exactly the real tokens: each row goes on by one
     ends = [s + n for s, n in zip(starts, lengths)]
-    nxt = runner.forward(torch.stack([ids[b, e : e + 1] for b, e in enumerate(ends)]), ends,
-                         logits_index=torch.zeros(4, dtype=torch.long))
+    nxt = runner.forward(ForwardBatch.dense(torch.stack([ids[b, e : e + 1] for b, e in enumerate(ends)]), ends,
+                                            "last"))
     for b, e in enumerate(ends):
         torch.testing.assert_close(nxt[b], ref[b, e], atol=1e-4, rtol=0)
 
@@ -81,12 +82,12 @@ def test_rollback_is_a_length_change(pair):
         ref = hf(ids).logits[..., : runner.vocab_size]
     runner.release()
     runner.sync_rows(["a"])
-    runner.forward(ids[:, :10], [0])
+    runner.forward(ForwardBatch.dense(ids[:, :10], [0]))
     junk = torch.randint(3, 100, (1, 5))
-    runner.forward(junk, [10])  # speculative tokens that get rejected...
-    out = runner.forward(ids[:, 10:], [10], all_logits=True)  # ...are simply overwritten
+    runner.forward(ForwardBatch.dense(junk, [10]))  # speculative tokens that get rejected...
+    out = runner.forward(ForwardBatch.dense(ids[:, 10:], [10], "all"))  # ...are simply overwritten
     torch.testing.assert_close(out[0], ref[0, 10:], atol=1e-4, rtol=0)
-    last = runner.forward(ids[:, 15:16], [15], logits_index=torch.tensor([0]))
+    last = runner.forward(ForwardBatch.dense(ids[:, 15:16], [15], "last"))
     torch.testing.assert_close(last[0], ref[0, 15], atol=1e-4, rtol=0)
 
 
@@ -103,10 +104,10 @@ def runner_and_reference(tmp_path, shape: tuple[int, int], seed: int):
 def test_rows_follow_their_sequences_when_the_batch_changes(tmp_path):
     runner, ids, ref = runner_and_reference(tmp_path, (3, 12), seed=2)
     assert runner.sync_rows(["a", "b", "c"]) == [True, True, True]
-    runner.forward(ids[:, :8], [0, 0, 0])
+    runner.forward(ForwardBatch.dense(ids[:, :8], [0, 0, 0]))
     assert runner.sync_rows(["c", "a", "new"]) == [False, False, True]  # b left, c and a move, new joins
-    runner.forward(ids[2:3, :8], [0], row_offset=2)
-    out = runner.forward(torch.stack([ids[2, 8:], ids[0, 8:], ids[2, 8:]]), [8, 8, 8], all_logits=True)
+    runner.forward(ForwardBatch.dense(ids[2:3, :8], [0], row_offset=2))
+    out = runner.forward(ForwardBatch.dense(torch.stack([ids[2, 8:], ids[0, 8:], ids[2, 8:]]), [8, 8, 8], "all"))
     torch.testing.assert_close(out[0], ref[2, 8:], atol=1e-4, rtol=0)
     torch.testing.assert_close(out[1], ref[0, 8:], atol=1e-4, rtol=0)
     torch.testing.assert_close(out[2], ref[2, 8:], atol=1e-4, rtol=0)
@@ -115,13 +116,13 @@ def test_rows_follow_their_sequences_when_the_batch_changes(tmp_path):
 def test_a_departure_moves_only_the_rows_that_must_move(tmp_path, monkeypatch):
     runner, ids, ref = runner_and_reference(tmp_path, (4, 12), seed=3)
     runner.sync_rows(["a", "b", "c", "d"])
-    runner.forward(ids[:, :8], [0] * 4)
+    runner.forward(ForwardBatch.dense(ids[:, :8], [0] * 4))
     moves = []
     move_rows = runner.cache.move_rows
     monkeypatch.setattr(runner.cache, "move_rows", lambda m: (moves.append(list(m)), move_rows(m)))
     runner.sync_rows(["a", "d", "c"])  # b left; d takes its row, a and c stay
     assert moves == [[(1, 3)]]
-    out = runner.forward(ids[[0, 3, 2], 8:], [8, 8, 8], all_logits=True)
+    out = runner.forward(ForwardBatch.dense(ids[[0, 3, 2], 8:], [8, 8, 8], "all"))
     for row, src in enumerate([0, 3, 2]):
         torch.testing.assert_close(out[row], ref[src, 8:], atol=1e-4, rtol=0)
 
@@ -131,17 +132,17 @@ def test_ragged_rows_are_packed_and_equal_their_dense_results(tmp_path):
     logits_index picks each row's own positions."""
     runner, ids, ref = runner_and_reference(tmp_path, (3, 16), seed=4)
     runner.sync_rows(["a", "b", "c"])
-    runner.forward(ids[:2, :6], [0, 0])  # rows a and b hold 6 tokens; c is new
+    runner.forward(ForwardBatch.dense(ids[:2, :6], [0, 0]))  # rows a and b hold 6 tokens; c is new
     tokens = torch.zeros(3, 10, dtype=torch.long)  # a: 2 tokens, b: 1, c: its first 10
     tokens[0, :2], tokens[1, :1], tokens[2] = ids[0, 6:8], ids[1, 6:7], ids[2, :10]
     index = torch.tensor([[0, 1], [0, 0], [8, 9]])  # [B, L]
-    out = runner.forward(tokens, [6, 6, 0], logits_index=index, lengths=[2, 1, 10])  # [3, 2, V]
+    out = runner.forward(ForwardBatch(tokens, [6, 6, 0], [2, 1, 10], index))  # [3, 2, V]
     torch.testing.assert_close(out[0], ref[0, 6:8], atol=1e-4, rtol=0)
     torch.testing.assert_close(out[1, 0], ref[1, 6], atol=1e-4, rtol=0)
     torch.testing.assert_close(out[2], ref[2, 8:10], atol=1e-4, rtol=0)
     # the cache holds every row's real tokens: continue each by one token
-    nxt = runner.forward(torch.stack([ids[0, 8:9], ids[1, 7:8], ids[2, 10:11]]), [8, 7, 10],
-                         logits_index=torch.zeros(3, dtype=torch.long))
+    nxt = runner.forward(ForwardBatch.dense(torch.stack([ids[0, 8:9], ids[1, 7:8], ids[2, 10:11]]), [8, 7, 10],
+                                            "last"))
     for b, p in enumerate([8, 7, 10]):
         torch.testing.assert_close(nxt[b], ref[b, p], atol=1e-4, rtol=0)
 
@@ -152,9 +153,9 @@ def test_a_long_ragged_row_does_not_push_the_others_past_the_context(tmp_path):
     folder = make_model(tmp_path / "m", "llama", max_pos=256)
     runner = LlamaRunner(load_model(str(folder)))
     runner.sync_rows(["old", "new"])
-    runner.forward(torch.randint(3, 100, (1, 250)), [0])  # "old" holds 250 tokens
+    runner.forward(ForwardBatch.dense(torch.randint(3, 100, (1, 250)), [0]))  # "old" holds 250 tokens
     tokens = torch.randint(3, 100, (2, 100))  # old: 1 token at 250; new: a 100-token prompt
-    out = runner.forward(tokens, [250, 0], logits_index=torch.tensor([0, 99]), lengths=[1, 100])
+    out = runner.forward(ForwardBatch(tokens, [250, 0], [1, 100], torch.tensor([0, 99])))
     assert runner.cache.max_len == 256 and torch.isfinite(out).all()
 
 
@@ -178,7 +179,7 @@ def test_padded_embedding_rows_are_cut_to_the_tokenizer(tmp_path):
     runner = LlamaRunner(load_model(str(folder)))
     assert runner.vocab_size == 123  # the tokenizer's length, not the 160 embedding rows
     runner.sync_rows([0])
-    assert runner.forward(torch.tensor([[5, 6]]), [0], all_logits=True).shape == (1, 2, 123)
+    assert runner.forward(ForwardBatch.dense(torch.tensor([[5, 6]]), [0], "all")).shape == (1, 2, 123)
 
 
 def test_bfloat16_runs_close_to_float32(tmp_path):
@@ -188,8 +189,8 @@ def test_bfloat16_runs_close_to_float32(tmp_path):
     ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(3))
     for r in (r32, r16):
         r.sync_rows([0])
-    a = r32.forward(ids, [0], all_logits=True)
-    b = r16.forward(ids, [0], all_logits=True)
+    a = r32.forward(ForwardBatch.dense(ids, [0], "all"))
+    b = r16.forward(ForwardBatch.dense(ids, [0], "all"))
     assert b.dtype == torch.float32
     assert (a - b).abs().max() < 0.1 * a.abs().max()
 

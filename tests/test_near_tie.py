@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.models.base import ForwardBatch
 from specdec.near_tie import FLOAT32_NEAR_TIE, first_divergence, near_tie_threshold, top2
 from tiny_models import make_model
 
@@ -32,8 +33,8 @@ def test_first_divergence(llm):
 
     # Swap token 2 for the runner's runner-up there: a divergence at a real gap is not a near-tie.
     top, gap = top2(runner, prompt + expected[:2])
-    assert top == pytest.approx(float(llm.engine.target.forward(torch.tensor([prompt + expected[:2]]), [0],
-                                                                 logits_index=torch.tensor([5]))[0].max()))
+    assert top == pytest.approx(float(llm.engine.target.forward(
+        ForwardBatch.dense(torch.tensor([prompt + expected[:2]]), [0], "last"))[0].max()))
     other = list(expected)
     other[2] = (other[2] + 1) % 100
     d = first_divergence(runner, prompt, expected, other)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.models.base import pad_rows
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
@@ -28,12 +29,7 @@ class DraftProposal:
     @classmethod
     def from_rows(cls, rows: list[list[int]], device: torch.device | str) -> DraftProposal:
         """Pack per-row deterministic drafts (possibly empty) into a right-padded [B, longest row] proposal."""
-        width = max((len(r) for r in rows), default=0)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, k]; padding past a row's drafts is never read
-        for b, r in enumerate(rows):
-            if r:
-                ids[b, : len(r)] = torch.tensor(r)
-        return cls(ids.to(device), None, [len(r) for r in rows])
+        return cls(pad_rows(rows, device), None, [len(r) for r in rows])  # [B, k]
 
 
 class Drafter(ABC):
@@ -49,3 +45,13 @@ class Drafter(ABC):
 
     def release_memory(self) -> None:
         """No sequence is running: free buffers that the next proposal can rebuild (a KV cache)."""
+
+
+def grew_from(tokens: list[int], history: list[int], tail_check: int = 8) -> bool:
+    """Whether ``history`` grew from ``tokens`` (a drafter's copy of it), checked by length and the last
+    ``tail_check`` tokens: histories only grow or get replaced, so a cheap check suffices."""
+    m = len(tokens)
+    if m > len(history):
+        return False
+    w = min(m, tail_check)
+    return history[m - w:m] == tokens[m - w:]

@@ -12,7 +12,7 @@ import torch
 
 from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter
-from specdec.models.base import ModelRunner
+from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
@@ -53,8 +53,8 @@ class DraftModelDrafter(Drafter):
         # 2. Draft up to k tokens autoregressively.
         pos = [s + len(c) for s, c in zip(starts, chunks)]
 
-        def feed(x: torch.Tensor, i: int) -> torch.Tensor:
-            return self.runner.forward(x[:, None], [p + i for p in pos], logits_index=torch.zeros_like(x))
+        def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
+            return self.runner.forward(ForwardBatch.dense(x[:, None], [p + i for p in pos], logits="last"))
 
         proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min)
 
@@ -67,13 +67,8 @@ class DraftModelDrafter(Drafter):
 
     def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:
         """Feed each row's chunk at its start; returns the logits after each chunk's last token [B, V]."""
-        T = max(len(c) for c in chunks)
-        tokens = torch.zeros(len(chunks), T, dtype=torch.long)  # [B, T], right-padded
-        for b, c in enumerate(chunks):
-            tokens[b, : len(c)] = torch.tensor(c)
-        last = torch.tensor([len(c) - 1 for c in chunks], device=self.runner.device)
-        return self.runner.forward(tokens.to(self.runner.device), starts, logits_index=last, row_offset=row_offset,
-                                   lengths=[len(c) for c in chunks])
+        return self.runner.forward(ForwardBatch.from_rows(chunks, starts, logits="last", row_offset=row_offset,
+                                                          device=self.runner.device))
 
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows

@@ -14,7 +14,7 @@ import torch
 
 from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter
-from specdec.models.base import ModelRunner
+from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
@@ -34,11 +34,11 @@ class LayerSkipDrafter(Drafter):
         # holds its history but the newest token (num_computed = len - 1): feed that token first.
         start = [s.num_computed for s in seqs]
         last = torch.tensor([[s.token_ids[-1]] for s in seqs], device=self.target.device)  # [B, 1]
-        index = torch.zeros(len(seqs), dtype=torch.long, device=self.target.device)
-        logits = self.target.forward(last, start, logits_index=index, num_layers=self.num_draft_layers)
+        n = self.num_draft_layers
+        logits = self.target.forward(ForwardBatch.dense(last, start, logits="last", num_layers=n))  # [B, V]
 
-        def feed(x: torch.Tensor, i: int) -> torch.Tensor:
-            return self.target.forward(x[:, None], [p + 1 + i for p in start], logits_index=index,
-                                       num_layers=self.num_draft_layers)
+        def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
+            return self.target.forward(ForwardBatch.dense(x[:, None], [p + 1 + i for p in start], logits="last",
+                                                          num_layers=n))
 
         return draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min)

@@ -17,7 +17,7 @@ sequence, a rollback, a changed tail) is indexed from scratch.
 
 from __future__ import annotations
 
-from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.base import DraftProposal, Drafter, grew_from
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
@@ -61,12 +61,8 @@ class NgramIndex:
         self.last_end: dict[tuple[int, ...], int] = {}  # n-gram -> end position of its most recent occurrence
 
     def is_prefix_of(self, history: list[int]) -> bool:
-        """Whether ``history`` grew from the indexed tokens (checked by length and the last few tokens)."""
-        m = len(self.tokens)
-        if m > len(history):
-            return False
-        w = min(m, TAIL_CHECK)
-        return history[m - w:m] == self.tokens[m - w:]
+        """Whether ``history`` grew from the indexed tokens."""
+        return grew_from(self.tokens, history, TAIL_CHECK)
 
     def extend(self, new_tokens: list[int]) -> None:
         """Append tokens and index the n-grams that now end before the last token: O(new tokens * n sizes)."""

@@ -29,7 +29,7 @@ request walks its substrings once more and removes what only it contributed.
 
 from __future__ import annotations
 
-from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.base import DraftProposal, Drafter, grew_from
 from specdec.drafters.ngram import TAIL_CHECK
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
@@ -260,12 +260,8 @@ class RequestTrie(SuffixTrie):
         self.open: list[OpenSuffix] = []
 
     def is_prefix_of(self, history: list[int]) -> bool:
-        """Whether ``history`` grew from the inserted tokens (checked by length and the last few tokens)."""
-        m = len(self.tokens)
-        if m > len(history):
-            return False
-        w = min(m, TAIL_CHECK)
-        return history[m - w:m] == self.tokens[m - w:]
+        """Whether ``history`` grew from the inserted tokens."""
+        return grew_from(self.tokens, history, TAIL_CHECK)
 
     def extend(self, new_tokens: list[int]) -> None:
         start = len(self.tokens)

@@ -1,17 +1,72 @@
-"""The one interface every model backend offers: run tokens at positions, get logits.
+"""The one interface every model backend offers: run a batch of token rows, get logits.
 
-There is no explicit rollback call: the KV cache is written by absolute
-position, so a caller rolls back by passing a smaller ``start`` next time.
-A second backend (llama.cpp through llama-cpp-python, say) implements this
-same class without the drafters or the verifier knowing.
+There is no explicit rollback call: a row's ``start`` is its cached length, so a caller rolls back
+by passing a smaller ``start`` next time (what lies past it is overwritten or dropped).
+Backends: the torch runner (``models/llama.py``) and llama.cpp (``models/llamacpp.py``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+def pad_rows(rows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Right-pad token rows (possibly empty) with 0 into one [B, longest] long tensor."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.zeros(len(rows), width, dtype=torch.long)  # padding past a row's tokens is never read
+    for b, r in enumerate(rows):
+        if len(r):
+            out[b, : len(r)] = torch.as_tensor(r)
+    return out.to(device)
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass: row b feeds ``token_ids[b, :lengths[b]]`` at positions ``start[b]``, ``start[b] + 1``, ...
+    into cache row ``row_offset + b``; what that row held from ``start[b]`` on is discarded."""
+
+    token_ids: torch.Tensor  # [B, T] long, right-padded
+    start: list[int]  # [B] each row's first position = the cached length it keeps
+    lengths: list[int]  # [B] real tokens per row, 0..T (0: the row feeds nothing)
+    logits_index: torch.Tensor | None = None  # [B] or [B, L] indices into T whose logits come back; None: none
+    row_offset: int = 0  # the batch is cache rows row_offset .. row_offset + B - 1
+    num_layers: int | None = None  # run only the first layers, then the final norm and head (self-speculation)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[int]], start: Sequence[int], logits: str | int = "last",
+                  row_offset: int = 0, num_layers: int | None = None, device: torch.device | str = "cpu") -> ForwardBatch:
+        """A batch from token lists. ``logits``: "last" ([B, V] after each row's last token), "none", "all"
+        (every position, equal-length rows), or L (the last L positions of each row: [B, L, V])."""
+        tokens = pad_rows(rows, device)  # [B, T]
+        lengths = [len(r) for r in rows]
+        B, T = tokens.shape
+        if logits == "none":
+            index = None
+        elif logits == "last":
+            index = torch.tensor([max(n - 1, 0) for n in lengths], device=device)  # [B]
+        elif logits == "all":
+            index = torch.arange(T, device=device).expand(B, T)  # [B, T]
+        else:
+            index = torch.tensor([[n - logits + j for j in range(logits)] for n in lengths], device=device)  # [B, L]
+        return cls(tokens, list(start), lengths, index, row_offset, num_layers)
+
+    @classmethod
+    def dense(cls, token_ids: torch.Tensor, start: Sequence[int], logits: str = "none", row_offset: int = 0,
+              num_layers: int | None = None) -> ForwardBatch:
+        """A batch whose rows all hold T real tokens [B, T]; ``logits``: "none", "last" or "all"."""
+        B, T = token_ids.shape
+        index = None if logits == "none" else (
+            torch.full((B,), T - 1, device=token_ids.device) if logits == "last"
+            else torch.arange(T, device=token_ids.device).expand(B, T))
+        return cls(token_ids, list(start), [T] * B, index, row_offset, num_layers)
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_ids.shape[0]
 
 
 class ModelRunner(ABC):
@@ -19,6 +74,7 @@ class ModelRunner(ABC):
     max_model_len: int  # longest sequence (prompt + output) the model accepts
     num_layers: int
     device: torch.device
+    backend: str  # "torch" | "llama.cpp"
 
     @abstractmethod
     def reserve(self, num_rows: int, length: int) -> None:
@@ -30,27 +86,24 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def sync_rows(self, ids: Sequence[Hashable]) -> list[bool]:
-        """Put the cache rows of sequences ``ids`` at rows 0..B-1; returns which ids are new (cached length 0)."""
+        """Put the cache rows of sequences ``ids`` at rows 0..B-1 and forget every other id; returns
+        which ids are new (cached length 0)."""
 
     @abstractmethod
-    def forward(self, token_ids: torch.Tensor, start: Sequence[int], logits_index: torch.Tensor | None = None,
-                all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None,
-                lengths: Sequence[int] | None = None) -> torch.Tensor | None:
-        """Run ``token_ids`` [B, T] at positions ``start[b] + t`` in cache rows ``row_offset + b``; write their KV.
-        ``num_layers``: run only the first layers, then the final norm and head (self-speculation).
-        ``lengths``: row b holds only its first lengths[b] tokens, the rest is padding (its KV may be
-        written, its logits are meaningless); a backend may skip the padding's work.
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Run ``batch``, writing its KV. Returns float32 logits [B, V] or [B, L, V] at
+        ``batch.logits_index``, or None when it is None. A backend that cannot honour
+        ``num_layers`` raises ValueError."""
 
-        Returns float32 logits [B, T, V] when ``all_logits``, [B, V] at ``logits_index`` [B]
-        (index into T) or [B, L, V] at ``logits_index`` [B, L] when given, otherwise None (a
-        prefill that needs no logits).
-        """
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one position of one row takes (all layers, k and v)."""
+        raise NotImplementedError
 
 
 def next_token_logits(runner: ModelRunner, prompts: list[list[int]], row_tag: str = "__specdec_probe__") -> torch.Tensor:
-    """Next-token logits [B, V] after each prompt (equal lengths), computed in fresh cache rows
-    tagged ``row_tag``: the rows of the sequences the engine runs are left as they are."""
-    B, T = len(prompts), len(prompts[0])
+    """Next-token logits [B, V] after each prompt (equal lengths), computed in fresh cache rows tagged
+    ``row_tag``. It takes rows 0..B-1, so any sequence the runner held is forgotten (recomputed from
+    its start if it runs again): call it while no engine is mid-generation on this runner."""
+    B = len(prompts)
     runner.sync_rows([(row_tag, b) for b in range(B)])
-    tokens = torch.tensor(prompts, device=runner.device)  # [B, T]
-    return runner.forward(tokens, [0] * B, logits_index=torch.full((B,), T - 1, device=runner.device))
+    return runner.forward(ForwardBatch.from_rows(prompts, [0] * B, logits="last", device=runner.device))

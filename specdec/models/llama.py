@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.models.base import ModelRunner
+from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.models.kv_cache import KVCache, RowTable
 from specdec.models.linear import ONEDNN_MIN_ROWS, Linear
 from specdec.models.loader import LoadedModel
@@ -172,45 +172,24 @@ class LlamaRunner(ModelRunner):
     # -- forward ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, start: Sequence[int], logits_index: torch.Tensor | None = None,
-                all_logits: bool = False, row_offset: int = 0, num_layers: int | None = None,
-                lengths: Sequence[int] | None = None) -> torch.Tensor | None:
-        B, T = token_ids.shape  # [B, T]
-        ragged = lengths is not None and B > 1 and min(lengths) < T
-        # Ragged rows: row b holds lengths[b] real tokens, the rest of its T is padding. With enough
-        # padding they are packed: every layer runs on the N real tokens only, attention included
-        # (_Packed), so a prompt merged into a round's verify pass costs what its tokens cost and
-        # does not pad the other rows to its length.
-        packed = _Packed(start, lengths, T, row_offset, self.device) if ragged and sum(lengths) <= PACK_BELOW * B * T \
-            else None
-        if packed is not None:
-            end = packed.end
-        elif ragged:
-            # Padding sits at one scratch position past every row's real tokens, so that a long row
-            # does not push the others' padding past the context and grow the cache.
-            end = max(s + n for s, n in zip(start, lengths)) + 1
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        B, T = batch.token_ids.shape  # [B, T]
+        # Rows padded to T by more than a quarter of the batch are packed: every layer runs on the N
+        # real tokens only, attention included, so a prompt merged into a verify pass costs what its
+        # tokens cost and does not pad the other rows to its length.
+        ragged = B > 1 and min(batch.lengths) < T
+        if ragged and sum(batch.lengths) <= PACK_BELOW * B * T:
+            attention = _Packed(batch.start, batch.lengths, T, batch.row_offset, self.device)
         else:
-            end = max(start) + T  # keys 0..end-1 are read
-        self.reserve(row_offset + B, end)
-        if packed is not None:
-            pos = packed.pos  # [N]
-            cos, sin = self.cos[pos].unsqueeze(1), self.sin_signed[pos].unsqueeze(1)  # [N, 1, hd]
-        elif B == 1:  # one sequence: slices, not gathers
-            s = start[0]
-            pos = torch.arange(s, s + T, device=self.device)[None]  # [1, T]
-            cos, sin = self.cos[s : s + T, None], self.sin_signed[s : s + T, None]  # [T, 1, hd]
-        else:
-            pos = torch.tensor(start, device=self.device)[:, None] + torch.arange(T, device=self.device)  # [B, T]
-            if ragged:
-                pos = pos.clamp_(max=end - 1)
-            cos, sin = self.cos[pos].unsqueeze(2), self.sin_signed[pos].unsqueeze(2)  # [B, T, 1, hd]
-        attention = packed if packed is not None else _Dense(pos, start[0], end, row_offset, self.device)
+            attention = _Dense(batch.start, batch.lengths if ragged else None, T, batch.row_offset, self.device)
+        self.reserve(batch.row_offset + B, attention.end)
+        cos, sin = attention.rope(self.cos, self.sin_signed)  # broadcastable to q and k
         H, KVH, hd = self.num_heads, self.num_kv_heads, self.head_dim
         cd = self.compute_dtype
 
-        x = F.embedding(token_ids if packed is None else token_ids[packed.index], self.embed).to(cd)  # [B, T, D] / [N, D]
+        x = F.embedding(attention.tokens(batch.token_ids), self.embed).to(cd)  # [B, T, D] or [N, D]
         lead = x.shape[:-1]  # (B, T) or (N,)
-        for li, w in enumerate(self.layers[: num_layers or self.num_layers]):
+        for li, w in enumerate(self.layers[: batch.num_layers or self.num_layers]):
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
             qkv = w.qkv(h)  # [*lead, (H + 2*KVH) * hd], in the weights' dtype
             qk = qkv[..., : (H + KVH) * hd].view(*lead, H + KVH, hd).to(cd)
@@ -227,30 +206,56 @@ class LlamaRunner(ModelRunner):
             gate, up = w.gate_up(h).chunk(2, dim=-1)  # [*lead, I] each, in the weights' dtype
             x = x + w.down(self.act(gate) * up)
 
-        if packed is not None and (logits_index is not None or all_logits):
-            x = x.new_zeros(B, T, x.shape[-1]).index_put_(packed.index, x)  # [B, T, D]
-        if logits_index is not None:  # [B] or [B, L]
-            rows = torch.arange(B, device=self.device)
-            x = x[rows if logits_index.dim() == 1 else rows[:, None], logits_index]  # [B, D] or [B, L, D]
-        elif not all_logits:
+        if batch.logits_index is None:
             return None
+        x = attention.select(x, batch.logits_index)  # [B, D] or [B, L, D]
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        return self.lm_head(x).float()  # [B, V], [B, L, V] or [B, T, V]
+        return self.lm_head(x).float()  # [B, V] or [B, L, V]
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.compute_dtype).bits // 8
 
 
 class _Dense:
-    """Attention for a [B, T] batch (padded rows included): write k and v at their positions, read
-    each row's keys 0..end-1. Decoding and verifying a batch have a few queries per row: SDPA's CPU
-    kernel is built for long sequences and costs 2-2.5x more than two batched matmuls there (8 rows
-    of 3 queries over 80 keys: 354 vs 144 us a layer); one sequence keeps SDPA, as fast for it."""
+    """Attention for a [B, T] batch: write k and v at their positions, read each row's keys
+    0..end-1. Ragged rows' padding goes to one scratch position past every row's real tokens, so a
+    long row never pushes the others' padding past the context. Batches of a few queries per row
+    (decoding, verifying) use two batched matmuls, where SDPA's CPU kernel is built for long ones; one
+    sequence keeps SDPA."""
 
-    def __init__(self, pos: torch.Tensor, start: int, end: int, row_offset: int, device: torch.device):
-        self.pos, self.start, self.end = pos, start, end  # pos [B, T]; start: row 0's first position
-        B, T = pos.shape
+    def __init__(self, start: Sequence[int], lengths: Sequence[int] | None, T: int, row_offset: int,
+                 device: torch.device):
+        B = len(start)
+        self.start = start[0]  # row 0's first position (the B == 1 path slices from it)
+        if lengths is not None:  # ragged: clamp the padding to the scratch position
+            self.end = max(s + n for s, n in zip(start, lengths)) + 1
+        else:
+            self.end = max(start) + T  # keys 0..end-1 are read
+        if B == 1:
+            self.pos = torch.arange(self.start, self.start + T, device=device)[None]  # [1, T]
+        else:
+            self.pos = torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)  # [B, T]
+            if lengths is not None:
+                self.pos.clamp_(max=self.end - 1)
         self.r0, self.r1 = row_offset, row_offset + B
         self.rows = None if B == 1 else torch.arange(self.r0, self.r1, device=device)[:, None].expand(B, T)
         self.small = B > 1 and T <= FEW_QUERIES
         self.masks: dict[int | None, torch.Tensor | None] = {}
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE tables' rows for this batch, shaped to broadcast over [B, T, heads, hd]."""
+        if self.rows is None:  # one sequence: slices, not gathers
+            s, T = self.start, self.pos.shape[1]
+            return cos[s : s + T, None], sin[s : s + T, None]  # [T, 1, hd]
+        return cos[self.pos].unsqueeze(2), sin[self.pos].unsqueeze(2)  # [B, T, 1, hd]
+
+    def tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return token_ids  # [B, T]
+
+    def select(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] at index [B] or [B, L] -> [B, D] or [B, L, D]."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        return x[rows if index.dim() == 1 else rows[:, None], index]
 
     def attend(self, cache: KVCache, li: int, q, k, v, window: int | None) -> torch.Tensor:
         """q [B, T, H, hd]; k, v [B, T, KVH, hd] -> [B, T, H, hd]."""
@@ -273,13 +278,33 @@ class _Dense:
         return out.transpose(1, 2)
 
 
+@dataclass
+class _ShortRows:
+    """The packed rows of typical length, attending together padded to the longest of them (S rows, Ts)."""
+
+    gather: torch.Tensor  # [S, Ts] index into [q; zeros] ([N + 1] rows): padding reads the zero row
+    real: torch.Tensor  # [S, Ts] bool, the real tokens
+    dst: torch.Tensor  # [n_short] each real token's place among the N packed ones
+    pos: torch.Tensor  # [S, Ts] positions; padding sits at its row's last real position
+    end: int  # keys 0..end-1 are read
+    cache_rows: slice | torch.Tensor  # the S cache rows: a slice when contiguous
+
+
+@dataclass
+class _LongRow:
+    """A packed row much longer than the others (a merged prompt): it attends alone with SDPA."""
+
+    cache_row: int
+    offset: int  # its first token among the N packed ones
+    length: int
+    start: int  # its first position
+
+
 class _Packed:
     """Attention for ragged rows packed into their N real tokens (row-major): row b's tokens are
     positions start[b]..start[b]+lengths[b]-1 of cache row row_offset + b. k and v are written for
-    the real tokens only; rows of typical length attend together (_few_query_attention, padded to
-    the longest of them), each longer row (a merged prompt) alone with SDPA. Padding the
-    whole batch to a 200-token prompt made such a pass cost 218 ms where the prompt alone and the
-    other 7 rows alone cost 70 + 14 ms (demo target, 1 thread)."""
+    the real tokens only; rows of typical length attend together (_ShortRows), each much longer
+    row alone (_LongRow), so nothing is padded to a merged prompt's length."""
 
     def __init__(self, start: Sequence[int], lengths: Sequence[int], T: int, row_offset: int, device: torch.device):
         B = len(lengths)
@@ -289,31 +314,41 @@ class _Packed:
         self.pos = torch.tensor(start, device=device)[self.index[0]] + self.index[1]  # [N]
         self.rows = self.index[0] + row_offset  # [N] cache rows
         self.end = max(s + m for s, m in zip(start, lengths))
+        self.shape = (B, T)
         N = len(self.pos)
         offsets = [0, *itertools.accumulate(lengths)][:B]  # row b's first token in the packed order
-        # Rows attend together padded to the longest of them, so a row much longer than is typical
-        # here (a newcomer's prompt among 1-5 token feeds) attends alone: 8 rows padded to one
-        # 16-token prompt spent 7.4 ms a pass in attention, against ~1.5 for their real tokens.
+        # A row longer than twice the median (a newcomer's prompt among 1-5 token feeds) attends alone.
         together = min(FEW_QUERIES, 2 * sorted(lengths)[B // 2])
         short = [b for b in range(B) if 0 < lengths[b] <= together]  # a row may have nothing to feed
-        # short rows, padded to the longest of them: a gather index into [q; zeros] ([N + 1] rows)
         self.short = None
         if short:
             Ts = max(lengths[b] for b in short)
             t = torch.arange(Ts, device=device)
-            lens = n[short][:, None]  # [S, 1]
+            real = t[None] < n[short][:, None]  # [S, Ts]
             offs = torch.tensor([offsets[b] for b in short], device=device)[:, None]
-            real = t[None] < lens  # [S, Ts]
             gather = torch.where(real, offs + t, N)  # [S, Ts]
-            # padding queries sit at their row's last real position: their outputs are dropped
             pos = torch.minimum(torch.tensor([start[b] for b in short], device=device)[:, None] + t,
                                 torch.tensor([start[b] + lengths[b] - 1 for b in short], device=device)[:, None])
-            rows = torch.tensor([row_offset + b for b in short], device=device)
             contiguous = short == list(range(short[0], short[0] + len(short)))
-            self.short = (gather, real, gather[real], pos, max(start[b] + lengths[b] for b in short),
-                          slice(row_offset + short[0], row_offset + short[-1] + 1) if contiguous else rows)
-        self.long = [(row_offset + b, offsets[b], lengths[b], start[b]) for b in range(B) if lengths[b] > together]
+            cache_rows = slice(row_offset + short[0], row_offset + short[-1] + 1) if contiguous \
+                else torch.tensor([row_offset + b for b in short], device=device)
+            self.short = _ShortRows(gather, real, gather[real], pos, max(start[b] + lengths[b] for b in short),
+                                    cache_rows)
+        self.long = [_LongRow(row_offset + b, offsets[b], lengths[b], start[b]) for b in range(B)
+                     if lengths[b] > together]
         self.masks: dict[tuple, torch.Tensor | None] = {}
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cos[self.pos].unsqueeze(1), sin[self.pos].unsqueeze(1)  # [N, 1, hd]
+
+    def tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return token_ids[self.index]  # [N]
+
+    def select(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """x [N, D] (packed) at index [B] or [B, L] into each row's T -> [B, D] or [B, L, D]."""
+        full = x.new_zeros(*self.shape, x.shape[-1]).index_put_(self.index, x)  # [B, T, D]
+        rows = torch.arange(self.shape[0], device=x.device)
+        return full[rows if index.dim() == 1 else rows[:, None], index]
 
     def _mask(self, key, pos: torch.Tensor, end: int, window: int | None, additive: bool):
         if (key, window) not in self.masks:
@@ -325,19 +360,20 @@ class _Packed:
         cache.k[li][self.rows, :, self.pos] = k  # [N, KVH, hd] into their rows and positions
         cache.v[li][self.rows, :, self.pos] = v.to(cache.v.dtype)
         out = torch.empty_like(q)
-        if self.short is not None:
-            gather, real, dst, pos, end, cache_rows = self.short
-            qs = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[gather]  # [S, Ts, H, hd]
-            keys, values = cache.k[li][cache_rows, :, :end], cache.v[li][cache_rows, :, :end]  # [S, KVH, end, hd]
-            o = _few_query_attention(qs.transpose(1, 2), keys, values, self._mask("short", pos, end, window, True))
-            out[dst] = o.transpose(1, 2)[real]  # [S, Ts, H, hd] -> the real tokens
-        for row, off, n, s in self.long:
-            pos = self.pos[off : off + n][None]  # [1, n]
-            keys, values = cache.k[li, row : row + 1, :, : s + n], cache.v[li, row : row + 1, :, : s + n]
-            o = F.scaled_dot_product_attention(q[off : off + n].transpose(0, 1)[None], keys, values,
-                                               attn_mask=self._mask(row, pos, s + n, window, False),
+        if (sr := self.short) is not None:
+            qs = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[sr.gather]  # [S, Ts, H, hd]
+            keys = cache.k[li][sr.cache_rows, :, : sr.end]  # [S, KVH, end, hd]
+            values = cache.v[li][sr.cache_rows, :, : sr.end]
+            o = _few_query_attention(qs.transpose(1, 2), keys, values, self._mask("short", sr.pos, sr.end, window, True))
+            out[sr.dst] = o.transpose(1, 2)[sr.real]  # [S, Ts, H, hd] -> the real tokens
+        for r in self.long:
+            end = r.start + r.length
+            pos = self.pos[r.offset : r.offset + r.length][None]  # [1, n]
+            keys, values = cache.k[li, r.cache_row : r.cache_row + 1, :, :end], cache.v[li, r.cache_row : r.cache_row + 1, :, :end]
+            o = F.scaled_dot_product_attention(q[r.offset : r.offset + r.length].transpose(0, 1)[None], keys, values,
+                                               attn_mask=self._mask(r.cache_row, pos, end, window, False),
                                                enable_gqa=keys.shape[1] != q.shape[1])  # [1, H, n, hd]
-            out[off : off + n] = o[0].transpose(0, 1)
+            out[r.offset : r.offset + r.length] = o[0].transpose(0, 1)
         return out
 
 

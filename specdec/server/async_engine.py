@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from specdec.config import SamplingParams
 from specdec.engine import Engine
-from specdec.llm import TextStreamer
+from specdec.detokenizer import TextStreamer
 from specdec.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class AsyncEngine:
             return
         handle.seqs = seqs
         for i, s in enumerate(seqs):
-            self._tracks[s.seq_id] = _Track(handle, i, TextStreamer(self.engine, s), arrival)
+            self._tracks[s.seq_id] = _Track(handle, i, TextStreamer(self.engine.detokenizer, s), arrival)
         _resolve(handle.loop, added, result=None)
 
     def _abort(self, handle: RequestHandle) -> None:

@@ -48,7 +48,7 @@ class HFPeer:
         torch_dtype = _torch_dtype(dtype, AutoConfig.from_pretrained(path), device)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
         self.k = spec.num_speculative_tokens
-        eos = sorted(spec_llm.engine.eos_token_ids)
+        eos = sorted(spec_llm.engine.detokenizer.eos_token_ids)
         self.common = {"max_new_tokens": params.max_tokens, "do_sample": False, "num_beams": 1,
                        "eos_token_id": eos or None, "pad_token_id": eos[0] if eos else 0,
                        "temperature": None, "top_p": None, "top_k": None}

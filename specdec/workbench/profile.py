@@ -38,6 +38,7 @@ from specdec.bench import run_bench
 from specdec.config import SamplingParams, SpeculativeConfig
 from specdec.llm import LLM
 from specdec.metrics import SpecDecodingStats
+from specdec.models.base import ForwardBatch
 
 ALL = "all"  # the category that pools every prompt
 TAU_NOTE = "τ = tokens emitted per target verify pass, the recovered or bonus token included (1..k+1)"
@@ -182,13 +183,14 @@ def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats
         start = len(ids) - 1
         target.sync_rows(["__specdec_profile__"])
         if start > 0:
-            target.forward(torch.tensor([ids[:-1]], device=device), [0])
-        inputs = [torch.tensor([[ids[-1]] + (ids * (k + 1))[:k]], device=device) for k in range(k_max + 1)]  # [1, k+1]
+            target.forward(ForwardBatch.dense(torch.tensor([ids[:-1]], device=device), [0]))
+        inputs = [ForwardBatch.dense(torch.tensor([[ids[-1]] + (ids * (k + 1))[:k]], device=device), [start], "all")
+                  for k in range(k_max + 1)]  # [1, k+1]
         for rep in range(warmup + repeats):
-            for k, tokens in enumerate(inputs):  # every repeat times every k: load changes hit all alike
+            for k, batch in enumerate(inputs):  # every repeat times every k: load changes hit all alike
                 _sync(device)
                 t0 = time.perf_counter()
-                target.forward(tokens, [start], all_logits=True)  # rewrites positions start..start+k each time
+                target.forward(batch)  # rewrites positions start..start+k each time
                 _sync(device)
                 if rep >= warmup:
                     times[k].append(time.perf_counter() - t0)
