@@ -3,8 +3,9 @@
 ``convert`` writes llama.cpp's tensor names and hyperparameters for the architectures specdec
 loads (Llama, Mistral, Qwen2, Qwen3), with the ``gguf`` package; q8_0 and q4_k_m files are
 quantized from a float32 one by llama.cpp's own ``llama_model_quantize``. The file also carries
-the checkpoint's ``tokenizer.json`` and ``tokenizer_config.json`` (``tokenizer.huggingface.json``
-and ``specdec.tokenizer_config``), so the tokenizer read back is exactly the one converted;
+the checkpoint's ``tokenizer.json`` and ``tokenizer_config.json`` (``tokenizer.huggingface.json``,
+``specdec.tokenizer_config``, ``specdec.model_type``), so the tokenizer read back is the one
+transformers builds from the checkpoint;
 llama.cpp gets its own vocabulary (tokens, types, merges) beside it.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 OUTTYPES = ("f32", "bf16", "f16", "q8_0", "q4_k_m")
 TOKENIZER_CONFIG_KEY = "specdec.tokenizer_config"
+MODEL_TYPE_KEY = "specdec.model_type"  # the HF model_type: transformers picks the tokenizer class by it
 # Hugging Face architecture -> (gguf architecture name, whether q/k rows are permuted back to
 # llama.cpp's interleaved RoPE layout, as its convert_hf_to_gguf does for the llama architecture)
 ARCHITECTURES = {
@@ -44,6 +46,7 @@ class GGUFInfo:
     tokens: list[str]  # llama.cpp's vocabulary, in id order
     hf_tokenizer_json: str | None  # the converted checkpoint's tokenizer.json, when specdec wrote the file
     hf_tokenizer_config: str | None
+    hf_model_type: str | None
     bos_token_id: int | None
     eos_token_id: int | None
 
@@ -75,6 +78,7 @@ def read_info(path: str) -> GGUFInfo:
                     tokens=list(field("tokenizer.ggml.tokens", []) or []),
                     hf_tokenizer_json=field("tokenizer.huggingface.json"),
                     hf_tokenizer_config=field(TOKENIZER_CONFIG_KEY),
+                    hf_model_type=field(MODEL_TYPE_KEY),
                     bos_token_id=field("tokenizer.ggml.bos_token_id"),
                     eos_token_id=field("tokenizer.ggml.eos_token_id"))
 
@@ -284,6 +288,7 @@ def _add_vocabulary(w, hf_dir: str, config: dict) -> None:
     w.add_string(gguf.Keys.Tokenizer.HF_JSON, tok_json.read_text())
     if tok_cfg.exists():
         w.add_string(TOKENIZER_CONFIG_KEY, tok_cfg.read_text())
+    w.add_string(MODEL_TYPE_KEY, config.get("model_type", ""))
 
 
 def _quantize(src: str, dst: str, outtype: str, progress) -> None:

@@ -233,6 +233,7 @@ def converted_gguf(name: str, dtype: str = "auto") -> str:
 def gguf_tokenizer(info):
     """The tokenizer of a GGUF file: the HF tokenizer specdec stored in it, else transformers' reading of
     its llama.cpp vocabulary; None when neither works (prompts then go in as token ids)."""
+    import json
     import tempfile
     import warnings
 
@@ -243,6 +244,8 @@ def gguf_tokenizer(info):
             Path(d, "tokenizer.json").write_text(info.hf_tokenizer_json)
             if info.hf_tokenizer_config:
                 Path(d, "tokenizer_config.json").write_text(info.hf_tokenizer_config)
+            if info.hf_model_type:  # the class transformers gives the checkpoint's own tokenizer
+                Path(d, "config.json").write_text(json.dumps({"model_type": info.hf_model_type}))
             return AutoTokenizer.from_pretrained(d)
     try:
         with warnings.catch_warnings():
