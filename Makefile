@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 demo: install
-	HF_HUB_OFFLINE=1 $(BIN)/specdec demo --backend llama.cpp
+	HF_HUB_OFFLINE=1 $(BIN)/specdec demo
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests

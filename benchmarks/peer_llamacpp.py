@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--ks", default="2,3,4,5,6,8", help="llama-server --spec-draft-n-max values to try")
     ap.add_argument("--rounds", type=int, default=1, help="alternations of every configuration")
+    ap.add_argument("--torch", action="store_true", help="also run specdec's torch backend (HF checkpoints)")
+    ap.add_argument("--no-server", action="store_true", help="specdec only (llama.cpp's tools not built)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
@@ -158,7 +160,7 @@ def main() -> None:
     from specdec.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
-    bin_dir = build_tools()
+    bin_dir = None if args.no_server else build_tools()
 
     def gguf_of(name: str, outtype: str) -> str:
         found = None if name.startswith("specdec/") else find_gguf(name)
@@ -185,6 +187,14 @@ def main() -> None:
         server_cfgs |= {f"-md k={k}": ["-md", draft, "--spec-draft-n-max", str(k), "-tbd", str(args.threads),
                                        "-td", str(args.threads)] for k in map(int, args.ks.split(","))}
     llms = {name: plain_llm if cfg is None else LLM(target, speculative_config=cfg) for name, cfg in specdec_cfgs.items()}
+    if args.torch:  # the same configurations on the torch runner, from the HF checkpoints
+        for name, cfg in list(specdec_cfgs.items()):
+            if cfg and cfg.get("model"):
+                cfg = {**cfg, "model": args.draft}
+            specdec_cfgs[f"torch {name}"] = cfg
+            llms[f"torch {name}"] = LLM(args.target, backend="torch", speculative_config=cfg)
+    if args.no_server:
+        server_cfgs = {}
 
     results: dict[str, list[dict]] = {}
     ours, theirs = [("specdec", n) for n in specdec_cfgs], [("llama-server", n) for n in server_cfgs]
@@ -198,11 +208,22 @@ def main() -> None:
                   f"accept {res['accept'] if res['accept'] is not None else '-'}", flush=True)
 
     mean = {k: {m: sum(x[m] for x in v) / len(v) for m in ("e2e", "decode")} for k, v in results.items()}
-    base = results["specdec plain"][0]["outputs"]
-    print("\nsame greedy outputs as specdec plain:")
+    from specdec.near_tie import first_divergence
+
+    print("\nsame greedy outputs as plain decoding on the same backend (else: where, the top-2 gap, near-tie?):")
     for k, v in results.items():
+        plain_key = "specdec torch plain" if k.startswith("specdec torch") else \
+            "specdec plain" if k.startswith("specdec") else "llama-server plain"
+        base = results[plain_key][0]["outputs"]
         same = sum(a == b for a, b in zip(v[0]["outputs"], base))
-        print(f"  {k:34s} {same}/{len(base)}")
+        notes = []
+        if k.startswith("specdec"):
+            runner = llms[plain_key.removeprefix("specdec ")].target
+            for ids, e, g in zip(prompts, base, v[0]["outputs"]):
+                d = first_divergence(runner, ids, e, g)
+                if d:
+                    notes.append(f"@{d['position']} gap {d['gap']:.3g} < {d['threshold']:.3g}: {d['near_tie']}")
+        print(f"  {k:34s} {same}/{len(base)}  {'; '.join(notes)}")
     print("\nmeans over rounds (tok/s, end to end / decode-only):")
     for k, v in sorted(mean.items(), key=lambda kv: -kv[1]["e2e"]):
         print(f"  {k:34s} {v['e2e']:7.1f} / {v['decode']:7.1f}")
@@ -211,6 +232,12 @@ def main() -> None:
         cands = [(k, mean[k]["e2e"]) for k in mean if k.startswith(prefix) and any(n in k for n in names)]
         return max(cands, key=lambda x: x[1]) if cands else ("-", float("nan"))
 
+    if args.torch:
+        print()
+        for name in (n for n in specdec_cfgs if not n.startswith("torch ")):
+            print(f"specdec {name}: llama.cpp / torch backend {mean[f'specdec {name}']['e2e'] / mean[f'specdec torch {name}']['e2e']:.2f}x")
+    if not server_cfgs:
+        return
     sp_plain, lc_plain = mean["specdec plain"]["e2e"], mean["llama-server plain"]["e2e"]
     print(f"\nspecdec plain / llama-server plain: {sp_plain / lc_plain:.2f}x")
     if draft:

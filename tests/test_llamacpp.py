@@ -12,12 +12,11 @@ import torch
 pytest.importorskip("llama_cpp")
 pytest.importorskip("gguf")
 
-from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p  # noqa: E402
+from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p, exact_joint  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.models.base import ForwardBatch  # noqa: E402
 from specdec.models.gguf import convert, read_info  # noqa: E402
 from specdec.models.loader import load_model, load_runner  # noqa: E402
-from specdec.sampling import SamplingBatch, probs_from_logits  # noqa: E402
 from tiny_models import make_model, perturbed_copy, random_prompts  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -173,21 +172,6 @@ def small_vocab(tmp_path_factory):
             load_model(str(target)).hf_model)
 
 
-def exact_joint(hf, prompt, params, n_tokens):
-    """Exact target probabilities of the first ``n_tokens`` outputs, after the request's logit processing."""
-    sb = SamplingBatch.from_params([params])
-    V = 23
-    joint = torch.ones(1)
-    prefixes = [[]]
-    for _ in range(n_tokens):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + p for p in prefixes])).logits[:, -1, :V]
-        probs = torch.stack([probs_from_logits(l[None], sb)[0] for l in logits])  # [n_prefix, V]
-        joint = (joint[:, None] * probs).reshape(-1)
-        prefixes = [p + [t] for p in prefixes for t in range(V)]
-    return joint.double().numpy()
-
-
 @pytest.mark.parametrize("params", [
     dict(temperature=1.0),
     dict(temperature=0.8, top_k=4),
@@ -212,9 +196,9 @@ def test_sampled_outputs_follow_the_target_distribution_on_llamacpp(small_vocab,
     outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
     tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
     V = 23
-    joint2 = exact_joint(hf, prompt, sps[0], 2)  # (t1, t2)
+    joint2 = exact_joint(hf, prompt, sps[0], 2, V)  # (t1, t2)
     assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
-    third = exact_joint(hf, prompt, sps[0], 3).reshape(V * V, V).sum(0)  # marginal of t3
+    third = exact_joint(hf, prompt, sps[0], 3, V).reshape(V * V, V).sum(0)  # marginal of t3
     assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
     assert llm.get_metrics()["num_accepted_tokens"] > 0
 

@@ -11,6 +11,7 @@ and every sequence's KV is copied over.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 from collections.abc import Hashable, Sequence
@@ -33,11 +34,7 @@ WEIGHT_DTYPES = {"F32": torch.float32, "F16": torch.float16}
 
 
 def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def _lib():
