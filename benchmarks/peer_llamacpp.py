@@ -155,7 +155,7 @@ def main() -> None:
     import torch
 
     from specdec import LLM
-    from specdec.models.gguf import convert, find_gguf
+    from specdec.models.gguf import convert, find_gguf, read_info
     from specdec.models.loader import resolve_model_path
     from specdec.prompts import load_prompts
 
@@ -180,11 +180,14 @@ def main() -> None:
     specdec_cfgs = {"plain": None, "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8},
                     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4}}
     server_cfgs = {"plain": [], **{t: ["--spec-type", t] for t in FREE_TYPES}}
+    if read_info(target).weight_type not in ("F32", "BF16", "F16"):
+        # as specdec's runner loads quantized files: llama.cpp's repacked q8_0 kernels crash on AMX CPUs
+        server_cfgs = {k: ["--no-repack", *v] for k, v in server_cfgs.items()}
     if draft:
         specdec_cfgs |= {"draft k=8 adaptive": {"method": "draft_model", "model": draft, "num_speculative_tokens": 8},
                          "draft+suffix": {"method": "draft_model", "model": draft, "num_speculative_tokens": 8,
                                           "enable_suffix_decoding": True}}
-        server_cfgs |= {f"-md k={k}": ["-md", draft, "--spec-draft-n-max", str(k), "-tbd", str(args.threads),
+        server_cfgs |= {f"-md k={k}": [*server_cfgs["plain"], "-md", draft, "--spec-draft-n-max", str(k), "-tbd", str(args.threads),
                                        "-td", str(args.threads)] for k in map(int, args.ks.split(","))}
     llms = {name: plain_llm if cfg is None else LLM(target, speculative_config=cfg) for name, cfg in specdec_cfgs.items()}
     if args.torch:  # the same configurations on the torch runner, from the HF checkpoints

@@ -200,7 +200,9 @@ def test_sampled_outputs_follow_the_target_distribution_on_llamacpp(small_vocab,
     assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
     third = exact_joint(hf, prompt, sps[0], 3, V).reshape(V * V, V).sum(0)  # marginal of t3
     assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
-    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    metrics = llm.get_metrics()
+    assert metrics["num_draft_tokens"] > 0  # drafts were verified (ngram's one-token matches are rarely right)
+    assert method == "ngram" or metrics["num_accepted_tokens"] > 0
 
 
 # -- bad input -------------------------------------------------------------------------------------------
@@ -259,3 +261,26 @@ def test_an_hf_checkpoint_on_llamacpp_is_converted_once_into_the_cache(converted
     assert len(list((tmp_path / "cache" / "gguf").glob("*.gguf"))) == 1
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert a.generate("w1 w2", sp)[0].outputs[0].token_ids == b.generate("w1 w2", sp)[0].outputs[0].token_ids
+
+
+def test_cli_converts_runs_a_gguf_and_exits_2_on_bad_input(converted, tmp_path):
+    from typer.testing import CliRunner
+
+    from specdec.cli import app
+
+    cli = CliRunner()
+    hf_dir = converted["llama"][0]
+    out = tmp_path / "x.gguf"
+    ok = cli.invoke(app, ["convert", hf_dir, "--out", str(out), "--outtype", "f32"])
+    assert ok.exit_code == 0 and out.exists(), ok.output
+    gen = cli.invoke(app, ["generate", "--model", str(out), "--prompt", "w1 w2", "--temperature", "0",
+                           "--max-tokens", "4", "--ignore-eos", "--json"])
+    assert gen.exit_code == 0, gen.output
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"junk")
+    res = cli.invoke(app, ["generate", "--model", str(bad), "--prompt", "w1"])
+    assert res.exit_code == 2 and "not a readable GGUF file" in res.stderr and "Traceback" not in res.output
+    res = cli.invoke(app, ["convert", str(tmp_path), "--out", str(tmp_path / "y.gguf")])
+    assert res.exit_code == 2 and "has no config.json" in res.stderr
+    res = cli.invoke(app, ["generate", "--model", str(out), "--prompt", "w1", "--backend", "torch"])
+    assert res.exit_code == 2 and "torch backend cannot load" in res.stderr
