@@ -207,10 +207,19 @@ def test_a_failing_drafter_degrades_to_plain_decoding(models, caplog):
     expected = plain_greedy(models["target"], prompts, 12)
     llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
     llm.engine.drafter = BrokenDrafter()
+    llm.engine.strict_drafter = False  # as for users: the failure degrades, it does not raise
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert "drafter failed" in caplog.text
+    assert "drafter failed" in caplog.text and llm.engine.drafter_failures > 0
+
+
+def test_in_strict_mode_a_failing_drafter_raises(models):
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    llm.engine.drafter = BrokenDrafter()
+    assert llm.engine.strict_drafter  # the test suite sets SPECDEC_STRICT_DRAFTER=1 (conftest.py)
+    with pytest.raises(RuntimeError, match="draft server fell over"):
+        llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 
 
 def test_metrics_follow_vllm_conventions(models):
@@ -257,6 +266,7 @@ def test_a_drafter_failure_only_affects_the_sequences_it_failed_on(models):
     llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 3,
                                                     "adaptive": False})
     llm.engine.drafter = FlakyDrafter(llm.engine.drafter)
+    llm.engine.strict_drafter = False  # as for users: the failure degrades, it does not raise
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     assert [o.outputs[0].token_ids for o in outs] == expected
