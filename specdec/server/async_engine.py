@@ -408,8 +408,9 @@ class AsyncEngine:
         try:
             self.engine.step()
             return True
-        except Exception:
+        except Exception as e:
             log.warning("a step over %d of the sequences failed too", len(group), exc_info=True)
+            self._hook(self.hooks.on_error, e)
             attempt.rewind(group)
             return False
         finally:

@@ -48,9 +48,11 @@ class ServerLimits:
                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
         for name in ("timeout_keep_alive", "header_timeout", "body_timeout"):
             value = getattr(self, name)
-            _check(isinstance(value, (int, float)) and value > 0, f"{name} must be a number of seconds > 0, got {value!r}")
-        _check(self.limit_concurrency is None or (isinstance(self.limit_concurrency, int) and self.limit_concurrency >= 1),
-               f"limit_concurrency must be an integer >= 1 or None, got {self.limit_concurrency!r}")
+            _check(isinstance(value, (int, float)) and value > 0,
+                   f"{name} must be a number of seconds > 0, got {value!r}")
+        limit = self.limit_concurrency
+        _check(limit is None or (isinstance(limit, int) and limit >= 1),
+               f"limit_concurrency must be an integer >= 1 or None, got {limit!r}")
         if self.allowed_hosts is not None:
             self.allowed_hosts = tuple(h.lower() for h in self.allowed_hosts)
 

@@ -150,8 +150,8 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"content part of type {short_repr(part.get('type'))} is not supported; send text parts",
-                               "messages")
+                raise ApiError(400, f"content part of type {short_repr(part.get('type'))} is not supported; "
+                               "send text parts", "messages")
             parts.append(part["text"])
         return "".join(parts)
 
