@@ -19,13 +19,13 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.server import ServerThread, build_app
 from specdec.server.async_engine import RequestError
 from specdec.server.limits import ServerLimits
+from test_server import one_thread  # noqa: F401 (a fixture: one torch thread, the machine is shared)
 from tiny_models import make_model, perturbed_copy
 
 KEY = "sk-hard"
@@ -35,14 +35,6 @@ BYSTANDER_PROMPT = "w3 w9 w27 w81 w4"
 BYSTANDER_TOKENS = 48
 MAX_GAP_S = 1.0  # the longest any abuse may hold a well-behaved stream
 TIMEOUT_S = 0.5  # header, body and keep-alive timeouts of the test servers
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +305,8 @@ def test_nothing_internal_is_exposed(server, models, hf_target):
         assert r.status_code == 400
         r = post(server, body(max_tokens=4), headers={"Origin": "http://evil.example.com"})
         assert r.status_code == 403
-        assert post(server, body(max_tokens=4), headers={"Origin": f"http://localhost:{server.port}"}).status_code == 200
+        same_origin = {"Origin": f"http://localhost:{server.port}"}
+        assert post(server, body(max_tokens=4), headers=same_origin).status_code == 200
         r = httpx.post(server.url + "/v1/completions", headers={**AUTH, "Content-Type": "application/json"},
                        content=b'{"prompt": "w1", "max_tokens": "' + b"9" * 5000 + b'"}')
         assert r.status_code == 400 and len(r.text) < 1200
