@@ -1,7 +1,8 @@
 """The ASGI layer in front of the routes: who may call, and how much and how slowly they may send.
 
-- ``Host`` must be an allowed name (by default, on a loopback bind, only loopback names: a page
-  that rebinds its DNS name to 127.0.0.1 sends its own name), and so must a browser's ``Origin``;
+- ``Host`` must be an allowed name (by default, on a connection over loopback, only loopback
+  names: a page that rebinds its DNS name to 127.0.0.1 sends its own name), and so must a
+  browser's ``Origin``;
 - a body longer than ``max_body_bytes`` is refused with 413: at once when ``Content-Length``
   says so, else as soon as the bytes read pass the limit;
 - a body must arrive within ``body_timeout`` seconds of its headers, else 408.

@@ -33,7 +33,7 @@ class ServerLimits:
     header_timeout: float = 10.0  # a connection must send a request's headers within this
     body_timeout: float = 30.0  # ... and its body within this once the headers are in
     limit_concurrency: int | None = 1024  # connections + tasks before uvicorn answers 503
-    allowed_hosts: tuple[str, ...] | None = None  # None: any Host when bound beyond loopback
+    allowed_hosts: tuple[str, ...] | None = None  # besides loopback names; None: see hosts_for
     metrics_public: bool = False  # /metrics without the API key
     enable_docs: bool = False  # /docs, /redoc, /openapi.json
 
@@ -56,12 +56,13 @@ class ServerLimits:
         if self.allowed_hosts is not None:
             self.allowed_hosts = tuple(h.lower() for h in self.allowed_hosts)
 
-    def hosts_for(self, bind_host: str) -> frozenset[str] | None:
-        """The Host header values to accept when bound to ``bind_host``; None accepts any. A server
-        bound to loopback accepts only loopback names (a DNS-rebinding page cannot reach it)."""
+    def hosts_for(self, local_host: str) -> frozenset[str] | None:
+        """The Host (and Origin) names to accept on a connection that came in at ``local_host``; None
+        accepts any. A connection over loopback must name a loopback host (or an allowed one): a page
+        that rebinds its DNS name to 127.0.0.1 sends its own name, so it cannot reach the server."""
         if self.allowed_hosts is not None:
             return frozenset(self.allowed_hosts) | frozenset(LOOPBACK_HOSTS)
-        if bind_host in LOOPBACK_HOSTS:
+        if local_host in LOOPBACK_HOSTS:
             return frozenset(LOOPBACK_HOSTS)
         return None
 
