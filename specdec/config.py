@@ -53,12 +53,13 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(_is_finite(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
-               f"temperature must be a finite number >= 0 (0 means greedy), got {short_repr(self.temperature)}")
+               f"temperature must be a number >= 0 and finite in float32 (0 means greedy), "
+               f"got {short_repr(self.temperature)}")
         _check(_is_finite(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {short_repr(self.top_p)}; use 1.0 to disable nucleus sampling")
         _check(_is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
-               f"top_k must be an integer in 0..{MAX_TOP_K} (0 or -1 disables it; any value at least the "
-               f"vocabulary size keeps every token), got {short_repr(self.top_k)}")
+               f"top_k must be an integer >= 0 and at most {MAX_TOP_K} (0 or -1 disables it; any value at least "
+               f"the vocabulary size keeps every token), got {short_repr(self.top_k)}")
         _check(_is_finite(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {short_repr(self.min_p)}; use 0 to disable it")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,

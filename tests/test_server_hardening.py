@@ -19,12 +19,14 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
+from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.server import ServerThread, build_app
 from specdec.server.async_engine import RequestError
-from specdec.server.limits import ServerLimits
+from specdec.server.limits import KvBudget, ServerLimits
 from test_server import one_thread  # noqa: F401 (a fixture: one torch thread, the machine is shared)
 from tiny_models import make_model, perturbed_copy
 
@@ -166,6 +168,31 @@ def test_values_float32_cannot_hold_are_made_safe_or_refused(server, hf_target):
                 assert len(r.text) < 1200
             else:
                 assert len(r.json()["choices"][0]["token_ids"]) == 8
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 9e-6, "top_p": 1e-300},
+    {"temperature": 0.5, "top_p": 1e-300}, {"temperature": 0.5, "top_p": 1e-39}, {"min_p": 1e-300},
+    {"top_k": 2**31 - 1}, {"temperature": 1e30},
+])
+def test_sampling_params_are_made_safe_for_float32_without_changing_their_meaning(kwargs):
+    p = SamplingParams(**kwargs)
+    assert p.greedy == (kwargs.get("temperature", 1.0) < 1e-5)  # vLLM's epsilon
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))  # [B=3 rows, V]
+    probs = probs_from_logits(logits, SamplingBatch.from_params([p] * 3))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3))
+    if not p.greedy and kwargs.get("top_p", 1.0) < 1e-30:  # keeps the top token only, as top_p -> 0 means
+        assert ((probs > 0).sum(-1) == 1).all() and (probs.argmax(-1) == logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": float("inf")}, {"temperature": 1e39}, {"top_k": 2**63}, {"top_k": 10**30}, {"stop": ["x"] * 65},
+    {"stop": "x" * 257}, {"stop_token_ids": list(range(1025))}, {"stop_token_ids": [2**63]}, {"top_p": float("nan")},
+])
+def test_sampling_params_refuse_values_no_sampler_can_hold(kwargs):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert len(str(e.value)) < 300  # never the whole input echoed back
 
 
 def test_a_request_that_fails_the_step_fails_alone(server, hf_target):
@@ -359,6 +386,26 @@ def test_a_flood_gets_429_past_the_queue_and_never_over_commits_the_kv_budget(mo
         assert_idle(tight)
     finally:
         tight.stop()
+
+
+def test_the_kv_budget_counts_the_caches_peak_shape_and_rows_until_retired():
+    b = KvBudget(budget=4 * 256 * 10, bytes_per_token=10, max_rows=8)  # 4 rows of 256 positions
+    b.admit(1, 256)
+    b.admit(2, 256)
+    assert b.fits([256, 256]) and not b.fits([256, 256, 256])
+    assert not b.fits([512])  # 3 rows of 512: the caches grow to the longest row
+    b.finish(1)
+    assert not b.fits([256, 256, 256])  # row 1 is still in the batch until the next step retires it
+    b.step_done()
+    assert b.fits([256, 256, 256]) and b.reserved == 2 * 256 * 10
+    b.admit(3, 256)
+    b.finish(2)
+    b.finish(3)
+    b.step_done()
+    assert not b.fits([1024])  # the caches keep their peak rows (3) until released
+    b.released()
+    assert b.fits([1024]) and b.reserved == 0
+    assert not KvBudget(10**9, 10, max_rows=2).fits([256] * 3)  # max_num_seqs
 
 
 def assert_idle(server) -> None:

@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdec.config import SamplingParams, short_repr
+from specdec.host_memory import trim_heap
 from specdec.llm import LLM
 from specdec.server import protocol as P
 from specdec.server.async_engine import AsyncEngine, LoopHooks, QueueFull, RequestError
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 _PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "stop", "prompt")
 TOKENIZER_THREADS = 2  # tokenizing and chat templating run here, a few requests at a time
 RETRY_AFTER_S = 1
+LARGE_BODY_BYTES = 256 * 1024  # after such bodies the heap is trimmed (at most once a second)
 
 
 class OpenAIServer:
@@ -73,6 +75,21 @@ class OpenAIServer:
         self.max_prompt_chars = self.max_model_len * _longest_token_bytes(self.tokenizer)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdec-tokenize")
         self.created = P.now()
+        self._trim_at = 0.0
+
+    def trim_soon(self) -> None:
+        """Give the heap's free pages back a second from now, once the large request that called this
+        is done with its body: parsed bodies of many small pieces leave the heap fragmented."""
+        now = time.monotonic()
+        if now >= self._trim_at:
+            self._trim_at = now + 1.0
+            asyncio.get_running_loop().call_later(1.0, self._trim)
+
+    def _trim(self) -> None:
+        try:
+            self.pool.submit(trim_heap)
+        except RuntimeError:  # the server is shutting down
+            pass
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -98,13 +115,11 @@ class OpenAIServer:
         if len(prompts) > self.limits.max_prompts_per_request:
             raise P.ApiError(400, f"the request has {len(prompts)} prompts; this server takes at most "
                              f"{self.limits.max_prompts_per_request} per request", "prompt", "too_many_prompts")
-        texts = []
         for prompt in prompts:
             if isinstance(prompt, str):
                 chars = len(prompt)
             elif prompt and isinstance(prompt[0], P.ChatMessage):
-                texts.append([m.text() for m in prompt])  # refuses non-text parts
-                chars = sum(map(len, texts[-1]))
+                chars = sum(len(m.text()) for m in prompt)  # refuses non-text parts
             else:
                 chars = 0
                 self._check_length(len(prompt))
@@ -328,6 +343,8 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
         raw = await request.body()
     except ClientDisconnect:
         raise _HungUp() from None
+    if len(raw) >= LARGE_BODY_BYTES:
+        request.app.state.server.trim_soon()
     try:
         return model.model_validate_json(raw or b"", strict=True)
     except ValidationError as e:

@@ -265,7 +265,9 @@ class AsyncEngine:
         if idle and self._busy:
             self._busy = False
             self._idle()
-        for cmd, arg in self._commands(block=idle):
+        # nothing runs and the queue's head could not be admitted (never expected): wait, do not spin
+        stalled = not self.engine.has_unfinished() and bool(self._queue)
+        for cmd, arg in self._commands(block=idle, timeout=0.05 if stalled else None):
             if cmd == "stop":
                 self._fail_all(RequestError(503, "the server is shutting down"), include_queue=True)
                 return True
@@ -276,8 +278,13 @@ class AsyncEngine:
             self._step()
         return False
 
-    def _commands(self, block: bool) -> list[tuple[str, object]]:
-        cmds = [self._inbox.get()] if block else []
+    def _commands(self, block: bool, timeout: float | None = None) -> list[tuple[str, object]]:
+        cmds = []
+        if block or timeout is not None:
+            try:
+                cmds.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                pass
         while True:
             try:
                 cmds.append(self._inbox.get_nowait())
