@@ -75,17 +75,22 @@ class OpenAIServer:
         self.max_prompt_chars = self.max_model_len * _longest_token_bytes(self.tokenizer)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdec-tokenize")
         self.created = P.now()
-        self._trim_at = 0.0
+        self._large_at, self._trim_pending = 0.0, False
 
     def trim_soon(self) -> None:
-        """Give the heap's free pages back a second from now, once the large request that called this
-        is done with its body: parsed bodies of many small pieces leave the heap fragmented."""
-        now = time.monotonic()
-        if now >= self._trim_at:
-            self._trim_at = now + 1.0
+        """Give the heap's free pages back once large bodies stop coming for a second (at most one trim
+        a second): parsed bodies of many small pieces leave the heap fragmented."""
+        self._large_at = time.monotonic()
+        if not self._trim_pending:
+            self._trim_pending = True
             asyncio.get_running_loop().call_later(1.0, self._trim)
 
     def _trim(self) -> None:
+        wait = self._large_at + 1.0 - time.monotonic()
+        if wait > 0:  # another large body came in meanwhile
+            asyncio.get_running_loop().call_later(wait, self._trim)
+            return
+        self._trim_pending = False
         try:
             self.pool.submit(trim_heap)
         except RuntimeError:  # the server is shutting down

@@ -1,6 +1,6 @@
 """Running the app under uvicorn: in the foreground (``specdec serve``) or in a background thread.
 
-Uvicorn gets the app's ``ServerLimits``: keep-alive timeout, connection limit, and an h11 protocol
+Uvicorn gets the app's ``ServerLimits``: keep-alive timeout, connection limit, and an HTTP protocol
 with a deadline for each request's headers (uvicorn has none: a client that opens connections and
 sends nothing, or sends its headers a byte at a time, would hold them open for good).
 """
@@ -10,18 +10,18 @@ from __future__ import annotations
 import threading
 import time
 
-import h11
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from specdec.host_memory import pin_mmap_threshold
 from specdec.server.limits import ServerLimits
 
 
-class _HeaderDeadlineH11(H11Protocol):
-    """Closes a connection whose next request's headers are not all in ``header_timeout`` seconds
-    after the connection opened or the request's first byte arrived."""
+class _HeaderDeadline(HttpToolsProtocol):
+    """uvicorn's httptools protocol (the C parser the server extra installs) with a deadline for each
+    request's headers: ``header_timeout`` seconds from the connection's start or the request's first
+    byte. Idle keep-alive connections are uvicorn's own timeout's business."""
 
     header_timeout = 10.0
 
@@ -30,12 +30,13 @@ class _HeaderDeadlineH11(H11Protocol):
         self._header_timer = None
         self._arm()
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is h11.IDLE:  # still reading a request line or headers
-            self._arm()
-        else:
-            self._disarm()
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
 
     def connection_lost(self, exc) -> None:
         self._disarm()
@@ -52,13 +53,13 @@ class _HeaderDeadlineH11(H11Protocol):
 
     def _expire(self) -> None:
         self._header_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        if not self.transport.is_closing():
             self.transport.close()
 
 
 def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
     limits: ServerLimits = getattr(getattr(app.state, "server", None), "limits", None) or ServerLimits()
-    protocol = type("HeaderDeadlineH11", (_HeaderDeadlineH11,), {"header_timeout": limits.header_timeout})
+    protocol = type("HeaderDeadline", (_HeaderDeadline,), {"header_timeout": limits.header_timeout})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=protocol,
                           timeout_keep_alive=limits.timeout_keep_alive, limit_concurrency=limits.limit_concurrency,
                           server_header=False)
