@@ -313,7 +313,7 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, m
     engine = spec.engine
     calls = []
     forward = engine.target.forward
-    engine.target.forward = lambda *a, **kw: (calls.append(kw.get("num_layers")), forward(*a, **kw))[1]
+    engine.target.forward = lambda batch: (calls.append(batch.num_layers), forward(batch))[1]
     seqs, pending, passes = {}, list(range(len(prompts))), []
     while pending or engine.has_unfinished():
         if pending and len(engine.running) + len(engine.waiting) < 3:
