@@ -142,3 +142,52 @@ def test_a_seeded_request_gives_the_same_output_alone_and_in_a_batch(models, met
     if method != "draft_model":  # one-hot drafts: a seeded row emits plain decoding's tokens
         plain, _, plain_margins = run_alone(target, None, prompt, monkeypatch)
         assert_same_or_near_tie(plain, alone, plain_margins, f"{method} vs plain decoding")
+
+
+def completion_args(sp: SamplingParams) -> dict:
+    """An OpenAI completions request with these sampling parameters."""
+    extra = {"ignore_eos": sp.ignore_eos, "return_token_ids": True, "top_k": sp.top_k, "min_p": sp.min_p}
+    return dict(temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed, max_tokens=sp.max_tokens,
+                extra_body=extra)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "suffix"])
+def test_a_seeded_request_through_the_server_under_load_gives_its_output_alone(models, method, monkeypatch):
+    """Seven concurrent requests keep the server's batch busy; the seeded one arrives while they run."""
+    import asyncio
+
+    import openai
+
+    from specdec.server import ServerThread, build_app
+
+    target, draft = models
+    cfg = spec_config(method, draft)
+    prompts = repetitive_prompts(4, seed=4) + repetitive_prompts(4, seed=5)
+    prompt, others = prompts[3], prompts[:3] + prompts[4:]
+    alone, _, margins = run_alone(target, cfg, prompt, monkeypatch)
+    llm = LLM(target, dtype="float32", speculative_config=cfg, max_num_seqs=8)
+    neighbours_of_seeded = []  # per round with the seeded request running: how many others ran with it
+    step = llm.engine.step
+
+    def recorded_step():
+        running = llm.engine.running
+        if any(s.prompt_token_ids == prompt for s in running):
+            neighbours_of_seeded.append(len(running) - 1)
+        return step()
+
+    llm.engine.step = recorded_step
+
+    async def complete(ac, p, sp, delay=0.0):
+        await asyncio.sleep(delay)
+        r = await ac.completions.create(model="tiny", prompt=p, **completion_args(sp))
+        return r.choices[0].model_extra["token_ids"]
+
+    async def main(url):
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as ac:
+            load = [complete(ac, p, sp) for p, sp in zip(others, neighbours())]
+            return await asyncio.gather(complete(ac, prompt, SEEDED, delay=0.3), *load)
+
+    with ServerThread(build_app(llm, served_model_name="tiny")) as server:
+        served = asyncio.run(main(server.url))[0]
+    assert llm.get_metrics()["num_drafts"] > 0 and max(neighbours_of_seeded) >= 3
+    assert_same_or_near_tie(alone, served, margins, f"{method} through the server")
