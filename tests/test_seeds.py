@@ -128,12 +128,16 @@ def assert_same_or_near_tie(alone: list[int], batched: list[int], margins: list[
     print(f"{what}: output differs at token {j}, allowed: a decision margin of {smallest:.2e} < {NOISE:g}")
 
 
+def prompts() -> tuple[list[int], list[list[int]]]:
+    """The seeded request's prompt and its seven neighbours'."""
+    p = repetitive_prompts(4, seed=4) + repetitive_prompts(4, seed=5)
+    return p[3], p[:3] + p[4:]
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_seeded_request_gives_the_same_output_alone_and_in_a_batch(models, method, monkeypatch):
-    target, draft = models
-    cfg = spec_config(method, draft)
-    prompts = repetitive_prompts(4, seed=4) + repetitive_prompts(4, seed=5)
-    prompt, others = prompts[3], prompts[:3] + prompts[4:]
+    target, cfg = models[0], spec_config(method, models[1])
+    prompt, others = prompts()
     alone, metrics, margins = run_alone(target, cfg, prompt, monkeypatch)
     assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0  # it did speculate
     assert len(margins) >= len(alone)  # at least one recorded decision per token
@@ -160,10 +164,8 @@ def test_a_seeded_request_through_the_server_under_load_gives_its_output_alone(m
 
     from specdec.server import ServerThread, build_app
 
-    target, draft = models
-    cfg = spec_config(method, draft)
-    prompts = repetitive_prompts(4, seed=4) + repetitive_prompts(4, seed=5)
-    prompt, others = prompts[3], prompts[:3] + prompts[4:]
+    target, cfg = models[0], spec_config(method, models[1])
+    prompt, others = prompts()
     alone, _, margins = run_alone(target, cfg, prompt, monkeypatch)
     llm = LLM(target, dtype="float32", speculative_config=cfg, max_num_seqs=8)
     neighbours_of_seeded = []  # per round with the seeded request running: how many others ran with it
