@@ -157,7 +157,7 @@ def completion_args(sp: SamplingParams) -> dict:
 
 @pytest.mark.parametrize("method", ["draft_model", "suffix"])
 def test_a_seeded_request_through_the_server_under_load_gives_its_output_alone(models, method, monkeypatch):
-    """Seven concurrent requests keep the server's batch busy; the seeded one arrives while they run."""
+    """Seven concurrent requests keep the server's batch busy; the seeded one arrives once six of them run."""
     import asyncio
 
     import openai
@@ -179,15 +179,16 @@ def test_a_seeded_request_through_the_server_under_load_gives_its_output_alone(m
 
     llm.engine.step = recorded_step
 
-    async def complete(ac, p, sp, delay=0.0):
-        await asyncio.sleep(delay)
+    async def complete(ac, p, sp, after_running=0):
+        while len(llm.engine.running) < after_running:  # the server's batch is this full
+            await asyncio.sleep(0.001)
         r = await ac.completions.create(model="tiny", prompt=p, **completion_args(sp))
         return r.choices[0].model_extra["token_ids"]
 
     async def main(url):
         async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as ac:
             load = [complete(ac, p, sp) for p, sp in zip(others, neighbours())]
-            return await asyncio.gather(complete(ac, prompt, SEEDED, delay=0.3), *load)
+            return await asyncio.gather(complete(ac, prompt, SEEDED, after_running=6), *load)
 
     with ServerThread(build_app(llm, served_model_name="tiny")) as server:
         served = asyncio.run(main(server.url))[0]
