@@ -122,3 +122,13 @@ def test_sampling_a_row_takes_the_same_draws_whatever_the_batch():
     alone = make_generator(2)
     assert int(sample(p[1:2], [alone])) == int(batch[1])
     assert torch.equal(alone.get_state(), gens[1].get_state())
+
+
+def test_sampled_tokens_follow_the_probabilities():
+    from lossless import FALSE_ALARM, chi_square_p
+
+    p = torch.softmax(2 * torch.randn(1, 30, generator=torch.Generator().manual_seed(3)), -1)
+    p[0, 7] = 0.0  # a token the distribution excludes is never drawn (chi_square_p checks)
+    p /= p.sum()
+    draws = torch.stack([sample(p, [make_generator(s)])[0] for s in range(20000)]).numpy()
+    assert chi_square_p(draws, p[0].double().numpy()) > FALSE_ALARM
