@@ -36,7 +36,7 @@ ModelOpt = Annotated[str, typer.Option("--model", help="Target: a checkpoint fol
 DraftOpt = Annotated[str | None, typer.Option(
     "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
 AdaptiveOpt = Annotated[bool | None, typer.Option(
-    "--adaptive/--no-adaptive", help="Choose k per sequence from measured acceptance and costs (the "
+    "--adaptive/--no-adaptive", help="Choose one k per round for the batch from measured acceptance and costs (the "
                                      "default), or keep k fixed.")]
 KOpt = Annotated[int | None, typer.Option(
     "-k", "--num-speculative-tokens", help="Draft tokens per round (default 4).")]

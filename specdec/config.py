@@ -99,7 +99,7 @@ class SpeculativeConfig:
 
     method: str = "draft_model"
     num_speculative_tokens: int = 4  # the most drafts per round (the adaptive controller may use fewer)
-    adaptive: bool = True  # choose k per sequence from measured acceptance and costs; False keeps k fixed
+    adaptive: bool = True  # choose one k per round for the batch from measured acceptance and costs; False: fixed
     # draft_model
     model: str | None = None
     draft_p_min: float = 0.0  # model drafters stop drafting when their top probability falls below this

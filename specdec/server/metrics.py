@@ -41,7 +41,7 @@ class _EngineCollector:
             ("spec_decode_num_draft_tokens", s.num_draft_tokens, "Draft tokens proposed."),
             ("spec_decode_num_accepted_tokens", s.num_accepted_tokens, "Draft tokens accepted."),
             ("spec_decode_num_emitted_tokens", s.num_emitted_tokens,
-             "Tokens emitted by verification: accepted + recovered + bonus."),
+             "Tokens emitted by verification, before stop conditions: accepted + recovered + bonus."),
         ):
             yield CounterMetricFamily(f"specdec:{name}", doc, value=value)
         per_pos = CounterMetricFamily("specdec:spec_decode_num_accepted_tokens_per_pos",
