@@ -182,8 +182,12 @@ def test_auto_loads_a_bf16_checkpoint_as_float32_without_native_bf16(pair, monke
     monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
     runner = LLM(pair[0]).target
     assert runner.dtype == torch.float32 and runner.layers[0].qkv.kind == "wxt"
+    path = cpu.describe_path(runner, "auto")  # what demo and bench print
+    assert "float32 weights, w @ x^T" in path and f"no native bf16: {cpu.NO_NATIVE_ENV}=1 is set" in path, path
     explicit = LLM(pair[0], dtype="bfloat16").target  # asked for: bf16 weights on the w @ x^T path
     assert explicit.dtype == torch.bfloat16 and explicit.layers[0].qkv.kind == "wxt"
+    path = cpu.describe_path(explicit, "bfloat16")
+    assert "bfloat16 weights, w @ x^T" in path and "--dtype bfloat16, no native bf16" in path, path
 
 
 def verify_noise(runner: LlamaRunner, ids: torch.Tensor, T: int) -> torch.Tensor:

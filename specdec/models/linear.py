@@ -10,8 +10,9 @@ shape CPU BLAS handles badly. Two layouts fix that:
   against 5.1 and 10.8 ms for the float32 path below. There, for 4 rows and more, oneDNN computes
   each output row the same way whatever the number of rows (tested where bf16 is native; a CPU
   that only emulates bf16 does not), which is one reason large models pad to 4 rows.
-- anything else on CPU, bf16 without native instructions included: ``(w @ x^T)^T`` with a row-major x of at least two rows; ``F.linear``'s
-  ``x @ w^T`` takes slow paths for few rows (1.5-3x slower for 1-8 rows on 512-wide layers).
+- anything else on CPU, bf16 without native instructions included: ``(w @ x^T)^T`` with a
+  row-major x of at least two rows; ``F.linear``'s ``x @ w^T`` takes slow paths for few rows
+  (1.5-3x slower for 1-8 rows on 512-wide layers).
 
 On other devices it is ``F.linear``.
 """
