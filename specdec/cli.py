@@ -181,7 +181,7 @@ def demo(
         result = run_bench(ar_llm, spec_llm, DEMO_PROMPTS, params).as_dict()
     summary = {"ar_tokens_per_s": result["ar"]["tokens_per_s"], "spec_tokens_per_s": result["spec"]["tokens_per_s"],
                "speedup": result["speedup"], "acceptance_rate": result["spec"]["acceptance_rate"],
-               "mean_acceptance_length": result["spec"]["mean_acceptance_length"]}
+               "mean_acceptance_length": result["spec"]["mean_acceptance_length"], "paths": result["paths"]}
     if as_json:
         _print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
         return
@@ -429,6 +429,7 @@ def _print_bench(r: dict, console: Console) -> None:
     if len(cats) > 1:
         lines.append("by category: " + "; ".join(
             f"{c} {v['speedup']:.2f}x, τ {v['mean_acceptance_length']:.2f}" for c, v in cats.items()))
+    lines += [f"{side} path: {path}" for side, path in (r.get("paths") or {}).items()]
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
 
