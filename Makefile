@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-restricted bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: install
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
+
+# The suite as on a CPU without native bf16 (AVX2 only), whatever this CPU has.
+test-restricted: install
+	SPECDEC_NO_NATIVE_BF16=1 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 HF_HUB_OFFLINE=1 \
+		$(BIN)/python -m pytest -q tests
 
 bench: install
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_runner.py

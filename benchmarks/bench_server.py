@@ -17,6 +17,16 @@ the target alone. This process is only the client (asyncio + httpx, server-sent 
     python benchmarks/bench_server.py --model T --draft D [-k 4] [--num-requests 64] [--num-disconnect 10]
         [--max-tokens 64] [--prompts FILE [--max-prompt-tokens N] | --token-prompts] [--threads N] [--json]
 
+3. Abuse (``--abuse SECONDS``, instead of 1 and 2): N well-behaved clients (default 64) stream greedy
+   requests back to back, first alone for --baseline-seconds, then while a second client sends the
+   adversarial classes of tests/test_server_hardening.py in a loop for SECONDS: values float32
+   cannot hold, oversized bodies and prompts, 10,000 prompts, idle, slowloris and lying
+   connections, long model names, foreign Host/Origin, hang-ups mid-body. Reports the well-behaved
+   requests' completion and equality to their solo outputs, their TPOT p50/p95 with and without
+   the abuse, the abuse's status codes, and the server's RSS before and after.
+
+    python benchmarks/bench_server.py --model T --draft D --abuse 60 [--num-requests 64] [--baseline-seconds 30]
+
 Without --prompts a built-in set of 12 short code and prose prompts is cycled; --token-prompts sends
 random token ids instead (for tiny test models whose tokenizers know no real words). With enough
 prompts (Spec-Bench's 480: ``--prompts ../shared/data/spec_bench/question.jsonl``) the comparison
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -37,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,6 +234,169 @@ async def sustained(url: str, prompts: list, max_tokens: int, concurrency: int) 
     return results, wall
 
 
+# -- abuse ------------------------------------------------------------------------------------------
+
+
+async def well_behaved(url: str, prompts: list, max_tokens: int, workers: int, seconds: float) -> list[tuple]:
+    """``workers`` clients streaming back to back for ``seconds``; returns (prompt index, Result or error)."""
+    deadline = time.perf_counter() + seconds
+    out: list[tuple] = []
+    counter = iter(range(10**9))
+
+    async def worker(c: httpx.AsyncClient) -> None:
+        while time.perf_counter() < deadline:
+            i = next(counter) % len(prompts)
+            try:
+                out.append((i, await stream_one(c, url, prompts[i], max_tokens)))
+            except Exception as e:  # a failed well-behaved request is a finding, not a crash
+                out.append((i, e))
+
+    async with client() as c:
+        await asyncio.gather(*(worker(c) for _ in range(workers)))
+    return out
+
+
+async def abuse(url: str, port: int, seconds: float, only: set[str] | None = None) -> dict[str, int]:
+    """The adversarial classes (``only`` these, if given) in a loop for ``seconds``; returns counts of
+    '<case> <status>'."""
+    deadline = time.perf_counter() + seconds
+    counts: dict[str, int] = {}
+
+    def note(case: str, outcome) -> None:
+        key = f"{case} {outcome}"
+        counts[key] = counts.get(key, 0) + 1
+
+    async def post(c: httpx.AsyncClient, case: str, payload=None, headers=None) -> None:
+        try:
+            r = await c.post(url + "/v1/completions", json=payload, headers=headers)
+            note(case, r.status_code)
+        except httpx.HTTPError:  # the server answered early (413) and closed while the body was being sent
+            note(case, "closed early")
+
+    async def raw(case: str, data: bytes, hold: float = 15, drip: bytes = b"") -> None:
+        """A connection that sends ``data``, then ``drip`` every 0.5 s until the server answers or closes
+        it (noted), or ``hold`` seconds pass (noted as held open); hold 0 hangs up at once."""
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError as e:
+            note(case, type(e).__name__)
+            return
+        t0 = time.perf_counter()
+        try:
+            writer.write(data)
+            if not hold:
+                return note(case, "hung up")
+            while time.perf_counter() - t0 < hold:
+                if drip:
+                    writer.write(drip)
+                try:
+                    got = await asyncio.wait_for(reader.read(100), 0.5)
+                except TimeoutError:
+                    continue
+                return note(case, got[9:12].decode() if got.startswith(b"HTTP/1.1") else "closed")
+            note(case, "held open")
+        except OSError:
+            note(case, "closed")
+        finally:
+            writer.close()
+
+    async def repeat(make) -> None:  # each class in its own loop: a slow one does not hold the others back
+        while time.perf_counter() < deadline:
+            await make()
+            await asyncio.sleep(0.01)  # this client shares the machine's cores with the server
+
+    sample = {"model": "bench", "prompt": "Hello", "max_tokens": 4}
+    bad_values = [{"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-300}, {"top_k": 2**63},
+                  {"top_k": 10**30}, {"temperature": 0.8, "min_p": 1e-300}, {"stop": ["x"] * 1000},
+                  {"stop_token_ids": list(range(100_000))}]
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=100)) as c:
+        cases = {
+            "bad value": [lambda v=v: post(c, "bad value", {**sample, **v}) for v in bad_values],
+            "5 MB body": [lambda: post(c, "5 MB body", {**sample, "prompt": "hello " * 900_000})],
+            "1 MB prompt": [lambda: post(c, "1 MB prompt", {**sample, "prompt": "hello " * 170_000})],
+            "10,000 prompts": [lambda: post(c, "10,000 prompts", {**sample, "prompt": [[1, 2, 3]] * 10_000})],
+            "1 MiB model name": [lambda: post(c, "1 MiB model name", {**sample, "model": "m" * 2**20})],
+            "foreign Host": [lambda: post(c, "foreign Host", sample, headers={"Host": "rebound.example.com"})],
+            "foreign Origin": [lambda: post(c, "foreign Origin", sample,
+                                            headers={"Origin": "http://evil.example.com"})],
+            "idle connection": [lambda: raw("idle connection", b"")] * 10,
+            "slowloris": [lambda: raw("slowloris", head, drip=b"X-Slow: 1\r\n")] * 5,
+            "Content-Length 1e9": [lambda: raw("Content-Length 1e9", head + b"Content-Length: 1000000000\r\n\r\n")],
+            "11 of 1000 bytes": [lambda: raw("11 of 1000 bytes", head + b"Content-Length: 1000\r\n\r\n{\"p\": 1,", 45)],
+            "hang-up mid-body": [lambda: raw("hang-up mid-body", head + b"Content-Length: 500\r\n\r\n{\"p\": 1,", 0)],
+        }
+        await asyncio.gather(*(repeat(make) for name, makes in cases.items() if only is None or name in only
+                               for make in makes))
+    return counts
+
+
+def run_abuse(url: str, port: int, seconds: float, only: set[str] | None = None) -> dict[str, int]:
+    return asyncio.run(abuse(url, port, seconds, only))
+
+
+def abuse_main(args, spec_args: list[str], common: list[str], prompts: list) -> None:
+    from specdec.near_tie import first_mismatch
+
+    server = Server("spec", common + spec_args, args.threads)
+    try:
+        server.wait_ready()
+        asyncio.run(sequential(server.url, prompts[:2], 8))  # warm up
+        solo = asyncio.run(sequential(server.url, prompts, args.max_tokens))
+        time.sleep(1.0)
+        rss_before = server.rss_mib()
+        base = asyncio.run(well_behaved(server.url, prompts, args.max_tokens, args.num_requests, args.baseline_seconds))
+
+        async def both():
+            # the hostile client is a process of its own: in this one its JSON encoding of 5 MB bodies
+            # would delay the well-behaved streams' chunks here, not on the server
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                abuser = asyncio.get_running_loop().run_in_executor(pool, run_abuse, server.url, server.port,
+                                                                    args.abuse)
+                load = await well_behaved(server.url, prompts, args.max_tokens, args.num_requests, args.abuse)
+                return load, await abuser
+
+        load, counts = asyncio.run(both())
+        time.sleep(2.0)  # the engine goes idle and releases its caches
+        rss_after = server.rss_mib()
+        healthy = httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+    def summary(runs: list[tuple]) -> dict:
+        ok = [(i, r) for i, r in runs if isinstance(r, Result) and r.finish_reason is not None]
+        differ = [(i, r) for i, r in ok if first_mismatch(solo[i], r.token_ids) is not None]
+        divergences = classify(args, [(prompts[i], solo[i], r.token_ids) for i, r in differ])
+        return {"requests": len(runs), "completed": len(ok), "failed": [repr(r)[:200] for _, r in runs
+                                                                          if not isinstance(r, Result)][:5],
+                "equal_to_solo": len(ok) - len(differ), "near_ties": sum(d["near_tie"] for d in divergences),
+                "not_near_ties": sum(not d["near_tie"] for d in divergences),
+                **latency_summary([r for _, r in ok])}
+
+    report = {"model": args.model, "speculative": spec_args, "streams": args.num_requests,
+              "baseline": summary(base), "abuse": summary(load), "abuse_seconds": args.abuse,
+              "abuse_outcomes": dict(sorted(counts.items())), "health_after": healthy,
+              "server_rss_mib": {"before": rss_before, "after": rss_after, "after_over_before": rss_after / rss_before}}
+    report["tpot_p95_abuse_over_baseline"] = report["abuse"]["tpot_p95_ms"] / report["baseline"]["tpot_p95_ms"]
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"model {args.model} | {' '.join(spec_args)} | {args.num_requests} well-behaved greedy streams, "
+          f"{args.max_tokens} tokens each, back to back")
+    for name, secs in (("baseline", args.baseline_seconds), ("abuse", args.abuse)):
+        r = report[name]
+        print(f"  {name:8} ({secs:.0f} s): completed {r['completed']}/{r['requests']}, equal to solo "
+              f"{r['equal_to_solo']}/{r['completed']} (near-ties {r['near_ties']}, other {r['not_near_ties']}); "
+              f"TPOT p50 {r['tpot_median_ms']:.1f} ms, p95 {r['tpot_p95_ms']:.1f} ms; TTFT p50 "
+              f"{r['ttft_median_ms']:.0f} ms, p95 {r['ttft_p95_ms']:.0f} ms"
+              + (f"; failed: {r['failed']}" if r["failed"] else ""))
+    print(f"  TPOT p95 under abuse / baseline: {report['tpot_p95_abuse_over_baseline']:.2f}x")
+    print("  abuse outcomes: " + ", ".join(f"{k}: {v}" for k, v in report["abuse_outcomes"].items()))
+    m = report["server_rss_mib"]
+    print(f"  server RSS: before {m['before']:.0f} MiB, after {m['after']:.0f} MiB ({m['after_over_before']:.2f}x); "
+          f"/health after: {'200' if healthy else 'failed'}")
+
+
 # -- figures -----------------------------------------------------------------------------------------
 
 
@@ -336,6 +511,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--abuse", type=float, metavar="SECONDS",
+                    help="abuse mode: well-behaved streams while a hostile client runs for SECONDS")
+    ap.add_argument("--baseline-seconds", type=float, default=30.0, help="abuse mode: seconds without the abuse")
     args = ap.parse_args()
 
     if args.speculative_config:
@@ -348,6 +526,8 @@ def main() -> None:
               "--max-num-seqs", str(args.max_num_seqs)]
     tok, context = target_tokenizer(args)
     distinct = fitting(make_prompts(args, tok), args, tok, context)
+    if args.abuse:
+        return abuse_main(args, spec_args, common, distinct)
     n_load = args.num_requests + args.num_disconnect
     load_prompts_ = cycle(distinct, 0, args.num_requests)
     leavers = cycle(distinct, args.num_requests, args.num_disconnect)

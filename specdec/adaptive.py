@@ -41,13 +41,9 @@ REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many roun
 
 class Timing:
     """A wall-time estimate: the mean of the last ``window`` samples, skipping the first ``skip``
-    (the first pass at a new shape also builds its kernels). The mean, because throughput is
-    tokens over the sum of round times. A speculative round's time is skewed in a way a plain
-    step's is not: most rounds feed the drafter one or two tokens, some a newcomer's whole prompt.
-    The fastest sample (session 2) predicted 1.22x at 8 rows for rounds that gave 0.98x; the
-    median (session 3) still put 8-row rounds 2.1-2.6 ms below their mean and chose k = 2
-    (825 tokens/s) over k = 1 (860 tokens/s). A window of 16 keeps one slow step from moving
-    the mean much."""
+    (the first pass at a new shape also builds its kernels). The mean, not the median or the
+    minimum, because throughput is tokens over the sum of round times, and a speculative round's
+    time is skewed (most rounds feed the drafter one or two tokens, some a newcomer's prompt)."""
 
     def __init__(self, window: int = 16, skip: int = 1):
         self.samples: deque[float] = deque(maxlen=window)
@@ -203,8 +199,8 @@ class AdaptiveK:
             self.verify_time.setdefault((B, k_round + 1), Timing()).update(verify_time_s)
         # A round right after plain ones first feeds the drafter everything it missed (a draft model
         # catches up on every token since its last proposal): a cost of switching on, not of drafting.
-        # Timed with the rest, a probe after a long plain stretch looked 2x dearer than steady
-        # drafting (8 rows: 3.9 vs 2.0 ms) and kept speculation off where it paid 1.04-1.09x.
+        # Timed with the rest, a probe after a plain stretch looks far dearer than steady drafting
+        # and keeps speculation off where it pays.
         if k_round > 0 and self.last_k > 0:
             self.draft_time.setdefault(B, Timing()).update(draft_time_s / k_round)
         self.last_k = k_round

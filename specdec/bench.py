@@ -226,7 +226,20 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
     spec = spec_llm.speculative_config
     return BenchResult(runs=runs, spec_metrics=spec_llm.get_metrics(), greedy=params.greedy, repeats=repeats,
                        max_tokens=params.max_tokens,
-                       num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+                       num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                       extra={"paths": compute_paths(spec_llm)})
+
+
+def compute_paths(llm: LLM) -> dict[str, str]:
+    """Which compute path the target and the draft model took and why (``cpu.describe_path``)."""
+    from specdec.models.cpu import describe_path
+
+    requested = llm.model_config.dtype
+    paths = {"target": describe_path(llm.engine.target, requested)}
+    draft = getattr(llm.engine.drafter, "runner", None)
+    if draft is not None:
+        paths["draft"] = describe_path(draft, requested)
+    return paths
 
 
 def _split(p) -> tuple[Prompt, str | None]:

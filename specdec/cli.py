@@ -37,7 +37,7 @@ ModelOpt = Annotated[str, typer.Option(
 DraftOpt = Annotated[str | None, typer.Option(
     "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
 AdaptiveOpt = Annotated[bool | None, typer.Option(
-    "--adaptive/--no-adaptive", help="Choose k per sequence from measured acceptance and costs (the "
+    "--adaptive/--no-adaptive", help="Choose one k per round for the batch from measured acceptance and costs (the "
                                      "default), or keep k fixed.")]
 KOpt = Annotated[int | None, typer.Option(
     "-k", "--num-speculative-tokens", help="Draft tokens per round (default 4).")]
@@ -193,7 +193,8 @@ def demo(
         result = run_bench(ar_llm, spec_llm, DEMO_PROMPTS, params).as_dict()
     summary = {"ar_tokens_per_s": result["ar"]["tokens_per_s"], "spec_tokens_per_s": result["spec"]["tokens_per_s"],
                "speedup": result["speedup"], "acceptance_rate": result["spec"]["acceptance_rate"],
-               "mean_acceptance_length": result["spec"]["mean_acceptance_length"], "backend": spec_llm.backend}
+               "mean_acceptance_length": result["spec"]["mean_acceptance_length"], "paths": result["paths"],
+               "backend": spec_llm.backend}
     if as_json:
         _print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
         return
@@ -244,12 +245,45 @@ def serve(
     threads: Annotated[int | None, typer.Option(
         help="Torch threads (default: $OMP_NUM_THREADS, else one fewer than the CPU cores, leaving one to "
              "the HTTP event loop: on 2 cores one thread served 8 concurrent requests 10% faster than two).")] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        help="Most prompt tokens admitted into one round (a longer single prompt is still admitted).")] = 8192,
+    max_queued_requests: Annotated[int, typer.Option(
+        help="Requests that may wait for a batch slot or KV memory; past it the server answers 429.")] = 1024,
+    max_prompts_per_request: Annotated[int, typer.Option(help="Prompts in one completions request.")] = 64,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones get 413.")] = 4 * 2**20,
+    kv_cache_memory: Annotated[str | None, typer.Option(
+        help="KV cache memory budget, e.g. 8GiB (default: --kv-cache-memory-fraction of the free memory "
+             "once the models are loaded). Requests wait until theirs fits.")] = None,
+    kv_cache_memory_fraction: Annotated[float, typer.Option(
+        help="Share of the free memory the KV caches may use when --kv-cache-memory is not given.")] = 0.5,
+    timeout_keep_alive: Annotated[float, typer.Option(help="Seconds an idle keep-alive connection stays open.")] = 5.0,
+    header_timeout: Annotated[float, typer.Option(help="Seconds a client has to send a request's headers.")] = 10.0,
+    body_timeout: Annotated[float, typer.Option(help="Seconds a client has to send a request's body.")] = 30.0,
+    limit_concurrency: Annotated[int, typer.Option(
+        help="Connections and requests in progress before the server answers 503.")] = 1024,
+    allowed_hosts: Annotated[list[str] | None, typer.Option(
+        "--allowed-hosts", help="Host (and Origin) names to accept besides loopback ones; repeat for several. "
+                                "Without it a loopback-bound server accepts only loopback names.")] = None,
+    metrics_public: Annotated[bool, typer.Option(
+        "--metrics-public", help="Serve /metrics without the API key.")] = False,
+    enable_docs: Annotated[bool, typer.Option("--enable-docs", help="Serve /docs, /redoc and /openapi.json.")] = False,
 ) -> None:
-    """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching."""
+    """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching; every
+    resource a client can ask for is bounded (see the options)."""
     with _errors_exit_2():
         import torch
 
         from specdec.server import build_app, serve as run_server
+        from specdec.server.limits import ServerLimits, parse_bytes
+
+        limits = ServerLimits(
+            max_body_bytes=max_body_bytes, max_prompts_per_request=max_prompts_per_request,
+            max_queued_requests=max_queued_requests, max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
+            kv_cache_memory_fraction=kv_cache_memory_fraction, timeout_keep_alive=timeout_keep_alive,
+            header_timeout=header_timeout, body_timeout=body_timeout, limit_concurrency=limit_concurrency,
+            allowed_hosts=tuple(allowed_hosts) if allowed_hosts else None, metrics_public=metrics_public,
+            enable_docs=enable_docs)
 
         if threads is not None and threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")
@@ -262,8 +296,8 @@ def serve(
         _quiet_transformers()
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                               served_model_name=served_model_name, api_key=api_key, backend=backend,
-                               tokenizer=tokenizer)
+                               served_model_name=served_model_name, api_key=api_key, limits=limits,
+                               backend=backend, tokenizer=tokenizer)
     run_server(server_app, host=host, port=port)
 
 
@@ -428,6 +462,7 @@ def _print_bench(r: dict, console: Console) -> None:
     if len(cats) > 1:
         lines.append("by category: " + "; ".join(
             f"{c} {v['speedup']:.2f}x, τ {v['mean_acceptance_length']:.2f}" for c, v in cats.items()))
+    lines += [f"{side} path: {path}" for side, path in (r.get("paths") or {}).items()]
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
 

@@ -6,17 +6,28 @@ with a message that says what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_SPECULATIVE_TOKENS = 64
+SAMPLING_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS): logits / T overflow float32
+FLOAT32_TINY = 1.1754943508222875e-38  # smallest normal float32: smaller top_p / min_p round to 0 on the way in
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_TOP_K = 2**31 - 1  # any top_k >= the vocabulary keeps every token; larger values overflow int64 tensors
+MAX_STOP_STRINGS = 64  # each is searched in the output's tail after every token
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling settings, named as vLLM names them.
 
-    ``temperature == 0`` means greedy decoding; top-k / top-p / min-p then have no effect.
+    ``temperature == 0`` means greedy decoding; top-k / top-p / min-p then have no effect. Values are
+    made safe for float32 sampling on construction without changing what they mean: a temperature
+    below ``SAMPLING_EPS`` is greedy (as in vLLM), a ``top_p`` below float32's reach keeps the top
+    token only, a ``min_p`` below it disables min-p. The stop lists are bounded (``MAX_STOP_*``).
     """
 
     temperature: float = 1.0
@@ -35,24 +46,41 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(self.stop is None or isinstance(self.stop, (list, tuple)),
+               f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+               f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
-               f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable nucleus sampling")
-        _check(_is_int(self.top_k) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1,
-               f"min_p must be in [0, 1], got {self.min_p!r}; use 0 to disable it")
+        _check(_is_finite(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
+               f"temperature must be a number >= 0 and finite in float32 (0 means greedy), "
+               f"got {short_repr(self.temperature)}")
+        _check(_is_finite(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {short_repr(self.top_p)}; use 1.0 to disable nucleus sampling")
+        _check(_is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+               f"top_k must be an integer >= 0 and at most {MAX_TOP_K} (0 or -1 disables it; any value at least "
+               f"the vocabulary size keeps every token), got {short_repr(self.top_k)}")
+        _check(_is_finite(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {short_repr(self.min_p)}; use 0 to disable it")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+               f"max_tokens must be an integer >= 1, got {short_repr(self.max_tokens)}")
         _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
-               f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+               f"seed must be an integer in [-2**63, 2**64) or None, got {short_repr(self.seed)}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS,
+               f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+               f"stop must be a non-empty string or a list of non-empty strings of at most "
+               f"{MAX_STOP_STRING_CHARS} characters each, got {short_repr(self.stop)}")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        _check(all(_is_int(t) and 0 <= t <= MAX_TOP_K for t in self.stop_token_ids),
+               f"stop_token_ids must be integers in 0..{MAX_TOP_K}, got {short_repr(self.stop_token_ids)}")
+        if self.temperature < SAMPLING_EPS:
+            self.temperature = 0.0
+        if self.top_p < FLOAT32_TINY:
+            self.top_p = FLOAT32_TINY
+        if self.min_p < FLOAT32_TINY:
+            self.min_p = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -71,7 +99,7 @@ class SpeculativeConfig:
 
     method: str = "draft_model"
     num_speculative_tokens: int = 4  # the most drafts per round (the adaptive controller may use fewer)
-    adaptive: bool = True  # choose k per sequence from measured acceptance and costs; False keeps k fixed
+    adaptive: bool = True  # choose one k per round for the batch from measured acceptance and costs; False: fixed
     # draft_model
     model: str | None = None
     draft_p_min: float = 0.0  # model drafters stop drafting when their top probability falls below this
@@ -170,6 +198,16 @@ def _is_int(x: Any) -> bool:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+def _is_finite(x: Any) -> bool:
+    return _is_number(x) and (isinstance(x, int) or math.isfinite(x))  # rejects NaN and +-inf
+
+
+def short_repr(x: Any, limit: int = 80) -> str:
+    """``repr(x)`` cut to ``limit`` characters: an error message never echoes a long input back."""
+    r = repr(x)
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"
 
 
 def _check(ok: bool, message: str) -> None:

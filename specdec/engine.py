@@ -84,6 +84,10 @@ class Engine:
         return self.scheduler.waiting
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
     def tokenizer(self):
         return self.detokenizer.tokenizer
 

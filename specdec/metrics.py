@@ -1,4 +1,7 @@
-"""Speculative-decoding counters with vLLM's names, and the cost model of ALGORITHM.md."""
+"""Speculative-decoding counters with vLLM's names and meanings, and the cost model of ALGORITHM.md.
+
+Counters count per sequence and round, as vLLM's do (a round over 8 sequences that all draft is 8
+drafts), except ``num_verify_passes``: one target pass verifies the whole batch."""
 
 from __future__ import annotations
 
@@ -12,16 +15,20 @@ class SpecDecodingStats:
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts proposed at position i
-    num_emitted_tokens: int = 0  # accepted + recovered + bonus (plain decoding: one per step)
-    num_verify_passes: int = 0  # target forwards over a round's tokens (one per sequence per round)
+    # vLLM's meaning: what verification emitted (accepted + recovered + bonus; plain decoding one per
+    # sequence and round), before stop conditions: tokens after a stop token or string count here
+    # although the output drops them
+    num_emitted_tokens: int = 0
+    num_verify_passes: int = 0  # target forwards that verified a round, one per round whatever the batch size
     draft_time_s: float = 0.0  # drafter.propose wall time
     verify_time_s: float = 0.0  # target forward + accept/reject wall time
     prefill_time_s: float = 0.0
     step_time_s: float = 0.0  # whole rounds, prefill excluded; the rest is loop overhead
 
     def record_round(self, k_per_seq: list[int], num_accepted: list[int]) -> None:
+        """One round: drafts proposed and accepted per sequence of the batch."""
+        self.num_verify_passes += 1
         for k, n in zip(k_per_seq, num_accepted):
-            self.num_verify_passes += 1
             self.num_emitted_tokens += n + 1
             if k == 0:
                 continue

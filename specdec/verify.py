@@ -10,6 +10,8 @@ Vocabulary (vLLM's rejection sampler uses the same words):
 Every row emits its accepted drafts plus exactly one recovered or bonus token.
 
 Greedy rows accept x_i iff x_i == argmax p_i and emit argmax p at the first mismatch.
+Sampled rows draw from their own generator only what they use (vLLM does the same), so a seeded
+request's output does not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -74,32 +76,88 @@ def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                      generators: Sequence[torch.Generator], num_draft: torch.Tensor | None = None) -> VerifyResult:
     """Leviathan et al. 2023, Alg. 1. draft_token_ids [B, k]; draft_probs [B, k, V] | None;
-    target_probs [B, k+1, V]; num_draft [B] drafts per row (None: all k)."""
+    target_probs [B, k+1, V]; num_draft [B] drafts per row (None: all k).
+
+    Each row draws only what it uses from its own generator, so a seeded row's draws do not depend
+    on the rest of the batch: a row whose drafts are deterministic (q one-hot) one race per token it
+    emits (``_exact_match``); any other row one uniform per draft it proposed, then one race for
+    its recovered or bonus token."""
     B, k = draft_token_ids.shape
     device = target_probs.device
     if num_draft is None:
         num_draft = torch.full((B,), k, dtype=torch.long, device=device)
-    p_draft = target_probs[:, :k].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, k]: p_i(x_i)
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)  # deterministic drafter: q_i = one-hot(x_i)
-    else:
+    n_rows = num_draft.tolist()
+    one_hot = [True] * B
+    if draft_probs is not None and k:
         q_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, k]: q_i(x_i)
-    u = torch.stack([torch.rand(k, generator=g, device=device) for g in generators]) if k else p_draft
+        spread = (q_draft != 1.0) | ((draft_probs > 0).sum(dim=-1) != 1)  # [B, k]: q_i is not one-hot(x_i)
+        drafted = torch.arange(k, device=device) < num_draft[:, None]
+        one_hot = (~(spread & drafted).any(dim=1)).tolist()
+    exact = [b for b in range(B) if one_hot[b]]
+    sampled = [b for b in range(B) if not one_hot[b]]
+    num_accepted, next_ids = [0] * B, [0] * B
+    if exact:
+        rows = torch.tensor(exact, device=device)
+        acc, nxt = _exact_match(draft_token_ids[rows], target_probs[rows], [generators[b] for b in exact],
+                                [n_rows[b] for b in exact])
+        for i, b in enumerate(exact):
+            num_accepted[b], next_ids[b] = acc[i], nxt[i]
+    if sampled:
+        rows = torch.tensor(sampled, device=device)
+        s = _accept_or_recover(draft_token_ids[rows], draft_probs[rows], target_probs[rows],
+                               [generators[b] for b in sampled], num_draft[rows])
+        for i, b in enumerate(sampled):
+            num_accepted[b], next_ids[b] = s.num_accepted[i], s.next_token_ids[i]
+    return VerifyResult(num_accepted, next_ids)
+
+
+def _exact_match(draft_token_ids: torch.Tensor, target_probs: torch.Tensor, generators: Sequence[torch.Generator],
+                 num_draft: list[int]) -> tuple[list[int], list[int]]:
+    """Rows with q_i = one-hot(x_i): at each position draw y_i ~ p_i; accept x_i iff y_i == x_i,
+    else emit y_i. That is Alg. 1 for a one-hot q: x_i is accepted with probability p_i(x_i) =
+    min(1, p_i(x_i) / q_i(x_i)), and a rejected row's y_i follows p_i without x_i, which is the
+    residual max(0, p_i - q_i) / Z. The races are plain decoding's own draws in plain decoding's
+    order, so a seeded row emits what it would emit with no drafter at all. Returns (accepted,
+    next token) per row; draft_token_ids [B, k], target_probs [B, k+1, V]."""
+    B = len(generators)
+    num_accepted, next_ids = [0] * B, [0] * B
+    drafts = draft_token_ids.tolist()
+    alive = list(range(B))
+    for i in range(draft_token_ids.shape[1] + 1):
+        y = sample(target_probs[alive, i], [generators[b] for b in alive]).tolist()
+        still = []
+        for b, t in zip(alive, y):
+            if i < num_draft[b] and t == drafts[b][i]:
+                still.append(b)
+            else:
+                num_accepted[b], next_ids[b] = i, t
+        alive = still
+        if not alive:
+            break
+    return num_accepted, next_ids
+
+
+def _accept_or_recover(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                       generators: Sequence[torch.Generator], num_draft: torch.Tensor) -> VerifyResult:
+    """Rows whose drafts were sampled from q: accept x_i while u_i * q_i(x_i) < p_i(x_i), then one
+    token from the residual at the first rejection or the bonus distribution p_{n+1}."""
+    B, k = draft_token_ids.shape
+    device = target_probs.device
+    p_draft = target_probs[:, :k].gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, k]: p_i(x_i)
+    q_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, k]: q_i(x_i)
+    u = torch.ones(B, k, device=device)  # [B, k]; past a row's drafts never read
+    for b, (g, n) in enumerate(zip(generators, num_draft.tolist())):
+        u[b, :n] = torch.rand(n, generator=g, device=device)  # only the uniforms this row uses
     drafted = torch.arange(k, device=device) < num_draft[:, None]  # [B, k]
     accepted = ((u * q_draft < p_draft) & drafted).int()  # u < p/q without dividing; q(x) > 0 as x ~ q
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # [B]
 
-    # The distribution of the one extra token: residual at the first rejection, p_{k+1} after full acceptance.
+    # The distribution of the one extra token: residual at the first rejection, p_{n+1} after full acceptance.
     rows = torch.arange(B, device=device)
     p_next = target_probs[rows, num_accepted]  # [B, V]
     rejected = num_accepted < num_draft  # otherwise every draft was accepted: p_next is the bonus distribution
     if bool(rejected.any()):
-        at = num_accepted.clamp(max=k - 1)
-        if draft_probs is None:
-            q_at = torch.zeros_like(p_next)
-            q_at[rows, draft_token_ids[rows, at]] = 1.0
-        else:
-            q_at = draft_probs[rows, at]  # [B, V]
+        q_at = draft_probs[rows, num_accepted.clamp(max=k - 1)]  # [B, V]
         residual = (p_next - q_at).clamp(min=0)
         mass = residual.sum(dim=-1, keepdim=True)
         # mass is > 0 whenever a rejection can happen (p != q); fall back to p only against rounding

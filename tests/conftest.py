@@ -9,6 +9,7 @@ os.environ.setdefault("SPECDEC_STRICT_DRAFTER", "1")  # a drafter that raises fa
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -18,3 +19,11 @@ def shared_data() -> Path:
     if not SHARED.exists():
         pytest.skip("../shared/data is not present")
     return SHARED
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request) -> str:
+    """The device a test runs on: the CPU always, CUDA where a GPU exists (skipped, saying so, elsewhere)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: the cuda variant runs where a GPU exists (benchmarks/gpu_check.sh)")
+    return request.param

@@ -1,5 +1,7 @@
 """The adaptive controller: the cost model with measured inputs, switching off, probing."""
 
+import collections
+
 import pytest
 
 from specdec.adaptive import PLAIN_SAMPLES, AdaptiveK, PositionStats, Timing
@@ -80,20 +82,41 @@ def test_a_round_after_plain_ones_does_not_time_drafting():
     assert ctrl.draft_time[1].value == pytest.approx(0.001)
 
 
-def test_decaying_acceptance_picks_a_middle_k():
-    ctrl = AdaptiveK(8)
+def test_the_controller_picks_the_k_the_cost_model_says_is_best():
+    """Positions 1 and 2 are accepted with probability 0.9, later ones with 0.05: with these costs
+    (c = 0.1, v(k) = 1 + 0.2k) ALGORITHM.md's S(k) is 1.46, 1.69, 1.45, 1.25 for k = 1..4, so k = 2
+    and only k = 2 is right; the controller, measuring all of it, must settle on it."""
     import random
 
     rnd = random.Random(0)
+    alphas = [0.9, 0.9] + [0.05] * 6
 
-    def accept(k):  # each position accepted with probability 0.6, stop at the first miss
+    def accept(k):  # position i accepted with probability alphas[i], stop at the first miss
         n = 0
-        while n < k and rnd.random() < 0.6:
+        while n < k and rnd.random() < alphas[n]:
             n += 1
         return n
 
-    ks = feed(ctrl, 200, accept, t1=0.010, per_token=0.002, draft=0.001)
-    assert 1 <= ks[0] <= 5
+    def speedup(k):  # ALGORITHM.md: S(k) = E(k) / (k c + v(k)), E(k) = 1 + sum_i prod_{j<=i} alpha_j
+        run, expected = 1.0, 1.0
+        for a in alphas[:k]:
+            run *= a
+            expected += run
+        return expected / (k * 0.1 + 1 + 0.2 * k)
+
+    best = max(range(9), key=speedup)
+    assert best == 2 and speedup(2) > 1.1 * max(speedup(1), speedup(3))
+    ctrl = AdaptiveK(8)
+    chosen = []
+    for _ in range(300):
+        k = ctrl.choose([0])[0]
+        chosen.append(k)
+        ctrl.record([0], [k], [accept(k)], 0.001 * k, 0.010 + 0.002 * k)
+    # Late rounds: mostly k = 2. A plain step now and then remeasures the baseline, and k = 3 comes
+    # back now and then: a position rarely reached is smoothed towards the one before it (0.9), so
+    # the controller tries it again (measured: 13-19% of rounds over seeds 0-4).
+    late = collections.Counter(chosen[-100:])
+    assert late.most_common(1)[0][0] == best and late[best] >= 75 and set(late) <= {0, best, best + 1}
 
 
 def test_position_stats_count_reached_and_accepted():

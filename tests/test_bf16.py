@@ -3,6 +3,8 @@ transformers' float32 forward, and greedy speculative decoding equal to plain de
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,29 +13,29 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import specdec.models.linear as linear_mod
-import specdec.models.loader as loader_mod
-from lossless import NEAR_TIE, assert_greedy_equal
 from specdec import LLM, SamplingParams
+from specdec.models import cpu
 from specdec.models.base import ForwardBatch
-from specdec.models.linear import Linear, onednn_bf16_supported
+from specdec.models.linear import Linear
 from specdec.models.llama import LlamaRunner
 from specdec.models.loader import _torch_dtype, load_model
+from specdec.near_tie import BF16_RELATIVE_STEP, first_divergence
 from tiny_models import make_model, random_prompts
 
-needs_onednn = pytest.mark.skipif(not onednn_bf16_supported(),
-                                  reason="this CPU has no native oneDNN bf16 (avx512_bf16 / AMX): bf16 stays off")
-# Runner (bf16 weights; float32 residual stream, norms and attention; matmul inputs and results in bf16) against transformers in
-# float32 from the same bf16 weights, last-token logits (|logit| <= ~6): measured 0.067-0.085 over 5 prompt
-# seeds (0.075 for the batch below); earlier positions reach 0.23. transformers' own bf16 forward is
-# 0.17-0.21 away from its float32 one.
-LOGIT_TOL = 0.15
+NATIVE = cpu.native_bf16()
+needs_native = pytest.mark.skipif(not NATIVE.native, reason=f"bf16 is not native here ({NATIVE.reason}): "
+                                                             "bf16 weights take the w @ x^T path, tested below")
+# Runner (bf16 weights; float32 residual stream, norms and attention) against transformers in float32 from
+# the same bf16 weights: each product rounds its input and its result to bf16 (8 significant bits, relative
+# 2^-8 each; the two add in quadrature), and the errors of the products on a token's path (4 per layer and
+# the LM head) add at worst linearly. Relative to the largest logit.
+LAYERS = 2
+LOGIT_TOL = (4 * LAYERS + 1) * 2**0.5 * 2**-8
 K = 4
 
 
+@needs_native
 def test_onednn_linear_matches_f_linear():
-    if not onednn_bf16_supported():
-        pytest.skip("this CPU has no native oneDNN bf16 (avx512_bf16 / AMX): the onednn kind is never chosen")
     g = torch.Generator().manual_seed(0)
     for n_in, n_out in [(64, 96), (100, 37), (512, 1536)]:
         w = (0.05 * torch.randn(n_out, n_in, generator=g)).bfloat16()
@@ -47,14 +49,15 @@ def test_onednn_linear_matches_f_linear():
                     y = lin(x)
                     assert y.dtype == torch.bfloat16 and y.shape == (*shape[:-1], n_out)  # the weight's dtype
                     ref = F.linear(x.bfloat16().float(), w.float(), None if bias is None else bias.float())
-                    # oneDNN accumulates in float32 and rounds its output to bf16: relative error <= 2^-8
-                    # (measured 0.0039); two bf16 ulps of tolerance.
+                    # oneDNN accumulates in float32 and rounds its output to bf16: relative error <= 2^-8;
+                    # two bf16 ulps of tolerance.
                     torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-4)
 
 
+@pytest.mark.skipif(not (NATIVE.native and NATIVE.isa.startswith("x86_64")),
+                    reason="row invariance is a property of oneDNN's native x86 bf16 kernels (avx512_bf16 / AMX), "
+                           f"not of this CPU's path ({NATIVE.isa}: {NATIVE.reason})")
 def test_onednn_rows_are_computed_alike_whatever_the_row_count():
-    if not onednn_bf16_supported():
-        pytest.skip("this CPU has no native oneDNN bf16 (avx512_bf16 / AMX): the onednn kind is never chosen")
     g = torch.Generator().manual_seed(1)
     for n_in, n_out in [(64, 96), (512, 1536)]:
         lin = Linear((0.05 * torch.randn(n_out, n_in, generator=g)).bfloat16(), torch.randn(n_out).bfloat16())
@@ -68,7 +71,7 @@ def test_onednn_rows_are_computed_alike_whatever_the_row_count():
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_wxt_linear_matches_f_linear(monkeypatch, wdtype):
-    monkeypatch.setattr(linear_mod, "onednn_bf16_supported", lambda: False)  # bf16 goes to wxt too
+    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")  # bf16 goes to wxt too
     g = torch.Generator().manual_seed(2)
     w = (0.05 * torch.randn(96, 64, generator=g)).to(wdtype)
     b = torch.randn(96, generator=g).to(wdtype)
@@ -86,21 +89,73 @@ def test_wxt_linear_matches_f_linear(monkeypatch, wdtype):
             assert ((y - ref).abs() <= bound).all(), (y - ref).abs().max()
 
 
-@pytest.mark.parametrize("supported", [True, False])
-def test_torch_dtype(monkeypatch, supported):
-    monkeypatch.setattr(loader_mod, "onednn_bf16_supported", lambda: supported)
-    cfg = lambda dt: SimpleNamespace(dtype=dt)  # noqa: E731
+def cpu_flags() -> set[str]:
+    """The kernel's own list of this CPU's features (Linux x86), read apart from torch's detection."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def test_native_bf16_follows_the_cpu_and_the_restrictions(monkeypatch):
+    flags = cpu_flags()
+    if NATIVE.isa.startswith("x86_64") and flags:
+        has_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
+        restricted = torch.backends.cpu.get_cpu_capability() != "AVX512" or os.environ.get(
+            "ONEDNN_MAX_CPU_ISA", "ALL").upper() not in cpu.ONEDNN_BF16_ISAS
+        switched = os.environ.get(cpu.NO_NATIVE_ENV, "0") not in ("0", "")
+        assert NATIVE.native == (has_bf16 and not restricted and not switched), NATIVE
+        if not has_bf16:
+            assert "no avx512_bf16 or amx_bf16" in NATIVE.reason  # emulated bf16 (any AVX-512 CPU) is not native
+    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
+    off = cpu.native_bf16()
+    assert not off.native and cpu.NO_NATIVE_ENV in off.reason
+    assert Linear(torch.ones(8, 4, dtype=torch.bfloat16)).kind == "wxt"
+
+
+def config(dt, hidden=64):
+    return SimpleNamespace(dtype=dt, hidden_size=hidden, intermediate_size=2 * hidden, vocab_size=4 * hidden,
+                           num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_torch_dtype(monkeypatch):
+    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")  # as on a CPU without native bf16
     for bf16 in (torch.bfloat16, "bfloat16"):
-        assert _torch_dtype("auto", cfg(bf16), "cpu") == (torch.bfloat16 if supported else torch.float32)
-        assert _torch_dtype("auto", cfg(bf16), "cuda") == torch.bfloat16
-    assert _torch_dtype("auto", cfg(torch.float16), "cpu") == torch.float32
-    assert _torch_dtype("auto", cfg(torch.float16), "cuda") == torch.float16
-    assert _torch_dtype("auto", cfg(torch.float32), "cpu") == torch.float32
-    assert _torch_dtype("auto", cfg(None), "cpu") == torch.float32
-    assert _torch_dtype("bfloat16", cfg(torch.float32), "cpu") == torch.bfloat16  # explicit stays
-    assert _torch_dtype("float32", cfg(torch.bfloat16), "cpu") == torch.float32
+        assert _torch_dtype("auto", config(bf16), "cpu") == torch.float32
+        assert _torch_dtype("auto", config(bf16), "cuda") == torch.bfloat16
+    assert _torch_dtype("auto", config(torch.float16), "cpu") == torch.float32
+    assert _torch_dtype("auto", config(torch.float16), "cuda") == torch.float16
+    assert _torch_dtype("auto", config(torch.float32), "cpu") == torch.float32
+    assert _torch_dtype("auto", config(None), "cpu") == torch.float32
+    assert _torch_dtype("bfloat16", config(torch.float32), "cpu") == torch.bfloat16  # explicit stays
+    assert _torch_dtype("float32", config(torch.bfloat16), "cpu") == torch.float32
     with pytest.raises(ValueError, match="float32.*bfloat16.*float16.*auto.*'half'"):
-        _torch_dtype("half", cfg(torch.float32), "cpu")
+        _torch_dtype("half", config(torch.float32), "cpu")
+
+
+def test_auto_keeps_bf16_only_where_native_and_timed_faster(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    shape = cpu.largest_product(config(torch.bfloat16, hidden=96))
+    assert shape == (4 * 96, 96)  # the LM head, the largest of the three
+    verdict = cpu.bf16_verdict(*shape)
+    if not NATIVE.native:  # nothing timed, nothing cached
+        assert not verdict.use_bf16 and verdict.reason.startswith("no native bf16") and not cpu.cache_path().exists()
+        assert _torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.float32
+        return
+    cached = json.loads(cpu.cache_path().read_text())
+    (key,) = cached
+    assert key.endswith("384x96") and cached[key] == verdict.ms and all(t > 0 for t in verdict.ms["bf16"])
+    expected = torch.bfloat16 if verdict.use_bf16 else torch.float32
+    assert _torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == expected
+    # the cached verdict is what decides, timed once per machine: bf16 slower at 5 rows -> float32
+    cached[key] = {"bf16": [0.1, 0.3], "float32": [0.2, 0.2]}
+    cpu.cache_path().write_text(json.dumps(cached))
+    assert "not faster" in cpu.bf16_verdict(*shape).reason
+    assert _torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.float32
+    cached[key] = {"bf16": [0.1, 0.1], "float32": [0.2, 0.2]}
+    cpu.cache_path().write_text(json.dumps(cached))
+    assert _torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.bfloat16
 
 
 def bf16_copy(src: Path, dst: Path, noise: float = 0.0, seed: int = 2) -> Path:
@@ -124,10 +179,16 @@ def pair(tmp_path_factory):
     return str(bf16_copy(src, root / "target")), str(bf16_copy(src, root / "draft", noise=0.01))
 
 
-def test_auto_loads_a_bf16_checkpoint_as_float32_without_onednn(pair, monkeypatch):
-    monkeypatch.setattr(loader_mod, "onednn_bf16_supported", lambda: False)
+def test_auto_loads_a_bf16_checkpoint_as_float32_without_native_bf16(pair, monkeypatch):
+    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
     runner = LLM(pair[0]).target
     assert runner.dtype == torch.float32 and runner.layers[0].qkv.kind == "wxt"
+    path = cpu.describe_path(runner, "auto")  # what demo and bench print
+    assert "float32 weights, w @ x^T" in path and f"no native bf16: {cpu.NO_NATIVE_ENV}=1 is set" in path, path
+    explicit = LLM(pair[0], dtype="bfloat16").target  # asked for: bf16 weights on the w @ x^T path
+    assert explicit.dtype == torch.bfloat16 and explicit.layers[0].qkv.kind == "wxt"
+    path = cpu.describe_path(explicit, "bfloat16")
+    assert "bfloat16 weights, w @ x^T" in path and "--dtype bfloat16, no native bf16" in path, path
 
 
 def verify_noise(runner: LlamaRunner, ids: torch.Tensor, T: int) -> torch.Tensor:
@@ -143,12 +204,18 @@ def verify_noise(runner: LlamaRunner, ids: torch.Tensor, T: int) -> torch.Tensor
     return (outs[0] - outs[1]).abs().max()
 
 
-@needs_onednn
-def test_bf16_runner_logits(pair):
-    llm = LLM(pair[0])  # dtype="auto" is the default
-    runner = llm.target
+KINDS = {True: "onednn", False: "wxt"}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "switched-off"])
+def test_bf16_runner_logits(pair, monkeypatch, native):
+    if native and not NATIVE.native:
+        pytest.skip(f"bf16 is not native here ({NATIVE.reason})")
+    if not native:
+        monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
+    runner = LLM(pair[0], dtype="bfloat16").target
     assert runner.dtype == torch.bfloat16 and runner.compute_dtype == torch.float32
-    assert runner.layers[0].qkv.kind == "onednn" and runner.lm_head.kind == "onednn"
+    assert runner.layers[0].qkv.kind == KINDS[native] and runner.lm_head.kind == KINDS[native]
     hf32 = load_model(pair[0], dtype="float32").hf_model
     ids = torch.randint(3, 123, (4, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -157,43 +224,35 @@ def test_bf16_runner_logits(pair):
     runner.sync_rows(list(range(4)))
     out = runner.forward(ForwardBatch.dense(ids, [0] * 4, "last"))
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, atol=LOGIT_TOL, rtol=0)
-    # a verify pass (T = k+1) against k+1 one-token steps; measured 0.0 (oneDNN rows are row-count invariant)
-    assert verify_noise(runner, ids, K + 1) <= LOGIT_TOL
+    torch.testing.assert_close(out, ref, atol=LOGIT_TOL * float(ref.abs().max()), rtol=0)
+    # a verify pass (T = k+1) against k+1 one-token steps: the same products on other row counts, so at
+    # most a bf16 rounding step or two apart (0.0 where oneDNN's rows are row-count invariant)
+    assert verify_noise(runner, ids, K + 1) <= BF16_RELATIVE_STEP * float(ref.abs().max())
 
 
-class RunnerLogits:
-    """``hf_model``-like view of a runner for the near-tie check: the gap of the bf16 computation that
-    produced the outputs, not of transformers' float32 forward (0.1 away, far above the near-tie)."""
-
-    def __init__(self, runner: LlamaRunner):
-        self.runner = runner
-
-    def __call__(self, ids: torch.Tensor):
-        self.runner.release()
-        self.runner.sync_rows([0])
-        return SimpleNamespace(logits=self.runner.forward(ForwardBatch.dense(ids, [0], "all")))
-
-
-@needs_onednn
+@pytest.mark.parametrize("native", [True, False], ids=["native", "switched-off"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_bf16_greedy_speculative_equals_plain(pair, batch):
+def test_bf16_greedy_speculative_equals_plain(pair, monkeypatch, batch, native):
+    """Equal, or parting only where the target's top-2 logits are within two bf16 rounding steps
+    (``specdec.near_tie``: a threshold set by the dtype, not by measured noise)."""
+    if native and not NATIVE.native:
+        pytest.skip(f"bf16 is not native here ({NATIVE.reason})")
+    if not native:
+        monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
     target, draft = pair
-    gap_runner = LlamaRunner(load_model(target))
-    ids = torch.randint(3, 123, (3, 20), generator=torch.Generator().manual_seed(3))
-    noise = float(verify_noise(gap_runner, ids, K + 1))
-    # Plain and speculative greedy can only part where the target's top-2 gap is within the noise
-    # between a T=k+1 verify forward and one-token forwards (measured 0.0 here); 4x that for safety,
-    # floored at the float32 near-tie.
-    near_tie = max(4 * noise, NEAR_TIE)
+    gap_runner = LlamaRunner(load_model(target, dtype="bfloat16"))
     prompts = random_prompts(batch, [3, 11, 6], seed=batch)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(target).generate([{"prompt_token_ids": p} for p in prompts], sp)]
-    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": K, "adaptive": False})
+    plain = LLM(target, dtype="bfloat16")
+    expected = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    llm = LLM(target, dtype="bfloat16",
+              speculative_config={"model": draft, "num_speculative_tokens": K, "adaptive": False})
     assert llm.engine.drafter.runner.dtype == torch.bfloat16
+    assert llm.engine.drafter.runner.lm_head.kind == KINDS[native]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     for p, e, o in zip(prompts, expected, outs):
-        assert_greedy_equal(RunnerLogits(gap_runner), p, e, o.outputs[0].token_ids, near_tie=near_tie)
+        d = first_divergence(gap_runner, p, e, o.outputs[0].token_ids)
+        assert d is None or d["near_tie"], d
     m = llm.get_metrics()
     assert m["num_drafts"] > 0 and 0.1 < m["acceptance_rate"] <= 1.0
 

@@ -91,6 +91,8 @@ def test_greedy_equality_for_other_k(models, k):
     for p, e, o in zip(prompts, expected, outs):
         assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
         assert len(o.outputs[0].token_ids) == 25 and o.outputs[0].finish_reason == "length"
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0
 
 
 def test_seeded_sampling_is_reproducible(models):
@@ -175,6 +177,7 @@ def test_stop_conditions(models):
     # max_tokens
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == ids[:3] and out.finish_reason == "length"
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
 
 
 def test_context_limit_ends_with_length(models):
@@ -195,6 +198,7 @@ def test_stream_yields_the_same_tokens_and_text(models):
     assert "".join(d.text for d in deltas) == whole.text
     assert deltas[-1].finish_reason == "length"
     assert not llm.engine.has_unfinished()
+    assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
 class BrokenDrafter(Drafter):
@@ -207,25 +211,64 @@ def test_a_failing_drafter_degrades_to_plain_decoding(models, caplog):
     expected = plain_greedy(models["target"], prompts, 12)
     llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
     llm.engine.drafter = BrokenDrafter()
+    llm.engine.strict_drafter = False  # as for users: the failure degrades, it does not raise
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert "drafter failed" in caplog.text
+    assert "drafter failed" in caplog.text and llm.engine.drafter_failures > 0
+
+
+def test_in_strict_mode_a_failing_drafter_raises(models):
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    llm.engine.drafter = BrokenDrafter()
+    assert llm.engine.strict_drafter  # the test suite sets SPECDEC_STRICT_DRAFTER=1 (conftest.py)
+    with pytest.raises(RuntimeError, match="draft server fell over"):
+        llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 
 
 def test_metrics_follow_vllm_conventions(models):
-    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    """k = 3 fixed, one request of 40 tokens: the first token comes from a plain pass, every later
+    round drafts min(3, room - 1), so only the last rounds draft fewer than 3 or none."""
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3,
+                                                    "adaptive": False})
     llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     m = llm.get_metrics()
-    assert m["num_draft_tokens"] == 3 * m["num_drafts"] or m["num_draft_tokens"] < 3 * m["num_drafts"]
+    drafts, per_pos = m["num_drafts"], m["num_draft_tokens_per_pos"]
+    assert drafts > 0 and per_pos[0] == drafts and per_pos[2] >= drafts - 2  # room-limited: at most 2 rounds
+    assert m["num_draft_tokens"] == sum(per_pos) and 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
+    assert m["num_verify_passes"] - drafts in (1, 2)  # the first round, and the last when its room is 1
     assert m["acceptance_rate"] == pytest.approx(m["num_accepted_tokens"] / m["num_draft_tokens"])
     assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_accepted_tokens"] / m["num_drafts"])
     assert sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"]
     assert all(a >= b for a, b in zip(m["num_accepted_tokens_per_pos"], m["num_accepted_tokens_per_pos"][1:]))
-    assert m["num_emitted_tokens"] == 40
+    assert m["num_emitted_tokens"] == 40 == m["num_accepted_tokens"] + m["num_verify_passes"]
     assert m["draft_time_s"] > 0 and m["verify_time_s"] > 0
     llm.reset_metrics()
     assert llm.get_metrics()["num_drafts"] == 0
+
+
+def test_verify_passes_count_rounds_and_emitted_tokens_count_what_verification_emitted(models):
+    """Three sequences per round: a verify pass per round, not per sequence. A stop token cuts a round's
+    tokens after it: num_emitted_tokens counts them, as vLLM's does, the output does not."""
+    llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 4,
+                                                    "adaptive": False})
+    prompts = random_prompts(3, [4, 7, 5], seed=8)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    rounds = 0
+    for p in prompts:
+        llm.engine.add_request(p, sp)
+    while llm.engine.has_unfinished():
+        rounds += bool(llm.engine.step())
+    m = llm.get_metrics()
+    assert m["num_verify_passes"] == rounds < m["num_drafts"]
+    assert m["num_emitted_tokens"] == 3 * 16
+    full = plain_greedy(models["target"], prompts[:1], 16)[0]  # the self-draft accepts all 4 drafts a round
+    llm.reset_metrics()
+    out = llm.generate({"prompt_token_ids": prompts[0]},
+                       SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[full[2]]))[0].outputs[0]
+    m = llm.get_metrics()
+    assert out.token_ids == full[: full.index(full[2]) + 1] and out.finish_reason == "stop"
+    assert m["num_emitted_tokens"] == m["num_accepted_tokens"] + m["num_verify_passes"] > len(out.token_ids)
 
 
 def test_per_position_acceptance_counts_only_rounds_that_drafted_that_position(models):
@@ -257,6 +300,7 @@ def test_a_drafter_failure_only_affects_the_sequences_it_failed_on(models):
     llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 3,
                                                     "adaptive": False})
     llm.engine.drafter = FlakyDrafter(llm.engine.drafter)
+    llm.engine.strict_drafter = False  # as for users: the failure degrades, it does not raise
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -303,7 +347,7 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, m
     engine = spec.engine
     calls = []
     forward = engine.target.forward
-    engine.target.forward = lambda *a, **kw: (calls.append(kw.get("num_layers")), forward(*a, **kw))[1]
+    engine.target.forward = lambda batch: (calls.append(batch.num_layers), forward(batch))[1]
     seqs, pending, passes = {}, list(range(len(prompts))), []
     while pending or engine.has_unfinished():
         if pending and len(engine.running) + len(engine.waiting) < 3:
@@ -318,6 +362,38 @@ def test_requests_that_come_and_go_between_rounds_equal_plain_decoding(models, m
     # only the first prompt, admitted to an empty batch, had a prefill pass of its own; every later
     # one rode in a running batch's verify pass
     assert passes[0] == 2 and set(passes[1:]) == {1}
+    assert spec.get_metrics()["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("method, p_min", [("draft_model", 0.2), ("layer_skip", 0.3)])
+def test_draft_p_min_with_greedy_and_sampled_rows(models, method, p_min, caplog):
+    """draft_p_min over greedy and sampled rows: in some rounds with sampled rows every row stops
+    before its first draft (the drafter proposes nothing), others draft; greedy rows still equal
+    plain decoding, drafts are made and accepted, and the drafter never fails."""
+    prompts = random_prompts(4, [3, 8, 5, 11], seed=21)
+    cfg = {"method": method, "num_speculative_tokens": 3, "adaptive": False, "draft_p_min": p_min,
+           **{"draft_model": {"model": models["near"]}, "layer_skip": {"num_draft_layers": 1}}[method]}
+    llm = LLM(models["target"], speculative_config=cfg)
+    rounds = []  # (most drafts asked of a row, drafts proposed, some row samples) per round
+    propose = llm.engine.drafter.propose
+
+    def recorded(seqs, want, sb):
+        proposal = propose(seqs, want, sb)
+        rounds.append((max(want), proposal.draft_token_ids.shape[1], not sb.all_greedy))
+        return proposal
+
+    llm.engine.drafter.propose = recorded
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy, sampled, greedy, sampled])
+    expected = plain_greedy(models["target"], prompts[::2], 20)
+    for p, e, o in zip(prompts[::2], expected, outs[::2]):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0
+    assert any(asked > 0 and got == 0 and mixed for asked, got, mixed in rounds)
+    assert any(got > 0 for _, got, _ in rounds)
+    assert "drafter failed" not in caplog.text
 
 
 def test_prompts_admitted_together_are_prefilled_packed_and_match_transformers(models):
@@ -365,6 +441,7 @@ def test_a_queue_longer_than_max_num_seqs_equals_plain_decoding(models):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     for p, params, o in zip(prompts, sp, outs):
         assert o.outputs[0].token_ids == plain_greedy(models["target"], [p], params.max_tokens)[0]
+    assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
 def _stream_pieces(decode, ids: list[int], cuts: list[int]) -> list[str]:

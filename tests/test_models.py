@@ -192,7 +192,9 @@ def test_bfloat16_runs_close_to_float32(tmp_path):
     a = r32.forward(ForwardBatch.dense(ids, [0], "all"))
     b = r16.forward(ForwardBatch.dense(ids, [0], "all"))
     assert b.dtype == torch.float32
-    assert (a - b).abs().max() < 0.1 * a.abs().max()
+    # 2 layers of 4 products and the LM head; each rounds its weight, input and result to bf16 (relative 2^-8
+    # each, adding in quadrature within a product), and the products' errors add at worst linearly
+    assert (a - b).abs().max() < (4 * 2 + 1) * 3**0.5 * 2**-8 * a.abs().max()
 
 
 def test_unsupported_architecture_is_refused(tmp_path):

@@ -101,3 +101,34 @@ def test_seed_range_is_what_a_torch_generator_takes():
         make_generator(SamplingParams(seed=seed).seed)
     with pytest.raises(ValueError, match="seed must be an integer in"):
         SamplingParams(seed=2**64)
+
+
+def test_a_rows_probabilities_do_not_depend_on_the_other_rows_parameters():
+    """A row without top-p or min-p gets bit-for-bit the probabilities it gets alone, next to rows that
+    use them (a top-p of 1 must not cut a tail whose rounded cumulative mass reaches 1)."""
+    g = torch.Generator().manual_seed(0)
+    logits = 8 * torch.randn(3, 4000, generator=g)  # a long tail: cumsum rounds to 1 before the end
+    params = [SamplingParams(temperature=0.7), SamplingParams(top_p=0.9), SamplingParams(min_p=0.1, top_k=50)]
+    batch = probs_from_logits(logits, SamplingBatch.from_params(params))
+    alone = probs_from_logits(logits[:1], SamplingBatch.from_params(params[:1]))
+    assert torch.equal(batch[0], alone[0])
+    assert (alone[0] > 0).all()
+
+
+def test_sampling_a_row_takes_the_same_draws_whatever_the_batch():
+    p = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    gens = [make_generator(s) for s in (1, 2, 3)]
+    batch = sample(p, gens)
+    alone = make_generator(2)
+    assert int(sample(p[1:2], [alone])) == int(batch[1])
+    assert torch.equal(alone.get_state(), gens[1].get_state())
+
+
+def test_sampled_tokens_follow_the_probabilities():
+    from lossless import FALSE_ALARM, chi_square_p
+
+    p = torch.softmax(2 * torch.randn(1, 30, generator=torch.Generator().manual_seed(3)), -1)
+    p[0, 7] = 0.0  # a token the distribution excludes is never drawn (chi_square_p checks)
+    p /= p.sum()
+    draws = torch.stack([sample(p, [make_generator(s)])[0] for s in range(20000)]).numpy()
+    assert chi_square_p(draws, p[0].double().numpy()) > FALSE_ALARM

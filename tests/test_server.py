@@ -84,7 +84,8 @@ def greedy(client, prompt, max_tokens=16, **extra):
 
 def scrape(url: str) -> dict:
     out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -280,7 +281,8 @@ def test_kv_caches_are_released_when_the_server_goes_idle(spec_server, client):
     assert greedy(client, PROMPTS[0], 8).finish_reason == "length"
 
 
-def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_serving(spec_server, client):
+def test_an_engine_failure_fails_the_request_alone_without_its_text_and_the_server_keeps_serving(spec_server,
+                                                                                                  client):
     engine = spec_server.llm.engine
     real = engine.step
 
@@ -289,13 +291,15 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_ser
         raise RuntimeError("boom")
 
     engine.step = boom
-    with pytest.raises(openai.InternalServerError, match="boom"):
+    with pytest.raises(openai.InternalServerError, match="request id") as e:
         greedy(client, PROMPTS[0], 8)
+    assert "boom" not in str(e.value)  # exception text goes to the log, not to the client
     engine.step = boom
     with httpx.stream("POST", spec_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                       json={"prompt": PROMPTS[0], "max_tokens": 8, "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln]
-    assert "boom" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+    message = json.loads(lines[-2][6:])["error"]["message"]
+    assert "request id" in message and "boom" not in message and lines[-1] == "data: [DONE]"
     assert greedy(client, PROMPTS[0], 8).finish_reason == "length"
     assert httpx.get(spec_server.url + "/health").status_code == 200
 
@@ -308,6 +312,7 @@ def test_a_failing_drafter_falls_back_to_plain_decoding(models, plain_server):
         raise RuntimeError("drafter bug")
 
     llm.engine.drafter.propose = broken
+    llm.engine.strict_drafter = False  # as for users: the failure degrades, it does not raise
     plain = openai.OpenAI(base_url=plain_server.url + "/v1", api_key="unused", max_retries=0)
     with ServerThread(build_app(llm, served_model_name=NAME)) as server:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -3,11 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from lossless import FALSE_ALARM, chi_square_p
 
 from specdec.config import SamplingParams
-from specdec.sampling import SamplingBatch, make_generator
+from specdec.sampling import SamplingBatch, make_generator, sample
 from specdec.verify import rejection_sample, verify, verify_greedy
 
 
@@ -74,10 +75,61 @@ def test_seeded_verification_is_deterministic():
 
 
 def test_mixed_batch_uses_greedy_rules_only_for_greedy_rows():
-    logits = logits_for(1, 2, 3).repeat(2, 1, 1)
+    """Draft x_1 = 4 is not the argmax (token 1 is, barely): the greedy row always rejects it and
+    emits 1; the sampled row accepts it with probability p_1(4) and emits 1 (the residual) otherwise."""
+    logits = torch.full((2, 2, 6), float("-inf"))
+    logits[:, 0, 1], logits[:, 0, 4] = 1.0, 0.9  # p_1: token 1 0.525, token 4 0.475
+    logits[:, 1, 3] = 0.0  # p_2: token 3 surely (the bonus)
+    p4 = float(torch.softmax(logits[1, 0], -1)[4])
     sb = SamplingBatch.from_params([SamplingParams(temperature=0), SamplingParams(temperature=1.0)])
-    r = verify(torch.tensor([[1, 2], [1, 2]]), None, logits, sb, [make_generator(0), make_generator(1)])
-    assert r.num_accepted[0] == 2 and r.next_token_ids[0] == 3
+    N, accepted = 400, 0
+    for seed in range(N):
+        r = verify(torch.tensor([[4], [4]]), None, logits, sb, [make_generator(seed), make_generator(N + seed)])
+        assert r.num_accepted[0] == 0 and r.next_token_ids[0] == 1
+        assert (r.num_accepted[1], r.next_token_ids[1]) in ((1, 3), (0, 1))
+        accepted += r.num_accepted[1]
+    assert stats.binomtest(accepted, N, p4).pvalue > FALSE_ALARM
+
+
+def test_a_row_draws_what_it_would_draw_alone():
+    """Rows with fewer drafts than the widest row, next to it, get the result they get alone and leave
+    their generator where it is alone: for sampled drafts (one uniform per draft, then one race) and
+    for one-hot drafts (one race per emitted token)."""
+    V, k = 10, 4
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, k + 1, V, generator=g), -1)  # [B, k+1, V]
+    q = torch.softmax(torch.randn(3, k, V, generator=g), -1)  # [B, k, V]
+    x = torch.stack([torch.multinomial(q[b], 1, generator=g).squeeze(1) for b in range(3)])  # [B, k]
+    num_draft = torch.tensor([1, 4, 0])
+    for draft_probs in (q, None):
+        for seed in range(30):
+            gens = [make_generator(seed + 100 * b) for b in range(3)]
+            batch = rejection_sample(x, draft_probs, p, gens, num_draft)
+            for b in range(3):
+                n = int(num_draft[b])
+                alone_gen = make_generator(seed + 100 * b)
+                alone = rejection_sample(x[b:b + 1, :n], None if draft_probs is None else draft_probs[b:b + 1, :n],
+                                         p[b:b + 1, : n + 1], [alone_gen])
+                assert (batch.num_accepted[b], batch.next_token_ids[b]) == (alone.num_accepted[0],
+                                                                             alone.next_token_ids[0])
+                assert torch.equal(gens[b].get_state(), alone_gen.get_state())
+
+
+def test_one_hot_drafts_emit_what_plain_sampling_emits_with_the_same_seed():
+    """With a deterministic drafter a seeded row's tokens are plain decoding's: the accepted drafts and
+    the next token equal the first tokens drawn one by one from p_1, p_2, ... with the same seed."""
+    V, k = 5, 3
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(2 * torch.randn(1, k + 1, V, generator=g), -1)
+    drafts = torch.tensor([[int(p[0, i].argmax()) for i in range(k)]])  # likely, but not sure, to be accepted
+    lengths = []
+    for seed in range(200):
+        r = rejection_sample(drafts, None, p, [make_generator(seed)])
+        plain_gen = make_generator(seed)
+        plain = [int(sample(p[:, i], [plain_gen])) for i in range(r.num_accepted[0] + 1)]
+        assert drafts[0, : r.num_accepted[0]].tolist() + r.next_token_ids == plain
+        lengths.append(r.num_accepted[0])
+    assert set(lengths) == set(range(k + 1))  # every outcome from a rejection at x_1 to the bonus occurred
 
 
 @pytest.mark.parametrize("drafter", ["deterministic", "sampling"])

@@ -3,6 +3,9 @@
 Given the logits after the history, draft one token at a time: greedy rows take the argmax,
 sampled rows draw from q (the same logit processing as the target), and every row stops early
 once its top probability falls below ``draft_p_min`` (llama.cpp's ``--draft-p-min``).
+
+A sampled row draws from its generator only for the drafts it proposes: none for a row that
+asked for 0 drafts or has stopped, so a seeded request consumes its generator as it would alone.
 """
 
 from __future__ import annotations
@@ -21,23 +24,26 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
                          draft_p_min: float = 0.0) -> DraftProposal:
     """logits [B, V]: the drafter's distribution for the first draft position.
     feed(x [B], i) runs draft i (0-based) through the drafter and returns the logits [B, V] after it."""
-    B, k = len(seqs), max(num_draft)
+    B, k = len(seqs), max(num_draft, default=0)
     device = logits.device
     limit = torch.tensor(num_draft, device=device)  # [B]
     active = limit > 0  # [B] rows still drafting
     lengths = torch.zeros(B, dtype=torch.long, device=device)
     draft_ids, draft_probs = [], []
     for i in range(k):
+        active &= i < limit
         if sb.all_greedy and draft_p_min == 0.0:
             x = logits.argmax(dim=-1)  # [B]
         else:
             q = probs_from_logits(logits, sb)  # [B, V]
-            greedy_x = q.argmax(dim=-1) if sb.all_greedy else logits.argmax(dim=-1)
-            x = greedy_x if sb.all_greedy else torch.where(sb.greedy, greedy_x, sample(q, [s.generator for s in seqs]))
-            draft_probs.append(q)
             if draft_p_min > 0.0:
-                active &= q.amax(dim=-1) >= draft_p_min
-        active &= i < limit
+                active &= q.amax(dim=-1) >= draft_p_min  # too unsure: this row proposes nothing more
+            x = q.argmax(dim=-1) if sb.all_greedy else logits.argmax(dim=-1)  # [B]; greedy rows keep it
+            if not sb.all_greedy:
+                draft_probs.append(q)
+                rows = (active & ~sb.greedy).nonzero().flatten().tolist()  # the sampled rows that draft x_i
+                if rows:
+                    x[rows] = sample(q[rows], [seqs[b].generator for b in rows])
         lengths += active.long()
         draft_ids.append(x)
         if not bool(active.any()):
@@ -46,5 +52,5 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
             logits = feed(x, i)
     n = int(lengths.max()) if B else 0
     draft = torch.stack(draft_ids[:n], dim=1) if n else torch.zeros(B, 0, dtype=torch.long, device=device)
-    probs = None if sb.all_greedy or not draft_probs else torch.stack(draft_probs[:n], dim=1)  # [B, n, V]
+    probs = torch.stack(draft_probs[:n], dim=1) if n and draft_probs else None  # [B, n, V]
     return DraftProposal(draft, probs, lengths.tolist())

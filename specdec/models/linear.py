@@ -3,25 +3,26 @@
 Decoding and verification multiply every weight matrix by a handful of rows (1 to k+1), a
 shape CPU BLAS handles badly. Two layouts fix that:
 
-- bfloat16 on a CPU with native bf16 instructions (avx512_bf16 / AMX): the weight is reordered
-  once into oneDNN's blocked layout and multiplied with oneDNN's inner product. Measured on the
-  2-core avx512_bf16 machine for the 28M demo target (1 thread, weights cached), all linears of
-  one forward take about 3.1 ms at 1 row and 3.4 ms at 5 rows, against 5.1 and 10.8 ms for the
-  float32 path below. For 4 rows and more oneDNN computes each output row the same way whatever
-  the number of rows (checked in the tests), which is one reason large models pad to 4 rows.
-- anything else on CPU: ``(w @ x^T)^T`` with a row-major x of at least two rows; ``F.linear``'s
-  ``x @ w^T`` takes slow paths for few rows (1.5-3x slower for 1-8 rows on 512-wide layers).
+- bfloat16 on a CPU with native bf16 instructions (``cpu.native_bf16``: avx512_bf16 / AMX, arm64
+  bf16): the weight is reordered once into oneDNN's blocked layout and multiplied with oneDNN's
+  inner product, which reads half the bytes of float32 and costs nearly the same for 1 to 6 rows
+  (figures in the README's Speed section). On native x86, for 4 rows and more oneDNN computes each
+  output row the same way whatever the number of rows (tested there only), one reason large models
+  pad to 4 rows.
+- anything else on CPU, bf16 without native instructions included: ``(w @ x^T)^T`` with a
+  row-major x of at least two rows, because ``F.linear``'s ``x @ w^T`` takes slow paths for few rows.
 
 On other devices it is ``F.linear``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import torch.nn.functional as F
+
+from specdec.models.cpu import native_bf16
 
 
 # oneDNN's bf16 inner product streams weights from memory faster for 3-6 rows than for 1 or 2
@@ -50,15 +51,6 @@ def onednn_rows(rows: int, min_rows: int) -> int:
     return -(-rows // step) * step
 
 
-@functools.cache
-def onednn_bf16_supported() -> bool:
-    """True where oneDNN runs bfloat16 matrix products natively on this CPU."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 class Linear:
     """``y = x @ weight^T + bias`` for a fixed weight [out, in]."""
 
@@ -69,7 +61,7 @@ class Linear:
         self.bias = bias
         if weight.device.type != "cpu":
             self.kind = "dense"
-        elif weight.dtype == torch.bfloat16 and onednn_bf16_supported():
+        elif weight.dtype == torch.bfloat16 and native_bf16().native:
             self.kind = "onednn"
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         else:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.linear import onednn_bf16_supported
+from specdec.models.cpu import bf16_verdict, largest_product
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -92,16 +92,17 @@ def load_tokenizer(path: str):
 
 def _torch_dtype(dtype: str, config, device: str = "cpu") -> torch.dtype:
     """The weights' dtype. ``auto`` keeps the checkpoint's dtype where this device computes in it
-    natively: on a CPU, bfloat16 only with oneDNN bf16 support (avx512_bf16 / AMX), and float16
-    never (both become float32 otherwise)."""
+    well: on a CPU, bfloat16 only where bf16 is native and the model's largest product measured
+    faster in it (``cpu.bf16_verdict``), and float16 never (both become float32 otherwise)."""
     if dtype == "auto":
         dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(dt, str):
             dt = DTYPES.get(dt)
         if dt not in DTYPES.values():
             return torch.float32
-        if str(device).startswith("cpu") and (dt == torch.float16 or (dt == torch.bfloat16 and not onednn_bf16_supported())):
-            return torch.float32
+        if str(device).startswith("cpu"):
+            if dt == torch.float16 or (dt == torch.bfloat16 and not bf16_verdict(*largest_product(config)).use_bf16):
+                return torch.float32
         return dt
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)} or 'auto', got {dtype!r}")

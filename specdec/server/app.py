@@ -5,17 +5,25 @@
 
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with status 400 (bad request:
 malformed JSON, a missing or mistyped field, a value out of range, an unsupported option, a prompt
-too long for the context), 401 (missing or wrong API key), 404 (unknown model or route) or 500
-(the engine failed); the server keeps serving after each.
+too long for the context or the KV budget), 401 (missing or wrong API key), 403/400 (a Host or
+Origin this server does not serve), 404 (unknown model or route), 408 (a body that came too
+slowly), 413 (a body too large), 429 (the queue is full; ``Retry-After`` says when to retry) or
+500 (the engine failed on this request: the message carries a request id, the log the details).
+Messages never carry local paths, exception text or a long input back; the server keeps serving.
+
+A request is checked cheaply first (body bytes, prompt count, prompt characters), then tokenized
+and templated in a small thread pool, never on the engine thread or the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -26,31 +34,67 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, short_repr
+from specdec.host_memory import trim_heap
 from specdec.llm import LLM
 from specdec.server import protocol as P
-from specdec.server.async_engine import AsyncEngine, LoopHooks
+from specdec.server.async_engine import AsyncEngine, LoopHooks, QueueFull, RequestError
 from specdec.server.chat import render_chat
+from specdec.server.guard import Guard
+from specdec.server.limits import ServerLimits
 from specdec.server.metrics import ServerMetrics
 
+log = logging.getLogger(__name__)
+
 _PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "stop", "prompt")
+TOKENIZER_THREADS = 2  # tokenizing and chat templating run here, a few requests at a time
+RETRY_AFTER_S = 1
+LARGE_BODY_BYTES = 256 * 1024  # after such bodies the heap is trimmed (at most once a second)
 
 
 class OpenAIServer:
     """What the routes share: the model, its engine loop, metrics and settings."""
 
     def __init__(self, llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
-                 release_when_idle: bool = True):
+                 release_when_idle: bool = True, limits: ServerLimits | None = None):
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or llm.model_config.model
-        self.max_model_len = llm.engine.target.max_model_len
+        target = llm.engine.target
+        self.max_model_len, self.vocab_size = target.max_model_len, target.vocab_size
         self.api_key = api_key
-        self.metrics = ServerMetrics(llm.engine)
-        hooks = LoopHooks(self.metrics.on_first_token, self.metrics.on_finish, self.metrics.on_error)
-        self.engine = AsyncEngine(llm.engine, hooks, release_when_idle=release_when_idle)
+        self.limits = limits or ServerLimits()
+        self.engine = AsyncEngine(llm.engine, release_when_idle=release_when_idle, limits=self.limits)
+        self.metrics = ServerMetrics(llm.engine, self.engine)
+        self.engine.hooks = LoopHooks(self.metrics.on_first_token, self.metrics.on_finish, self.metrics.on_error,
+                                      self.metrics.on_loop_error)
+        # A prompt of more characters than the context times the longest token's bytes cannot fit:
+        # refuse it before tokenizing it.
+        self.max_prompt_chars = self.max_model_len * _longest_token_bytes(self.tokenizer)
+        self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdec-tokenize")
         self.created = P.now()
+        self._large_at, self._trim_pending = 0.0, False
+
+    def trim_soon(self) -> None:
+        """Give the heap's free pages back once large bodies stop coming for a second (at most one trim
+        a second): parsed bodies of many small pieces leave the heap fragmented."""
+        self._large_at = time.monotonic()
+        if not self._trim_pending:
+            self._trim_pending = True
+            asyncio.get_running_loop().call_later(1.0, self._trim)
+
+    def _trim(self) -> None:
+        wait = self._large_at + 1.0 - time.monotonic()
+        if wait > 0:  # another large body came in meanwhile
+            asyncio.get_running_loop().call_later(wait, self._trim)
+            return
+        self._trim_pending = False
+        try:
+            self.pool.submit(trim_heap)
+        except RuntimeError:  # the server is shutting down
+            pass
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -65,37 +109,72 @@ class OpenAIServer:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise P.ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                             "model", "model_not_found")
+            raise P.ApiError(404, f"the model {short_repr(model)} does not exist; this server serves "
+                             f"{self.model_name!r}", "model", "model_not_found")
 
-    # -- jobs run on the engine thread ------------------------------------------------------------
+    # -- prompts to token ids ----------------------------------------------------------------------
 
-    def prompt_job(self, prompt: P.Prompt | list[P.ChatMessage], params: SamplingParams, max_tokens: int | None):
-        def job() -> tuple[list[int], SamplingParams]:
+    async def encode(self, prompts: list[P.Prompt] | list[list[P.ChatMessage]], params: SamplingParams,
+                     max_tokens: int | None) -> list[tuple[list[int], SamplingParams]]:
+        """Token ids and params per choice: cheap checks here, tokenizing in the pool, context checks after."""
+        if len(prompts) > self.limits.max_prompts_per_request:
+            raise P.ApiError(400, f"the request has {len(prompts)} prompts; this server takes at most "
+                             f"{self.limits.max_prompts_per_request} per request", "prompt", "too_many_prompts")
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                chars = len(prompt)
+            elif prompt and isinstance(prompt[0], P.ChatMessage):
+                chars = sum(len(m.text()) for m in prompt)  # refuses non-text parts
+            else:
+                chars = 0
+                self._check_length(len(prompt))
+            if chars > self.max_prompt_chars:
+                raise P.ApiError(400, f"prompt has {chars} characters: more than this model's context of "
+                                 f"{self.max_model_len} tokens can hold", "prompt", "context_length_exceeded")
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self.pool, self._tokenize_all, prompts)
+        out = []
+        top_k = 0 if params.top_k >= self.vocab_size else params.top_k  # top_k >= V keeps every token
+        for p in ids:
+            self._check_length(len(p))
+            if p and not (0 <= min(p) and max(p) < self.vocab_size):
+                raise P.ApiError(400, f"prompt token ids must be in 0..{self.vocab_size - 1}", "prompt")
+            room = self.max_model_len - len(p)
+            out.append((p, replace(params, top_k=top_k, max_tokens=room if max_tokens is None else params.max_tokens)))
+        return out
+
+    def _check_length(self, n: int) -> None:
+        if n == 0:
+            raise P.ApiError(400, "prompt is empty; pass at least one token", "prompt")
+        if n >= self.max_model_len:
+            raise P.ApiError(400, f"prompt has {n} tokens but the model's context is {self.max_model_len} (prompt + "
+                             "at least one new token); shorten the prompt", "prompt", "context_length_exceeded")
+
+    def _tokenize_all(self, prompts: list) -> list[list[int]]:  # in the pool
+        out = []
+        for prompt in prompts:
             if isinstance(prompt, str):
                 if self.tokenizer is None:
-                    raise ValueError("this model has no tokenizer; send the prompt as a list of token ids")
-                ids = self.tokenizer.encode(prompt)
+                    raise P.ApiError(400, "this model has no tokenizer; send the prompt as a list of token ids",
+                                     "prompt")
+                out.append(self.tokenizer.encode(prompt))
             elif prompt and isinstance(prompt[0], P.ChatMessage):
-                ids = render_chat(self.tokenizer, prompt)
+                out.append(render_chat(self.tokenizer, prompt))
             else:
-                ids = list(prompt)
-            if max_tokens is None:  # up to the end of the context
-                return ids, replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
-            return ids, params
-
-        return job
+                out.append(list(prompt))
+        return out
 
 
 def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
-              release_when_idle: bool = True, **llm_kwargs: Any) -> FastAPI:
+              release_when_idle: bool = True, limits: ServerLimits | None = None, **llm_kwargs: Any) -> FastAPI:
     """The FastAPI app over ``llm`` (or over ``LLM(**llm_kwargs)``). The engine loop runs while the app's
-    lifespan does: start the app under uvicorn (``specdec.server.serve`` or ``ServerThread``)."""
+    lifespan does: start the app under uvicorn (``specdec.server.serve`` or ``ServerThread``), which
+    also applies the connection timeouts of ``limits``."""
     if llm is None:
         llm = LLM(**llm_kwargs)
     elif llm_kwargs:
         raise ValueError(f"pass an LLM or LLM arguments, not both (got {sorted(llm_kwargs)})")
-    server = OpenAIServer(llm, served_model_name, api_key, release_when_idle)
+    server = OpenAIServer(llm, served_model_name, api_key, release_when_idle, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -104,19 +183,25 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
             yield
         finally:
             server.engine.stop()
+            server.pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="specdec", summary="OpenAI-compatible server with speculative decoding", lifespan=lifespan)
+    docs = server.limits.enable_docs
+    app = FastAPI(title="specdec", summary="OpenAI-compatible server with speculative decoding", lifespan=lifespan,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.server = server
+    app.add_middleware(Guard, limits=server.limits, on_reject=lambda status: server.metrics.errors.labels(
+        str(status)).inc())
     _install_error_handlers(app, server)
     auth = [Depends(server.check_api_key)]
 
     @app.get("/health")
     async def health() -> Response:
         if not server.engine.alive:
-            raise P.ApiError(503, f"the engine loop is not running ({server.engine.error!r})", type="server_error")
+            raise P.ApiError(503, "the engine loop is not running", type="server_error")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[] if server.limits.metrics_public else auth)
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -124,7 +209,7 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
     async def models() -> dict:
         return {"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": server.created, "owned_by": "specdec",
-            "root": server.llm.model_config.model, "max_model_len": server.max_model_len}]}
+            "max_model_len": server.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
@@ -132,8 +217,8 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
         server.check_model(body.model)
         body.check_supported()
         params = body.sampling_params(1 if body.max_tokens is None else body.max_tokens)
-        jobs = [server.prompt_job(p, params, body.max_tokens) for p in body.prompts()]
-        return await _generate(server, "completion", body, jobs, request)
+        prompts = await server.encode(body.prompts(), params, body.max_tokens)
+        return await _generate(server, "completion", body, prompts, request)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
@@ -142,8 +227,8 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
         body.check_supported()
         max_tokens = body.max_new_tokens
         params = body.sampling_params(1 if max_tokens is None else max_tokens)
-        jobs = [server.prompt_job(body.messages, params, max_tokens)]
-        return await _generate(server, "chat", body, jobs, request)
+        prompts = await server.encode([body.messages], params, max_tokens)
+        return await _generate(server, "chat", body, prompts, request)
 
     return app
 
@@ -151,12 +236,15 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
 # -- generation -------------------------------------------------------------------------------------
 
 
-async def _generate(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, jobs, request: Request) -> Response:
+async def _generate(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, prompts, request: Request) -> Response:
     arrival = time.perf_counter()
     try:
-        handle = await server.engine.submit(jobs, arrival)
-    except RuntimeError as e:
-        raise P.ApiError(503, str(e), type="server_error") from None
+        handle = server.engine.submit(prompts, arrival)
+    except QueueFull:
+        raise P.ApiError(429, "the server is busy; retry later", code="rate_limit_exceeded", type="server_error",
+                         headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except RuntimeError:
+        raise P.ApiError(503, "the engine loop is not running", type="server_error") from None
     rid = P.new_id("cmpl" if kind == "completion" else "chatcmpl")
     if body.stream:
         return StreamingResponse(_stream(server, kind, body, handle, rid), media_type="text/event-stream",
@@ -184,7 +272,7 @@ async def _generate(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields,
             consumer.cancel()
             return Response(status_code=499)
         if consumer.exception() is not None:
-            raise P.ApiError(500, f"generation failed: {consumer.exception()!r}", type="server_error")
+            raise _request_failed(consumer.exception(), rid)
     finally:
         watcher.cancel()
         if not handle.finished:
@@ -192,6 +280,15 @@ async def _generate(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields,
     choices = [P.choice(kind, i, texts[i], reasons[i], tokens[i] if body.return_token_ids else None)
                for i in range(n)]
     return JSONResponse(P.response(kind, rid, P.now(), server.model_name, choices, P.usage(*use)))
+
+
+def _request_failed(e: BaseException, rid: str) -> P.ApiError:
+    """What the client learns of a failure: the engine's safe message, or only a request id."""
+    if isinstance(e, RequestError):
+        message = e.message if e.status < 500 else f"{e.message} (request id {rid})"
+        return P.ApiError(e.status, message, type="invalid_request_error" if e.status < 500 else "server_error")
+    log.error("request %s failed", rid, exc_info=e)
+    return P.ApiError(500, f"generation failed (request id {rid}); the server logged the details", type="server_error")
 
 
 async def _stream(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, handle, rid: str) -> AsyncIterator[str]:
@@ -221,7 +318,9 @@ async def _stream(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, h
     except asyncio.CancelledError:
         raise
     except Exception as e:  # the engine failed mid-stream: the status line is long gone, say it in the stream
-        yield _sse(P.error_body(f"generation failed: {e!r}", "server_error"))
+        err = _request_failed(e, rid)
+        server.metrics.errors.labels(str(err.status)).inc()
+        yield _sse(err.body())
     finally:
         if not handle.finished:
             handle.abort()
@@ -240,8 +339,17 @@ async def _client_gone(request: Request) -> None:
             return
 
 
+class _HungUp(Exception):
+    """The client closed the connection while sending its request: an abort, not an error."""
+
+
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise _HungUp() from None
+    if len(raw) >= LARGE_BODY_BYTES:
+        request.app.state.server.trim_soon()
     try:
         return model.model_validate_json(raw or b"", strict=True)
     except ValidationError as e:
@@ -269,13 +377,13 @@ def _dedup(items) -> list[str]:
 
 
 def _install_error_handlers(app: FastAPI, server: OpenAIServer) -> None:
-    def reply(status: int, body: dict) -> JSONResponse:
+    def reply(status: int, body: dict, headers: dict[str, str] | None = None) -> JSONResponse:
         server.metrics.errors.labels(str(status)).inc()
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, e: P.ApiError) -> JSONResponse:
-        return reply(e.status, e.body())
+        return reply(e.status, e.body(), e.headers)
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, e: ValueError) -> JSONResponse:
@@ -295,7 +403,23 @@ def _install_error_handlers(app: FastAPI, server: OpenAIServer) -> None:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return reply(e.status_code, P.error_body(str(e.detail), param=None, code=code))
 
+    @app.exception_handler(_HungUp)
+    async def hung_up(request: Request, e: _HungUp) -> Response:
+        server.metrics.requests.labels("abort").inc()
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        return reply(500, P.error_body(f"internal error: {e!r}", "server_error"))
+        rid = P.new_id("error")
+        log.error("request %s: internal error", rid, exc_info=e)
+        return reply(500, P.error_body(f"internal error (request id {rid}); the server logged the details",
+                                       "server_error"))
 
+
+
+def _longest_token_bytes(tokenizer) -> int:
+    """UTF-8 bytes of the longest token's spelling in the vocabulary (an upper bound on the text one
+    token covers: byte-level and SentencePiece spellings take at least as many bytes as their text)."""
+    if tokenizer is None:
+        return 1
+    return max((len(t.encode()) for t in tokenizer.get_vocab()), default=1)

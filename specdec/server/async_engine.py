@@ -1,14 +1,22 @@
 """One engine loop for the server: a thread owns the ``Engine``; requests join between rounds.
 
-The asyncio side never touches the engine, a ``Sequence`` or the tokenizer. It sends commands
-(add, abort) through a thread-safe inbox. The engine thread, between two rounds:
-  1. applies the commands: tokenizes and ``add_request``s new prompts, ``abort``s the sequences
-     of requests whose client went away;
-  2. runs one ``engine.step()`` over the batch (the engine admits waiting sequences up to
-     ``max_num_seqs`` and retires finished and aborted ones);
-  3. turns each sequence's new tokens into a text delta (``TextStreamer``) and posts it to the
+The asyncio side tokenizes (off this thread, app.py) and hands over prompt token ids; it never
+touches the engine or a ``Sequence``. Commands (add, abort) go through a thread-safe inbox. The
+engine thread, between two rounds:
+  1. applies the commands: new requests join its queue (``submit`` refuses past
+     ``max_queued_requests``), aborted ones leave it or the batch;
+  2. admits queued requests in arrival order while the batch has room and their KV cache fits the
+     memory budget (``KvBudget``), with at most ``max_num_batched_tokens`` prompt tokens a round;
+  3. runs one ``engine.step()``. If it raises, it finds the request that made it fail and fails
+     that request alone: first by checking each row's sampling parameters and prompt, then by
+     re-running the step over halves of the batch (the others held aside) down to one request.
+     A failed step changes nothing the retry depends on: KV past a sequence's ``num_computed`` is
+     overwritten, drafters reconcile their own state, and seeded generators are restored;
+  4. turns each sequence's new tokens into a text delta (``TextStreamer``) and posts it to the
      request's asyncio queue with ``loop.call_soon_threadsafe``.
-When no sequence is left it releases the KV caches and blocks on the inbox.
+Nothing raised inside the loop ends it: an unexpected error fails the requests in flight, is
+counted (``LoopHooks.on_loop_error``) and the loop goes on. When no sequence is left it releases
+the KV caches and blocks on the inbox.
 """
 
 from __future__ import annotations
@@ -18,18 +26,34 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.detokenizer import TextStreamer
+from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.sequence import Sequence
+from specdec.server.limits import KvBudget, ServerLimits, available_memory, kv_bytes_per_token, round_up
 
 log = logging.getLogger(__name__)
 
-# Runs on the engine thread (it may use the tokenizer): returns the prompt's token ids and its params.
-Job = Callable[[], tuple[list[int], SamplingParams]]
+Prompt = tuple[list[int], SamplingParams]  # token ids (checked against the context) and their params
+
+
+class QueueFull(Exception):
+    """The request queue is at ``max_queued_requests``: answer 429 and let the client retry."""
+
+
+class RequestError(Exception):
+    """One request failed; ``message`` is safe to show its client (no paths, no exception text)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
 
 
 @dataclass
@@ -52,15 +76,17 @@ class RequestHandle:
         self.owner, self.loop = owner, loop
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.num_choices = num_choices
-        self.seqs: list[Sequence] = []  # set on the engine thread; read only there
         self.open = num_choices  # choices not finished yet (asyncio side)
+        # engine thread only
+        self.seqs: list[Sequence] = []
+        self.state = "queued"  # -> "running" -> "done"
 
     @property
     def finished(self) -> bool:
         return self.open == 0
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every event until all choices finished; an engine failure is raised here."""
+        """Every event until all choices finished; a failure is raised here."""
         while self.open:
             ev = await self.queue.get()
             if ev.error is not None:
@@ -71,7 +97,7 @@ class RequestHandle:
             yield ev
 
     def abort(self) -> None:
-        """Drop the request's sequences (thread-safe); they leave the batch within one round."""
+        """Drop the request (thread-safe): it leaves the queue, or the batch within one round."""
         if self.open:
             self.open = 0
             self.owner._inbox.put(("abort", self))
@@ -84,14 +110,28 @@ class RequestHandle:
 
 
 @dataclass
+class _Queued:
+    handle: RequestHandle
+    prompts: list[Prompt]
+    arrival: float
+    kv_lengths: list[int]  # KV positions each choice may reach
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.prompts)
+
+
+@dataclass
 class _Track:
     """Engine-thread bookkeeping for one running sequence."""
 
     handle: RequestHandle
     index: int
+    seq: Sequence
     streamer: TextStreamer
     arrival: float  # perf_counter when the request arrived
     first_token: float | None = None
+    posted: int = 0  # output tokens already posted
 
 
 @dataclass
@@ -100,15 +140,55 @@ class LoopHooks:
 
     on_first_token: Callable[[float], None] = lambda ttft: None
     on_finish: Callable[[Sequence, float, float | None], None] = lambda seq, arrival, first: None
-    on_error: Callable[[BaseException], None] = lambda e: None
+    on_error: Callable[[BaseException], None] = lambda e: None  # an engine step raised
+    on_loop_error: Callable[[BaseException], None] = lambda e: None  # anything else in the loop raised
+
+
+@dataclass
+class _Attempt:
+    """What a step may change that a retry must undo: seeded generators' states, by seq_id, taken
+    before the step (a sequence whose tokens grew kept its draws; the others get theirs back)."""
+
+    lengths: dict[int, int] = field(default_factory=dict)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> _Attempt:
+        a = cls()
+        for s in seqs:
+            a.lengths[s.seq_id] = len(s.token_ids)
+            if s.params.seed is not None and not s.params.greedy:  # only seeded outputs must repeat exactly
+                a.states[s.seq_id] = s.generator.get_state()
+        return a
+
+    def rewind(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            state = self.states.get(s.seq_id)
+            if state is not None and len(s.token_ids) == self.lengths[s.seq_id]:
+                s.generator.set_state(state)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, hooks: LoopHooks | None = None, release_when_idle: bool = True):
+    def __init__(self, engine: Engine, hooks: LoopHooks | None = None, release_when_idle: bool = True,
+                 limits: ServerLimits | None = None):
         self.engine = engine
         self.hooks = hooks or LoopHooks()
         self.release_when_idle = release_when_idle
+        self.limits = limits or ServerLimits()
+        target = engine.target
+        per_token = kv_bytes_per_token(target)
+        draft_runner = getattr(engine.drafter, "runner", None)  # a draft model keeps a cache of its own
+        if draft_runner is not None:
+            per_token += kv_bytes_per_token(draft_runner)
+        budget = self.limits.kv_cache_memory
+        if budget is None:
+            budget = int(self.limits.kv_cache_memory_fraction * available_memory(target.device))
+        self.budget = KvBudget(budget, per_token, engine.max_num_seqs)
+        self.k = getattr(engine, "k", 0)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue: deque[_Queued] = deque()  # engine thread only
+        self._num_queued = 0  # requests submitted, not yet admitted or dropped (guarded by _lock)
+        self._lock = threading.Lock()
         self._tracks: dict[int, _Track] = {}  # seq_id -> track (engine thread only)
         self._thread: threading.Thread | None = None
         self._busy = False
@@ -131,123 +211,296 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def submit(self, jobs: list[Job], arrival: float | None = None) -> RequestHandle:
-        """Queue one request (one job per choice). Bad prompts raise the library's ValueError here."""
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    def kv_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """KV positions a sequence may reach: prompt + output (within the context) + a verify pass."""
+        end = min(num_prompt_tokens + params.max_tokens, self.engine.target.max_model_len)
+        return round_up(end + self.k + 1)
+
+    def submit(self, prompts: list[Prompt], arrival: float | None = None) -> RequestHandle:
+        """Queue one request (one prompt per choice). Raises ValueError for a request the server can
+        never run (its KV cache alone exceeds the budget), QueueFull when the queue is full."""
         if not self.alive:
             raise RuntimeError("the engine loop is not running")
-        loop = asyncio.get_running_loop()
-        handle = RequestHandle(self, loop, len(jobs))
-        added = loop.create_future()
-        self._inbox.put(("add", (handle, jobs, arrival or time.perf_counter(), added)))
-        try:
-            await added
-        except asyncio.CancelledError:
-            handle.abort()
-            raise
+        lengths = [self.kv_length(len(ids), p) for ids, p in prompts]
+        need = self.budget.bytes_for(len(lengths), max(lengths))
+        if len(prompts) > self.budget.max_rows or need > self.budget.budget:
+            raise ValueError(
+                f"this request needs {len(prompts)} sequence(s) and {need / 2**20:.0f} MiB of KV cache; the server "
+                f"runs at most {self.budget.max_rows} sequences in {self.budget.budget / 2**20:.0f} MiB. Lower "
+                "max_tokens or send fewer prompts")
+        with self._lock:
+            if self._num_queued >= self.limits.max_queued_requests:
+                raise QueueFull(f"{self._num_queued} requests are waiting")
+            self._num_queued += 1
+        handle = RequestHandle(self, asyncio.get_running_loop(), len(prompts))
+        self._inbox.put(("add", _Queued(handle, prompts, arrival or time.perf_counter(), lengths)))
         return handle
 
-    # -- engine thread --------------------------------------------------------------------------
+    # -- engine thread: the loop ------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.engine.has_unfinished()
-                if idle and self._busy:
-                    self._busy = False
-                    self._idle()
-                for cmd, arg in self._commands(block=idle):
-                    if cmd == "stop":
-                        self._fail_all(RuntimeError("the server is shutting down"))
+                try:
+                    if self._iterate():
                         return
-                    getattr(self, f"_{cmd}")(arg)
-                if self.engine.has_unfinished():
-                    self._busy = True
-                    self._step()
-        except BaseException as e:  # the loop must not die silently: fail everyone, /health turns 503
+                except Exception as e:  # a bug in this loop: fail what is in flight, keep serving
+                    log.exception("engine loop error; failing the requests in flight")
+                    self._hook(self.hooks.on_loop_error, e)
+                    self._fail_all(RequestError(500, "the engine failed while running this request"),
+                                   include_queue=False)
+                    time.sleep(0.01)  # a fault that repeats must not spin the CPU
+        except BaseException as e:  # SystemExit, KeyboardInterrupt: the loop ends, /health turns 503
             log.exception("engine loop died")
             self.error = e
-            self._fail_all(e)
+            self._fail_all(RequestError(503, "the server is shutting down"), include_queue=True)
 
-    def _commands(self, block: bool) -> list[tuple[str, object]]:
-        cmds = [self._inbox.get()] if block else []
+    def _iterate(self) -> bool:
+        """One pass: commands, admission, one step. Returns True when told to stop."""
+        idle = not self.engine.has_unfinished() and not self._queue
+        if idle and self._busy:
+            self._busy = False
+            self._idle()
+        # nothing runs and the queue's head could not be admitted (never expected): wait, do not spin
+        stalled = not self.engine.has_unfinished() and bool(self._queue)
+        for cmd, arg in self._commands(block=idle, timeout=0.05 if stalled else None):
+            if cmd == "stop":
+                self._fail_all(RequestError(503, "the server is shutting down"), include_queue=True)
+                return True
+            getattr(self, f"_{cmd}")(arg)
+        self._admit()
+        if self.engine.has_unfinished():
+            self._busy = True
+            self._step()
+        return False
+
+    def _commands(self, block: bool, timeout: float | None = None) -> list[tuple[str, object]]:
+        cmds = []
+        if block or timeout is not None:
+            try:
+                cmds.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                pass
         while True:
             try:
                 cmds.append(self._inbox.get_nowait())
             except queue.Empty:
                 return cmds
 
-    def _add(self, arg) -> None:
-        handle, jobs, arrival, added = arg
-        seqs = []
-        try:
-            for job in jobs:
-                ids, params = job()
-                seqs.append(self.engine.add_request(ids, params))
-        except Exception as e:  # a bad prompt: refuse the whole request
-            for s in seqs:
-                self.engine.abort(s)
-            _resolve(handle.loop, added, error=e)
-            return
-        handle.seqs = seqs
-        for i, s in enumerate(seqs):
-            self._tracks[s.seq_id] = _Track(handle, i, TextStreamer(self.engine.detokenizer, s), arrival)
-        _resolve(handle.loop, added, result=None)
+    def _add(self, q: _Queued) -> None:
+        self._queue.append(q)
 
     def _abort(self, handle: RequestHandle) -> None:
+        if handle.state == "queued":
+            handle.state = "done"  # _admit drops it when it reaches the head: no O(n) removal
+            return
         for s in handle.seqs:
             track = self._tracks.pop(s.seq_id, None)
             if track is not None and not s.finished:
                 self.engine.abort(s)
-                self.hooks.on_finish(s, track.arrival, track.first_token)
+                self.budget.finish(s.seq_id)
+                self._hook(self.hooks.on_finish, s, track.arrival, track.first_token)
+        handle.state = "done"
 
-    def _step(self) -> None:
-        try:
-            gained = self.engine.step()
-        except Exception as e:
-            log.exception("engine step failed; failing the requests in flight")
-            self.hooks.on_error(e)
-            self._fail_all(e)
-            return
-        for seq, tokens in gained:
-            track = self._tracks.get(seq.seq_id)
-            if track is None or not (tokens or seq.finished):
+    def _dequeue(self) -> _Queued:
+        with self._lock:
+            self._num_queued -= 1
+        return self._queue.popleft()
+
+    def _admit(self) -> None:
+        """Move queued requests into the engine, in order, while they fit (see the module docstring)."""
+        tokens = 0
+        while self._queue:
+            q = self._queue[0]
+            if q.handle.state != "queued":
+                self._dequeue()
                 continue
-            delta = track.streamer.delta(tokens)
-            if tokens and track.first_token is None:
-                track.first_token = time.perf_counter()
-                self.hooks.on_first_token(track.first_token - track.arrival)
-            ev = Event(track.index, delta.text, list(tokens), delta.finish_reason)
-            if seq.finished:
-                del self._tracks[seq.seq_id]
-                ev.prompt_tokens, ev.completion_tokens = seq.num_prompt_tokens, seq.num_output_tokens
-                self.hooks.on_finish(seq, track.arrival, track.first_token)
-            track.handle._post(ev)
+            if tokens and tokens + q.prompt_tokens > self.limits.max_num_batched_tokens:
+                return
+            if not self.budget.fits(q.kv_lengths):
+                if not self.budget.active and not self.engine.has_unfinished() and self.budget.peak_rows:
+                    self._release()  # the caches are held at an old peak that nothing uses: shrink them
+                    continue
+                return  # wait for running sequences to finish: admitting now would over-commit memory
+            self._dequeue()
+            tokens += q.prompt_tokens
+            self._start(q)
 
-    def _fail_all(self, error: BaseException) -> None:
-        handles = {id(t.handle): t.handle for t in self._tracks.values()}
-        for track in self._tracks.values():
-            self.engine.abort(track.streamer.seq)
-        self._tracks.clear()
-        for h in handles.values():
-            h._post(Event(0, "", [], error=error))
+    def _start(self, q: _Queued) -> None:
+        handle = q.handle
+        try:
+            for ids, params in q.prompts:
+                handle.seqs.append(self.engine.add_request(ids, params))
+        except Exception as e:  # the asyncio side checked the prompts; this is a last line of defence
+            log.warning("add_request refused a prompt: %s", e)
+            for s in handle.seqs:
+                self.engine.abort(s)
+            handle.state = "done"
+            handle._post(Event(0, "", [], error=RequestError(400, str(e)[:500]) if isinstance(e, ValueError)
+                               else RequestError(500, "the engine could not take this request")))
+            return
+        handle.state = "running"
+        for i, s in enumerate(handle.seqs):
+            self.budget.admit(s.seq_id, q.kv_lengths[i])
+            self._tracks[s.seq_id] = _Track(handle, i, s, TextStreamer(self.engine.detokenizer, s), q.arrival)
 
     def _idle(self) -> None:
         """No sequence left: give the KV caches' memory back (the engine keeps them at their peak size)."""
-        if not self.release_when_idle:
-            return
+        if self.release_when_idle:
+            self._release()
+
+    def _release(self) -> None:
         self.engine.release_memory()  # and trims the heap (host_memory.py)
+        self.budget.released()
 
+    # -- engine thread: a step and its failures -----------------------------------------------------
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None, error: BaseException | None = None):
-    def set_() -> None:
-        if fut.done():  # the submitter was cancelled
+    def _step(self) -> None:
+        seqs = [t.seq for t in self._tracks.values() if not t.seq.finished]
+        attempt = _Attempt.of(seqs)
+        try:
+            self.engine.step()
+        except Exception as e:
+            log.exception("engine step failed; looking for the request that caused it")
+            self._hook(self.hooks.on_error, e)
+            attempt.rewind(seqs)
+            self._isolate([s for s in seqs if not s.finished])
+        self.budget.step_done()
+        self._publish()
+
+    def _isolate(self, suspects: list[Sequence]) -> None:
+        """Fail the requests whose rows make a step fail; step the others once."""
+        faulty = {}
+        for s in suspects:
+            reason = self._row_fault(s)
+            track = self._tracks.get(s.seq_id)
+            if reason is not None and track is not None:
+                faulty[s.seq_id] = reason
+                self._fail(track.handle, RequestError(400, reason))
+        rest = [s for s in suspects if not s.finished]
+        if rest:
+            self._bisect(rest, retry_whole=bool(faulty))
+
+    def _bisect(self, group: list[Sequence], retry_whole: bool) -> None:
+        if retry_whole and self._try_step(group):
             return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
+        if len(group) == 1:
+            track = self._tracks.get(group[0].seq_id)
+            if track is not None:
+                log.error("request %s fails every step it is in; failing it alone", group[0].seq_id)
+                self._fail(track.handle, RequestError(500, "the engine failed while running this request"))
+            return
+        half = len(group) // 2
+        for part in (group[:half], group[half:]):
+            part = [s for s in part if not s.finished]  # a sibling choice may have failed its request
+            if part:
+                self._bisect(part, retry_whole=True)
 
-    try:
-        loop.call_soon_threadsafe(set_)
-    except RuntimeError:
-        pass
+    def _try_step(self, group: list[Sequence]) -> bool:
+        """One step of ``group`` alone. The other sequences are held aside: they lose their cache rows
+        to the group's, so they recompute their history in their next step (num_computed = 0)."""
+        ids = {s.seq_id for s in group}
+        running, waiting = self.engine.running, self.engine.waiting
+        aside = [s for s in running if s.seq_id not in ids]
+        waiting_aside = [s for s in waiting if s.seq_id not in ids]
+        running[:] = [s for s in running if s.seq_id in ids]
+        kept = [s for s in waiting if s.seq_id in ids]
+        waiting.clear()
+        waiting.extend(kept)
+        attempt = _Attempt.of(group)
+        try:
+            self.engine.step()
+            return True
+        except Exception as e:
+            log.warning("a step over %d of the sequences failed too", len(group), exc_info=True)
+            self._hook(self.hooks.on_error, e)
+            attempt.rewind(group)
+            return False
+        finally:
+            for s in aside:
+                s.num_computed = 0
+            self.engine.running.extend(aside)
+            self.engine.waiting.extend(waiting_aside)
+
+    def _row_fault(self, seq: Sequence) -> str | None:
+        """Why this sequence alone would break a step, if a per-row check can tell."""
+        p = seq.params
+        try:
+            replace(p)  # validates (and sanitizes) again: catches values changed after construction
+        except (ValueError, TypeError) as e:
+            return f"invalid sampling parameters: {str(e)[:300]}"
+        vocab = self.engine.target.vocab_size
+        if any(not (0 <= t < vocab) for t in seq.token_ids):
+            return "the sequence holds token ids outside the vocabulary"
+        if p.greedy:
+            return None
+        try:
+            sb = SamplingBatch.from_params([p], self.engine.target.device)
+            probs = probs_from_logits(torch.zeros(1, vocab, device=sb.device), sb)  # [1, V]
+            ok = bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0
+        except Exception:
+            ok = False
+        return None if ok else "these sampling parameters give no valid distribution to sample from"
+
+    # -- engine thread: results ---------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Post each sequence's new tokens (counted from what was posted, so a step that failed half
+        way loses nothing) and its text delta; a request whose results cannot be made fails alone."""
+        for track in list(self._tracks.values()):
+            seq = track.seq
+            n = seq.num_output_tokens
+            if n == track.posted and not seq.finished:
+                continue
+            try:
+                tokens = seq.token_ids[seq.num_prompt_tokens + track.posted:]
+                track.posted = n
+                delta = track.streamer.delta(tokens)
+                if tokens and track.first_token is None:
+                    track.first_token = time.perf_counter()
+                    self._hook(self.hooks.on_first_token, track.first_token - track.arrival)
+                ev = Event(track.index, delta.text, tokens, delta.finish_reason)
+                if seq.finished:
+                    del self._tracks[seq.seq_id]
+                    self.budget.finish(seq.seq_id)
+                    ev.prompt_tokens, ev.completion_tokens = seq.num_prompt_tokens, seq.num_output_tokens
+                    self._hook(self.hooks.on_finish, seq, track.arrival, track.first_token)
+                track.handle._post(ev)
+            except Exception as e:
+                log.exception("turning sequence %s's tokens into text failed; failing its request", seq.seq_id)
+                self._hook(self.hooks.on_loop_error, e)
+                self._fail(track.handle, RequestError(500, "the server failed to detokenize this request's output"))
+
+    def _fail(self, handle: RequestHandle, error: RequestError) -> None:
+        """Fail one request: abort its sequences and raise ``error`` in its handler."""
+        if handle.state == "done":
+            return
+        for s in handle.seqs:
+            if self._tracks.pop(s.seq_id, None) is not None and not s.finished:
+                self.engine.abort(s)
+            self.budget.finish(s.seq_id)
+        handle.state = "done"
+        handle._post(Event(0, "", [], error=error))
+
+    def _fail_all(self, error: RequestError, include_queue: bool) -> None:
+        for h in {id(t.handle): t.handle for t in self._tracks.values()}.values():
+            try:
+                self._fail(h, error)
+            except Exception:
+                log.exception("failing a request failed")
+        self._tracks.clear()
+        while include_queue and self._queue:
+            q = self._dequeue()
+            if q.handle.state == "queued":
+                q.handle.state = "done"
+                q.handle._post(Event(0, "", [], error=error))
+
+    def _hook(self, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("a metrics hook failed")

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specdec.engine import Engine
 from specdec.sequence import Sequence
+from specdec.server.async_engine import AsyncEngine
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
@@ -28,10 +29,10 @@ prometheus_client.disable_created_metrics()  # no *_created series (vLLM does th
 
 
 class _EngineCollector:
-    """Speculative-decoding counters and queue gauges, read from the engine when scraped."""
+    """Speculative-decoding counters, queue and KV-budget gauges, read from the engines when scraped."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine, loop: AsyncEngine):
+        self.engine, self.loop = engine, loop
 
     def collect(self):
         s = self.engine.stats
@@ -40,7 +41,7 @@ class _EngineCollector:
             ("spec_decode_num_draft_tokens", s.num_draft_tokens, "Draft tokens proposed."),
             ("spec_decode_num_accepted_tokens", s.num_accepted_tokens, "Draft tokens accepted."),
             ("spec_decode_num_emitted_tokens", s.num_emitted_tokens,
-             "Tokens emitted by verification: accepted + recovered + bonus."),
+             "Tokens emitted by verification, before stop conditions: accepted + recovered + bonus."),
         ):
             yield CounterMetricFamily(f"specdec:{name}", doc, value=value)
         per_pos = CounterMetricFamily("specdec:spec_decode_num_accepted_tokens_per_pos",
@@ -50,14 +51,19 @@ class _EngineCollector:
         yield per_pos
         yield GaugeMetricFamily("specdec:num_requests_running", "Sequences in the running batch.",
                                 value=len(self.engine.running))
-        yield GaugeMetricFamily("specdec:num_requests_waiting", "Sequences waiting for a batch slot.",
-                                value=len(self.engine.waiting))
+        yield GaugeMetricFamily("specdec:num_requests_waiting", "Requests waiting for a batch slot or KV memory.",
+                                value=len(self.engine.waiting) + self.loop.num_queued)
+        yield GaugeMetricFamily("specdec:kv_cache_budget_bytes", "KV cache memory the server may use.",
+                                value=self.loop.budget.budget)
+        yield GaugeMetricFamily("specdec:kv_cache_reserved_bytes",
+                                "KV cache memory the admitted requests may hold (the caches' peak shape).",
+                                value=self.loop.budget.reserved)
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, loop: AsyncEngine):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, loop))
         r = self.registry
         self.ttft = Histogram("specdec:time_to_first_token_seconds",
                               "Arrival of the request to its first generated token.", buckets=TTFT_BUCKETS, registry=r)
@@ -72,7 +78,10 @@ class ServerMetrics:
                               ["status"], registry=r)
         self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("specdec:generation_tokens", "Generated tokens.", registry=r)
-        self.engine_failures = Counter("specdec:engine_step_failures", "Engine rounds that raised.", registry=r)
+        self.engine_failures = Counter("specdec:engine_step_failures", "Engine rounds that raised (the request "
+                                       "that made one fail is found and failed alone).", registry=r)
+        self.loop_failures = Counter("specdec:engine_loop_failures", "Errors in the engine thread outside a "
+                                     "round (admission, detokenizing); the loop carries on.", registry=r)
 
     # hooks called on the engine thread
     def on_first_token(self, ttft: float) -> None:
@@ -91,3 +100,6 @@ class ServerMetrics:
 
     def on_error(self, error: BaseException) -> None:
         self.engine_failures.inc()
+
+    def on_loop_error(self, error: BaseException) -> None:
+        self.loop_failures.inc()

@@ -15,23 +15,29 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, short_repr
 
 
 class ApiError(Exception):
     """An error with an HTTP status, rendered as ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
 
+MAX_MESSAGE_CHARS = 1000  # an error message never carries a long input back
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + "..."
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -144,8 +150,8 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"content part of type {part.get('type')!r} is not supported; send text parts",
-                               "messages")
+                raise ApiError(400, f"content part of type {short_repr(part.get('type'))} is not supported; "
+                               "send text parts", "messages")
             parts.append(part["text"])
         return "".join(parts)
 

@@ -90,22 +90,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, max_ste
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, max_steps))
 
 
-def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def use_bf16(precision: str, device: torch.device) -> bool:
     if precision != "auto":
         return precision == "bf16"
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    # Measured on one avx512_bf16 core with the 28M demo model at seq_len 512:
-    # a training step ~1.8-2x faster than fp32, the loss within 1e-4 of fp32.
-    return cpu_has_bf16()
+    # bf16 only where the CPU runs it natively: elsewhere it is emulated and slower than fp32.
+    from specdec.models.cpu import native_bf16
+
+    return native_bf16().native
 
 
 class RunLog:

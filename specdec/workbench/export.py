@@ -83,7 +83,7 @@ def export_from_profile(engine: str, profile_path: str | Path) -> Export:
 def _common_notes(spec: SpeculativeConfig) -> list[str]:
     notes = []
     if spec.adaptive:
-        notes.append("specdec's adaptive k (per sequence, from measured acceptance and costs) has no equivalent "
+        notes.append("specdec's adaptive k (one per round for the batch, from measured acceptance and costs) has no equivalent "
                      f"here; this uses a fixed k = {spec.num_speculative_tokens} (profile with --k-max to pick it)")
     if spec.enable_suffix_decoding:
         notes.append("enable_suffix_decoding (suffix drafts in front of the model's) has no equivalent here; this "

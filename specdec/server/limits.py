@@ -1,0 +1,165 @@
+"""The server's bounds, in one validated dataclass, and the KV memory arithmetic they rest on.
+
+Every resource a client can ask for is bounded: request body bytes, prompts per request, queued
+requests (429 past it), sequences and prompt tokens per round, KV cache bytes (requests wait
+until theirs fit), and the time a connection may take to send its headers and its body.
+Names follow vLLM's where it has the setting (``max_num_seqs``, ``max_num_batched_tokens``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.models.base import ModelRunner
+
+KV_LEN_STEP = 256  # the runners grow their KV caches in steps of this many positions
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass
+class ServerLimits:
+    """Bounds and timeouts of one server. ``None`` for ``kv_cache_memory`` means
+    ``kv_cache_memory_fraction`` of the memory free once the models are loaded."""
+
+    max_body_bytes: int = 4 * 2**20
+    max_prompts_per_request: int = 64
+    max_queued_requests: int = 1024  # waiting for a batch slot or KV memory; 429 past it
+    max_num_batched_tokens: int = 8192  # prompt tokens admitted into one round (one prompt always fits)
+    kv_cache_memory: int | None = None  # bytes
+    kv_cache_memory_fraction: float = 0.5
+    timeout_keep_alive: float = 5.0  # idle keep-alive connections are closed after this (uvicorn's name)
+    header_timeout: float = 10.0  # a connection must send a request's headers within this
+    body_timeout: float = 30.0  # ... and its body within this once the headers are in
+    limit_concurrency: int | None = 1024  # connections + tasks before uvicorn answers 503
+    allowed_hosts: tuple[str, ...] | None = None  # besides loopback names; None: see hosts_for
+    metrics_public: bool = False  # /metrics without the API key
+    enable_docs: bool = False  # /docs, /redoc, /openapi.json
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_requests", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"{name} must be an integer >= 1, got {value!r}")
+        _check(self.kv_cache_memory is None or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
+               f"kv_cache_memory must be a number of bytes > 0 or None, got {self.kv_cache_memory!r}")
+        _check(isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1,
+               f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction!r}")
+        for name in ("timeout_keep_alive", "header_timeout", "body_timeout"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and value > 0,
+                   f"{name} must be a number of seconds > 0, got {value!r}")
+        limit = self.limit_concurrency
+        _check(limit is None or (isinstance(limit, int) and limit >= 1),
+               f"limit_concurrency must be an integer >= 1 or None, got {limit!r}")
+        if self.allowed_hosts is not None:
+            self.allowed_hosts = tuple(h.lower() for h in self.allowed_hosts)
+
+    def hosts_for(self, local_host: str) -> frozenset[str] | None:
+        """The Host (and Origin) names to accept on a connection that came in at ``local_host``; None
+        accepts any. A connection over loopback must name a loopback host (or an allowed one): a page
+        that rebinds its DNS name to 127.0.0.1 sends its own name, so it cannot reach the server."""
+        if self.allowed_hosts is not None:
+            return frozenset(self.allowed_hosts) | frozenset(LOOPBACK_HOSTS)
+        if local_host in LOOPBACK_HOSTS:
+            return frozenset(LOOPBACK_HOSTS)
+        return None
+
+
+def kv_bytes_per_token(runner: ModelRunner) -> int:
+    """Bytes of KV cache one position of one row costs in ``runner``: its own figure when it has one,
+    else computed from a Llama-style runner's shape (k and v, every layer)."""
+    try:
+        return int(runner.kv_bytes_per_token())
+    except (AttributeError, NotImplementedError):
+        dtype = getattr(runner, "compute_dtype", torch.float32)
+        return 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * dtype.itemsize
+
+
+def round_up(n: int, step: int = KV_LEN_STEP) -> int:
+    return -(-n // step) * step
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free now: the accelerator's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '512MiB', '1.5GB', '1000000' -> bytes (for --kv-cache-memory)."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    t = text.strip().lower().replace(" ", "")
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    _check(unit in units and value > 0, f"a memory size must look like 8GiB, 512MiB or 1000000 (bytes), got {text!r}")
+    return int(value * units[unit])
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+class KvBudget:
+    """Admission that never over-commits the KV cache memory.
+
+    The runners keep their caches at the most rows and the longest length reached since they were
+    last released (rows x length x bytes per position), so a request may join only while
+    max(peak rows, rows with it) x max(peak length, its length) still fits the budget. Rows of
+    sequences that ended count until the next step has retired them from the batch.
+    """
+
+    def __init__(self, budget: int, bytes_per_token: int, max_rows: int):
+        self.budget, self.bytes_per_token, self.max_rows = budget, bytes_per_token, max_rows
+        self.active: dict[int, int] = {}  # seq_id -> KV positions it may reach
+        self.leaving: set[int] = set()  # ended since the last step
+        self.peak_rows = self.peak_len = 0
+
+    def bytes_for(self, rows: int, length: int) -> int:
+        return rows * length * self.bytes_per_token
+
+    @property
+    def reserved(self) -> int:
+        """Bytes the caches may hold now (their peak shape)."""
+        return self.bytes_for(self.peak_rows, self.peak_len)
+
+    def fits(self, lengths: list[int]) -> bool:
+        if len(self.active) + len(lengths) > self.max_rows:
+            return False
+        rows = max(self.peak_rows, len(self.active) + len(self.leaving) + len(lengths))
+        return self.bytes_for(rows, max(self.peak_len, *lengths)) <= self.budget
+
+    def admit(self, seq_id: int, length: int) -> None:
+        self.active[seq_id] = length
+        self.peak_rows = max(self.peak_rows, len(self.active) + len(self.leaving))
+        self.peak_len = max(self.peak_len, length)
+
+    def finish(self, seq_id: int) -> None:
+        if self.active.pop(seq_id, None) is not None:
+            self.leaving.add(seq_id)
+
+    def step_done(self) -> None:
+        self.leaving.clear()
+
+    def released(self) -> None:
+        """The caches were freed: only what still runs counts."""
+        self.peak_rows = len(self.active)
+        self.peak_len = max(self.active.values(), default=0)
+        self.leaving.clear()
