@@ -231,8 +231,9 @@ def main() -> None:
     for k, v in sorted(mean.items(), key=lambda kv: -kv[1]["e2e"]):
         print(f"  {k:34s} {v['e2e']:7.1f} / {v['decode']:7.1f}")
 
-    def best(prefix: str, names) -> tuple[str, float]:
-        cands = [(k, mean[k]["e2e"]) for k in mean if k.startswith(prefix) and any(n in k for n in names)]
+    def best(prefix: str, names, without: str = "\0") -> tuple[str, float]:
+        cands = [(k, mean[k]["e2e"]) for k in mean
+                 if k.startswith(prefix) and any(n in k for n in names) and without not in k and "torch" not in k]
         return max(cands, key=lambda x: x[1]) if cands else ("-", float("nan"))
 
     if args.torch:
@@ -251,7 +252,7 @@ def main() -> None:
     free, free_v = best("llama-server", FREE_TYPES)
     sd_best, sd_v = best("specdec", ["suffix", "ngram", "draft"])
     print(f"specdec best ({sd_best}) / llama-server best speculative ({any_spec}): {sd_v / any_v:.2f}x")
-    sd_free, sd_free_v = best("specdec", ["suffix", "ngram"])
+    sd_free, sd_free_v = best("specdec", ["suffix", "ngram"], without="draft")
     print(f"specdec best draft-free ({sd_free}) / llama-server best draft-free ({free}): {sd_free_v / free_v:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"mean": mean, "runs": {k: [{m: x[m] for m in x if m != "outputs"}
