@@ -6,22 +6,22 @@ stderr and exits with status 2 (the status click uses for usage errors), without
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Annotated, Any, NoReturn
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from specdec.cli_common import (TAU, AdaptiveOpt, BackendOpt, CliError, DeviceOpt, DraftOpt, DtypeOpt, JsonOpt,
+                                KOpt, ModelOpt, SpecOpt, TokenizerOpt, build_speculative_config, errors_exit_2,
+                                print_json, quiet_transformers)
+from specdec.workbench.cli import register as register_workbench
+
 app = typer.Typer(help="Lossless speculative decoding for Hugging Face Llama-family checkpoints.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False)
 
-TAU = "τ (mean acceptance length: tokens per verify pass, incl. bonus)"
 DEMO_TARGET, DEMO_DRAFT = "specdec/demo-target", "specdec/demo-draft"
 # Each ends where the tokenizer ends a token in running text: a prompt ending in a bare newline
 # leaves a token that training text merges with the next line's indentation, and the model then
@@ -31,31 +31,6 @@ DEMO_PROMPTS = [
     'def is_prime(n):\n    """',
     "class Stack:\n    def __init__(self):\n        self.",
 ]
-
-ModelOpt = Annotated[str, typer.Option(
-    "--model", help="Target: a checkpoint folder, a hub id, a .gguf file or a folder holding one.")]
-DraftOpt = Annotated[str | None, typer.Option(
-    "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
-AdaptiveOpt = Annotated[bool | None, typer.Option(
-    "--adaptive/--no-adaptive", help="Choose one k per round for the batch from measured acceptance and costs (the "
-                                     "default), or keep k fixed.")]
-KOpt = Annotated[int | None, typer.Option(
-    "-k", "--num-speculative-tokens", help="Draft tokens per round (default 4).")]
-SpecOpt = Annotated[str | None, typer.Option(
-    "--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "draft_model", "model": "D", '
-                                 '"num_speculative_tokens": 4}\'.')]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")]
-BackendOpt = Annotated[str, typer.Option(
-    "--backend", help="auto (llama.cpp for GGUF files), torch or llama.cpp.")]
-TokenizerOpt = Annotated[str | None, typer.Option(
-    "--tokenizer", help="HF tokenizer folder for a GGUF model (default: the one in the GGUF).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
-
-
-class CliError(Exception):
-    """Bad command-line input found by the CLI itself (the library raises ValueError)."""
-
 
 @app.command()
 def generate(
@@ -82,14 +57,14 @@ def generate(
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a completion for one prompt, with or without a drafter, and print speed and acceptance."""
-    with _errors_exit_2():
+    with errors_exit_2():
         from specdec import LLM, SamplingParams
 
         request = _prompt_input(prompt, prompt_token_ids)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stop)
-        spec = _speculative_config(draft, k, speculative_config, adaptive)
-        _quiet_transformers()
+        spec = build_speculative_config(draft, k, speculative_config, adaptive)
+        quiet_transformers()
         llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
                   tokenizer=tokenizer)
         t0 = time.perf_counter()
@@ -97,7 +72,7 @@ def generate(
         elapsed = time.perf_counter() - t0
     metrics = llm.get_metrics()
     if as_json:
-        _print_json({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+        print_json({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                      "metrics": metrics})
         return
     typer.echo(out.text)
@@ -136,17 +111,17 @@ def bench(
     as_json: JsonOpt = False,
 ) -> None:
     """Plain vs speculative decoding, batch 1, same process: tokens/s, speedup, acceptance and τ."""
-    with _errors_exit_2():
+    with errors_exit_2():
         from specdec import LLM, SamplingParams
         from specdec.bench import run_bench
         from specdec.prompts import load_prompts
 
         records = load_prompts(prompts, num_prompts)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        spec = _speculative_config(draft, k, speculative_config, adaptive)
+        spec = build_speculative_config(draft, k, speculative_config, adaptive)
         if spec is None:
             raise CliError("bench compares plain and speculative decoding: pass --draft D or --speculative-config")
-        _quiet_transformers()
+        quiet_transformers()
         if peer not in (None, "hf"):
             raise CliError(f"--peer must be 'hf', got {peer!r}")
         spec_llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
@@ -159,7 +134,7 @@ def bench(
         else:
             result = run_bench(ar_llm, spec_llm, records, params, repeats=repeats)
     if as_json:
-        _print_json(result.as_dict())
+        print_json(result.as_dict())
     else:
         _print_bench(result.as_dict(), Console(highlight=False))
 
@@ -180,12 +155,12 @@ def demo(
                    f"{SHIPPED[DEMO_TARGET].parent}); run `specdec generate --model FOLDER --draft FOLDER "
                    "--prompt ...` with your own checkpoints instead", err=True)
         raise typer.Exit(1)
-    with _errors_exit_2():
+    with errors_exit_2():
         from specdec import LLM, SamplingParams
         from specdec.bench import run_bench
 
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
-        _quiet_transformers()
+        quiet_transformers()
         spec_llm = LLM(model=DEMO_TARGET, device=device, backend=backend, speculative_config={
             "method": "draft_model", "model": DEMO_DRAFT, "num_speculative_tokens": 4})
         ar_llm = LLM(model=DEMO_TARGET, device=device, backend=backend)
@@ -196,7 +171,7 @@ def demo(
                "mean_acceptance_length": result["spec"]["mean_acceptance_length"], "paths": result["paths"],
                "backend": spec_llm.backend}
     if as_json:
-        _print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
+        print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
         return
     console = Console(highlight=False)
     for p, c in zip(DEMO_PROMPTS, completions):
@@ -214,11 +189,11 @@ def convert(
     outtype: Annotated[str, typer.Option(help="Weight type: f32, bf16, f16, q8_0 or q4_k_m.")] = "bf16",
 ) -> None:
     """Convert a checkpoint to GGUF for the llama.cpp backend (and llama.cpp's own tools)."""
-    with _errors_exit_2():
+    with errors_exit_2():
         from specdec.models.gguf import convert as convert_checkpoint
         from specdec.models.loader import resolve_model_path
 
-        _quiet_transformers()
+        quiet_transformers()
         path = convert_checkpoint(resolve_model_path(hf_dir), out, outtype,
                                   progress=lambda line: typer.echo(line, err=True))
     typer.echo(path)
@@ -270,7 +245,7 @@ def serve(
 ) -> None:
     """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching; every
     resource a client can ask for is bounded (see the options)."""
-    with _errors_exit_2():
+    with errors_exit_2():
         import torch
 
         from specdec.server import build_app, serve as run_server
@@ -292,8 +267,8 @@ def serve(
         if threads is not None:
             torch.set_num_threads(threads)
 
-        spec = _speculative_config(draft, k, speculative_config, adaptive)
-        _quiet_transformers()
+        spec = build_speculative_config(draft, k, speculative_config, adaptive)
+        quiet_transformers()
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                served_model_name=served_model_name, api_key=api_key, limits=limits,
@@ -312,7 +287,7 @@ def train(ctx: typer.Context) -> None:
     """
     from specdec.training.train import main as train_main
 
-    with _errors_exit_2():
+    with errors_exit_2():
         train_main(list(ctx.args))
 
 
@@ -324,7 +299,7 @@ def distill(ctx: typer.Context) -> None:
     """
     from specdec.training.distill import main as distill_main
 
-    with _errors_exit_2():
+    with errors_exit_2():
         distill_main(list(ctx.args))
 
 
@@ -333,20 +308,6 @@ def main() -> None:
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _errors_exit_2() -> Iterator[None]:
-    """Turn a ValueError (the library's bad-input error) or CliError into ``error: ...``, exit status 2."""
-    try:
-        yield
-    except (ValueError, CliError) as e:
-        _fail(str(e))
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def _prompt_input(prompt: str | None, prompt_token_ids: str | None) -> str | dict:
@@ -361,56 +322,6 @@ def _prompt_input(prompt: str | None, prompt_token_ids: str | None) -> str | dic
     if not ids:
         raise CliError("--prompt-token-ids is empty; pass at least one token id")
     return {"prompt_token_ids": ids}
-
-
-def _speculative_config(draft: str | None, k: int | None, raw: str | None,
-                        adaptive: bool | None = None) -> dict[str, Any] | None:
-    """The speculative_config dict from --draft / -k / --speculative-config / --[no-]adaptive
-    (validated by the library)."""
-    cfg = _speculative_config_base(draft, k, raw)
-    if adaptive is not None:
-        if cfg is None:
-            raise CliError("--adaptive/--no-adaptive needs a drafter: pass --draft D or --speculative-config")
-        cfg["adaptive"] = adaptive
-    return cfg
-
-
-def _speculative_config_base(draft: str | None, k: int | None, raw: str | None) -> dict[str, Any] | None:
-    if draft is not None and raw is not None:
-        raise CliError("pass either --draft or --speculative-config, not both")
-    if raw is not None:
-        try:
-            cfg = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise CliError(f"--speculative-config is not valid JSON: {e.msg} at column {e.colno}") from None
-        if not isinstance(cfg, dict):
-            raise CliError(f"--speculative-config must be a JSON object, got {type(cfg).__name__}")
-        if k is not None:
-            if cfg.get("num_speculative_tokens", k) != k:
-                raise CliError(f"-k {k} disagrees with num_speculative_tokens "
-                               f"{cfg['num_speculative_tokens']} in --speculative-config; pass one of them")
-            cfg["num_speculative_tokens"] = k
-        return cfg
-    if draft is not None:
-        return {"method": "draft_model", "model": draft, "num_speculative_tokens": 4 if k is None else k}
-    if k is not None:
-        raise CliError("-k/--num-speculative-tokens needs a drafter: pass --draft D or --speculative-config")
-    return None
-
-
-def _quiet_transformers() -> None:
-    """No weight-loading progress bars: stdout stays the result, stderr the summary."""
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except Exception:  # an older or newer transformers without it: bars are only cosmetic
-        pass
-
-
-def _print_json(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 def _divergence(m: dict) -> str:
@@ -467,11 +378,7 @@ def _print_bench(r: dict, console: Console) -> None:
         console.print(line, markup=False, soft_wrap=True)
 
 
-if __name__ == "__main__":  # python -m specdec.cli: run the module proper, where the workbench registers
-    from specdec.cli import main as _main
+register_workbench(app)  # profile, report, verify-lossless, export
 
-    _main()
-else:
-    from specdec.workbench.cli import register  # (profile, report, verify-lossless, export)
-
-    register(app)
+if __name__ == "__main__":
+    main()

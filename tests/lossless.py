@@ -59,3 +59,13 @@ def exact_joint(hf_model, prompt: list[int], params, n_tokens: int, vocab_size: 
         joint = (joint[:, None] * probs).reshape(-1)
         prefixes = [p + [t] for p in prefixes for t in range(vocab_size)]
     return joint.double().numpy()
+
+
+def assert_first_tokens_follow_target(hf_model, prompt: list[int], tokens: np.ndarray, params, vocab_size: int) -> None:
+    """Sampled outputs ``tokens`` [N, 3]: the joint of the first two and the marginal of the third
+    must pass a chi-square test against the target's exact probabilities."""
+    V = vocab_size
+    joint2 = exact_joint(hf_model, prompt, params, 2, V)  # (t1, t2)
+    assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
+    third = exact_joint(hf_model, prompt, params, 3, V).reshape(V * V, V).sum(0)  # marginal of t3
+    assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p, exact_joint
+from lossless import assert_first_tokens_follow_target, assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
@@ -139,10 +139,7 @@ def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, dra
     outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
     tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
     V = 23
-    joint2 = exact_joint(hf, prompt, sps[0], 2, V)  # (t1, t2)
-    assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint2) > FALSE_ALARM
-    third = exact_joint(hf, prompt, sps[0], 3, V).reshape(V * V, V).sum(0)  # marginal of t3
-    assert chi_square_p(tokens[:, 2], third) > FALSE_ALARM
+    assert_first_tokens_follow_target(hf, prompt, tokens, sps[0], V)
     assert llm.get_metrics()["num_accepted_tokens"] > 0  # the drafts did get used
     if hybrid:
         assert llm.engine.drafter.suffix_rows > 0 and llm.engine.drafter.model_rows > 0  # both kinds were used

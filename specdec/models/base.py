@@ -95,9 +95,9 @@ class ModelRunner(ABC):
         ``batch.logits_index``, or None when it is None. A backend that cannot honour
         ``num_layers`` raises ValueError."""
 
+    @abstractmethod
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one position of one row takes (all layers, k and v)."""
-        raise NotImplementedError
 
 
 def next_token_logits(runner: ModelRunner, prompts: list[list[int]], row_tag: str = "__specdec_probe__") -> torch.Tensor:

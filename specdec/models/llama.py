@@ -43,6 +43,8 @@ PACK_BELOW = 0.75  # ragged rows are packed when their real tokens are at most t
 
 
 class LlamaRunner(ModelRunner):
+    backend = "torch"
+
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None):
         cfg = loaded.config
         model = loaded.hf_model

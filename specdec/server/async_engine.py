@@ -37,7 +37,7 @@ from specdec.engine import Engine
 from specdec.detokenizer import TextStreamer
 from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.sequence import Sequence
-from specdec.server.limits import KvBudget, ServerLimits, available_memory, kv_bytes_per_token, round_up
+from specdec.server.limits import KvBudget, ServerLimits, available_memory, round_up
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +176,10 @@ class AsyncEngine:
         self.release_when_idle = release_when_idle
         self.limits = limits or ServerLimits()
         target = engine.target
-        per_token = kv_bytes_per_token(target)
+        per_token = target.kv_bytes_per_token()
         draft_runner = getattr(engine.drafter, "runner", None)  # a draft model keeps a cache of its own
         if draft_runner is not None:
-            per_token += kv_bytes_per_token(draft_runner)
+            per_token += draft_runner.kv_bytes_per_token()
         budget = self.limits.kv_cache_memory
         if budget is None:
             budget = int(self.limits.kv_cache_memory_fraction * available_memory(target.device))

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.models.base import ModelRunner
 
 KV_LEN_STEP = 256  # the runners grow their KV caches in steps of this many positions
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -65,16 +64,6 @@ class ServerLimits:
         if local_host in LOOPBACK_HOSTS:
             return frozenset(LOOPBACK_HOSTS)
         return None
-
-
-def kv_bytes_per_token(runner: ModelRunner) -> int:
-    """Bytes of KV cache one position of one row costs in ``runner``: its own figure when it has one,
-    else computed from a Llama-style runner's shape (k and v, every layer)."""
-    try:
-        return int(runner.kv_bytes_per_token())
-    except (AttributeError, NotImplementedError):
-        dtype = getattr(runner, "compute_dtype", torch.float32)
-        return 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * dtype.itemsize
 
 
 def round_up(n: int, step: int = KV_LEN_STEP) -> int:

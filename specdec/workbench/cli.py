@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from specdec import cli as base
+from specdec import cli_common as base
 
 SpecsOpt = Annotated[list[str] | None, typer.Option(
     "--speculative-config", help='vLLM-style JSON; repeat it to compare methods, e.g. \'{"method": "ngram"}\'.')]
@@ -59,7 +59,7 @@ def profile(
     as_json: base.JsonOpt = False,
 ) -> None:
     """Measure acceptance per position, c and v(k) per category; predict S(k); recommend k (and method); check it."""
-    with base._errors_exit_2():
+    with base.errors_exit_2():
         from specdec.prompts import load_prompts
         from specdec.workbench.profile import run_profile
         from specdec.workbench.report import summarize
@@ -75,7 +75,7 @@ def profile(
         folder = Path(out)
         if folder.exists() and not folder.is_dir():
             raise base.CliError(f"--out {out!r} exists and is not a folder")
-        base._quiet_transformers()
+        base.quiet_transformers()
         with progress_bars() as tick:
             result = run_profile(model, configs, records, max_tokens=max_tokens, k_max=k_max,
                                  temperature=temperature, dtype=dtype, device=device, validate=validate,
@@ -84,7 +84,7 @@ def profile(
         (folder / "profile.json").write_text(json.dumps(result, indent=1))
     summary = {**summarize(result), "profile": str(folder / "profile.json")}
     if as_json:
-        base._print_json(summary)
+        base.print_json(summary)
         return
     _print_profile(result, str(folder / "profile.json"), Console(highlight=False))
 
@@ -94,12 +94,12 @@ def report(
     as_json: base.JsonOpt = False,
 ) -> None:
     """Write report.html (self-contained), PNG figures and report.md from a profile."""
-    with base._errors_exit_2():
+    with base.errors_exit_2():
         from specdec.workbench.report import write_report
 
         result = write_report(folder)
     if as_json:
-        base._print_json(result)
+        base.print_json(result)
         return
     console = Console(highlight=False)
     for name, path in result["files"].items():
@@ -121,19 +121,19 @@ def verify_lossless(
     as_json: base.JsonOpt = False,
 ) -> None:
     """Chi-square self-test: sampled output (temperature 1, top-k 8, top-p 0.8) vs the target's exact probabilities."""
-    with base._errors_exit_2():
+    with base.errors_exit_2():
         from specdec import LLM
         from specdec.workbench.lossless import format_result, verify_lossless as run
 
-        spec = base._speculative_config(draft, k, speculative_config)
+        spec = base.build_speculative_config(draft, k, speculative_config)
         if spec is None:
             raise base.CliError("verify-lossless needs a drafter: pass --speculative-config JSON or --draft D")
-        base._quiet_transformers()
+        base.quiet_transformers()
         llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
         with progress_bars() as tick:
             result = run(llm, samples=samples, false_alarm=false_alarm, prompts=prompt, progress=tick)
     if as_json:
-        base._print_json(result)
+        base.print_json(result)
     else:
         console = Console(highlight=False)
         for line in format_result(result):
@@ -151,7 +151,7 @@ def export(
     as_json: base.JsonOpt = False,
 ) -> None:
     """Print the equivalent speculative-decoding settings for vLLM, SGLang, TensorRT-LLM or llama.cpp."""
-    with base._errors_exit_2():
+    with base.errors_exit_2():
         from specdec.workbench.export import export_config, export_from_profile
 
         if (profile_path is None) == (speculative_config is None):
@@ -161,7 +161,7 @@ def export(
         else:
             result = export_config(engine, _parse_json(speculative_config, "--speculative-config"), model)
     if as_json:
-        base._print_json(result.as_dict())
+        base.print_json(result.as_dict())
     else:
         typer.echo(result.text, nl=False)
 

@@ -1,0 +1,103 @@
+"""What every ``specdec`` command shares: option types, the bad-input error and how it exits, the
+speculative config built from flags, JSON output. Both ``cli.py`` and ``workbench/cli.py`` import it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+TAU = "τ (mean acceptance length: tokens per verify pass, incl. bonus)"
+
+ModelOpt = Annotated[str, typer.Option(
+    "--model", help="Target: a checkpoint folder, a hub id, a .gguf file or a folder holding one.")]
+DraftOpt = Annotated[str | None, typer.Option(
+    "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
+AdaptiveOpt = Annotated[bool | None, typer.Option(
+    "--adaptive/--no-adaptive", help="Choose one k per round for the batch from measured acceptance and costs (the "
+                                     "default), or keep k fixed.")]
+KOpt = Annotated[int | None, typer.Option(
+    "-k", "--num-speculative-tokens", help="Draft tokens per round (default 4).")]
+SpecOpt = Annotated[str | None, typer.Option(
+    "--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "draft_model", "model": "D", '
+                                 '"num_speculative_tokens": 4}\'.')]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32, bfloat16, float16 or auto.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu or cuda[:N].")]
+BackendOpt = Annotated[str, typer.Option(
+    "--backend", help="auto (llama.cpp for GGUF files), torch or llama.cpp.")]
+TokenizerOpt = Annotated[str | None, typer.Option(
+    "--tokenizer", help="HF tokenizer folder for a GGUF model (default: the one in the GGUF).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+
+
+class CliError(Exception):
+    """Bad command-line input found by the CLI itself (the library raises ValueError)."""
+
+
+@contextmanager
+def errors_exit_2() -> Iterator[None]:
+    """Turn a ValueError (the library's bad-input error) or CliError into ``error: ...``, exit status 2."""
+    try:
+        yield
+    except (ValueError, CliError) as e:
+        fail(str(e))
+
+
+def fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def build_speculative_config(draft: str | None, k: int | None, raw: str | None,
+                        adaptive: bool | None = None) -> dict[str, Any] | None:
+    """The speculative_config dict from --draft / -k / --speculative-config / --[no-]adaptive
+    (validated by the library)."""
+    cfg = _speculative_config_base(draft, k, raw)
+    if adaptive is not None:
+        if cfg is None:
+            raise CliError("--adaptive/--no-adaptive needs a drafter: pass --draft D or --speculative-config")
+        cfg["adaptive"] = adaptive
+    return cfg
+
+
+def _speculative_config_base(draft: str | None, k: int | None, raw: str | None) -> dict[str, Any] | None:
+    if draft is not None and raw is not None:
+        raise CliError("pass either --draft or --speculative-config, not both")
+    if raw is not None:
+        try:
+            cfg = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--speculative-config is not valid JSON: {e.msg} at column {e.colno}") from None
+        if not isinstance(cfg, dict):
+            raise CliError(f"--speculative-config must be a JSON object, got {type(cfg).__name__}")
+        if k is not None:
+            if cfg.get("num_speculative_tokens", k) != k:
+                raise CliError(f"-k {k} disagrees with num_speculative_tokens "
+                               f"{cfg['num_speculative_tokens']} in --speculative-config; pass one of them")
+            cfg["num_speculative_tokens"] = k
+        return cfg
+    if draft is not None:
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": 4 if k is None else k}
+    if k is not None:
+        raise CliError("-k/--num-speculative-tokens needs a drafter: pass --draft D or --speculative-config")
+    return None
+
+
+def quiet_transformers() -> None:
+    """No weight-loading progress bars: stdout stays the result, stderr the summary."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # an older or newer transformers without it: bars are only cosmetic
+        pass
+
+
+def print_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
