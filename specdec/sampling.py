@@ -64,7 +64,12 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
     logits = logits.float() / sb.temperature.view(shape)
     if sb.needs_sort:
-        logits = _top_k_top_p(logits, sb.top_k.view(shape), sb.top_p.view(shape))
+        # only the rows that use top-k or top-p: a sort over the vocabulary costs more than the rest
+        rows = (((sb.top_k > 0) | (sb.top_p < 1.0)) & ~sb.greedy).nonzero().squeeze(1)  # [S]
+        if len(rows) == len(logits):
+            logits = _top_k_top_p(logits, sb.top_k.view(shape), sb.top_p.view(shape))
+        else:
+            logits[rows] = _top_k_top_p(logits[rows], sb.top_k[rows].view(shape), sb.top_p[rows].view(shape))
     probs = torch.softmax(logits, dim=-1)
     if sb.needs_min_p:
         min_p = sb.min_p.view(shape)
