@@ -87,10 +87,6 @@ class Engine:
     def max_num_seqs(self) -> int:
         return self.scheduler.max_num_seqs
 
-    @property
-    def tokenizer(self):
-        return self.detokenizer.tokenizer
-
     def release_memory(self) -> None:
         """Free the KV caches while nothing runs (a server between bursts); they regrow on demand."""
         if self.running:
@@ -220,11 +216,3 @@ class Engine:
             if self.controller is not None:
                 self.controller.release([s.seq_id for s in done])
             self.plain_only.difference_update(s.seq_id for s in done)
-
-    # -- text (kept on the engine for callers that hold only it) -----------------------------------
-
-    def decode(self, token_ids: list[int], params: SamplingParams) -> str:
-        return self.detokenizer.decode(token_ids, params)
-
-    def output_text(self, seq: Sequence) -> str:
-        return self.detokenizer.output_text(seq)

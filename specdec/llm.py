@@ -134,7 +134,7 @@ class LLM:
 
     def _output(self, index: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
         text_prompt = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
-        out = CompletionOutput(index=0, text=self.engine.output_text(seq), token_ids=seq.output_token_ids,
+        out = CompletionOutput(index=0, text=self.engine.detokenizer.output_text(seq), token_ids=seq.output_token_ids,
                                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         return RequestOutput(request_id=str(seq.seq_id), prompt=text_prompt, prompt_token_ids=seq.prompt_token_ids,
                              outputs=[out], finished=seq.finished)

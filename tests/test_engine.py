@@ -445,13 +445,12 @@ def _stream_pieces(decode, ids: list[int], cuts: list[int]) -> list[str]:
     """Run a TextStreamer over ``ids`` revealed at the positions ``cuts``; returns each round's text."""
     from types import SimpleNamespace
 
-    from specdec.llm import TextStreamer
+    from specdec.detokenizer import TextStreamer
 
     params = SamplingParams(temperature=0, max_tokens=len(ids))
-    engine = SimpleNamespace(decode=lambda t, params: decode(t))
-    engine.output_text = lambda s: decode(s.output_token_ids)
+    detokenizer = SimpleNamespace(decode=lambda t, params: decode(t), output_text=lambda s: decode(s.output_token_ids))
     seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None)
-    streamer, pieces, last = TextStreamer(engine, seq), [], 0
+    streamer, pieces, last = TextStreamer(detokenizer, seq), [], 0
     for cut in sorted(set(cuts)) + [len(ids)]:
         if cut <= last:
             continue
@@ -494,16 +493,14 @@ def test_incremental_detokenizing_streams_exactly_the_whole_decode(text, chunk):
     in pieces of any size, adds up to the whole output's decode, never half a character."""
     from types import SimpleNamespace
 
-    from specdec.llm import TextStreamer
+    from specdec.detokenizer import Detokenizer, TextStreamer
     from specdec.models.loader import load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(resolve_model_path("specdec/demo-target"))
     ids = tok.encode(text, add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=len(ids))
-    engine = SimpleNamespace(decode=lambda t, params: tok.decode(t, skip_special_tokens=params.skip_special_tokens))
-    engine.output_text = lambda s: engine.decode(s.output_token_ids, s.params)
-    seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None)
-    streamer, pieces = TextStreamer(engine, seq), []
+    seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None, stop_reason=None)
+    streamer, pieces = TextStreamer(Detokenizer(tok), seq), []
     for i in range(0, len(ids), chunk):
         seq.output_token_ids = ids[: i + chunk]
         seq.finished = i + chunk >= len(ids)

@@ -43,30 +43,28 @@ class ForwardBatch:
         (every position, equal-length rows), or L (the last L positions of each row: [B, L, V])."""
         tokens = pad_rows(rows, device)  # [B, T]
         lengths = [len(r) for r in rows]
-        B, T = tokens.shape
-        if logits == "none":
-            index = None
-        elif logits == "last":
-            index = torch.tensor([max(n - 1, 0) for n in lengths], device=device)  # [B]
-        elif logits == "all":
-            index = torch.arange(T, device=device).expand(B, T)  # [B, T]
-        else:
-            index = torch.tensor([[n - logits + j for j in range(logits)] for n in lengths], device=device)  # [B, L]
-        return cls(tokens, list(start), lengths, index, row_offset, num_layers)
+        return cls(tokens, list(start), lengths, _logits_index(logits, lengths, tokens.shape[1], device),
+                   row_offset, num_layers)
 
     @classmethod
     def dense(cls, token_ids: torch.Tensor, start: Sequence[int], logits: str = "none", row_offset: int = 0,
               num_layers: int | None = None) -> ForwardBatch:
         """A batch whose rows all hold T real tokens [B, T]; ``logits``: "none", "last" or "all"."""
         B, T = token_ids.shape
-        index = None if logits == "none" else (
-            torch.full((B,), T - 1, device=token_ids.device) if logits == "last"
-            else torch.arange(T, device=token_ids.device).expand(B, T))
-        return cls(token_ids, list(start), [T] * B, index, row_offset, num_layers)
+        return cls(token_ids, list(start), [T] * B, _logits_index(logits, [T] * B, T, token_ids.device),
+                   row_offset, num_layers)
 
-    @property
-    def num_rows(self) -> int:
-        return self.token_ids.shape[0]
+
+def _logits_index(logits: str | int, lengths: list[int], T: int, device: torch.device | str) -> torch.Tensor | None:
+    """ForwardBatch.logits_index for rows of ``lengths`` padded to T: "none", "last" [B], "all" [B, T]
+    or the last L positions [B, L]."""
+    if logits == "none":
+        return None
+    if logits == "last":
+        return torch.tensor([max(n - 1, 0) for n in lengths], device=device)  # [B]
+    if logits == "all":
+        return torch.arange(T, device=device).expand(len(lengths), T)  # [B, T]
+    return torch.tensor([[n - logits + j for j in range(logits)] for n in lengths], device=device)  # [B, L]
 
 
 class ModelRunner(ABC):
