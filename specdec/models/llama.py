@@ -22,7 +22,7 @@ from specdec.models.loader import LoadedModel
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CACHE_RESIDENT_BYTES = 16 << 20  # weights up to this size stay in a server CPU's caches between tokens
-_CACHE_LEN_STEP = 256  # grow the cache in steps, not one token at a time
+CACHE_LEN_STEP = 256  # grow the cache in steps, not one token at a time
 
 
 @dataclass
@@ -130,7 +130,7 @@ class LlamaRunner(ModelRunner):
         self.inv_freq = rotary_emb.inv_freq.detach().float().to(self.device)  # [hd / 2]
         self.rope_scaling = float(rotary_emb.attention_scaling)
         self.cos = self.sin_signed = torch.empty(0, self.head_dim)
-        self._grow_rope(min(self.max_model_len, 2 * _CACHE_LEN_STEP))
+        self._grow_rope(min(self.max_model_len, 2 * CACHE_LEN_STEP))
 
     def _grow_rope(self, length: int) -> None:
         if length <= self.cos.shape[0]:
@@ -148,7 +148,7 @@ class LlamaRunner(ModelRunner):
     @torch.inference_mode()  # the cache is only ever touched in inference mode, wherever it was made
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
-        length = -(-length // _CACHE_LEN_STEP) * _CACHE_LEN_STEP
+        length = -(-length // CACHE_LEN_STEP) * CACHE_LEN_STEP
         old = self.cache
         if old is not None and old.num_rows >= num_rows and old.max_len >= length:
             return

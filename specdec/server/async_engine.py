@@ -184,7 +184,7 @@ class AsyncEngine:
         if budget is None:
             budget = int(self.limits.kv_cache_memory_fraction * available_memory(target.device))
         self.budget = KvBudget(budget, per_token, engine.max_num_seqs)
-        self.k = getattr(engine, "k", 0)
+        self.k = engine.k
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queue: deque[_Queued] = deque()  # engine thread only
         self._num_queued = 0  # requests submitted, not yet admitted or dropped (guarded by _lock)

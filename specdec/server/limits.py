@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.models.llama import CACHE_LEN_STEP
 
-KV_LEN_STEP = 256  # the runners grow their KV caches in steps of this many positions
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -66,7 +66,8 @@ class ServerLimits:
         return None
 
 
-def round_up(n: int, step: int = KV_LEN_STEP) -> int:
+def round_up(n: int, step: int = CACHE_LEN_STEP) -> int:
+    """n rounded up to the steps the torch runner grows its KV cache in."""
     return -(-n // step) * step
 
 
