@@ -18,6 +18,64 @@ MAX_TOP_K = 2**31 - 1  # any top_k >= the vocabulary keeps every token; larger v
 MAX_STOP_STRINGS = 64  # each is searched in the output's tail after every token
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 64  # choices per request
+MAX_LOGPROBS = 20  # top logprobs per position (vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 1024  # entries in logit_bias (OpenAI allows 300)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value; larger ones are clipped to it
+MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 2**20
+MAX_GRAMMAR_CHARS = 100_000  # a JSON schema, regex or EBNF grammar, serialized
+MAX_CHOICES = 256  # strings in a structured_outputs choice list
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's ``StructuredOutputsParams``): set exactly one of
+    ``json`` (a JSON schema, as a dict or its text), ``json_object`` (any JSON object), ``regex``,
+    ``choice`` (one of these strings) or ``grammar`` (EBNF / Lark)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self) -> None:
+        kinds = self._kinds()
+        _check(len(kinds) == 1, "structured_outputs needs exactly one of json, json_object, regex, choice, "
+               f"grammar; got {kinds or 'none'}")
+        _check(self.json is None or isinstance(self.json, (str, dict)),
+               f"structured_outputs json must be a JSON schema (a dict or its text), got {type(self.json).__name__}")
+        _check(self.regex is None or isinstance(self.regex, str), "structured_outputs regex must be a string")
+        _check(self.grammar is None or isinstance(self.grammar, str), "structured_outputs grammar must be a string")
+        _check(self.json_object is None or isinstance(self.json_object, bool),
+               "structured_outputs json_object must be true or false")
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and 0 < len(self.choice) <= MAX_CHOICES
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   f"structured_outputs choice must be a list of 1..{MAX_CHOICES} non-empty strings, "
+                   f"got {short_repr(self.choice)}")
+            self.choice = list(self.choice)
+        size = len(self.spec_text)
+        _check(size <= MAX_GRAMMAR_CHARS, f"structured_outputs {self.kind} is {size} characters; "
+               f"at most {MAX_GRAMMAR_CHARS} are allowed")
+
+    def _kinds(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None] + (
+            ["json_object"] if self.json_object else [])
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, json_object, regex, choice or grammar."""
+        return self._kinds()[0]
+
+    @property
+    def spec_text(self) -> str:
+        """The constraint as one string (a cache key for compiled grammars)."""
+        import json as _json
+        value = getattr(self, self.kind)
+        return value if isinstance(value, str) else _json.dumps(value, sort_keys=True)
 
 
 @dataclass
@@ -40,6 +98,19 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    n: int = 1  # choices per prompt, each its own sequence; with a seed, choice i uses seed + i
+    # penalties and biases (vLLM's order: grammar, allowed/bad words, min_tokens, logit_bias, penalties)
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF's: a token seen in prompt or output has its logit divided (> 0) or multiplied (< 0)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clipped to +-100
+    min_tokens: int = 0  # EOS and stop_token_ids are masked (and stop strings unchecked) until this many
+    bad_words: list[str] | None = None  # words never generated (each tokenized with and without a leading space)
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    structured_outputs: StructuredOutputsParams | None = None
+    # logprobs of the target's distribution at each emitted position: the chosen token plus the top N
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -75,6 +146,7 @@ class SamplingParams:
                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         _check(all(_is_int(t) and 0 <= t <= MAX_TOP_K for t in self.stop_token_ids),
                f"stop_token_ids must be integers in 0..{MAX_TOP_K}, got {short_repr(self.stop_token_ids)}")
+        self._check_processing()
         if self.temperature < SAMPLING_EPS:
             self.temperature = 0.0
         if self.top_p < FLOAT32_TINY:
@@ -82,9 +154,58 @@ class SamplingParams:
         if self.min_p < FLOAT32_TINY:
             self.min_p = 0.0
 
+    def _check_processing(self) -> None:
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in 1..{MAX_N}, got {short_repr(self.n)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_finite(v) and -2 <= v <= 2, f"{name} must be in [-2, 2] (0 disables it), got {short_repr(v)}")
+        _check(_is_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 100,
+               f"repetition_penalty must be in (0, 100] (1 disables it), got {short_repr(self.repetition_penalty)}")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS,
+                   f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries, "
+                   f"got {short_repr(self.logit_bias)}")
+            bias = {}
+            for t, v in self.logit_bias.items():
+                t = int(t) if isinstance(t, str) and t.strip().isdigit() else t
+                _check(_is_int(t) and 0 <= t <= MAX_TOP_K and _is_finite(v),
+                       f"logit_bias maps token ids (integers >= 0) to finite numbers, got {short_repr(self.logit_bias)}")
+                bias[t] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
+            self.logit_bias = bias
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {short_repr(self.min_tokens)}")
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, (list, tuple)) and len(self.bad_words) <= MAX_BAD_WORDS
+                   and all(isinstance(w, str) and 0 < len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
+                   f"bad_words must be a list of at most {MAX_BAD_WORDS} non-empty strings of at most "
+                   f"{MAX_STOP_STRING_CHARS} characters, got {short_repr(self.bad_words)}")
+            self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, (list, tuple))
+                   and 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+                   and all(_is_int(t) and 0 <= t <= MAX_TOP_K for t in self.allowed_token_ids),
+                   f"allowed_token_ids must be a non-empty list of token ids, got {short_repr(self.allowed_token_ids)}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams (or a dict of its fields)")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS),
+                   f"{name} must be None or an integer in 0..{MAX_LOGPROBS} (top tokens per position besides "
+                   f"the chosen one), got {short_repr(v)}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits pass through penalties, biases, masks or a grammar (processing.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids is not None
+                    or self.structured_outputs is not None)
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "layer_skip")

@@ -6,6 +6,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """vLLM's ``Logprob``: one token's log probability under the target at one position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+PositionLogprobs = dict[int, Logprob]  # token id -> Logprob: the chosen token plus the top N
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -13,7 +25,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None
     cumulative_logprob: float | None = None
-    logprobs: None = None
+    logprobs: list[PositionLogprobs] | None = None  # one dict per output token, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -24,6 +36,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token; the first is None
 
 
 @dataclass
