@@ -14,7 +14,9 @@ matcher advances speculatively through drafts and rolls back on the next commit.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -50,14 +52,10 @@ class RowProcessor:
             self.bias = torch.zeros(V, device=device)
             self.bias[torch.tensor(list(p.logit_bias), device=device)] = torch.tensor(list(p.logit_bias.values()),
                                                                                      device=device)
-        self.counts: torch.Tensor | None = None  # [V] output token counts (presence / frequency penalties)
-        if p.presence_penalty or p.frequency_penalty:
-            self.counts = torch.zeros(V, device=device)
-            self._count(seq.output_token_ids)
-        self.seen: torch.Tensor | None = None  # [V] bool: in the prompt or output (repetition penalty)
-        if p.repetition_penalty != 1.0:
-            self.seen = torch.zeros(V, dtype=torch.bool, device=device)
-            self.seen[torch.tensor(seq.token_ids, device=device)] = True
+        # the penalties touch few tokens: they work on the columns of the history's tokens and the drafts'
+        self.counts: Counter[int] | None = Counter(seq.output_token_ids) if p.presence_penalty or p.frequency_penalty else None
+        self.seen: set[int] | None = set(seq.token_ids) if p.repetition_penalty != 1.0 else None  # prompt + output
+        self._columns: _Columns | None = None  # their tensors, rebuilt after each commit
         # the grammar's speculative path: tokens accepted past the committed history, and the mask
         # after each prefix of them (masks[i]: after spec[:i])
         self._spec: list[int] = []
@@ -67,9 +65,11 @@ class RowProcessor:
 
     def append(self, tokens: list[int]) -> None:
         """The sequence committed ``tokens`` (already appended to its history)."""
-        self._count(tokens)
-        if self.seen is not None and tokens:
-            self.seen[torch.tensor(tokens, device=self.seen.device)] = True
+        if self.counts is not None:
+            self.counts.update(tokens)
+        if self.seen is not None:
+            self.seen.update(tokens)
+        self._columns = None
         if self.grammar is not None:
             self._rollback_spec()
             for t in tokens:
@@ -79,11 +79,6 @@ class RowProcessor:
     @property
     def grammar_done(self) -> bool:
         return self.grammar is not None and self.grammar.is_terminated()
-
-    def _count(self, tokens: list[int]) -> None:
-        if self.counts is not None and tokens:
-            self.counts.index_add_(0, torch.tensor(tokens, device=self.counts.device),
-                                   torch.ones(len(tokens), device=self.counts.device))
 
     # -- the grammar along a draft ----------------------------------------------------------------
 
@@ -142,24 +137,56 @@ class RowProcessor:
         if self.bias is not None:
             logits += self.bias
         if self.seen is not None or self.counts is not None:
-            added = self._draft_counts(drafts, first, T, logits.device)  # [T, V]
-            p = self.params
-            if self.seen is not None:
-                seen = self.seen | (added > 0)  # [T, V]
-                rp = p.repetition_penalty
-                logits.copy_(torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits))
-            if self.counts is not None:
-                counts = self.counts + added  # [T, V]
-                logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+            self._penalize(logits, drafts, first)
         return logits
 
-    def _draft_counts(self, drafts: list[int], first: int, T: int, device) -> torch.Tensor:
-        """[T, V]: how often each token occurs in drafts[:first + j], for each position j."""
-        added = torch.zeros(first + T, self.vocab_size, device=device)  # row m: drafts[m - 1] arrives
+    def _penalize(self, logits: torch.Tensor, drafts: list[int], first: int) -> None:
+        """Repetition, frequency and presence penalties on the columns of the tokens they touch."""
+        T, p = logits.shape[0], self.params
+        if self._columns is None:
+            self._columns = _Columns.build(self.seen, self.counts, logits.device)
+        cols = self._columns
+        col, index = cols.col, cols.index
+        extra = [t for t in dict.fromkeys(drafts) if t not in col]  # draft tokens new to the history
+        if extra:
+            col = {**col, **{t: len(col) + i for i, t in enumerate(extra)}}
+            index = torch.cat([index, torch.tensor(extra, dtype=torch.long, device=logits.device)])  # [U]
+        added = torch.zeros(first + T, len(col), device=logits.device)  # row m: drafts[m - 1] arrives
         if drafts:
-            m = torch.arange(1, len(drafts) + 1, device=device)
-            added[m, torch.tensor(drafts, device=device)] = 1.0
-        return added.cumsum(0)[first:]
+            rows = torch.arange(1, len(drafts) + 1, device=logits.device)
+            added.index_put_((rows, torch.tensor([col[t] for t in drafts], device=logits.device)),
+                             torch.ones(len(drafts), device=logits.device), accumulate=True)
+        added = added.cumsum(0)[first:]  # [T, U]: each column's count in drafts[:first + j]
+        sub = logits[:, index]  # [T, U]
+        n_extra = len(extra)
+        if self.seen is not None:
+            seen = torch.cat([cols.seen, cols.seen.new_zeros(n_extra)]) | (added > 0)  # [T, U]
+            rp = p.repetition_penalty
+            sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
+        if self.counts is not None:
+            counts = torch.cat([cols.counts, cols.counts.new_zeros(n_extra)]) + added  # [T, U]
+            sub = sub - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        logits[:, index] = sub
+
+
+@dataclass
+class _Columns:
+    """The tokens of a row's history that penalties touch, as columns: ids [U], each one's column, whether
+    each is in prompt or output (repetition) [U] bool, and its output count [U]."""
+
+    index: torch.Tensor  # [U] long
+    col: dict[int, int]
+    seen: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def build(cls, seen: set[int] | None, counts: Counter | None, device) -> _Columns:
+        ids = sorted((seen or set()) | set(counts or ()))
+        return cls(torch.tensor(ids, dtype=torch.long, device=device), {t: i for i, t in enumerate(ids)},
+                   torch.tensor([t in seen for t in ids] if seen is not None else [False] * len(ids),
+                                dtype=torch.bool, device=device),
+                   torch.tensor([counts[t] for t in ids] if counts is not None else [0] * len(ids),
+                                dtype=torch.float32, device=device))
 
 
 def process_verify_logits(logits: torch.Tensor, seqs: list[Sequence], draft_token_ids: torch.Tensor,
