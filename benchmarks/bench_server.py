@@ -27,6 +27,10 @@ the target alone. This process is only the client (asyncio + httpx, server-sent 
 
     python benchmarks/bench_server.py --model T --draft D --abuse 60 [--num-requests 64] [--baseline-seconds 30]
 
+Constrained output (``--json-schema FILE``, or ``builtin`` for a small record schema): every request
+carries ``response_format`` {"type": "json_schema"} with that schema; the report adds how many outputs
+parse as JSON. Use it with prompts that ask for such records (``--prompts benchmarks/prompts/json_records.jsonl``).
+
 Without --prompts a built-in set of 12 short code and prose prompts is cycled; --token-prompts sends
 random token ids instead (for tiny test models whose tokenizers know no real words). With enough
 prompts (Spec-Bench's 480: ``--prompts ../shared/data/spec_bench/question.jsonl``) the comparison
@@ -154,9 +158,31 @@ class Result:
         return (self.last - self.first) / (n - 1) if n > 1 else None
 
 
+BUILTIN_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "email": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                         "maxItems": 3}},
+    "required": ["name", "age", "email", "tags"], "additionalProperties": False}
+REQUEST_EXTRA: dict = {}  # fields every request carries (main sets response_format for --json-schema)
+
+
 def body(prompt, max_tokens: int, stream: bool) -> dict:
     return {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-            "ignore_eos": True, "return_token_ids": True}
+            "ignore_eos": True, "return_token_ids": True, **REQUEST_EXTRA}
+
+
+def json_schema_format(source: str) -> dict:
+    """response_format for --json-schema: a schema file's, or the built-in record schema's."""
+    schema = BUILTIN_SCHEMA if source == "builtin" else json.loads(Path(source).read_text())
+    return {"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}}
+
+
+def parses(tok, token_ids: list[int]) -> bool:
+    try:
+        json.loads(tok.decode(token_ids, skip_special_tokens=True))
+        return True
+    except ValueError:
+        return False
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, prompt, max_tokens: int,
@@ -514,7 +540,11 @@ def main() -> None:
     ap.add_argument("--abuse", type=float, metavar="SECONDS",
                     help="abuse mode: well-behaved streams while a hostile client runs for SECONDS")
     ap.add_argument("--baseline-seconds", type=float, default=30.0, help="abuse mode: seconds without the abuse")
+    ap.add_argument("--json-schema", metavar="FILE", help="constrain every output to this JSON schema "
+                    "(response_format json_schema; 'builtin': a small record schema)")
     args = ap.parse_args()
+    if args.json_schema:
+        REQUEST_EXTRA["response_format"] = json_schema_format(args.json_schema)
 
     if args.speculative_config:
         spec_args = ["--speculative-config", args.speculative_config]
@@ -544,7 +574,8 @@ def main() -> None:
         plain.wait_ready()
         for s in (spec, plain):  # warm up
             asyncio.run(sequential(s.url, distinct[:2], 8))
-        report: dict = {"model": args.model, "speculative": spec_args, "max_tokens": n_tok}
+        report: dict = {"model": args.model, "speculative": spec_args, "max_tokens": n_tok,
+                        "json_schema": args.json_schema}
 
         # 1. load on the speculative server
         t0 = time.perf_counter()
@@ -585,6 +616,7 @@ def main() -> None:
             "divergences": divergences,
             "near_ties": sum(d["near_tie"] for d in divergences),
             "generated_tokens": tokens, "wall_s": wall, "throughput_tokens_per_s": tokens / wall,
+            "valid_json": sum(parses(tok, r.token_ids) for r in results) if args.json_schema else None,
             "sequential_tokens_per_s": sum(map(len, reference)) / seq_wall,
             **latency_summary(results), **spec_counters(m0, m1),
             "server_rss_mib": {"before": rss_before, "peak": max(peak), "after": rss_after,
@@ -644,7 +676,8 @@ def main() -> None:
 def print_report(r: dict) -> None:
     L, C = r["load"], r["compare"]
     tau = "τ (tokens per verify pass, incl. bonus)"
-    print(f"model {r['model']} | {' '.join(r['speculative'])} | greedy, {r['max_tokens']} tokens per request")
+    print(f"model {r['model']} | {' '.join(r['speculative'])} | greedy, {r['max_tokens']} tokens per request"
+          + (f" | response_format json_schema ({r['json_schema']})" if r["json_schema"] else ""))
     print(f"load: {L['requests']} streaming requests + {L['disconnected']} that disconnect mid-stream")
     print(f"  completed {L['completed']}/{L['requests']}, equal to sequential {L['equal_to_sequential']}/"
           f"{L['requests']}" + (f"; the others part at a near-tie of the target: {L['near_ties']}/"
@@ -652,6 +685,8 @@ def print_report(r: dict) -> None:
                                 + ", ".join(f"{d['gap']:.3f}/{d['threshold']:.3f}" if d["gap"] is not None else "length"
                                             for d in L["divergences"]) + ")" if L["divergences"] else ""))
     print(f"  aborted by the server: {L['aborted_by_server']:.0f} (expected {L['disconnected']})")
+    if L["valid_json"] is not None:
+        print(f"  outputs that parse as JSON: {L['valid_json']}/{L['requests']}")
     print(f"  throughput {L['throughput_tokens_per_s']:.1f} tokens/s ({L['generated_tokens']} tokens in "
           f"{L['wall_s']:.2f} s); one at a time: {L['sequential_tokens_per_s']:.1f} tokens/s")
     print(f"  TTFT median {L['ttft_median_ms']:.1f} ms, p95 {L['ttft_p95_ms']:.1f} ms | "

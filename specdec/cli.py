@@ -245,6 +245,8 @@ def serve(
     max_queued_requests: Annotated[int, typer.Option(
         help="Requests that may wait for a batch slot or KV memory; past it the server answers 429.")] = 1024,
     max_prompts_per_request: Annotated[int, typer.Option(help="Prompts in one completions request.")] = 64,
+    max_n: Annotated[int, typer.Option(
+        help="Most choices per prompt (n); each is a sequence in the batch and the KV budget.")] = 16,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones get 413.")] = 4 * 2**20,
     kv_cache_memory: Annotated[str | None, typer.Option(
         help="KV cache memory budget, e.g. 8GiB (default: --kv-cache-memory-fraction of the free memory "
@@ -272,7 +274,7 @@ def serve(
         from specdec.server.limits import ServerLimits, parse_bytes
 
         limits = ServerLimits(
-            max_body_bytes=max_body_bytes, max_prompts_per_request=max_prompts_per_request,
+            max_body_bytes=max_body_bytes, max_prompts_per_request=max_prompts_per_request, max_n=max_n,
             max_queued_requests=max_queued_requests, max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
             kv_cache_memory_fraction=kv_cache_memory_fraction, timeout_keep_alive=timeout_keep_alive,

@@ -351,6 +351,7 @@ def test_metrics_move_as_requests_complete(spec_server, client):
 
 GOOD = {"model": NAME, "prompt": "w1 w2", "max_tokens": 2}
 TOO_LONG = {"model": NAME, "prompt": [5] * 128, "max_tokens": 2}
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
 
 
 @pytest.mark.parametrize("path, body, status, param", [
@@ -364,9 +365,32 @@ TOO_LONG = {"model": NAME, "prompt": [5] * 128, "max_tokens": 2}
     ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {**GOOD, "top_k": -3}, 400, "top_k"),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
-    ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),
-    ("/v1/completions", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
+    ("/v1/completions", {**GOOD, "n": 17}, 400, "n"),  # past the server's max_n (16)
+    ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {**GOOD, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {**GOOD, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {**GOOD, "frequency_penalty": float("nan")}, 400, "frequency_penalty"),
+    ("/v1/completions", {**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"w5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"100000": 1}}, 400, "logit_bias"),  # outside the vocabulary
+    ("/v1/completions", {**GOOD, "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
+    ("/v1/completions", {**GOOD, "allowed_token_ids": [5, 100000]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {**GOOD, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("/v1/completions", {**GOOD, "bad_words": [""]}, 400, "bad_words"),
+    ("/v1/completions", {**GOOD, "min_tokens": 3}, 400, "min_tokens"),  # more than max_tokens
+    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {**GOOD, "suffix": "w9"}, 400, "suffix"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, 400,
+     "response_format"),
+    ("/v1/completions", {**GOOD, "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("/v1/completions", {**GOOD, "structured_outputs": {"structural_tag": "x"}}, 400, "structured_outputs"),
+    ("/v1/completions", {**GOOD, "structured_outputs": {}}, 400, "structured_outputs"),
+    ("/v1/completions", {**GOOD, "guided_json": "{not json"}, 400, "guided_json"),
+    ("/v1/completions", {**GOOD, "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {**GOOD, "guided_regex": "a", "response_format": {"type": "json_object"}}, 400, "guided_regex"),
     ("/v1/completions", {**GOOD, "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop"),
     ("/v1/completions", TOO_LONG, 400, "prompt"),
@@ -376,7 +400,9 @@ TOO_LONG = {"model": NAME, "prompt": [5] * 128, "max_tokens": 2}
     ("/v1/chat/completions", {"model": NAME}, 400, "messages"),
     ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": NAME, "messages": [{"content": "w1"}]}, 400, "messages"),
-    ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "w1"}], "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs: true
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/nowhere", GOOD, 404, None),
 ])
 def test_errors_are_openai_shaped_and_the_server_keeps_serving(spec_server, client, path, body, status, param):

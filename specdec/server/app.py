@@ -25,7 +25,8 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -40,7 +41,7 @@ from specdec.config import SamplingParams, short_repr
 from specdec.host_memory import trim_heap
 from specdec.llm import LLM
 from specdec.server import protocol as P
-from specdec.server.async_engine import AsyncEngine, LoopHooks, QueueFull, RequestError
+from specdec.server.async_engine import AsyncEngine, LoopHooks, Prompt, QueueFull, RequestError
 from specdec.server.chat import render_chat
 from specdec.server.guard import Guard
 from specdec.server.limits import ServerLimits
@@ -48,7 +49,9 @@ from specdec.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-_PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "stop", "prompt")
+_PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "stop_token_ids", "stop", "prompt",
+                "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                "bad_words", "allowed_token_ids", "logprobs", "prompt_logprobs")
 TOKENIZER_THREADS = 2  # tokenizing and chat templating run here, a few requests at a time
 RETRY_AFTER_S = 1
 LARGE_BODY_BYTES = 256 * 1024  # after such bodies the heap is trimmed (at most once a second)
@@ -76,6 +79,8 @@ class OpenAIServer:
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdec-tokenize")
         self.created = P.now()
         self._large_at, self._trim_pending = 0.0, False
+        tokenizer = self.tokenizer
+        self._token_text = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t]))
 
     def trim_soon(self) -> None:
         """Give the heap's free pages back once large bodies stop coming for a second (at most one trim
@@ -112,11 +117,51 @@ class OpenAIServer:
             raise P.ApiError(404, f"the model {short_repr(model)} does not exist; this server serves "
                              f"{self.model_name!r}", "model", "model_not_found")
 
-    # -- prompts to token ids ----------------------------------------------------------------------
+    # -- requests to choices ------------------------------------------------------------------------
+
+    async def prepare(self, body: P._SamplingFields, prompts: list[P.Prompt] | list[list[P.ChatMessage]],
+                      max_tokens: int | None) -> list[Prompt]:
+        """The request's prompts with their parameters (``n`` choices each): the parameters checked, the
+        prompts tokenized and the grammar compiled in the pool, never on the engine thread or the event loop."""
+        params = body.sampling_params(1 if max_tokens is None else max_tokens)
+        self._check_params(params)
+        encoded = await self.encode(prompts, params, max_tokens)
+        if params.structured_outputs is None:
+            return [Prompt(ids, p) for ids, p in encoded]
+        n = params.n
+        matchers = await asyncio.get_running_loop().run_in_executor(
+            self.pool, self._compile, params.structured_outputs, len(encoded) * n, body.constraint_field)
+        return [Prompt(ids, p, matchers[i * n:(i + 1) * n]) for i, (ids, p) in enumerate(encoded)]
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if params.n > self.limits.max_n:
+            raise P.ApiError(400, f"n={params.n} is more choices than this server gives per prompt "
+                             f"({self.limits.max_n}); send the request several times instead", "n")
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name) or ()
+            if any(t >= self.vocab_size for t in ids):
+                raise P.ApiError(400, f"{name} has token ids outside the vocabulary 0..{self.vocab_size - 1}", name)
+
+    def _compile(self, so, count: int, field: str) -> list:  # in the pool
+        """One grammar matcher per choice (the compiled grammar is cached by the compiler). A grammar
+        the compiler cannot take is a 400 naming the field; its exception text goes to the log only."""
+        try:
+            compiler = self.llm.engine.grammar_compiler
+            return [compiler.matcher(so) for _ in range(count)]
+        except ValueError as e:
+            log.info("%s could not be compiled: %s", field, e)
+            raise P.ApiError(400, f"{field} could not be compiled into a grammar: check that the {so.kind} "
+                             "is valid and uses only supported features", field) from None
+
+    def token_text(self, token_id: int, as_id: bool) -> str:
+        """How logprobs name a token: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""
+        if as_id or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self._token_text(token_id)
 
     async def encode(self, prompts: list[P.Prompt] | list[list[P.ChatMessage]], params: SamplingParams,
                      max_tokens: int | None) -> list[tuple[list[int], SamplingParams]]:
-        """Token ids and params per choice: cheap checks here, tokenizing in the pool, context checks after."""
+        """Token ids and params per prompt: cheap checks here, tokenizing in the pool, context checks after."""
         if len(prompts) > self.limits.max_prompts_per_request:
             raise P.ApiError(400, f"the request has {len(prompts)} prompts; this server takes at most "
                              f"{self.limits.max_prompts_per_request} per request", "prompt", "too_many_prompts")
@@ -216,19 +261,20 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
         body = await _parse(request, P.CompletionRequest)
         server.check_model(body.model)
         body.check_supported()
-        params = body.sampling_params(1 if body.max_tokens is None else body.max_tokens)
-        prompts = await server.encode(body.prompts(), params, body.max_tokens)
-        return await _generate(server, "completion", body, prompts, request)
+        prompts = body.prompts()
+        choices = await server.prepare(body, prompts, body.max_tokens)
+        echo = None
+        if body.echo:  # each choice starts with its prompt's text
+            echo = [p if isinstance(p, str) else await _decode(server, p) for p in prompts]
+        return await _generate(server, _Reply("completion", body, body.num_choices, echo), choices, request)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
         body = await _parse(request, P.ChatCompletionRequest)
         server.check_model(body.model)
         body.check_supported()
-        max_tokens = body.max_new_tokens
-        params = body.sampling_params(1 if max_tokens is None else max_tokens)
-        prompts = await server.encode([body.messages], params, max_tokens)
-        return await _generate(server, "chat", body, prompts, request)
+        choices = await server.prepare(body, [body.messages], body.max_new_tokens)
+        return await _generate(server, _Reply("chat", body, body.num_choices), choices, request)
 
     return app
 
@@ -236,7 +282,69 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
 # -- generation -------------------------------------------------------------------------------------
 
 
-async def _generate(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, prompts, request: Request) -> Response:
+@dataclass
+class _Reply:
+    """What shapes a request's answer besides its tokens."""
+
+    kind: P.Kind
+    body: P._SamplingFields
+    n: int  # choices per prompt: choice i answers prompt i // n
+    echo: list[str] | None = None  # per prompt: text each of its choices starts with (completions' echo)
+
+    @property
+    def top(self) -> int | None:
+        return self.body.output_logprobs
+
+
+class _Choice:
+    """One choice's text, tokens and logprobs as they arrive, and the JSON they make."""
+
+    def __init__(self, server: OpenAIServer, reply: _Reply, index: int, prompt_ids: list[int]):
+        self.server, self.reply, self.index, self.prompt_ids = server, reply, index, prompt_ids
+        self.text, self.token_ids, self.logprobs, self.reason = "", [], [], None
+        self.prompt_logprobs = None
+        self.offset = 0  # text offset of the next token (completions' logprobs)
+
+    def token_text(self, t: int) -> str:
+        return self.server.token_text(t, self.reply.body.return_tokens_as_token_ids)
+
+    def add(self, ev) -> None:
+        self.text += ev.text
+        self.token_ids += ev.token_ids
+        if ev.logprobs is not None:
+            self.logprobs += ev.logprobs
+        if ev.prompt_logprobs is not None:
+            self.prompt_logprobs = ev.prompt_logprobs
+        if ev.finish_reason is not None:
+            self.reason = ev.finish_reason
+
+    def logprobs_json(self, token_ids: list[int], positions: list) -> dict | None:
+        top = self.reply.top
+        if top is None:
+            return None
+        if self.reply.kind == "chat":
+            return P.chat_logprobs(token_ids, positions, top, self.token_text)
+        out = P.completion_logprobs(token_ids, positions, top, self.token_text, self.offset)
+        if out["tokens"]:
+            self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
+
+    def echo_text(self) -> str:
+        return "" if self.reply.echo is None else self.reply.echo[self.index // self.reply.n]
+
+    def echo_logprobs(self) -> dict | None:
+        """Logprobs of the echoed prompt: its first token has none (null), the rest the prompt's."""
+        if self.reply.top is None:
+            return None
+        return self.logprobs_json(self.prompt_ids, self.prompt_logprobs or [None] * len(self.prompt_ids))
+
+    def prompt_logprobs_json(self) -> list | None:
+        if self.reply.body.prompt_logprobs is None or self.prompt_logprobs is None:
+            return None
+        return P.prompt_logprobs_json(self.prompt_logprobs)
+
+
+async def _generate(server: OpenAIServer, reply: _Reply, prompts: list[Prompt], request: Request) -> Response:
     arrival = time.perf_counter()
     try:
         handle = server.engine.submit(prompts, arrival)
@@ -245,23 +353,18 @@ async def _generate(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields,
                          headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RuntimeError:
         raise P.ApiError(503, "the engine loop is not running", type="server_error") from None
-    rid = P.new_id("cmpl" if kind == "completion" else "chatcmpl")
-    if body.stream:
-        return StreamingResponse(_stream(server, kind, body, handle, rid), media_type="text/event-stream",
+    rid = P.new_id("cmpl" if reply.kind == "completion" else "chatcmpl")
+    choices = [_Choice(server, reply, i, prompts[i // reply.n].token_ids) for i in range(handle.num_choices)]
+    if reply.body.stream:
+        return StreamingResponse(_stream(server, reply, choices, handle, rid), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    n = handle.num_choices
-    texts, tokens, reasons = [""] * n, [[] for _ in range(n)], [None] * n
     use = [0, 0]
 
     async def consume() -> None:
         async for ev in handle.events():
-            texts[ev.index] += ev.text
-            tokens[ev.index] += ev.token_ids
+            choices[ev.index].add(ev)
             if ev.finish_reason is not None:
-                reasons[ev.index] = ev.finish_reason
-                use[0] += ev.prompt_tokens
-                use[1] += ev.completion_tokens
+                _count(use, ev, reply.n)
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_client_gone(request))
@@ -277,9 +380,29 @@ async def _generate(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields,
         watcher.cancel()
         if not handle.finished:
             handle.abort()
-    choices = [P.choice(kind, i, texts[i], reasons[i], tokens[i] if body.return_token_ids else None)
-               for i in range(n)]
-    return JSONResponse(P.response(kind, rid, P.now(), server.model_name, choices, P.usage(*use)))
+    out = []
+    for c in choices:
+        logprobs = c.echo_logprobs() if reply.echo is not None else None
+        if reply.top is not None:
+            logprobs = _joined(logprobs, c.logprobs_json(c.token_ids, c.logprobs))
+        out.append(P.choice(reply.kind, c.index, c.echo_text() + c.text, c.reason,
+                            c.token_ids if reply.body.return_token_ids else None, logprobs,
+                            c.prompt_logprobs_json() if reply.kind == "completion" else None))
+    body = P.response(reply.kind, rid, P.now(), server.model_name, out, P.usage(*use))
+    if reply.kind == "chat" and reply.body.prompt_logprobs is not None:
+        body["prompt_logprobs"] = choices[0].prompt_logprobs_json()  # vLLM: one list for the response
+    return JSONResponse(body)
+
+
+def _joined(first: dict | None, second: dict) -> dict:
+    """Two runs of completions' logprobs (the echoed prompt's, the output's) as one."""
+    return second if first is None else {key: first[key] + second[key] for key in first}
+
+
+def _count(use: list[int], ev, n: int) -> None:
+    """Usage: a prompt counts once however many choices it has (OpenAI's and vLLM's rule)."""
+    use[0] += ev.prompt_tokens if ev.index % n == 0 else 0
+    use[1] += ev.completion_tokens
 
 
 def _request_failed(e: BaseException, rid: str) -> P.ApiError:
@@ -291,29 +414,40 @@ def _request_failed(e: BaseException, rid: str) -> P.ApiError:
     return P.ApiError(500, f"generation failed (request id {rid}); the server logged the details", type="server_error")
 
 
-async def _stream(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, handle, rid: str) -> AsyncIterator[str]:
+async def _stream(server: OpenAIServer, reply: _Reply, choices: list[_Choice], handle, rid: str
+                  ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. A client that goes
     away cancels this generator (Starlette listens for the disconnect); ``finally`` aborts its sequences."""
-    created, model = P.now(), server.model_name
-    ids = body.return_token_ids
+    kind, created, model = reply.kind, P.now(), server.model_name
+    ids = reply.body.return_token_ids
     use = [0, 0]
+    started = [False] * len(choices)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         return _sse(P.response(kind, rid, created, model, choices, usage, chunk=True))
 
     try:
         if kind == "chat":
-            for i in range(handle.num_choices):
-                yield chunk([P.chunk_choice(kind, i, "", None, None, role=True)])
+            for c in choices:
+                yield chunk([P.chunk_choice(kind, c.index, "", None, None, role=True)])
         async for ev in handle.events():
+            c = choices[ev.index]
+            c.add(ev)
             if ev.finish_reason is not None:
-                use[0] += ev.prompt_tokens
-                use[1] += ev.completion_tokens
-            elif not ev.text and not ids:
+                _count(use, ev, reply.n)
+            if not started[ev.index] and reply.echo is not None:  # the echoed prompt comes first
+                started[ev.index] = True
+                yield chunk([P.chunk_choice(kind, c.index, c.echo_text(), None, None,
+                                            logprobs=c.echo_logprobs())])
+            elif not ev.text and not ev.finish_reason and not (ev.token_ids and (ids or reply.top is not None)):
                 continue  # text held back (half a character, or what a stop string may swallow)
             text = ev.text if (ev.text or kind == "completion") else None
-            yield chunk([P.chunk_choice(kind, ev.index, text, ev.finish_reason, ev.token_ids if ids else None)])
-        if body.include_usage:
+            logprobs = c.logprobs_json(ev.token_ids, ev.logprobs) if ev.logprobs is not None else None
+            prompt_logprobs = P.prompt_logprobs_json(ev.prompt_logprobs) if (
+                ev.prompt_logprobs is not None and reply.body.prompt_logprobs is not None) else None
+            yield chunk([P.chunk_choice(kind, ev.index, text, ev.finish_reason, ev.token_ids if ids else None,
+                                        logprobs=logprobs, prompt_logprobs=prompt_logprobs)])
+        if reply.body.include_usage:
             yield chunk([], P.usage(*use))
     except asyncio.CancelledError:
         raise
@@ -325,6 +459,14 @@ async def _stream(server: OpenAIServer, kind: P.Kind, body: P._SamplingFields, h
         if not handle.finished:
             handle.abort()
     yield "data: [DONE]\n\n"
+
+
+async def _decode(server: OpenAIServer, token_ids: list[int]) -> str:
+    """A token-id prompt's text (for echo), decoded in the pool."""
+    if server.tokenizer is None:
+        raise P.ApiError(400, "echo needs the prompt's text, and this model has no tokenizer; prepend the prompt "
+                         "yourself", "echo")
+    return await asyncio.get_running_loop().run_in_executor(server.pool, server.tokenizer.decode, token_ids)
 
 
 def _sse(obj: dict) -> str:

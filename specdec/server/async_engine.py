@@ -29,19 +29,28 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import torch
 
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.detokenizer import TextStreamer
+from specdec.outputs import PositionLogprobs
 from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.sequence import Sequence
 from specdec.server.limits import KvBudget, ServerLimits, available_memory, round_up
 
 log = logging.getLogger(__name__)
 
-Prompt = tuple[list[int], SamplingParams]  # token ids (checked against the context) and their params
+class Prompt(NamedTuple):
+    """One prompt of a request: its token ids (checked against the context), its parameters (``n``
+    choices, each a sequence), and one grammar matcher per choice when the output is constrained
+    (compiled off this thread, app.py)."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    grammars: list[Any] | None = None
 
 
 class QueueFull(Exception):
@@ -67,6 +76,8 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: BaseException | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per token of token_ids, when the params ask for them
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on a choice's first event, when asked for
 
 
 class RequestHandle:
@@ -118,7 +129,7 @@ class _Queued:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(ids) for ids, _ in self.prompts)
+        return sum(len(p.token_ids) for p in self.prompts)
 
 
 @dataclass
@@ -220,23 +231,25 @@ class AsyncEngine:
         end = min(num_prompt_tokens + params.max_tokens, self.engine.target.max_model_len)
         return round_up(end + self.k + 1)
 
-    def submit(self, prompts: list[Prompt], arrival: float | None = None) -> RequestHandle:
-        """Queue one request (one prompt per choice). Raises ValueError for a request the server can
-        never run (its KV cache alone exceeds the budget), QueueFull when the queue is full."""
+    def submit(self, prompts: list[Prompt | tuple], arrival: float | None = None) -> RequestHandle:
+        """Queue one request (its choices: ``n`` per prompt, each a sequence). Raises ValueError for a
+        request the server can never run (its KV cache alone exceeds the budget), QueueFull when the
+        queue is full."""
         if not self.alive:
             raise RuntimeError("the engine loop is not running")
-        lengths = [self.kv_length(len(ids), p) for ids, p in prompts]
+        prompts = [Prompt(*p) for p in prompts]
+        lengths = [self.kv_length(len(p.token_ids), p.params) for p in prompts for _ in range(p.params.n)]
         need = self.budget.bytes_for(len(lengths), max(lengths))
-        if len(prompts) > self.budget.max_rows or need > self.budget.budget:
+        if len(lengths) > self.budget.max_rows or need > self.budget.budget:
             raise ValueError(
-                f"this request needs {len(prompts)} sequence(s) and {need / 2**20:.0f} MiB of KV cache; the server "
+                f"this request needs {len(lengths)} sequence(s) and {need / 2**20:.0f} MiB of KV cache; the server "
                 f"runs at most {self.budget.max_rows} sequences in {self.budget.budget / 2**20:.0f} MiB. Lower "
                 "max_tokens or send fewer prompts")
         with self._lock:
             if self._num_queued >= self.limits.max_queued_requests:
                 raise QueueFull(f"{self._num_queued} requests are waiting")
             self._num_queued += 1
-        handle = RequestHandle(self, asyncio.get_running_loop(), len(prompts))
+        handle = RequestHandle(self, asyncio.get_running_loop(), len(lengths))
         self._inbox.put(("add", _Queued(handle, prompts, arrival or time.perf_counter(), lengths)))
         return handle
 
@@ -333,8 +346,11 @@ class AsyncEngine:
     def _start(self, q: _Queued) -> None:
         handle = q.handle
         try:
-            for ids, params in q.prompts:
-                handle.seqs.append(self.engine.add_request(ids, params))
+            for p in q.prompts:  # choice i of a request is handle.seqs[i]: prompt-major, n per prompt
+                for j in range(p.params.n):  # with a seed, choice j draws from seed + j (vLLM's rule)
+                    seed = None if p.params.seed is None else p.params.seed + j
+                    handle.seqs.append(self.engine.add_request(p.token_ids, replace(p.params, n=1, seed=seed),
+                                                               grammar=p.grammars[j] if p.grammars else None))
         except Exception as e:  # the asyncio side checked the prompts; this is a last line of defence
             log.warning("add_request refused a prompt: %s", e)
             for s in handle.seqs:
@@ -457,13 +473,18 @@ class AsyncEngine:
             if n == track.posted and not seq.finished:
                 continue
             try:
-                tokens = seq.token_ids[seq.num_prompt_tokens + track.posted:]
+                start = track.posted
+                tokens = seq.token_ids[seq.num_prompt_tokens + start:]
                 track.posted = n
                 delta = track.streamer.delta(tokens)
+                ev = Event(track.index, delta.text, tokens, delta.finish_reason)
+                if seq.params.logprobs is not None:
+                    ev.logprobs = seq.logprobs[start:n]
                 if tokens and track.first_token is None:
                     track.first_token = time.perf_counter()
                     self._hook(self.hooks.on_first_token, track.first_token - track.arrival)
-                ev = Event(track.index, delta.text, tokens, delta.finish_reason)
+                    if seq.params.prompt_logprobs is not None:
+                        ev.prompt_logprobs = seq.prompt_logprobs
                 if seq.finished:
                     del self._tracks[seq.seq_id]
                     self.budget.finish(seq.seq_id)

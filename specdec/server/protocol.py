@@ -1,21 +1,30 @@
 """The OpenAI wire format: request models, response and chunk builders, and error bodies.
 
-Fields OpenAI defines but specdec cannot honour (``n > 1``, logprobs, penalties, logit bias, tools)
-are refused with a 400 that names them, never silently ignored. vLLM's extra sampling fields
-(``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
-``return_token_ids``) are accepted in the body; the openai client sends them with ``extra_body``.
-Unknown fields are ignored, as OpenAI and vLLM do.
+Every sampling field OpenAI defines maps onto ``SamplingParams``: ``n`` (choices per prompt),
+``presence_penalty``, ``frequency_penalty``, ``logit_bias`` (token id strings -> bias, clipped to
+OpenAI's -100..100 as vLLM does), ``logprobs`` (completions: an int; chat: a bool plus
+``top_logprobs``), ``response_format`` (``json_object``, ``json_schema``). vLLM's extra fields come
+in the body too (the openai client sends them with ``extra_body``): ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``, ``prompt_logprobs``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``return_token_ids``,
+``return_tokens_as_token_ids``, ``structured_outputs`` ({json | json_object | regex | choice |
+grammar}) and its older names ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar``. What cannot work is refused with a 400 that names the field and says why
+(``suffix``, ``tools``), never silently ignored. Unknown fields are ignored, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specdec.config import SamplingParams, short_repr
+from specdec.config import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, short_repr
+from specdec.outputs import PositionLogprobs
 
 
 class ApiError(Exception):
@@ -45,6 +54,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# vLLM's structured_outputs keys we honour; disable_fallback is accepted because there is no fallback
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_STRUCTURED_FLAGS = ("disable_any_whitespace", "disable_fallback")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -62,23 +77,41 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # add "token_ids" to each choice (and chunk), as vLLM does
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>", as vLLM does
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise ApiError(400, f"n={self.n} is not supported: specdec returns one choice per prompt; "
-                           "send the request several times (with different seeds) instead", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name} is not supported; leave it unset or 0", name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported; leave it unset", "logit_bias")
+        """Cross-field rules and fields that cannot work; the values themselves are checked by
+        ``SamplingParams`` (``sampling_params``)."""
+        if self.n is not None and self.n < 1:
+            raise ApiError(400, f"n must be an integer >= 1, got {self.n}", "n")
+
+    @property
+    def num_choices(self) -> int:
+        """Choices per prompt (``n``)."""
+        return 1 if self.n is None else self.n
+
+    @property
+    def output_logprobs(self) -> int | None:
+        """Top tokens per output position the response reports (None: no logprobs)."""
+        return None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises ValueError (mapped to 400) for out-of-range values, with the library's message."""
@@ -93,11 +126,107 @@ class _SamplingFields(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens,
+            n=self.num_choices,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.structured(),
+            logprobs=self.output_logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise ApiError(400, f"logit_bias keys must be token ids (strings of digits), got {short_repr(key)}",
+                               "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint from whichever field the client used (at most one of them)."""
+        found: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None:
+            spec = _response_format(rf)
+            if spec is not None:
+                found.append(("response_format", spec))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", _structured_outputs(self.structured_outputs)))
+        for name, key in _GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {key: _schema(value, name) if key == "json" else value}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ApiError(400, f"{' and '.join(n for n, _ in found)} both constrain the output; send one of them",
+                           found[1][0])
+        name, spec = found[0]
+        try:
+            return StructuredOutputsParams(**spec)
+        except ValueError as e:
+            raise ApiError(400, f"{name}: {e}", name) from None
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field the output constraint came from (errors name it)."""
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return next((name for name in ("structured_outputs", *_GUIDED) if getattr(self, name) is not None), None)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _response_format(rf: dict[str, Any]) -> dict | None:
+    """OpenAI's response_format as structured_outputs fields (None: plain text)."""
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict):
+            raise ApiError(400, "response_format of type json_schema needs a json_schema object "
+                           '({"name": ..., "schema": {...}, "strict": true})', "response_format")
+        if js.get("schema") is None:  # OpenAI's schema is optional: then any JSON object
+            return {"json_object": True}
+        return {"json": _schema(js["schema"], "response_format")}
+    raise ApiError(400, f"response_format type {short_repr(kind)} is not supported; use text, json_object or "
+                   "json_schema", "response_format")
+
+
+def _structured_outputs(so: dict[str, Any]) -> dict:
+    unknown = sorted(set(so) - set(_STRUCTURED_KEYS) - set(_STRUCTURED_FLAGS))
+    if unknown:
+        raise ApiError(400, f"structured_outputs does not support {short_repr(unknown)}; it takes one of "
+                       f"{', '.join(_STRUCTURED_KEYS)} (plus disable_any_whitespace)", "structured_outputs")
+    spec = {k: v for k, v in so.items() if k != "disable_fallback" and v is not None}
+    if "json" in spec:
+        spec["json"] = _schema(spec["json"], "structured_outputs")
+    return spec
+
+
+def _schema(value: Any, field: str) -> dict:
+    """A JSON schema sent as an object or as its text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ApiError(400, f"{field}: the JSON schema is not valid JSON", field) from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"{field}: a JSON schema must be an object, got {type(value).__name__}", field)
+    return value
 
 
 Prompt = str | list[int]
@@ -113,17 +242,28 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of is not None and self.best_of != 1:
-            raise ApiError(400, f"best_of={self.best_of} is not supported; leave it unset or 1", "best_of")
-        if self.echo:
-            raise ApiError(400, "echo is not supported; prepend the prompt yourself", "echo")
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise ApiError(400, f"best_of={self.best_of} with n={self.num_choices} is not supported: ranking "
+                           "choices by likelihood is not implemented; send best_of equal to n (or leave it unset) "
+                           "and pick among the n choices yourself", "best_of")
         if self.suffix:
-            raise ApiError(400, "suffix is not supported", "suffix")
-        if self.logprobs is not None:
-            raise ApiError(400, "logprobs is not supported", "logprobs")
+            raise ApiError(400, "suffix is not supported: insertion needs a model trained for fill-in-the-middle "
+                           "and its template; put the text before the insertion point in the prompt", "suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(max_tokens)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params.prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too (vLLM)
+        return params
 
     def prompts(self) -> list[Prompt]:
-        """One prompt per choice: a string, or a list of token ids."""
+        """The request's prompts: strings, or lists of token ids."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -164,16 +304,22 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise ApiError(400, "logprobs is not supported", "logprobs")
-        if self.tools:
-            raise ApiError(400, "tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, "response_format other than text is not supported", "response_format")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.top_logprobs}",
+                           "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        if self.tools and self.tool_choice != "none":
+            raise ApiError(400, "tools are not supported: calling them needs a tool-call parser for the model's "
+                           "format, which this server does not have; describe the tools in the messages and use "
+                           'response_format json_schema for the call, or send tool_choice "none"', "tools")
+
+    @property
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -205,21 +351,24 @@ Kind = Literal["completion", "chat"]
 OBJECT = {"completion": ("text_completion", "text_completion"), "chat": ("chat.completion", "chat.completion.chunk")}
 
 
-def choice(kind: Kind, index: int, text: str, reason: str | None, token_ids: list[int] | None) -> dict:
+def choice(kind: Kind, index: int, text: str, reason: str | None, token_ids: list[int] | None,
+           logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict:
     c: dict[str, Any] = {"index": index}
     if kind == "completion":
         c["text"] = text
     else:
         c["message"] = {"role": "assistant", "content": text}
-    c["logprobs"] = None
+    c["logprobs"] = logprobs
     c["finish_reason"] = finish_reason(reason)
     if token_ids is not None:
         c["token_ids"] = token_ids
+    if prompt_logprobs is not None:
+        c["prompt_logprobs"] = prompt_logprobs
     return c
 
 
 def chunk_choice(kind: Kind, index: int, text: str | None, reason: str | None, token_ids: list[int] | None,
-                 role: bool = False) -> dict:
+                 role: bool = False, logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict:
     c: dict[str, Any] = {"index": index}
     if kind == "completion":
         c["text"] = text or ""
@@ -228,11 +377,72 @@ def chunk_choice(kind: Kind, index: int, text: str | None, reason: str | None, t
         if text is not None:
             delta["content"] = text
         c["delta"] = delta
-    c["logprobs"] = None
+    c["logprobs"] = logprobs
     c["finish_reason"] = finish_reason(reason)
     if token_ids is not None:
         c["token_ids"] = token_ids
+    if prompt_logprobs is not None:
+        c["prompt_logprobs"] = prompt_logprobs
     return c
+
+
+# -- logprobs -----------------------------------------------------------------------------------------
+
+MIN_LOGPROB = -9999.0  # what OpenAI sends for a token of probability 0 (JSON has no -inf)
+TokenText = Callable[[int], str]  # a token id's text as the logprobs name it
+
+
+def _clip(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _top(position: PositionLogprobs, n: int) -> list[tuple[int, float]]:
+    """The n most likely (token id, logprob) of a position, most likely first."""
+    ranked = sorted(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 62,
+                                                      -kv[1].logprob))
+    return [(t, lp.logprob) for t, lp in ranked[:n]]
+
+
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], top: int,
+                        token_text: TokenText, offset: int) -> dict:
+    """OpenAI's completions shape: tokens, token_logprobs, top_logprobs (the chosen token and the
+    ``top`` most likely, by their text) and text_offset (each token's start in the choice's text,
+    counted from ``offset``). A position without logprobs (an echoed prompt's first token) is null."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t, pos in zip(token_ids, positions):
+        text = token_text(t)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if pos is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(_clip(pos[t].logprob))
+        best = {token_text(t): _clip(pos[t].logprob)}
+        for tt, lp in _top(pos, top):
+            best.setdefault(token_text(tt), _clip(lp))
+        out["top_logprobs"].append(best)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top: int, token_text: TokenText) -> dict:
+    """OpenAI's chat shape: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+    bytes}]}]}`` with the ``top`` most likely tokens of each position, most likely first."""
+
+    def entry(t: int, logprob: float) -> dict:
+        text = token_text(t)
+        return {"token": text, "logprob": _clip(logprob), "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    return {"content": [{**entry(t, pos[t].logprob), "top_logprobs": [entry(tt, lp) for tt, lp in _top(pos, top)]}
+                        for t, pos in zip(token_ids, positions)]}
+
+
+def prompt_logprobs_json(positions: list[PositionLogprobs | None]) -> list:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {token id: {logprob, rank, decoded_token}}."""
+    return [None if pos is None else {str(t): {"logprob": _clip(lp.logprob), "rank": lp.rank,
+                                               "decoded_token": lp.decoded_token} for t, lp in pos.items()}
+            for pos in positions]
 
 
 def response(kind: Kind, rid: str, created: int, model: str, choices: list[dict], use: dict | None,
