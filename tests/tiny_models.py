@@ -26,7 +26,8 @@ def make_tokenizer(folder: Path, words: list[str] = WORDS) -> None:
 
 def make_byte_tokenizer(folder: Path) -> int:
     """A byte-level BPE tokenizer without merges: one token per byte (GPT-2's byte alphabet) after
-    <unk>, <s>, </s>, so any text (JSON, regex matches) encodes and decodes exactly. Returns its size."""
+    <unk>, <s>, </s>, so any text (JSON, regex matches) encodes and decodes exactly, with few whitespace
+    tokens (a random model under a JSON grammar then ends its records soon). Returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,18 +45,14 @@ def make_byte_tokenizer(folder: Path) -> int:
 def make_model(folder: Path, arch: str = "llama", *, vocab_rows: int | None = None, hidden: int = 64,
                layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0, tie: bool = False,
                rope_parameters: dict | None = None, max_pos: int = 256, words: list[str] = WORDS,
-               init_std: float = 0.2, byte_level: bool = False, **extra) -> Path:
-    """Save a random ``arch`` model (llama, qwen2, qwen3, mistral) plus tokenizer into ``folder``: the
-    word-level one over ``words``, or with ``byte_level`` one token per byte (make_byte_tokenizer)."""
+               init_std: float = 0.2, **extra) -> Path:
+    """Save a random ``arch`` model (llama, qwen2, qwen3, mistral) plus tokenizer into ``folder``."""
     import transformers as tf
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if byte_level:
-        n_tok = make_byte_tokenizer(folder)
-    else:
-        make_tokenizer(folder, words)
-        n_tok = len(words) + 3
+    make_tokenizer(folder, words)
+    n_tok = len(words) + 3
     cls_cfg, cls_model = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),

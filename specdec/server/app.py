@@ -53,6 +53,7 @@ _PARAM_NAMES = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", 
                 "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                 "bad_words", "allowed_token_ids", "logprobs", "prompt_logprobs")
 TOKENIZER_THREADS = 2  # tokenizing and chat templating run here, a few requests at a time
+GRAMMAR_THREADS = 1  # structured output compiles here: a slow grammar delays other grammars, not plain requests
 RETRY_AFTER_S = 1
 LARGE_BODY_BYTES = 256 * 1024  # after such bodies the heap is trimmed (at most once a second)
 
@@ -77,6 +78,7 @@ class OpenAIServer:
         # refuse it before tokenizing it.
         self.max_prompt_chars = self.max_model_len * _longest_token_bytes(self.tokenizer)
         self.pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="specdec-tokenize")
+        self.grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="specdec-grammar")
         self.created = P.now()
         self._large_at, self._trim_pending = 0.0, False
         tokenizer = self.tokenizer
@@ -130,7 +132,7 @@ class OpenAIServer:
             return [Prompt(ids, p) for ids, p in encoded]
         n = params.n
         matchers = await asyncio.get_running_loop().run_in_executor(
-            self.pool, self._compile, params.structured_outputs, len(encoded) * n, body.constraint_field)
+            self.grammar_pool, self._compile, params.structured_outputs, len(encoded) * n, body.constraint_field)
         return [Prompt(ids, p, matchers[i * n:(i + 1) * n]) for i, (ids, p) in enumerate(encoded)]
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -142,13 +144,18 @@ class OpenAIServer:
             if any(t >= self.vocab_size for t in ids):
                 raise P.ApiError(400, f"{name} has token ids outside the vocabulary 0..{self.vocab_size - 1}", name)
 
-    def _compile(self, so, count: int, field: str) -> list:  # in the pool
-        """One grammar matcher per choice (the compiled grammar is cached by the compiler). A grammar
-        the compiler cannot take is a 400 naming the field; its exception text goes to the log only."""
+    def _compile(self, so, count: int, field: str) -> list:  # in the grammar pool
+        """One grammar matcher per choice (the compiler caches the compiled grammar), each with its first
+        mask computed here: the grammar engine builds its lexer lazily, and a pathological regex can take
+        seconds there, which must not happen on the engine thread. A grammar the engine refuses is a 400
+        naming the field; its exception text goes to the log only."""
+        compiler = self.llm.engine.grammar_compiler  # ValueError (400) when the model has no tokenizer
         try:
-            compiler = self.llm.engine.grammar_compiler
-            return [compiler.matcher(so) for _ in range(count)]
-        except ValueError as e:
+            matchers = [compiler.matcher(so) for _ in range(count)]
+            for m in matchers:
+                m.allowed_mask()
+            return matchers
+        except (ValueError, RuntimeError) as e:
             log.info("%s could not be compiled: %s", field, e)
             raise P.ApiError(400, f"{field} could not be compiled into a grammar: check that the {so.kind} "
                              "is valid and uses only supported features", field) from None
@@ -229,6 +236,7 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
         finally:
             server.engine.stop()
             server.pool.shutdown(wait=False, cancel_futures=True)
+            server.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     docs = server.limits.enable_docs
     app = FastAPI(title="specdec", summary="OpenAI-compatible server with speculative decoding", lifespan=lifespan,
