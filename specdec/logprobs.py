@@ -57,7 +57,7 @@ def position_logprobs(logprobs: torch.Tensor, chosen: Seq[int], num_top: Seq[int
     chosen_ids = torch.tensor(list(chosen), device=logprobs.device)[:, None]  # [M, 1]
     chosen_lp = logprobs.gather(1, chosen_ids)  # [M, 1]
     ranks = (logprobs >= chosen_lp).sum(dim=-1).tolist()  # [M] vLLM's rank: tokens at least as likely
-    n = max(num_top, default=0)
+    n = min(max(num_top, default=0), logprobs.shape[-1])
     top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (logprobs[:, :0], chosen_ids[:, :0])  # [M, n]
     out = []
     for m, (t, lp, rank, ids, lps) in enumerate(zip(chosen, chosen_lp[:, 0].tolist(), ranks, top_ids.tolist(),
