@@ -27,6 +27,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     text: str = ""  # detokenized output, cut at a stop string
+    processor: object | None = None  # processing.RowProcessor when params.processes_logits
     # choices of one request (SamplingParams.n) share a group: one prefills the prompt, the others copy its cache
     prefill_group: int | None = None
     # logprobs.py, when the params ask: one dict per output token, their sum, one per prompt token
