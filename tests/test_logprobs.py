@@ -185,3 +185,30 @@ def test_prompt_logprobs_of_a_request_that_joins_a_running_batch(models):
     assert_prompt_logprobs_match_target(models["hf"], second, b.prompt_logprobs, 2)
     want = LLM(models["target"]).generate([{"prompt_token_ids": first}, {"prompt_token_ids": second}], params)
     assert [a.output_token_ids, b.output_token_ids] == [w.outputs[0].token_ids for w in want]
+
+
+# -- with penalties and biases (processing.py) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_processed_logprobs_with_penalties_equal_plain_decoding(models, method):
+    """Penalties at each verify position count the row's earlier drafts; the processed logprobs of
+    the emitted tokens are plain decoding's, and the raw ones stay the model's own."""
+    prompts = repetitive_prompts(3, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=N_TOP, presence_penalty=0.1,
+                            repetition_penalty=1.05, logit_bias={7: 2.0})
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    got = spec_llm(models, method, logprobs_mode="processed_logprobs")
+    spec = got.generate(batch, params)
+    assert got.get_metrics()["num_accepted_tokens"] > 0
+    plain = LLM(models["target"], logprobs_mode="processed_logprobs").generate(batch, params)
+    raw = spec_llm(models, method).generate(batch, params)
+    for p, s, w, r in zip(prompts, spec, plain, raw):
+        s, w, r = s.outputs[0], w.outputs[0], r.outputs[0]
+        assert s.token_ids == w.token_ids == r.token_ids
+        for ds, dw in zip(s.logprobs, w.logprobs):
+            assert ds.keys() == dw.keys()
+            assert all(math.isclose(ds[t].logprob, dw[t].logprob, abs_tol=TOL) and ds[t].rank == dw[t].rank
+                       for t in ds)
+        assert_logprobs_match_target(models["hf"], p, r, N_TOP)
+        assert any(abs(ds[t].logprob - dr[t].logprob) > 0.1 for t, ds, dr in zip(s.token_ids, s.logprobs, r.logprobs))
