@@ -212,3 +212,28 @@ def test_processed_logprobs_with_penalties_equal_plain_decoding(models, method):
                        for t in ds)
         assert_logprobs_match_target(models["hf"], p, r, N_TOP)
         assert any(abs(ds[t].logprob - dr[t].logprob) > 0.1 for t, ds, dr in zip(s.token_ids, s.logprobs, r.logprobs))
+
+
+def test_llamacpp_logprobs_and_prompt_logprobs_match_the_target(models, tmp_path):
+    """The same on the llama.cpp backend (an f32 GGUF: logits within 1e-3 of transformers')."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    from specdec.models.gguf import convert
+
+    gguf = convert(models["target"], str(tmp_path / "t.gguf"), "f32")
+    llm = LLM(gguf, backend="llama.cpp", tokenizer=models["target"],
+              speculative_config={"method": "ngram", "num_speculative_tokens": K, "adaptive": False,
+                                  "prompt_lookup_min": 1})
+    prompt = repetitive_prompts(1, seed=4)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    c = out.outputs[0]
+    ref = torch.log_softmax(hf_logits(models["hf"], prompt, c.token_ids), dim=-1)
+    for j, (t, d) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert abs(d[t].logprob - float(ref[j, t])) < 1e-3
+        assert [tok for tok, lp in sorted(d.items(), key=lambda x: x[1].rank)][:3] == ref[j].topk(3).indices.tolist()
+    with torch.no_grad():
+        ref = torch.log_softmax(models["hf"](torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    assert all(abs(d[t].logprob - float(ref[j, t])) < 1e-3 for j, (t, d) in enumerate(zip(prompt[1:],
+                                                                                        out.prompt_logprobs[1:])))

@@ -147,3 +147,14 @@ def test_llamacpp_choices_share_the_prefill(models, tmp_path):
                                           SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
     for g, w in zip(got, want):
         assert [o.token_ids for o in g.outputs] == [w.outputs[0].token_ids] * 3
+
+
+def test_greedy_choices_with_penalties_equal_plain_decoding(models):
+    """Each choice keeps its own processor (penalty counts), so all equal plain decoding's output."""
+    prompts = repetitive_prompts(2, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, presence_penalty=0.1, logit_bias={9: 1.5})
+    got = spec_llm(models, "draft_model").generate([{"prompt_token_ids": p} for p in prompts],
+                                                   SamplingParams(**{**vars(params), "n": 3}))
+    want = LLM(models["target"]).generate([{"prompt_token_ids": p} for p in prompts], params)
+    for g, w in zip(got, want):
+        assert [o.token_ids for o in g.outputs] == [w.outputs[0].token_ids] * 3
