@@ -155,6 +155,19 @@ class LlamaCppRunner(ModelRunner):
         self.order = [self.seq_of[i] for i in ids]
         return new
 
+    def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
+        """llama.cpp's seq_cp: in the unified cache the destinations share the source's cells."""
+        mem = self.lib.llama_get_memory(self.ctx)
+        src = self.order[src_row]
+        if self.cached[src] < length:
+            raise RuntimeError(f"row {src_row} holds {self.cached[src]} positions, fewer than the {length} to copy")
+        for r in dst_rows:
+            s = self.order[r]
+            self.lib.llama_memory_seq_rm(mem, s, -1, -1)
+            if length:
+                self.lib.llama_memory_seq_cp(mem, src, s, 0, length)
+            self.cached[s] = length
+
     def kv_bytes_per_token(self) -> int:
         per = 4 if self.kv_type == self.lib.GGML_TYPE_F32 else 2
         return self.num_layers * 2 * self.info.kv_width * per
