@@ -27,9 +27,13 @@ the target alone. This process is only the client (asyncio + httpx, server-sent 
 
     python benchmarks/bench_server.py --model T --draft D --abuse 60 [--num-requests 64] [--baseline-seconds 30]
 
-Constrained output (``--json-schema FILE``, or ``builtin`` for a small record schema): every request
-carries ``response_format`` {"type": "json_schema"} with that schema; the report adds how many outputs
-parse as JSON. Use it with prompts that ask for such records (``--prompts benchmarks/prompts/json_records.jsonl``).
+Constrained output (``--json-schema FILE``, or ``records``: the schema of prompts/json_records.jsonl):
+every request carries ``response_format`` {"type": "json_schema"} with that schema (``--compact-json``:
+vLLM's ``structured_outputs`` with ``disable_any_whitespace``); the report adds how many outputs parse
+as JSON. Use it with prompts that ask for such records:
+
+    python benchmarks/bench_server.py --model T --draft D --prompts benchmarks/prompts/json_records.jsonl \
+        --json-schema records --compact-json
 
 Without --prompts a built-in set of 12 short code and prose prompts is cycled; --token-prompts sends
 random token ids instead (for tiny test models whose tokenizers know no real words). With enough
@@ -158,11 +162,6 @@ class Result:
         return (self.last - self.first) / (n - 1) if n > 1 else None
 
 
-BUILTIN_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "email": {"type": "string", "maxLength": 40}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                                                         "maxItems": 3}},
-    "required": ["name", "age", "email", "tags"], "additionalProperties": False}
 REQUEST_EXTRA: dict = {}  # fields every request carries (main sets response_format for --json-schema)
 
 
@@ -171,10 +170,20 @@ def body(prompt, max_tokens: int, stream: bool) -> dict:
             "ignore_eos": True, "return_token_ids": True, **REQUEST_EXTRA}
 
 
-def json_schema_format(source: str) -> dict:
-    """response_format for --json-schema: a schema file's, or the built-in record schema's."""
-    schema = BUILTIN_SCHEMA if source == "builtin" else json.loads(Path(source).read_text())
-    return {"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}}
+def json_schema_fields(source: str, compact: bool) -> dict:
+    """Request fields for --json-schema: a schema file's, or ("records") the schema of
+    prompts/json_records.jsonl (bench_structured.py's), as OpenAI's response_format or, ``compact``,
+    as vLLM's structured_outputs without free whitespace (a model may emit newlines forever where
+    the grammar lets it)."""
+    if source == "records":
+        from bench_structured import SCHEMA as schema
+    else:
+        schema = json.loads(Path(source).read_text())
+    fields = {"ignore_eos": False}  # a record ends where the grammar does
+    if compact:
+        return {**fields, "structured_outputs": {"json": schema, "disable_any_whitespace": True}}
+    return {**fields, "response_format": {"type": "json_schema", "json_schema": {"name": "record", "schema": schema,
+                                                                                 "strict": True}}}
 
 
 def parses(tok, token_ids: list[int]) -> bool:
@@ -541,10 +550,12 @@ def main() -> None:
                     help="abuse mode: well-behaved streams while a hostile client runs for SECONDS")
     ap.add_argument("--baseline-seconds", type=float, default=30.0, help="abuse mode: seconds without the abuse")
     ap.add_argument("--json-schema", metavar="FILE", help="constrain every output to this JSON schema "
-                    "(response_format json_schema; 'builtin': a small record schema)")
+                    "(response_format json_schema; 'records': the schema of prompts/json_records.jsonl)")
+    ap.add_argument("--compact-json", action="store_true", help="with --json-schema: send vLLM's structured_outputs "
+                    "with disable_any_whitespace instead of response_format")
     args = ap.parse_args()
     if args.json_schema:
-        REQUEST_EXTRA["response_format"] = json_schema_format(args.json_schema)
+        REQUEST_EXTRA.update(json_schema_fields(args.json_schema, args.compact_json))
 
     if args.speculative_config:
         spec_args = ["--speculative-config", args.speculative_config]
@@ -575,7 +586,7 @@ def main() -> None:
         for s in (spec, plain):  # warm up
             asyncio.run(sequential(s.url, distinct[:2], 8))
         report: dict = {"model": args.model, "speculative": spec_args, "max_tokens": n_tok,
-                        "json_schema": args.json_schema}
+                        "json_schema": args.json_schema and f"{args.json_schema}{' compact' * args.compact_json}"}
 
         # 1. load on the speculative server
         t0 = time.perf_counter()
@@ -677,7 +688,7 @@ def print_report(r: dict) -> None:
     L, C = r["load"], r["compare"]
     tau = "τ (tokens per verify pass, incl. bonus)"
     print(f"model {r['model']} | {' '.join(r['speculative'])} | greedy, {r['max_tokens']} tokens per request"
-          + (f" | response_format json_schema ({r['json_schema']})" if r["json_schema"] else ""))
+          + (f" | JSON schema {r['json_schema']}" if r["json_schema"] else ""))
     print(f"load: {L['requests']} streaming requests + {L['disconnected']} that disconnect mid-stream")
     print(f"  completed {L['completed']}/{L['requests']}, equal to sequential {L['equal_to_sequential']}/"
           f"{L['requests']}" + (f"; the others part at a near-tie of the target: {L['near_ties']}/"

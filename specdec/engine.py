@@ -78,16 +78,20 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def add_choices(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None) -> list[Sequence]:
+    def add_choices(self, prompt_token_ids: list[int], params: SamplingParams,
+                    grammars: list | None = None) -> list[Sequence]:
         """``params.n`` sequences for one prompt (vLLM's n): choice i has n = 1 and, when seeded,
         seed + i (vLLM's rule), so each is reproducible alone. They share one prefill (``_prefill``).
-        ``grammar`` (a matcher, as add_request takes it) goes to the first; the others get their own."""
+        ``grammars``: one matcher per choice (a server compiles them off this thread), or None."""
+        if grammars is not None and len(grammars) != params.n:
+            raise ValueError(f"got {len(grammars)} grammar matchers for n={params.n} choices; pass one per choice")
         if params.n == 1:
-            return [self.add_request(prompt_token_ids, params, grammar)]
+            return [self.add_request(prompt_token_ids, params, grammars[0] if grammars else None)]
         seqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            seqs.append(self.add_request(prompt_token_ids, replace(params, n=1, seed=seed), grammar if i == 0 else None))
+            seqs.append(self.add_request(prompt_token_ids, replace(params, n=1, seed=seed),
+                                         grammars[i] if grammars else None))
             seqs[-1].prefill_group = seqs[0].seq_id
         return seqs
 

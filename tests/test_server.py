@@ -367,6 +367,7 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "w1"}], "max_tok
     ("/v1/completions", {**GOOD, "top_k": -3}, 400, "top_k"),
     ("/v1/completions", {**GOOD, "n": 0}, 400, "n"),
     ("/v1/completions", {**GOOD, "n": 17}, 400, "n"),  # past the server's max_n (16)
+    ("/v1/completions", {**GOOD, "n": 5}, 400, None),  # 5 sequences: more than max_num_seqs (4) at once
     ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {**GOOD, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("/v1/completions", {**GOOD, "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -379,7 +380,8 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "w1"}], "max_tok
     ("/v1/completions", {**GOOD, "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("/v1/completions", {**GOOD, "bad_words": [""]}, 400, "bad_words"),
     ("/v1/completions", {**GOOD, "min_tokens": 3}, 400, "min_tokens"),  # more than max_tokens
-    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {**GOOD, "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {**GOOD, "best_of": 3, "stream": True}, 400, "best_of"),
     ("/v1/completions", {**GOOD, "suffix": "w9"}, 400, "suffix"),
     ("/v1/completions", {**GOOD, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/completions", {**GOOD, "response_format": {"type": "json_schema"}}, 400, "response_format"),

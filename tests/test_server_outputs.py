@@ -7,6 +7,8 @@ parameters, and the metrics must show that the drafts ran."""
 from __future__ import annotations
 
 
+from types import SimpleNamespace
+
 import openai
 import pytest
 
@@ -67,7 +69,7 @@ def completion(client, prompt, stream: bool, **kw):
             out[c.index][3] = c.finish_reason or reason
     choices = [out[i] for i in sorted(out)]
     for c in choices:
-        c[2] = None if c[2] is None else openai.types.completion_choice.Logprobs(**c[2])
+        c[2] = None if c[2] is None else SimpleNamespace(**c[2])
     assert list(sorted(out)) == list(range(len(out)))
     return [tuple(c) for c in choices], chunks[-1].usage
 
@@ -75,10 +77,35 @@ def completion(client, prompt, stream: bool, **kw):
 # -- n ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_per_prompt_equal_the_library(server, client, library, stream):
+    kw = dict(temperature=0.8, seed=7, max_tokens=10)
+    choices, usage = completion(client, PROMPTS[:2], stream, n=2, **kw)
+    want = library.generate(PROMPTS[:2], SamplingParams(n=2, ignore_eos=True, **kw))
+    assert len(choices) == 4  # prompt-major: choice i answers prompt i // n
+    for i, (text, ids, _, reason) in enumerate(choices):
+        ref = want[i // 2].outputs[i % 2]
+        assert (text, ids, reason) == (ref.text, ref.token_ids, "length")
+    assert choices[0][1] != choices[1][1]  # two choices of one prompt draw differently
+    prompt_tokens = sum(len(server.llm.tokenizer.encode(p)) for p in PROMPTS[:2])
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 40)  # the prompt counts once
+
+
+def test_best_of_keeps_the_likeliest_choices(client, library):
+    kw = dict(temperature=1.0, seed=21, max_tokens=8)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[2], n=2, best_of=4,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+    runs = library.generate(PROMPTS[2], SamplingParams(n=4, logprobs=0, ignore_eos=True, **kw))[0].outputs
+    best = sorted(runs, key=lambda o: -o.cumulative_logprob)[:2]
+    assert [c.model_extra["token_ids"] for c in r.choices] == [o.token_ids for o in best]
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].logprobs is None  # not asked for
+    assert r.usage.completion_tokens == 32  # all four ran
+
+
 def test_chat_n_choices_stream_a_role_chunk_each(client):
     messages = [{"role": "user", "content": "w3 w4"}]
     kw = dict(model=NAME, messages=messages, n=3, temperature=0.9, seed=3, max_tokens=6,
-              extra_body={"ignore_eos": True})
+              extra_body={"ignore_eos": True, "min_tokens": 2})
     r = client.chat.completions.create(**kw)
     assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
     chunks = list(client.chat.completions.create(stream=True, **kw))
@@ -87,6 +114,9 @@ def test_chat_n_choices_stream_a_role_chunk_each(client):
     for i in range(3):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
         assert text == r.choices[i].message.content
+    r = client.chat.completions.create(model=NAME, messages=messages, logit_bias={"2": 100},
+                                       extra_body={"min_tokens": 3})  # no max_tokens: up to the context's end
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 4  # 3 tokens, then EOS
 
 
 # -- penalties and biases -------------------------------------------------------------------------------
@@ -127,3 +157,84 @@ def test_penalties_and_biases_equal_the_library(server, client, library, extra):
         assert not {server.llm.tokenizer.convert_tokens_to_ids(w) for w in extra["bad_words"]} & set(ids)
     if "min_tokens" in extra:
         assert reason == "stop" and len(ids) == 6 and ids[-1] == 2  # 5 tokens, then EOS
+
+
+# -- logprobs -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_equal_the_library(server, client, library, stream):
+    kw = dict(max_tokens=10, temperature=0)
+    before = scrape(server.url)
+    ((text, ids, lp, _),), _ = completion(client, PROMPTS[0], stream, logprobs=3, **kw)
+    drafts = ("specdec:spec_decode_num_drafts_total", ())
+    assert scrape(server.url)[drafts] > before[drafts]  # logprobs do not turn speculation off
+    want = library.generate(PROMPTS[0], SamplingParams(ignore_eos=True, logprobs=3, **kw))[0].outputs[0]
+    assert ids == want.token_ids and len(lp.tokens) == len(ids)
+    tok = server.llm.tokenizer
+    assert lp.tokens == [tok.decode([t]) for t in ids]
+    offsets = [0]
+    for t in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp.text_offset == offsets
+    for t, got, top, pos in zip(ids, lp.token_logprobs, lp.top_logprobs, want.logprobs):
+        assert got == pytest.approx(pos[t].logprob, abs=1e-5)
+        best = sorted(pos.values(), key=lambda x: x.rank)[:3]
+        assert set(top) == {pos[t].decoded_token} | {x.decoded_token for x in best}  # chosen + the top 3
+        for x in best:
+            assert top[x.decoded_token] == pytest.approx(x.logprob, abs=1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_equal_the_library(server, client, library, stream):
+    messages = [{"role": "user", "content": "w5 w6 w7"}]
+    kw = dict(model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+    if stream:
+        content = []
+        for ch in client.chat.completions.create(stream=True, **kw):
+            if ch.choices and ch.choices[0].logprobs is not None:
+                content += ch.choices[0].logprobs.content
+    else:
+        content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    prompt = "user: w5 w6 w7\nassistant:"  # the default chat template (chat.py)
+    want = library.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))
+    out = want[0].outputs[0]
+    assert [c.token for c in content] == [out.logprobs[i][t].decoded_token for i, t in enumerate(out.token_ids)]
+    for c, t, pos in zip(content, out.token_ids, out.logprobs):
+        assert c.logprob == pytest.approx(pos[t].logprob, abs=1e-5) and c.bytes == list(c.token.encode())
+        best = sorted(pos.values(), key=lambda x: x.rank)[:2]
+        assert [x.token for x in c.top_logprobs] == [x.decoded_token for x in best]
+        assert [x.logprob for x in c.top_logprobs] == pytest.approx([x.logprob for x in best], abs=1e-5)
+
+
+def test_prompt_logprobs_and_echo(server, client, library):
+    prompt = PROMPTS[2]
+    want = library.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1,
+                                                   prompt_logprobs=2))[0]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, logprobs=1,
+                                  extra_body={"ignore_eos": True, "prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_token_ids)
+    for g, w in zip(got[1:], want.prompt_logprobs[1:]):
+        assert {int(t): (v["rank"], v["decoded_token"]) for t, v in g.items()} == {
+            t: (x.rank, x.decoded_token) for t, x in w.items()}
+        assert [v["logprob"] for v in g.values()] == pytest.approx([x.logprob for x in w.values()], abs=1e-5)
+    # echo: the prompt's text and tokens come first; its first token has no logprob
+    for stream in (False, True):
+        ((text, _, lp, _),), _ = completion(client, prompt, stream, max_tokens=4, temperature=0, logprobs=1,
+                                            echo=True)
+        assert text == prompt + want.outputs[0].text
+        n = len(want.prompt_token_ids)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == n + 4
+        assert lp.token_logprobs[1:n] == pytest.approx(
+            [w[t].logprob for w, t in zip(want.prompt_logprobs[1:], want.prompt_token_ids[1:])], abs=1e-5)
+
+
+def test_logprobs_name_tokens_by_id_when_asked(client):
+    r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                                              "return_token_ids": True})
+    c = r.choices[0]
+    assert c.logprobs.tokens == [f"token_id:{t}" for t in c.model_extra["token_ids"]]
+    assert all(len(top) == 1 for top in c.logprobs.top_logprobs)  # logprobs=0: the chosen token alone

@@ -24,24 +24,6 @@ def make_tokenizer(folder: Path, words: list[str] = WORDS) -> None:
     fast.save_pretrained(folder)
 
 
-def make_byte_tokenizer(folder: Path) -> int:
-    """A byte-level BPE tokenizer without merges: one token per byte (GPT-2's byte alphabet) after
-    <unk>, <s>, </s>, so any text (JSON, regex matches) encodes and decodes exactly, with few whitespace
-    tokens (a random model under a JSON grammar then ends its records soon). Returns its size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for ch in pre_tokenizers.ByteLevel.alphabet():
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(folder)
-    return len(vocab)
-
-
 def make_model(folder: Path, arch: str = "llama", *, vocab_rows: int | None = None, hidden: int = 64,
                layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0, tie: bool = False,
                rope_parameters: dict | None = None, max_pos: int = 256, words: list[str] = WORDS,

@@ -12,7 +12,8 @@ slowly), 413 (a body too large), 429 (the queue is full; ``Retry-After`` says wh
 Messages never carry local paths, exception text or a long input back; the server keeps serving.
 
 A request is checked cheaply first (body bytes, prompt count, prompt characters), then tokenized
-and templated in a small thread pool, never on the engine thread or the event loop.
+and templated in a small thread pool, never on the engine thread or the event loop; its grammar
+(structured output) compiles in a pool of its own, so a slow one holds up neither.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -81,8 +81,6 @@ class OpenAIServer:
         self.grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="specdec-grammar")
         self.created = P.now()
         self._large_at, self._trim_pending = 0.0, False
-        tokenizer = self.tokenizer
-        self._token_text = lru_cache(maxsize=65536)(lambda t: tokenizer.decode([t]))
 
     def trim_soon(self) -> None:
         """Give the heap's free pages back once large bodies stop coming for a second (at most one trim
@@ -125,7 +123,8 @@ class OpenAIServer:
                       max_tokens: int | None) -> list[Prompt]:
         """The request's prompts with their parameters (``n`` choices each): the parameters checked, the
         prompts tokenized and the grammar compiled in the pool, never on the engine thread or the event loop."""
-        params = body.sampling_params(1 if max_tokens is None else max_tokens)
+        # without max_tokens, each prompt may run to the end of the context (encode sets that)
+        params = body.sampling_params(self.max_model_len if max_tokens is None else max_tokens)
         self._check_params(params)
         encoded = await self.encode(prompts, params, max_tokens)
         if params.structured_outputs is None:
@@ -154,17 +153,18 @@ class OpenAIServer:
             matchers = [compiler.matcher(so) for _ in range(count)]
             for m in matchers:
                 m.allowed_mask()
+                if m.failed:  # e.g. a schema that refers to itself without end
+                    raise ValueError("the grammar engine gave up on it before its first token")
             return matchers
-        except (ValueError, RuntimeError) as e:
+        except ValueError as e:
             log.info("%s could not be compiled: %s", field, e)
             raise P.ApiError(400, f"{field} could not be compiled into a grammar: check that the {so.kind} "
                              "is valid and uses only supported features", field) from None
 
     def token_text(self, token_id: int, as_id: bool) -> str:
         """How logprobs name a token: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""
-        if as_id or self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self._token_text(token_id)
+        text = None if as_id else self.llm.engine.token_text(token_id)  # decoded once per id (logprobs.py)
+        return f"token_id:{token_id}" if text is None else text
 
     async def encode(self, prompts: list[P.Prompt] | list[list[P.ChatMessage]], params: SamplingParams,
                      max_tokens: int | None) -> list[tuple[list[int], SamplingParams]]:
@@ -274,7 +274,7 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
         echo = None
         if body.echo:  # each choice starts with its prompt's text
             echo = [p if isinstance(p, str) else await _decode(server, p) for p in prompts]
-        return await _generate(server, _Reply("completion", body, body.num_choices, echo), choices, request)
+        return await _generate(server, _Reply("completion", body, body.num_generated, echo), choices, request)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
@@ -282,7 +282,7 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
         server.check_model(body.model)
         body.check_supported()
         choices = await server.prepare(body, [body.messages], body.max_new_tokens)
-        return await _generate(server, _Reply("chat", body, body.num_choices), choices, request)
+        return await _generate(server, _Reply("chat", body, body.num_generated), choices, request)
 
     return app
 
@@ -296,7 +296,7 @@ class _Reply:
 
     kind: P.Kind
     body: P._SamplingFields
-    n: int  # choices per prompt: choice i answers prompt i // n
+    n: int  # sequences per prompt: sequence i answers prompt i // n (the best body.num_choices are kept)
     echo: list[str] | None = None  # per prompt: text each of its choices starts with (completions' echo)
 
     @property
@@ -389,17 +389,29 @@ async def _generate(server: OpenAIServer, reply: _Reply, prompts: list[Prompt], 
         if not handle.finished:
             handle.abort()
     out = []
-    for c in choices:
+    for i, c in enumerate(_best(choices, reply.n, reply.body.num_choices)):
         logprobs = c.echo_logprobs() if reply.echo is not None else None
         if reply.top is not None:
             logprobs = _joined(logprobs, c.logprobs_json(c.token_ids, c.logprobs))
-        out.append(P.choice(reply.kind, c.index, c.echo_text() + c.text, c.reason,
+        out.append(P.choice(reply.kind, i, c.echo_text() + c.text, c.reason,
                             c.token_ids if reply.body.return_token_ids else None, logprobs,
                             c.prompt_logprobs_json() if reply.kind == "completion" else None))
     body = P.response(reply.kind, rid, P.now(), server.model_name, out, P.usage(*use))
     if reply.kind == "chat" and reply.body.prompt_logprobs is not None:
         body["prompt_logprobs"] = choices[0].prompt_logprobs_json()  # vLLM: one list for the response
     return JSONResponse(body)
+
+
+def _best(choices: list[_Choice], n: int, keep: int) -> list[_Choice]:
+    """best_of: per prompt, the ``keep`` of its ``n`` choices whose tokens have the highest summed
+    logprob (vLLM's ranking by cumulative logprob), most likely first."""
+    if keep == n:
+        return choices
+    out = []
+    for start in range(0, len(choices), n):
+        group = choices[start:start + n]
+        out += sorted(group, key=lambda c: -sum(pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs)))[:keep]
+    return out
 
 
 def _joined(first: dict | None, second: dict) -> dict:

@@ -43,6 +43,7 @@ from specdec.server.limits import KvBudget, ServerLimits, available_memory, roun
 
 log = logging.getLogger(__name__)
 
+
 class Prompt(NamedTuple):
     """One prompt of a request: its token ids (checked against the context), its parameters (``n``
     choices, each a sequence), and one grammar matcher per choice when the output is constrained
@@ -244,7 +245,7 @@ class AsyncEngine:
             raise ValueError(
                 f"this request needs {len(lengths)} sequence(s) and {need / 2**20:.0f} MiB of KV cache; the server "
                 f"runs at most {self.budget.max_rows} sequences in {self.budget.budget / 2**20:.0f} MiB. Lower "
-                "max_tokens or send fewer prompts")
+                "max_tokens or n, or send fewer prompts")
         with self._lock:
             if self._num_queued >= self.limits.max_queued_requests:
                 raise QueueFull(f"{self._num_queued} requests are waiting")
@@ -347,10 +348,7 @@ class AsyncEngine:
         handle = q.handle
         try:
             for p in q.prompts:  # choice i of a request is handle.seqs[i]: prompt-major, n per prompt
-                for j in range(p.params.n):  # with a seed, choice j draws from seed + j (vLLM's rule)
-                    seed = None if p.params.seed is None else p.params.seed + j
-                    handle.seqs.append(self.engine.add_request(p.token_ids, replace(p.params, n=1, seed=seed),
-                                                               grammar=p.grammars[j] if p.grammars else None))
+                handle.seqs += self.engine.add_choices(p.token_ids, p.params, p.grammars)
         except Exception as e:  # the asyncio side checked the prompts; this is a last line of defence
             log.warning("add_request refused a prompt: %s", e)
             for s in handle.seqs:

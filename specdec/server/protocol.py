@@ -3,14 +3,16 @@
 Every sampling field OpenAI defines maps onto ``SamplingParams``: ``n`` (choices per prompt),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` (token id strings -> bias, clipped to
 OpenAI's -100..100 as vLLM does), ``logprobs`` (completions: an int; chat: a bool plus
-``top_logprobs``), ``response_format`` (``json_object``, ``json_schema``). vLLM's extra fields come
+``top_logprobs``), ``response_format`` (``json_object``, ``json_schema``), and completions' ``echo``
+and ``best_of`` (run best_of, answer the n likeliest). vLLM's extra fields come
 in the body too (the openai client sends them with ``extra_body``): ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``, ``prompt_logprobs``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``return_token_ids``,
 ``return_tokens_as_token_ids``, ``structured_outputs`` ({json | json_object | regex | choice |
 grammar}) and its older names ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar``. What cannot work is refused with a 400 that names the field and says why
-(``suffix``, ``tools``), never silently ignored. Unknown fields are ignored, as OpenAI and vLLM do.
+(``suffix``, ``tools``, a streamed ``best_of``), never silently ignored. Unknown fields are ignored,
+as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
@@ -105,8 +107,13 @@ class _SamplingFields(BaseModel):
 
     @property
     def num_choices(self) -> int:
-        """Choices per prompt (``n``)."""
+        """Choices per prompt the answer carries (``n``)."""
         return 1 if self.n is None else self.n
+
+    @property
+    def num_generated(self) -> int:
+        """Sequences per prompt the engine runs (completions' ``best_of`` may ask for more than ``n``)."""
+        return self.num_choices
 
     @property
     def output_logprobs(self) -> int | None:
@@ -126,7 +133,7 @@ class _SamplingFields(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens,
-            n=self.num_choices,
+            n=self.num_generated,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -242,10 +249,11 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of is not None and self.best_of != self.num_choices:
-            raise ApiError(400, f"best_of={self.best_of} with n={self.num_choices} is not supported: ranking "
-                           "choices by likelihood is not implemented; send best_of equal to n (or leave it unset) "
-                           "and pick among the n choices yourself", "best_of")
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise ApiError(400, f"best_of ({self.best_of}) must be at least n ({self.num_choices})", "best_of")
+        if self.num_generated > self.num_choices and self.stream:
+            raise ApiError(400, "best_of cannot be streamed: which n of the best_of choices are best is known only "
+                           "when all have finished; send stream: false, or best_of equal to n", "best_of")
         if self.suffix:
             raise ApiError(400, "suffix is not supported: insertion needs a model trained for fill-in-the-middle "
                            "and its template; put the text before the insertion point in the prompt", "suffix")
@@ -253,11 +261,17 @@ class CompletionRequest(_SamplingFields):
             raise ApiError(400, f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
 
     @property
+    def num_generated(self) -> int:
+        return max(self.num_choices, self.best_of or 1)
+
+    @property
     def output_logprobs(self) -> int | None:
         return self.logprobs
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         params = super().sampling_params(max_tokens)
+        if self.num_generated > self.num_choices and params.logprobs is None:
+            params.logprobs = 0  # best_of ranks choices by their tokens' summed logprobs
         if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
             params.prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too (vLLM)
         return params
