@@ -14,6 +14,7 @@ import torch
 from specdec.config import StructuredOutputsParams as SO
 from specdec.grammar import GrammarCompiler
 from specdec.models.loader import SHIPPED
+from tiny_models import byte_level_token_bytes
 
 SHIPPED_TOKENIZER = SHIPPED["specdec/demo-target"]
 SCHEMA = {
@@ -47,13 +48,7 @@ def allowed(m) -> set[int]:
 
 @functools.lru_cache(maxsize=2)
 def token_bytes(tok) -> list[bytes]:
-    """Each token's bytes, read from the byte-level vocabulary (GPT-2's byte <-> character table)."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars = printable + [256 + i for i in range(256 - len(printable))]
-    byte_of = dict(zip(map(chr, chars), printable + [b for b in range(256) if b not in printable]))
-    special = set(tok.all_special_ids)
-    return [b"" if t in special else bytes(byte_of[c] for c in p) for t, p in enumerate(tok.convert_ids_to_tokens(
-        list(range(len(tok)))))]
+    return byte_level_token_bytes(tok)
 
 
 def expected_allowed(tok, language: list[str], text: bytes) -> set[int]:
