@@ -185,14 +185,15 @@ class GrammarMatcher:
         return self._mask
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance by ``token_id``; False (state unchanged) where ``allowed_mask`` excludes it."""
-        if self.is_terminated() or not 0 <= token_id < self.vocab_size:
+        """Advance by ``token_id``; False (state unchanged) where ``allowed_mask`` excludes it. Once
+        terminated, only further stop tokens are taken (as no-ops), as the mask says."""
+        if not 0 <= token_id < self.vocab_size:
             return False
-        if self._mask is not None or self._ll.compute_ff_bytes():  # forced bytes: only the canonical tokens
-            if not self._current_mask()[token_id]:
+        if self.is_terminated() or self._mask is not None or self._ll.compute_ff_bytes():
+            if not self._current_mask()[token_id]:  # forced bytes: only their canonical tokens
                 return False
         if token_id in self._stop_ids:
-            if self._ll.is_stopped():  # the grammar has ended: llguidance takes the stop token as a no-op
+            if self._ll.is_stopped():  # the grammar has ended: llguidance takes a stop token as a no-op
                 self._history.append((token_id, False))
                 self._mask = None
                 return True

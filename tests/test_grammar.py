@@ -123,7 +123,10 @@ def test_json_schema_accepts_a_valid_record_and_then_only_eos(tok, compiler):
     assert allowed(m) == {tok.eos_token_id}  # the object is closed: only the stop token may follow
     assert m.accept_token(tok.eos_token_id) and m.is_terminated()
     assert not m.accept_token(tok.encode(" ", add_special_tokens=False)[0])
-    assert allowed(m) == {tok.eos_token_id}  # still never an empty row
+    assert allowed(m) == {tok.eos_token_id}  # still never an empty row, and what it allows is taken
+    assert m.accept_token(tok.eos_token_id) and m.is_terminated()
+    m.rollback(2)
+    assert allowed(m) == {tok.eos_token_id} and not m.is_terminated()
 
 
 def test_json_schema_refuses_what_the_schema_forbids(tok, compiler):
