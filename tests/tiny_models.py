@@ -24,6 +24,30 @@ def make_tokenizer(folder: Path, words: list[str] = WORDS) -> None:
     fast.save_pretrained(folder)
 
 
+BYTE_CORPUS = [  # what the byte-level tokenizer's merges are learnt from: JSON records and short words
+    '{"id":12,"tag":"red","name":"ab","ok":true}', '{"id":7,"tag":"blue","name":"cd","ok":false}',
+    '{"name": "Ada", "age": 36, "tags": ["math", "code"]}', "abc cab bca aabbcc", "the cat sat on the mat",
+    "def f(x):\n    return x + 1\n", "yes no maybe", "[1, 2, 3]", "null true false",
+]
+
+
+def make_byte_tokenizer(folder: Path, vocab_size: int = 320) -> None:
+    """A small byte-level BPE tokenizer (GPT-2's scheme: 256 byte tokens, merges, <|endoftext|> = 0) saved
+    into ``folder``: grammars need a tokenizer that spells every byte, and a small vocabulary keeps
+    exact distribution tests cheap."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(BYTE_CORPUS, trainer)
+    eos = "<|endoftext|>"
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=eos, eos_token=eos, pad_token=eos).save_pretrained(folder)
+
+
 def copy_tokenizer(src: Path, folder: Path) -> tuple[int, int]:
     """Copy the tokenizer of checkpoint ``src`` (e.g. the shipped target's byte-level BPE, which grammars
     need) into ``folder``; returns its length and its EOS id."""
