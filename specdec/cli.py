@@ -50,6 +50,18 @@ def generate(
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 64,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past end-of-sequence.")] = False,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string; repeat for several.")] = None,
+    repetition_penalty: Annotated[float, typer.Option(help="transformers' repetition penalty; 1 disables it.")] = 1.0,
+    presence_penalty: Annotated[float, typer.Option(help="OpenAI's, in [-2, 2]; 0 disables it.")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(help="OpenAI's, in [-2, 2]; 0 disables it.")] = 0.0,
+    min_tokens: Annotated[int, typer.Option(help="No end of sequence before this many tokens.")] = 0,
+    json_schema: Annotated[str | None, typer.Option(
+        "--json-schema", help="Constrain the output to this JSON schema: a .json file or the schema's text.")] = None,
+    json_object: Annotated[bool, typer.Option("--json-object", help="Constrain the output to a JSON object.")] = False,
+    regex: Annotated[str | None, typer.Option(help="Constrain the output to this regular expression.")] = None,
+    choice: Annotated[list[str] | None, typer.Option(
+        "--choice", help="Constrain the output to one of these strings; repeat for several.")] = None,
+    grammar: Annotated[str | None, typer.Option(
+        help="Constrain the output to this grammar (EBNF): a file or the grammar's text.")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
@@ -59,10 +71,18 @@ def generate(
     """Generate a completion for one prompt, with or without a drafter, and print speed and acceptance."""
     with errors_exit_2():
         from specdec import LLM, SamplingParams
+        from specdec.config import StructuredOutputsParams
 
         request = _prompt_input(prompt, prompt_token_ids)
+        structured = None
+        if json_schema or json_object or regex or choice or grammar:
+            structured = StructuredOutputsParams(json=_text_or_file(json_schema), json_object=json_object or None,
+                                                 regex=regex, choice=choice, grammar=_text_or_file(grammar))
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-                                max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stop)
+                                max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stop,
+                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, min_tokens=min_tokens,
+                                structured_outputs=structured)
         spec = build_speculative_config(draft, k, speculative_config, adaptive)
         quiet_transformers()
         llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
@@ -308,6 +328,14 @@ def main() -> None:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _text_or_file(value: str | None) -> str | None:
+    """An option that takes a file's path or the text itself (a schema, a grammar)."""
+    if value is not None and len(value) < 4096 and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
 
 
 def _prompt_input(prompt: str | None, prompt_token_ids: str | None) -> str | dict:

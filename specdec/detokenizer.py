@@ -29,7 +29,7 @@ class Detokenizer:
                 seq.finish_reason, seq.stop_reason = "stop", None
             elif t in p.stop_token_ids:
                 seq.finish_reason, seq.stop_reason = "stop", t
-            elif p.stop and self._hit_stop_string(seq):
+            elif p.stop and seq.num_output_tokens > p.min_tokens and self._hit_stop_string(seq):
                 pass
             elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= seq.max_len:
                 seq.finish_reason = "length"

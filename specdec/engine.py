@@ -22,6 +22,7 @@ from specdec.drafters.base import Drafter
 from specdec.host_memory import trim_heap
 from specdec.metrics import SpecDecodingStats
 from specdec.models.base import ForwardBatch, ModelRunner, pad_rows
+from specdec.processing import RowProcessor, bad_words_token_ids, constrain_drafts, process_verify_logits
 from specdec.sampling import make_generator
 from specdec.scheduler import RoundBatch, Scheduler
 from specdec.sequence import Sequence
@@ -50,10 +51,13 @@ class Engine:
         self.scheduler = Scheduler(max_num_seqs)
         self.stats = SpecDecodingStats()
         self.device = target.device
+        self._grammar_compiler = None
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None) -> Sequence:
+        """Queue a request. ``grammar``: a compiled matcher for ``params.structured_outputs`` (a server
+        compiles it off the engine thread with ``self.grammar_compiler``); compiled here when None."""
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty; pass at least one token")
@@ -65,8 +69,34 @@ class Engine:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{self.target.vocab_size - 1}")
         seq = Sequence(list(prompt_token_ids), params, make_generator(params.seed, self.device),
                        max_len=self.target.max_model_len)
+        if params.processes_logits:
+            seq.processor = self._processor(seq, grammar)
         self.scheduler.add(seq)
         return seq
+
+    def _processor(self, seq: Sequence, grammar) -> RowProcessor:
+        p, V = seq.params, self.target.vocab_size
+        for name, ids in (("allowed_token_ids", p.allowed_token_ids or []), ("logit_bias", p.logit_bias or {})):
+            bad = [t for t in ids if t >= V]
+            if bad:
+                raise ValueError(f"{name} has token ids {bad[:5]} outside the vocabulary 0..{V - 1}")
+        if p.structured_outputs is not None and grammar is None:
+            grammar = self.grammar_compiler.matcher(p.structured_outputs)
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.detokenizer.eos_token_ids)
+        bad_words = bad_words_token_ids(self.detokenizer.tokenizer, p.bad_words) if p.bad_words else []
+        return RowProcessor(seq, V, stop_ids, bad_words, grammar, self.device)
+
+    @property
+    def grammar_compiler(self):
+        """Compiles structured_outputs into grammar matchers, with a cache (thread-safe: a server calls it
+        from its tokenizing threads)."""
+        if self._grammar_compiler is None:
+            from specdec.grammar import GrammarCompiler
+            if self.detokenizer.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this model folder has none")
+            self._grammar_compiler = GrammarCompiler(self.detokenizer.tokenizer, self.target.vocab_size,
+                                                     self.detokenizer.eos_token_ids)
+        return self._grammar_compiler
 
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence (a client went away); it leaves the batch at the next step."""
@@ -113,8 +143,10 @@ class Engine:
         self._draft(batch)
         t1 = time.perf_counter()
 
-        # 2. verify: one target pass over [feed, x_1..x_k] -> p_1..p_{k+1} per row  [B, k+1, V]
-        target_logits = self.target.forward(batch.verify_batch())
+        # 2. verify: one target pass over [feed, x_1..x_k] -> p_1..p_{k+1} per row  [B, k+1, V];
+        #    position j of a row with penalties / biases / a grammar is processed as if x_1..x_j were emitted
+        raw_logits = self.target.forward(batch.verify_batch())
+        target_logits = process_verify_logits(raw_logits, batch.seqs, batch.draft_token_ids, batch.num_draft)
 
         # 3. accept: a prefix of the drafts, then one recovered or bonus token per row
         result = verify(batch.draft_token_ids, batch.draft_probs, target_logits, batch.sampling,
@@ -127,7 +159,12 @@ class Engine:
         gained = []
         for s, feed, d, n, nxt in zip(batch.seqs, batch.feed, drafts, result.num_accepted, result.next_token_ids):
             s.num_computed += len(feed) + n
-            gained.append((s, self.detokenizer.append(s, d[:n] + [nxt])))
+            kept = self.detokenizer.append(s, d[:n] + [nxt])
+            if s.processor is not None:
+                s.processor.append(kept)
+                if s.processor.grammar_done and not s.finished:
+                    s.finish_reason = "stop"
+            gained.append((s, kept))
 
         # 5. update: the drafter learns what was accepted; counters, costs; finished sequences leave
         if batch.draft_token_ids.shape[1] > 0:
@@ -179,8 +216,11 @@ class Engine:
             return
         if proposal.draft_token_ids.shape[1] == 0:
             batch.set_drafts(None, None, None)
-        else:
-            batch.set_drafts(proposal.draft_token_ids, proposal.draft_probs, proposal.num_draft_tokens)
+            return
+        # 1b. a one-hot draft ends where the row's grammar forbids it (processing.constrain_drafts)
+        deterministic = [proposal.draft_probs is None or g for g in batch.sampling.greedy.tolist()]
+        num_draft = constrain_drafts(batch.seqs, proposal.draft_token_ids, proposal.num_draft_tokens, deterministic)
+        batch.set_drafts(proposal.draft_token_ids, proposal.draft_probs, num_draft)
 
     def _admit(self) -> None:
         """Admit waiting requests. While others decode, small prompts ride in the next verify pass

@@ -26,6 +26,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     text: str = ""  # detokenized output, cut at a stop string
+    processor: object | None = None  # processing.RowProcessor when params.processes_logits
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -112,6 +112,20 @@ def test_generate_speculative_config_and_token_ids(models, plain_llm):
     assert len(out["metrics"]["num_accepted_tokens_per_pos"]) == 2
 
 
+def test_generate_with_penalties_equals_the_library(models, plain_llm):
+    out = json_out(cli("generate", "--model", models["target"], "--draft", models["other"], "-k", "3",
+                       "--prompt", PROMPTS[1], "--temperature", "0", "--max-tokens", "16", "--ignore-eos",
+                       "--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "0.5",
+                       "--min-tokens", "4", "--json"))
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5,
+                        presence_penalty=0.5, frequency_penalty=0.5, min_tokens=4)
+    assert out["token_ids"] == plain_llm.generate([PROMPTS[1]], sp)[0].outputs[0].token_ids
+    assert out["token_ids"] != greedy_ids(plain_llm, PROMPTS[1], 16)  # the penalties did act
+    assert out["metrics"]["num_draft_tokens"] > 0
+    bad = cli("generate", "--model", models["target"], "--prompt", "x", "--presence-penalty", "5")
+    assert bad.exit_code == 2 and "presence_penalty must be in [-2, 2]" in bad.output
+
+
 def test_generate_seeded_sampling_is_reproducible(models):
     args = ("generate", "--model", models["target"], "--draft", models["other"], "--prompt", PROMPTS[0],
             "--temperature", "0.9", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01", "--seed", "7",

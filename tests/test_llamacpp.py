@@ -202,6 +202,23 @@ def test_sampled_outputs_follow_the_target_distribution_on_llamacpp(small_vocab,
     assert method == "ngram" or metrics["num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("method", ["draft_model", "suffix"])
+def test_penalties_and_biases_under_speculation_on_llamacpp(pair, method):
+    """Processing acts on logits, so it is the same on every backend: greedy output with penalties,
+    a bias and min_tokens equals plain decoding's with them."""
+    target, near, hf = pair
+    prompts = [(p * 3)[:20] for p in random_prompts(3, [5, 7, 4], seed=8)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+                        presence_penalty=0.5, frequency_penalty=0.3, logit_bias={7: 2.0}, min_tokens=4)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    expected = [o.outputs[0].token_ids for o in LLM(target).generate(requests, sp)]
+    cfg = {"method": method, "num_speculative_tokens": 4} | ({"model": near} if method == "draft_model" else {})
+    llm = LLM(target, speculative_config=cfg)
+    got = [o.outputs[0].token_ids for o in llm.generate(requests, sp)]
+    assert got == expected
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 
 

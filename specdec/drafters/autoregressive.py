@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from specdec.drafters.base import DraftProposal
+from specdec.processing import process_draft_logits
 from specdec.sampling import SamplingBatch, probs_from_logits, sample
 from specdec.sequence import Sequence
 
@@ -32,6 +33,7 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
     draft_ids, draft_probs = [], []
     for i in range(k):
         active &= i < limit
+        logits = process_draft_logits(logits, seqs, draft_ids)  # penalties / grammar as the target's at i
         if sb.all_greedy and draft_p_min == 0.0:
             x = logits.argmax(dim=-1)  # [B]
         else:
