@@ -13,6 +13,7 @@ GBNF / vLLM's EBNF (``root ::= ...``), told apart by their syntax.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 
@@ -20,6 +21,8 @@ import numpy as np
 import torch
 
 from specdec.config import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 64
 _MAX_ERROR_CHARS = 300  # llguidance's messages can quote the grammar; keep the reply short
@@ -166,19 +169,26 @@ class GrammarMatcher:
         self._history: list[tuple[int, bool]] = []  # (token, whether llguidance counted it)
         self._bits = np.zeros((max(vocab_size, tokenizer_len) + 31) // 32, dtype=np.int32)  # one bit per token
         self._mask: np.ndarray | None = None  # [vocab_size] bool, the current state's mask once computed
+        self._warned = False
 
-    def _check(self) -> None:
-        if self._ll.is_error():
-            raise RuntimeError(f"the grammar matcher failed: {_short(self._ll.get_error())}")
+    def _failed(self) -> bool:
+        """llguidance gave up (a step over its parser limits): the output ends there, as in vLLM."""
+        if not self._ll.is_error():
+            return False
+        if not self._warned:
+            self._warned = True
+            log.warning("a grammar matcher failed, so its output ends here: %s", _short(self._ll.get_error()))
+        return True
 
     def _current_mask(self) -> np.ndarray:
         if self._mask is None:
-            if self.is_terminated():  # still the stop tokens: a masked row is never empty
+            if self.is_terminated() or self._failed():  # the stop tokens: a masked row is never empty
                 bits = np.zeros(self.vocab_size, dtype=np.uint8)
                 bits[self._stop_list] = 1
             else:
                 self._ll.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-                self._check()
+                if self._failed():
+                    return self._current_mask()
                 bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
                 bits[self._text_ids:] = 0  # padding rows of the model's vocabulary
             self._mask = bits.view(np.bool_)
@@ -189,11 +199,11 @@ class GrammarMatcher:
         terminated, only further stop tokens are taken (as no-ops), as the mask says."""
         if not 0 <= token_id < self.vocab_size:
             return False
-        if self.is_terminated() or self._mask is not None or self._ll.compute_ff_bytes():
+        if self.is_terminated() or self._mask is not None or self._failed() or self._ll.compute_ff_bytes():
             if not self._current_mask()[token_id]:  # forced bytes: only their canonical tokens
                 return False
         if token_id in self._stop_ids:
-            if self._ll.is_stopped():  # the grammar has ended: llguidance takes a stop token as a no-op
+            if self._ll.is_stopped():  # the grammar has ended (or failed): llguidance takes a stop token as a no-op
                 self._history.append((token_id, False))
                 self._mask = None
                 return True
@@ -202,7 +212,6 @@ class GrammarMatcher:
             self._ll.consume_token(token_id)
         elif token_id >= self._text_ids or self._ll.try_consume_tokens([token_id]) != 1:
             return False
-        self._check()
         self._history.append((token_id, True))
         self._mask = None
         return True
@@ -216,9 +225,8 @@ class GrammarMatcher:
         counted = sum(c for _, c in self._history[-num_tokens:])
         del self._history[-num_tokens:]
         self._mask = None
-        if counted and not self._ll.rollback(counted):
-            self._check()
-            raise RuntimeError(f"the grammar matcher could not roll back {counted} tokens")
+        if counted and not self._ll.is_error():
+            self._ll.rollback(counted)  # a failure shows as the error state (_failed)
 
     def allowed_mask(self) -> torch.Tensor:
         """[vocab_size] bool: the tokens the grammar allows next (only the stop tokens once it is complete,

@@ -204,6 +204,17 @@ def test_several_stop_tokens_and_padding_rows(tok):
     assert m.accept_token(other) and m.is_terminated()
 
 
+def test_a_failed_matcher_ends_the_output(tok, compiler, caplog):
+    """Where llguidance gives up (a step over its limits; forced here), only the stop token remains."""
+    m = compiler.matcher(SO(regex="abc"))
+    m._ll.consume_token(tok.encode("x", add_special_tokens=False)[0])  # llguidance's own error state
+    assert allowed(m) == {tok.eos_token_id} and "grammar matcher failed" in caplog.text
+    assert not m.accept_token(tok.encode("a", add_special_tokens=False)[0])
+    assert m.accept_token(tok.eos_token_id) and m.is_terminated()
+    m.rollback(1)
+    assert allowed(m) == {tok.eos_token_id}
+
+
 @pytest.mark.parametrize("so,message", [
     (SO(json="{not json"), "not valid JSON"),
     (SO(json="[1, 2]"), "must be a JSON schema object"),
