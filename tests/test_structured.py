@@ -121,3 +121,18 @@ def test_sampled_tokens_follow_the_masked_target(models, masked_joint, method):
     samples = np.array([index[a] * len(allowed) + index[b] for a, b, _ in tokens])
     assert chi_square_p(samples, joint) > FALSE_ALARM
     assert llm.get_metrics()["num_accepted_tokens"] > 0  # drafts were used
+
+
+@pytest.mark.parametrize("extra", [dict(allowed_token_ids=[5, 6]), dict(min_tokens=6), dict(ignore_eos=True)],
+                         ids=["allowed_token_ids", "min_tokens", "ignore_eos"])
+def test_constraints_that_contradict_the_grammar_leave_it_in_charge(models, extra):
+    """Where allowed_token_ids or min_tokens leave nothing the grammar allows, the grammar wins: the output
+    is still one of the choices, ended by EOS (not a crash, and not an empty distribution)."""
+    target, draft, hf, tok = models
+    so = SO(choice=["yes", "no"])
+    for spec in (None, METHODS["ngram"](draft)):
+        llm = LLM(target, speculative_config=spec, max_model_len=32)
+        for sp in (SamplingParams(temperature=0, max_tokens=8, structured_outputs=so, **extra),
+                   SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_outputs=so, **extra)):
+            out = llm.generate(["yes or no? yes"], sp)[0].outputs[0]
+            assert out.text in ("yes", "no") and out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
