@@ -150,6 +150,11 @@ class GrammarCompiler:
         with self._lock:
             return len(self._cache)
 
+    def clear_cache(self) -> None:
+        """Forget every compiled grammar (the next matcher compiles afresh, with cold lexer caches)."""
+        with self._lock:
+            self._cache.clear()
+
 
 class GrammarMatcher:
     """One sequence's position in its grammar: accept tokens, undo them, and say what may come next.

@@ -242,6 +242,8 @@ def test_cache_is_bounded_and_reused(tok):
     m1, m2 = c.matcher(SO(regex="c")), c.matcher(SO(regex="c"))  # one template, independent matchers
     assert m1.accept_token(tok.encode("c", add_special_tokens=False)[0])
     assert not m2.is_terminated() and m2.num_accepted == 0
+    c.clear_cache()
+    assert c.cache_size() == 0 and c.matcher(SO(regex="c")).accept_token(tok.encode("c", add_special_tokens=False)[0])
     with pytest.raises(ValueError, match="max_cached"):
         GrammarCompiler(tok, len(tok), {0}, max_cached=0)
 
