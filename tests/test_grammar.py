@@ -144,6 +144,21 @@ def test_json_schema_refuses_what_the_schema_forbids(tok, compiler):
     assert before[digit] and m.accept_token(digit)
 
 
+def test_json_properties_come_in_the_schemas_order(tok, compiler):
+    """Two schemas that differ only in key order are two constraints (StructuredOutputsParams.spec_text
+    sorts keys; the grammar must not)."""
+    def schema(names):
+        return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names,
+                "additionalProperties": False}
+
+    for names in (["zeta", "alpha"], ["alpha", "zeta"]):
+        m = compiler.matcher(SO(json=schema(names), disable_any_whitespace=True))
+        text = json.dumps({n: 1 for n in names}, separators=(",", ":"))
+        for t in tok.encode(text, add_special_tokens=False):
+            assert m.accept_token(t), text
+        assert allowed(m) == {tok.eos_token_id}
+
+
 def test_json_object_and_whitespace_switch(tok, compiler):
     space_brace = tok.encode('{ "', add_special_tokens=False)
     assert len(space_brace) >= 2 and tok.decode(space_brace[:1]) == "{"
