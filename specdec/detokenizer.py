@@ -88,7 +88,8 @@ class TextStreamer:
             end = len(text) - self.holdback
         new = text[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
-        return StreamDelta(text=new, token_ids=tokens, finish_reason=seq.finish_reason)
+        logprobs = None if seq.logprobs is None else seq.logprobs[len(seq.logprobs) - len(tokens):]
+        return StreamDelta(text=new, token_ids=tokens, finish_reason=seq.finish_reason, logprobs=logprobs)
 
     def _decode_new(self) -> str:
         ids = self.seq.output_token_ids

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +21,7 @@ from specdec.config import SamplingParams
 from specdec.detokenizer import Detokenizer
 from specdec.drafters.base import Drafter
 from specdec.host_memory import trim_heap
+from specdec.logprobs import TokenText, check_logprobs_mode, prompt_logprobs, record_emitted
 from specdec.metrics import SpecDecodingStats
 from specdec.models.base import ForwardBatch, ModelRunner, pad_rows
 from specdec.processing import RowProcessor, bad_words_token_ids, constrain_drafts, process_verify_logits
@@ -36,7 +38,7 @@ MERGED_PREFILL_TOKENS = 512  # new prompts up to this many tokens in all join a 
 class Engine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
                  tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256,
-                 adaptive: bool = False, strict_drafter: bool | None = None):
+                 adaptive: bool = False, strict_drafter: bool | None = None, logprobs_mode: str = "raw_logprobs"):
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
@@ -51,6 +53,8 @@ class Engine:
         self.scheduler = Scheduler(max_num_seqs)
         self.stats = SpecDecodingStats()
         self.device = target.device
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)  # logprobs.py
+        self.token_text = TokenText(tokenizer)
         self._grammar_compiler = None
 
     # -- requests ---------------------------------------------------------------------------------
@@ -73,6 +77,19 @@ class Engine:
             seq.processor = self._processor(seq, grammar)
         self.scheduler.add(seq)
         return seq
+
+    def add_choices(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None) -> list[Sequence]:
+        """``params.n`` sequences for one prompt (vLLM's n): choice i has n = 1 and, when seeded,
+        seed + i (vLLM's rule), so each is reproducible alone. They share one prefill (``_prefill``).
+        ``grammar`` (a matcher, as add_request takes it) goes to the first; the others get their own."""
+        if params.n == 1:
+            return [self.add_request(prompt_token_ids, params, grammar)]
+        seqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seqs.append(self.add_request(prompt_token_ids, replace(params, n=1, seed=seed), grammar if i == 0 else None))
+            seqs[-1].prefill_group = seqs[0].seq_id
+        return seqs
 
     def _processor(self, seq: Sequence, grammar) -> RowProcessor:
         p, V = seq.params, self.target.vocab_size
@@ -165,6 +182,7 @@ class Engine:
                 if s.processor.grammar_done and not s.finished:
                     s.finish_reason = "stop"
             gained.append((s, kept))
+        record_emitted(gained, raw_logits, target_logits, batch.sampling, self.logprobs_mode, self.token_text)
 
         # 5. update: the drafter learns what was accepted; counters, costs; finished sequences leave
         if batch.draft_token_ids.shape[1] > 0:
@@ -226,7 +244,7 @@ class Engine:
         """Admit waiting requests. While others decode, small prompts ride in the next verify pass
         (each row feeds what its cache lacks), which costs far less than a pass of their own that
         reads every weight once more (vLLM's chunked prefill does the same). Otherwise each prompt
-        but its last token is prefilled now, packed; the first round's verify pass feeds the last."""
+        but its last token is prefilled now (``_prefill``); the first round's verify pass feeds the last."""
         decoding = bool(self.running)
         new = self.scheduler.admit()
         if not new:
@@ -236,17 +254,48 @@ class Engine:
         # room for the prompts now; the cache grows in steps as the outputs do
         self.target.reserve(len(running), max(s.num_prompt_tokens for s in running) + self.k + 1)
         self.target.sync_rows([s.seq_id for s in running])
-        if decoding and sum(s.num_prompt_tokens for s in new) <= MERGED_PREFILL_TOKENS:
+        if (decoding and sum(s.num_prompt_tokens for s in new) <= MERGED_PREFILL_TOKENS
+                and all(s.params.prompt_logprobs is None for s in new)):  # a verify pass has no prompt logits
             for s in new:
                 s.num_computed = 0
             return
-        rows = [s.prompt_token_ids[:-1] for s in new]
+        self._prefill(new, len(running) - len(new))
+        self.stats.prefill_time_s += time.perf_counter() - t0
+
+    def _prefill(self, new: list[Sequence], first: int) -> None:
+        """Prefill each new sequence (cache rows first, first + 1, ...) but its last prompt token, in
+        one packed pass. A choice whose sibling (same prefill_group) is or will be prefilled copies
+        that sibling's cache instead; a prompt that asks for prompt_logprobs gets a pass of its own
+        with logits at every position."""
+        row = {s.seq_id: i for i, s in enumerate(self.running)}
+        source: dict[int, Sequence] = {}  # seq_id -> the sibling whose prompt cache it copies
+        for s in new:
+            if s.prefill_group is None:
+                continue
+            done = [o for o in self.running if o.prefill_group == s.prefill_group and o not in new
+                    and o.num_computed >= o.num_prompt_tokens - 1]
+            first_new = next(o for o in new if o.prefill_group == s.prefill_group)
+            src = done[0] if done else first_new
+            if src is not s:
+                source[s.seq_id] = src
+        alone = [s for s in new if s.params.prompt_logprobs is not None and s.seq_id not in source]
+        rows = [[] if s.seq_id in source or s in alone else s.prompt_token_ids[:-1] for s in new]
         if any(rows):
             self.target.forward(ForwardBatch(pad_rows(rows, self.device), [0] * len(new), [len(r) for r in rows],
-                                             row_offset=len(running) - len(new)))
+                                             row_offset=first))
+        for s in alone:
+            logits = None
+            if s.num_prompt_tokens > 1:
+                logits = self.target.forward(ForwardBatch.from_rows([s.prompt_token_ids[:-1]], [0], logits="all",
+                                                                    row_offset=row[s.seq_id], device=self.device))[0]
+            s.prompt_logprobs = prompt_logprobs(logits, s.prompt_token_ids, s.params.prompt_logprobs, self.token_text)
+        for src in {id(v): v for v in source.values()}.values():
+            dst = [row[d.seq_id] for d in new if source.get(d.seq_id) is src]
+            self.target.copy_prefix(row[src.seq_id], dst, src.num_prompt_tokens - 1)
         for s in new:
             s.num_computed = s.num_prompt_tokens - 1
-        self.stats.prefill_time_s += time.perf_counter() - t0
+            if s.seq_id in source:
+                s.prompt_logprobs = source[s.seq_id].prompt_logprobs
 
     def _retire(self) -> None:
         done = self.scheduler.retire()

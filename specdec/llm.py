@@ -10,6 +10,7 @@ import torch
 from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.detokenizer import TextStreamer
 from specdec.engine import Engine
+from specdec.logprobs import check_logprobs_mode
 from specdec.metrics import SpecDecodingStats
 from specdec.outputs import CompletionOutput, RequestOutput, StreamDelta
 from specdec.sequence import Sequence
@@ -24,12 +25,16 @@ class LLM:
     ...           speculative_config={"method": "draft_model", "model": "specdec/demo-draft",
     ...                               "num_speculative_tokens": 4})
     >>> out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=32))
+
+    ``logprobs_mode``: what ``SamplingParams(logprobs=N)`` reports (vLLM's names): "raw_logprobs"
+    (default) the model's own log_softmax, "processed_logprobs" the distribution each token was
+    sampled from, after penalties, grammar, temperature and top-k / top-p / min-p (logprobs.py).
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, trust_remote_code: bool = False,
-                 backend: str = "auto", tokenizer: str | None = None):
+                 backend: str = "auto", tokenizer: str | None = None, logprobs_mode: str = "raw_logprobs"):
         from specdec.drafters import build_drafter
         from specdec.models.loader import choose_backend, load_runner
 
@@ -37,6 +42,7 @@ class LLM:
                                         trust_remote_code=trust_remote_code, backend=backend, tokenizer=tokenizer)
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         _check_device(device)
+        check_logprobs_mode(logprobs_mode)
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         method = self.speculative_config.method if self.speculative_config else None
@@ -50,13 +56,15 @@ class LLM:
             drafter = build_drafter(spec, self.target, dtype, device)
             k = spec.num_speculative_tokens
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
-                             max_num_seqs=max_num_seqs, adaptive=spec is not None and spec.adaptive)
+                             max_num_seqs=max_num_seqs, adaptive=spec is not None and spec.adaptive,
+                             logprobs_mode=logprobs_mode)
 
     # -- generation -------------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt in one batch. ``sampling_params``: one for all, or one per prompt."""
+        """Generate for every prompt in one batch. ``sampling_params``: one for all, or one per prompt.
+        Each RequestOutput holds ``n`` CompletionOutputs (index 0..n-1)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -64,27 +72,32 @@ class LLM:
             raise ValueError("prompts is empty; pass a string, a {'prompt_token_ids': [...]} dict, or a list of them")
         params = self._params_per_prompt(prompts, sampling_params)
         token_ids = [self._tokenize(p) for p in prompts]
-        seqs = [self.engine.add_request(ids, sp) for ids, sp in zip(token_ids, params)]
+        choices = [self.engine.add_choices(ids, sp) for ids, sp in zip(token_ids, params)]
         while self.engine.has_unfinished():
             self.engine.step()
-        return [self._output(i, p, s) for i, (p, s) in enumerate(zip(prompts, seqs))]
+        return [self._output(p, seqs) for p, seqs in zip(prompts, choices)]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
-        """Generate for one prompt, yielding the tokens and text each round adds."""
+        """Generate for one prompt, yielding the tokens and text each round adds (``StreamDelta.index``
+        says which of the ``n`` choices, with their logprobs when asked)."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        seq = self.engine.add_request(self._tokenize(prompt), params)
-        streamer = TextStreamer(self.engine.detokenizer, seq)
+        seqs = self.engine.add_choices(self._tokenize(prompt), params)
+        streamers = {s.seq_id: (i, TextStreamer(self.engine.detokenizer, s)) for i, s in enumerate(seqs)}
         try:
-            while not seq.finished:
+            while not all(s.finished for s in seqs):
                 for s, tokens in self.engine.step():
-                    if s is seq and (tokens or s.finished):
-                        yield streamer.delta(tokens)
+                    if s.seq_id in streamers and (tokens or s.finished):
+                        i, streamer = streamers[s.seq_id]
+                        delta = streamer.delta(tokens)
+                        delta.index = i
+                        yield delta
         finally:
-            if not seq.finished:
-                self.engine.abort(seq)
-                self.engine.step()  # let it leave the batch
+            if not all(s.finished for s in seqs):
+                for s in seqs:
+                    self.engine.abort(s)
+                self.engine.step()  # let them leave the batch
 
     # -- metrics ----------------------------------------------------------------------------------
 
@@ -132,12 +145,15 @@ class LLM:
             raise ValueError("this model folder has no tokenizer; pass {'prompt_token_ids': [...]} instead of text")
         return self.tokenizer.encode(prompt)
 
-    def _output(self, index: int, prompt: Prompt, seq: Sequence) -> RequestOutput:
+    def _output(self, prompt: Prompt, seqs: list[Sequence]) -> RequestOutput:
         text_prompt = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
-        out = CompletionOutput(index=0, text=self.engine.detokenizer.output_text(seq), token_ids=seq.output_token_ids,
-                               finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return RequestOutput(request_id=str(seq.seq_id), prompt=text_prompt, prompt_token_ids=seq.prompt_token_ids,
-                             outputs=[out], finished=seq.finished)
+        outs = [CompletionOutput(index=i, text=self.engine.detokenizer.output_text(s), token_ids=s.output_token_ids,
+                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                 cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs)
+                for i, s in enumerate(seqs)]
+        first = seqs[0]
+        return RequestOutput(request_id=str(first.seq_id), prompt=text_prompt, prompt_token_ids=first.prompt_token_ids,
+                             outputs=outs, finished=all(s.finished for s in seqs), prompt_logprobs=first.prompt_logprobs)
 
 
 def _check_device(device: str) -> None:

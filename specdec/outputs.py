@@ -46,3 +46,5 @@ class StreamDelta:
     text: str  # new text, held back while it could still be the start of a stop string
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one dict per token in token_ids, when asked
+    index: int = 0  # which of the request's n choices

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SamplingParams
+from specdec.outputs import PositionLogprobs
 
 _ids = itertools.count()
 
@@ -27,9 +28,18 @@ class Sequence:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     text: str = ""  # detokenized output, cut at a stop string
     processor: object | None = None  # processing.RowProcessor when params.processes_logits
+    # choices of one request (SamplingParams.n) share a group: one prefills the prompt, the others copy its cache
+    prefill_group: int | None = None
+    # logprobs.py, when the params ask: one dict per output token, their sum, one per prompt token
+    logprobs: list[PositionLogprobs] | None = field(init=False)
+    cumulative_logprob: float | None = field(init=False)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        wants = self.params.logprobs is not None
+        self.logprobs = [] if wants else None
+        self.cumulative_logprob = 0.0 if wants else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -449,7 +449,8 @@ def _stream_pieces(decode, ids: list[int], cuts: list[int]) -> list[str]:
 
     params = SamplingParams(temperature=0, max_tokens=len(ids))
     detokenizer = SimpleNamespace(decode=lambda t, params: decode(t), output_text=lambda s: decode(s.output_token_ids))
-    seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None)
+    seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None,
+                          logprobs=None)
     streamer, pieces, last = TextStreamer(detokenizer, seq), [], 0
     for cut in sorted(set(cuts)) + [len(ids)]:
         if cut <= last:
@@ -499,7 +500,8 @@ def test_incremental_detokenizing_streams_exactly_the_whole_decode(text, chunk):
     tok = load_tokenizer(resolve_model_path("specdec/demo-target"))
     ids = tok.encode(text, add_special_tokens=False)
     params = SamplingParams(temperature=0, max_tokens=len(ids))
-    seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None, stop_reason=None)
+    seq = SimpleNamespace(output_token_ids=[], params=params, finished=False, finish_reason=None, stop_reason=None,
+                          logprobs=None)
     streamer, pieces = TextStreamer(Detokenizer(tok), seq), []
     for i in range(0, len(ids), chunk):
         seq.output_token_ids = ids[: i + chunk]

@@ -246,6 +246,18 @@ def test_verify_lossless_passes_on_the_engine(models):
         assert 0 < t["acceptance_rate"] < 1  # drafts were both accepted and rejected: the residual is exercised
 
 
+def test_verify_lossless_runs_on_the_llamacpp_backend(models, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from specdec.models.gguf import convert
+
+    target = convert(models["small"], str(tmp_path / "t.gguf"), "f32")
+    draft = convert(models["small_draft"], str(tmp_path / "d.gguf"), "f32")
+    result = json_out(cli("verify-lossless", "--model", target, "--backend", "llama.cpp", "--samples", 500,
+                          "--prompt", "w1 w2 w3", "--speculative-config",
+                          json.dumps({"model": draft, "num_speculative_tokens": 2}), "--json"))
+    assert result["passed"] and all(0 < t["acceptance_rate"] < 1 for t in result["tests"])
+
+
 @pytest.mark.parametrize("broken", [skip_residual, logit_residual], ids=["no-residual", "logit-residual"])
 def test_verify_lossless_fails_on_a_broken_verifier(lossless_llm, monkeypatch, broken):
     monkeypatch.setattr(verify_module, "rejection_sample", broken)

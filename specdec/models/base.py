@@ -94,6 +94,11 @@ class ModelRunner(ABC):
         ``num_layers`` raises ValueError."""
 
     @abstractmethod
+    def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
+        """Make cache rows ``dst_rows`` hold what row ``src_row`` holds at positions 0..length-1 (and
+        nothing past it): choices of one prompt share its prefill."""
+
+    @abstractmethod
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one position of one row takes (all layers, k and v)."""
 

@@ -171,6 +171,14 @@ class LlamaRunner(ModelRunner):
         self.reserve(len(ids), self.cache.max_len if self.cache else 1)
         return self.rows.sync(ids, self.cache)
 
+    @torch.inference_mode()
+    def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
+        if not dst_rows or length == 0:
+            return
+        dst = torch.tensor(list(dst_rows), device=self.device)
+        self.cache.k[:, dst, :, :length] = self.cache.k[:, src_row : src_row + 1, :, :length]  # broadcast over dst
+        self.cache.v[:, dst, :, :length] = self.cache.v[:, src_row : src_row + 1, :, :length]
+
     # -- forward ---------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -155,6 +155,19 @@ class LlamaCppRunner(ModelRunner):
         self.order = [self.seq_of[i] for i in ids]
         return new
 
+    def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
+        """llama.cpp's seq_cp: in the unified cache the destinations share the source's cells."""
+        mem = self.lib.llama_get_memory(self.ctx)
+        src = self.order[src_row]
+        if self.cached[src] < length:
+            raise RuntimeError(f"row {src_row} holds {self.cached[src]} positions, fewer than the {length} to copy")
+        for r in dst_rows:
+            s = self.order[r]
+            self.lib.llama_memory_seq_rm(mem, s, -1, -1)
+            if length:
+                self.lib.llama_memory_seq_cp(mem, src, s, 0, length)
+            self.cached[s] = length
+
     def kv_bytes_per_token(self) -> int:
         per = 4 if self.kv_type == self.lib.GGML_TYPE_F32 else 2
         return self.num_layers * 2 * self.info.kv_width * per
@@ -215,12 +228,19 @@ class LlamaCppRunner(ModelRunner):
                 self.lib.llama_memory_seq_rm(mem, s, int(start[b]), -1)
             self.cached[s] = int(start[b])
 
+        index = batch.logits_index
+        if T == 1 and index is not None and index.dim() == 1 and bool((lengths == 1).all()):
+            # one token per row with its logits (a draft step): every array is already flat, in row order
+            for b, s in enumerate(rows):
+                self.cached[s] = int(end[b])
+            return self._decode(batch.token_ids[:, 0].cpu().numpy(), start, np.asarray(rows, dtype=np.int32),
+                                np.ones(B, dtype=np.int8))  # [B, V]
+
         # the real tokens, row-major: (row b, column t) for t < lengths[b]
         real = np.arange(T)[None, :] < lengths[:, None]  # [B, T]
         tokens = batch.token_ids.cpu().numpy()[real]  # [N]
         pos = (start[:, None] + np.arange(T)[None, :])[real]  # [N]
         seq = np.broadcast_to(np.asarray(rows, dtype=np.int32)[:, None], (B, T))[real]  # [N]
-        index = batch.logits_index
         out_rows = None
         if index is not None:
             idx = index.cpu().numpy()

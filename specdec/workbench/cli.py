@@ -56,6 +56,7 @@ def profile(
         "--sweep", help="Also measure the recommended method at every k = 1..K (checks the whole S(k) curve).")] = False,
     dtype: base.DtypeOpt = "auto",
     device: base.DeviceOpt = "cpu",
+    backend: base.BackendOpt = "auto",
     as_json: base.JsonOpt = False,
 ) -> None:
     """Measure acceptance per position, c and v(k) per category; predict S(k); recommend k (and method); check it."""
@@ -78,8 +79,8 @@ def profile(
         base.quiet_transformers()
         with progress_bars() as tick:
             result = run_profile(model, configs, records, max_tokens=max_tokens, k_max=k_max,
-                                 temperature=temperature, dtype=dtype, device=device, validate=validate,
-                                 sweep=sweep, progress=tick)
+                                 temperature=temperature, dtype=dtype, device=device, backend=backend,
+                                 validate=validate, sweep=sweep, progress=tick)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "profile.json").write_text(json.dumps(result, indent=1))
     summary = {**summarize(result), "profile": str(folder / "profile.json")}
@@ -118,6 +119,7 @@ def verify_lossless(
         "--prompt", help="Prompt text; repeat for several (default: two built-in prompts).")] = None,
     dtype: base.DtypeOpt = "auto",
     device: base.DeviceOpt = "cpu",
+    backend: base.BackendOpt = "auto",
     as_json: base.JsonOpt = False,
 ) -> None:
     """Chi-square self-test: sampled output (temperature 1, top-k 8, top-p 0.8) vs the target's exact probabilities."""
@@ -129,7 +131,7 @@ def verify_lossless(
         if spec is None:
             raise base.CliError("verify-lossless needs a drafter: pass --speculative-config JSON or --draft D")
         base.quiet_transformers()
-        llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec)
+        llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend)
         with progress_bars() as tick:
             result = run(llm, samples=samples, false_alarm=false_alarm, prompts=prompt, progress=tick)
     if as_json:

@@ -203,8 +203,8 @@ def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats
 
 def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict], *, max_tokens: int = 128,
                 k_max: int | None = None, temperature: float = 0.0, seed: int | None = 0, dtype: str = "auto",
-                device: str = "cpu", validate: bool = True, sweep: bool = False, verify_repeats: int = 9,
-                progress: Progress | None = None) -> dict:
+                device: str = "cpu", backend: str = "auto", validate: bool = True, sweep: bool = False,
+                verify_repeats: int = 9, progress: Progress | None = None) -> dict:
     """Measure, predict, recommend and (``validate``) check the recommendation; returns the profile dict.
     ``sweep``: also measure the recommended method at every k = 1..K against its prediction.
 
@@ -222,9 +222,10 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
     records = [_record(p) for p in prompts]
     categories = sorted({cat for _, cat in records})
 
-    ar_llm = LLM(model, dtype=dtype, device=device)
+    load = {"dtype": dtype, "device": device, "backend": backend}  # how every LLM here loads the target
+    ar_llm = LLM(model, **load)
     profile: dict = {
-        "version": PROFILE_VERSION, "model": model, "dtype": dtype, "device": device,
+        "version": PROFILE_VERSION, "model": model, "dtype": dtype, "device": device, "backend": ar_llm.backend,
         "num_prompts": len(records), "categories": categories, "max_tokens": max_tokens,
         "temperature": temperature, "k_max": K,
         "cost_model": "S(k) = E(k) / (k*c + v(k)); E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j; "
@@ -246,7 +247,7 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
     profile["configs"] = []
     for spec in specs:
         profile["configs"].append(_profile_config(ar_llm, model, spec, K, records, categories, params, t1, v,
-                                                  dtype, device, tick))
+                                                  load, tick))
 
     # 3. recommend: the config and k with the highest predicted S(k)
     best_i = max(range(len(specs)), key=lambda i: profile["configs"][i]["overall"]["best_speedup"])
@@ -265,12 +266,12 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
     # 4. run the recommended setting (the best k >= 1 when plain wins, to check the model anyway)
     if validate:
         k_run = k_best if k_best > 0 else max(range(1, K + 1), key=lambda k: best["overall"]["predicted_speedup"][k])
-        profile["validation"] = _validate(ar_llm, model, best, k_run, records, params, dtype, device, tick)
+        profile["validation"] = _validate(ar_llm, model, best, k_run, records, params, load, tick)
     if sweep:
         profile["sweep"] = []
         for k in range(1, K + 1):
             run = (profile["validation"] if validate and k == profile["validation"]["k"] else
-                   _validate(ar_llm, model, best, k, records, params, dtype, device, tick))
+                   _validate(ar_llm, model, best, k, records, params, load, tick))
             profile["sweep"].append({key: run[key] for key in (
                 "k", "predicted_speedup", "predicted_speedup_end_to_end", "measured_speedup",
                 "plain_tokens_per_s", "spec_tokens_per_s")})
@@ -278,9 +279,9 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
 
 
 def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, records: list, categories: list[str],
-                    params: SamplingParams, t1: float, v: list[float], dtype: str, device: str, tick) -> dict:
+                    params: SamplingParams, t1: float, v: list[float], load: dict, tick) -> dict:
     cfg = _config_dict(spec)
-    spec_llm = LLM(model, dtype=dtype, device=device,
+    spec_llm = LLM(model, **load,
                    speculative_config={**cfg, "num_speculative_tokens": K, "adaptive": False})
     _warm(spec_llm, records[0][0], params)
     _warm(ar_llm, records[0][0], params)
@@ -364,10 +365,10 @@ def _end_to_end(entry: dict, ar: _Side, sp: _Side, t_step: float) -> list[float]
     return out
 
 
-def _validate(ar_llm: LLM, model: str, best: dict, k: int, records: list, params: SamplingParams, dtype: str,
-              device: str, tick) -> dict:
+def _validate(ar_llm: LLM, model: str, best: dict, k: int, records: list, params: SamplingParams, load: dict,
+              tick) -> dict:
     cfg = {**best["speculative_config"], "num_speculative_tokens": k, "adaptive": False}
-    spec_llm = LLM(model, dtype=dtype, device=device, speculative_config=cfg)
+    spec_llm = LLM(model, **load, speculative_config=cfg)
     advance = tick(f"run {best['method']} at k={k} vs plain", 1)
     prompts = [{"prompt": p, "category": cat} if isinstance(p, str) else p for p, cat in records]
     result = run_bench(ar_llm, spec_llm, prompts, params).as_dict()
