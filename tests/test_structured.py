@@ -7,6 +7,7 @@ target and an independently derived mask)."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -136,3 +137,15 @@ def test_constraints_that_contradict_the_grammar_leave_it_in_charge(models, extr
                    SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_outputs=so, **extra)):
             out = llm.generate(["yes or no? yes"], sp)[0].outputs[0]
             assert out.text in ("yes", "no") and out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
+
+
+def test_n_choices_each_follow_the_grammar(models):
+    """n = 3 sampled choices of one request: each has its own matcher (the first gets the precompiled one)."""
+    target, draft, hf, tok = models
+    so = SO(regex="(yes|no|maybe) [abc]{2,4}")
+    llm = LLM(target, speculative_config=METHODS["ngram"](draft), max_model_len=32)
+    out = llm.generate(["abc maybe abc"], SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=12,
+                                                        structured_outputs=so))[0]
+    assert len(out.outputs) == 3
+    for c in out.outputs:
+        assert re.fullmatch(r"(yes|no|maybe) [abc]{2,4}", c.text) and c.finish_reason == "stop", c.text
