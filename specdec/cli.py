@@ -62,6 +62,9 @@ def generate(
         "--choice", help="Constrain the output to one of these strings; repeat for several.")] = None,
     grammar: Annotated[str | None, typer.Option(
         help="Constrain the output to this grammar (EBNF): a file or the grammar's text.")] = None,
+    n: Annotated[int, typer.Option("-n", "--n", help="Choices to generate (with --seed S, choice i uses S + i).")] = 1,
+    logprobs: Annotated[int | None, typer.Option(
+        help="With --json: each token's logprob plus the top N alternatives (the target's raw distribution).")] = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
@@ -82,21 +85,24 @@ def generate(
                                 max_tokens=max_tokens, ignore_eos=ignore_eos, stop=stop,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, min_tokens=min_tokens,
-                                structured_outputs=structured)
+                                structured_outputs=structured, n=n, logprobs=logprobs)
         spec = build_speculative_config(draft, k, speculative_config, adaptive)
         quiet_transformers()
         llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
                   tokenizer=tokenizer)
         t0 = time.perf_counter()
-        out = llm.generate([request], params)[0].outputs[0]
+        outs = llm.generate([request], params)[0].outputs
         elapsed = time.perf_counter() - t0
     metrics = llm.get_metrics()
+    out = outs[0]
     if as_json:
-        print_json({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                     "metrics": metrics})
+        choices = [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason}
+                   | ({} if o.logprobs is None else {"logprobs": _logprobs_json(o.logprobs)}) for o in outs]
+        print_json({**choices[0], "metrics": metrics} | ({"choices": choices} if n > 1 else {}))
         return
-    typer.echo(out.text)
-    n = len(out.token_ids)
+    for o in outs:
+        typer.echo(o.text)
+    n = sum(len(o.token_ids) for o in outs)
     line = f"{n} tokens in {elapsed:.2f} s ({n / elapsed if elapsed > 0 else 0.0:.1f} tokens/s)"
     cfg = llm.speculative_config
     if cfg is not None and cfg.num_speculative_tokens > 0:
@@ -330,6 +336,12 @@ def main() -> None:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+def _logprobs_json(positions: list[dict]) -> list[dict]:
+    """Per output token: {token id (as text, JSON's keys): {"logprob", "rank", "decoded_token"}}."""
+    return [{str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in d.items()} for d in positions]
 
 
 def _text_or_file(value: str | None) -> str | None:

@@ -122,6 +122,10 @@ class RowProcessor:
             masks = walked[first:] or walked[-1:]  # [<= T] x [V]
             mask = torch.stack(masks + [masks[-1]] * (T - len(masks)))  # [T, V]
             logits.masked_fill_(~mask, float("-inf"))
+        # the masks below may leave nothing the grammar allows (allowed_token_ids outside it, min_tokens
+        # banning the EOS a complete grammar needs): there the grammar wins, so the output stays valid
+        grammar_only = (logits.clone() if self.grammar is not None and (
+            self.allowed is not None or self.bad_words_ids or self.params.min_tokens) else None)  # [T, V]
         if self.allowed is not None:
             logits.masked_fill_(~self.allowed, float("-inf"))
         for j in range(T) if self.bad_words_ids else ():
@@ -134,6 +138,9 @@ class RowProcessor:
             early = (emitted < self.params.min_tokens).nonzero().flatten()
             if len(early) and len(self.min_tokens_ids):
                 logits[early[:, None], self.min_tokens_ids] = float("-inf")
+        if grammar_only is not None:
+            empty = torch.isneginf(logits).all(-1)  # [T]
+            logits[empty] = grammar_only[empty]
         if self.bias is not None:
             logits += self.bias
         if self.seen is not None or self.counts is not None:

@@ -7,6 +7,7 @@ near-ties at these prompts, so any difference is a bug, not floating-point noise
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -124,6 +125,44 @@ def test_generate_with_penalties_equals_the_library(models, plain_llm):
     assert out["metrics"]["num_draft_tokens"] > 0
     bad = cli("generate", "--model", models["target"], "--prompt", "x", "--presence-penalty", "5")
     assert bad.exit_code == 2 and "presence_penalty must be in [-2, 2]" in bad.output
+
+
+def test_generate_constrains_the_output(tmp_path):
+    from tiny_models import make_byte_tokenizer, make_model
+
+    make_byte_tokenizer(tmp_path / "tok")
+    target = make_model(tmp_path / "t", "llama", tokenizer_from=tmp_path / "tok", seed=3)
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                                  "additionalProperties": False}))
+    common = ("generate", "--model", target, "--draft", target, "-k", "3", "--prompt", "x", "--temperature", "0",
+              "--max-tokens", "24", "--json")
+    out = json_out(cli(*common, "--regex", "[ab]{3}-[0-9]{2}"))
+    assert re.fullmatch("[ab]{3}-[0-9]{2}", out["text"]) and out["finish_reason"] == "stop"
+    assert out["metrics"]["num_draft_tokens"] > 0  # speculation ran under the grammar
+    out = json_out(cli(*common, "--choice", "yes", "--choice", "no"))
+    assert out["text"] in ("yes", "no")
+    out = json_out(cli(*common, "--json-schema", schema, "--max-tokens", "64"))
+    assert out["finish_reason"] == "length" or isinstance(json.loads(out["text"])["a"], int)
+    bad = cli(*common, "--regex", "a", "--choice", "b")
+    assert bad.exit_code == 2 and "exactly one of" in bad.output
+
+
+def test_generate_n_choices_and_logprobs(models, plain_llm):
+    out = json_out(cli("generate", "--model", models["target"], "--draft", models["other"], "--prompt", PROMPTS[0],
+                       "--temperature", "0.9", "--seed", "5", "-n", "3", "--logprobs", "2", "--max-tokens", "8",
+                       "--ignore-eos", "--json"))
+    assert len(out["choices"]) == 3 and out["token_ids"] == out["choices"][0]["token_ids"]
+    from specdec.cli_common import build_speculative_config
+
+    spec_llm = LLM(models["target"], speculative_config=build_speculative_config(models["other"], None, None, None))
+    for i, c in enumerate(out["choices"]):  # choice i is the request with seed 5 + i
+        ref = spec_llm.generate([PROMPTS[0]], SamplingParams(temperature=0.9, seed=5 + i, max_tokens=8,
+                                                                 ignore_eos=True, logprobs=2))[0].outputs[0]
+        assert c["token_ids"] == ref.token_ids
+        assert len(c["logprobs"]) == 8 and all(2 <= len(d) <= 3 for d in c["logprobs"])
+        for d, t, r in zip(c["logprobs"], c["token_ids"], ref.logprobs):
+            assert abs(d[str(t)]["logprob"] - r[t].logprob) < 1e-4
 
 
 def test_generate_seeded_sampling_is_reproducible(models):

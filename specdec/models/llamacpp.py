@@ -228,12 +228,19 @@ class LlamaCppRunner(ModelRunner):
                 self.lib.llama_memory_seq_rm(mem, s, int(start[b]), -1)
             self.cached[s] = int(start[b])
 
+        index = batch.logits_index
+        if T == 1 and index is not None and index.dim() == 1 and bool((lengths == 1).all()):
+            # one token per row with its logits (a draft step): every array is already flat, in row order
+            for b, s in enumerate(rows):
+                self.cached[s] = int(end[b])
+            return self._decode(batch.token_ids[:, 0].cpu().numpy(), start, np.asarray(rows, dtype=np.int32),
+                                np.ones(B, dtype=np.int8))  # [B, V]
+
         # the real tokens, row-major: (row b, column t) for t < lengths[b]
         real = np.arange(T)[None, :] < lengths[:, None]  # [B, T]
         tokens = batch.token_ids.cpu().numpy()[real]  # [N]
         pos = (start[:, None] + np.arange(T)[None, :])[real]  # [N]
         seq = np.broadcast_to(np.asarray(rows, dtype=np.int32)[:, None], (B, T))[real]  # [N]
-        index = batch.logits_index
         out_rows = None
         if index is not None:
             idx = index.cpu().numpy()
