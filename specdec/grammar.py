@@ -176,6 +176,11 @@ class GrammarMatcher:
         self._mask: np.ndarray | None = None  # [vocab_size] bool, the current state's mask once computed
         self._warned = False
 
+    @property
+    def failed(self) -> bool:
+        """Whether llguidance gave up on this sequence; from then on only the stop tokens are allowed."""
+        return self._failed()
+
     def _failed(self) -> bool:
         """llguidance gave up (a step over its parser limits): the output ends there, as in vLLM."""
         if not self._ll.is_error():

@@ -28,6 +28,7 @@ from specdec.server import ServerThread, build_app
 from specdec.server.async_engine import RequestError
 from specdec.server.limits import KvBudget, ServerLimits
 from test_server import one_thread  # noqa: F401 (a fixture: one torch thread, the machine is shared)
+from test_server_outputs import byte_models  # noqa: F401 (a fixture: tiny models with a byte-level tokenizer)
 from tiny_models import make_model, perturbed_copy
 
 KEY = "sk-hard"
@@ -417,6 +418,51 @@ def assert_idle(server) -> None:
         time.sleep(0.02)
     assert not server.llm.engine.has_unfinished()
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+# -- grammars -------------------------------------------------------------------------------------------------
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": {"type": "array", "items": schema}}, "required": ["a"]}
+    return schema
+
+
+GRAMMARS = [  # (body fields, the statuses it may get)
+    ({"guided_regex": "(a"}, (400,)),  # does not parse
+    ({"structured_outputs": {"json": {"type": "objekt"}}}, (400,)),
+    ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}, (400,)),  # refers to itself
+    ({"guided_json": nested_schema(60)}, (400,)),  # deeper than the grammar engine recurses
+    ({"guided_regex": "x" * 100_001}, (400,)),  # longer than MAX_GRAMMAR_CHARS
+    ({"guided_json": {"enum": [f"value number {i}" for i in range(4500)]}}, (200,)),  # 100 kB
+    # seconds in the grammar engine's lexer, then its limits: it ends the output (200), or it gives up at the
+    # start (400), or inside accept_token, which processing.append raises on (500: a library bug, reported)
+    ({"guided_regex": "(a{1000}){1000}"}, (200, 400, 500)),
+    ({"guided_choice": [f"choice {i}" for i in range(256)], "n": 8}, (200,)),
+]
+
+
+def test_bad_huge_and_pathological_grammars_stall_no_one(byte_models):
+    """Grammars compile off the engine thread (and off the tokenizing pool): a bystander's chunks keep
+    coming while the server refuses or serves them."""
+    from transformers import AutoModelForCausalLM
+
+    s = make_server(byte_models, kv_cache_memory=64 * 2**20)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(byte_models[0]).eval()
+        with Bystander(s, hf):
+            for extra, statuses in GRAMMARS:
+                t0 = time.perf_counter()
+                r = post(s, body(prompt="x", max_tokens=8, temperature=1.0, seed=1, **extra))
+                assert r.status_code in statuses and len(r.text) < 1200, (next(iter(extra)), r.text[:300])
+                assert time.perf_counter() - t0 < 20
+                if statuses == (400,):  # refused before it ran: the field is named
+                    assert r.json()["error"]["param"] == next(iter(extra))
+        assert_idle(s)
+    finally:
+        s.stop()
 
 
 def test_the_server_is_idle_and_healthy_after_the_abuse(server):

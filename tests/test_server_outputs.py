@@ -7,15 +7,19 @@ parameters, and the metrics must show that the drafts ran."""
 from __future__ import annotations
 
 
+import json
+import re
 from types import SimpleNamespace
 
+import httpx
 import openai
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.config import StructuredOutputsParams
 from specdec.server import ServerThread, build_app
 from test_server import KEY, NAME, one_thread, scrape, spec_config  # noqa: F401 (one_thread: a fixture)
-from tiny_models import make_model, perturbed_copy
+from tiny_models import make_byte_tokenizer, make_model, perturbed_copy
 
 PROMPTS = ["w1 w2 w3", "w7 w8 w7 w8", "w20 w21 w22 w23 w24"]
 
@@ -238,3 +242,112 @@ def test_logprobs_name_tokens_by_id_when_asked(client):
     c = r.choices[0]
     assert c.logprobs.tokens == [f"token_id:{t}" for t in c.model_extra["token_ids"]]
     assert all(len(top) == 1 for top in c.logprobs.top_logprobs)  # logprobs=0: the chosen token alone
+
+
+# -- structured output -----------------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "n"], "additionalProperties": False}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+
+
+def valid(text: str) -> bool:
+    obj = json.loads(text)
+    return set(obj) == {"color", "n"} and obj["color"] in ("red", "green", "blue") and obj["n"] in range(10)
+
+
+@pytest.fixture(scope="module")
+def byte_models(tmp_path_factory):
+    """A target and draft whose tokenizer has one token per byte: any JSON or regex match is spelled."""
+    root = tmp_path_factory.mktemp("outputs_bytes")
+    make_byte_tokenizer(root / "bytes")
+    target = make_model(root / "target", "llama", max_pos=512, tokenizer_from=root / "bytes")
+    return str(target), str(perturbed_copy(target, root / "draft", 0.01))
+
+
+@pytest.fixture(scope="module")
+def byte_server(byte_models):
+    target, draft = byte_models
+    llm = LLM(target, speculative_config=spec_config(draft), max_num_seqs=8)
+    with ServerThread(build_app(llm, served_model_name=NAME, api_key=KEY)) as s:
+        s.llm = llm
+        s.client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0)
+        yield s
+
+
+@pytest.fixture(scope="module")
+def byte_library(byte_models):
+    target, draft = byte_models
+    return LLM(target, speculative_config=spec_config(draft), max_num_seqs=8)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_parses_validates_and_equals_the_library(byte_server, byte_library, stream):
+    messages = [{"role": "user", "content": "Pick a color and a digit."}]
+    kw = dict(model=NAME, messages=messages, max_tokens=300, temperature=1.0, seed=5, n=2,
+              response_format=RESPONSE_FORMAT)
+    before = scrape(byte_server.url)
+    if stream:
+        texts, reasons = ["", ""], [None, None]
+        for ch in byte_server.client.chat.completions.create(stream=True, **kw):
+            c = ch.choices[0]
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    else:
+        r = byte_server.client.chat.completions.create(**kw)
+        texts, reasons = [c.message.content for c in r.choices], [c.finish_reason for c in r.choices]
+    want = byte_library.generate("user: Pick a color and a digit.\nassistant:", SamplingParams(
+        max_tokens=300, temperature=1.0, seed=5, n=2, structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    assert texts == [o.text for o in want[0].outputs] and reasons == ["stop", "stop"]
+    assert all(valid(t) for t in texts)
+    drafts = ("specdec:spec_decode_num_drafts_total", ())
+    assert scrape(byte_server.url)[drafts] > before[drafts]  # speculation ran under the grammar
+
+
+STRUCTURED = [  # (extra body, the library's StructuredOutputsParams fields, what the text must be)
+    ({"guided_regex": "[a-c]{2,5}x[0-9]"}, {"regex": "[a-c]{2,5}x[0-9]"},
+     lambda t: re.fullmatch("[a-c]{2,5}x[0-9]", t)),
+    ({"structured_outputs": {"regex": "(yes|no), [0-9]+\\."}}, {"regex": "(yes|no), [0-9]+\\."},
+     lambda t: re.fullmatch("(yes|no), [0-9]+\\.", t)),
+    ({"guided_choice": ["alpha", "beta", "gamma ray"]}, {"choice": ["alpha", "beta", "gamma ray"]},
+     lambda t: t in ("alpha", "beta", "gamma ray")),
+    ({"structured_outputs": {"choice": ["up", "down"]}}, {"choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+    ({"guided_json": json.dumps(SCHEMA)}, {"json": SCHEMA}, valid),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     {"json": SCHEMA, "disable_any_whitespace": True}, lambda t: valid(t) and " " not in t),
+    ({"guided_grammar": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'}, {"grammar": 'root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'},
+     lambda t: re.fullmatch(r"\([0-9]+(\+[0-9]+)*\)", t)),
+    # a random model writes long strings: seed 58 ends its object (a nested one) within max_tokens
+    ({"response_format": {"type": "json_object"}, "seed": 58}, {"json_object": True},
+     lambda t: isinstance(json.loads(t), dict)),
+]
+
+
+@pytest.mark.parametrize("extra, so, check", STRUCTURED, ids=lambda x: next(iter(x)) if isinstance(x, dict) else "")
+def test_structured_outputs_and_guided_names_equal_the_library(byte_server, byte_library, extra, so, check):
+    prompt, seed = "Answer: ", extra.get("seed", 11)
+    for stream in (False, True):
+        ((text, ids, _, reason),), _ = completion(byte_server.client, prompt, stream, max_tokens=200, temperature=1.0,
+                                                  extra_body={"seed": seed, **extra, "ignore_eos": False})
+        want = byte_library.generate(prompt, SamplingParams(max_tokens=200, temperature=1.0, seed=seed,
+                                                            structured_outputs=StructuredOutputsParams(**so)))
+        assert (text, ids) == (want[0].outputs[0].text, want[0].outputs[0].token_ids)
+        assert reason == "stop" and check(text), text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "(a"}, "guided_regex"),
+    ({"structured_outputs": {"json": {"type": "objekt"}}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/a"}}}}}}, "response_format"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar"),
+])
+def test_a_grammar_that_cannot_compile_is_a_400_naming_its_field(byte_server, extra, param):
+    r = httpx.post(byte_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": NAME, "prompt": "x", "max_tokens": 4, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    message = r.json()["error"]["message"]
+    assert "objekt" not in message and "unclosed" not in message.lower()  # no grammar-engine text
+    ((text, _, _, _),), _ = completion(byte_server.client, "x", False, max_tokens=4, temperature=0)
+    assert len(text) > 0  # the server keeps serving
