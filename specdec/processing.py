@@ -32,6 +32,8 @@ class GrammarMatcher(Protocol):
     def rollback(self, num_tokens: int) -> None: ...
     def allowed_mask(self) -> torch.Tensor: ...  # [V] bool
     def is_terminated(self) -> bool: ...
+    @property
+    def failed(self) -> bool: ...  # the grammar engine gave up on this sequence (its limits)
 
 
 class RowProcessor:
@@ -60,6 +62,7 @@ class RowProcessor:
         # after each prefix of them (masks[i]: after spec[:i])
         self._spec: list[int] = []
         self._masks: list[torch.Tensor] = []
+        self._grammar_failed = False
 
     # -- the committed history --------------------------------------------------------------------
 
@@ -74,11 +77,15 @@ class RowProcessor:
             self._rollback_spec()
             for t in tokens:
                 if not self.grammar.accept_token(t):
+                    if self.grammar.failed:  # the engine gave up (its limits): the output ends here
+                        self._grammar_failed = True
+                        break
                     raise RuntimeError(f"token {t} was emitted but the grammar forbids it")
 
     @property
     def grammar_done(self) -> bool:
-        return self.grammar is not None and self.grammar.is_terminated()
+        """The grammar is complete (or its engine gave up on this sequence): the output ends."""
+        return self.grammar is not None and (self._grammar_failed or self.grammar.is_terminated())
 
     # -- the grammar along a draft ----------------------------------------------------------------
 

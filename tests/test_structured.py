@@ -149,3 +149,15 @@ def test_n_choices_each_follow_the_grammar(models):
     assert len(out.outputs) == 3
     for c in out.outputs:
         assert re.fullmatch(r"(yes|no|maybe) [abc]{2,4}", c.text) and c.finish_reason == "stop", c.text
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "draft_model"])
+def test_a_grammar_its_engine_gives_up_on_ends_the_output(models, spec, caplog):
+    """llguidance stops following ``(a{1000}){1000}`` after a token (its lexer's limits): the output ends
+    there with a warning, as in vLLM, instead of failing in the engine."""
+    target, draft, _, _ = models
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 3} if spec else None)
+    out = llm.generate("x", SamplingParams(max_tokens=8, temperature=1.0, seed=1,
+                                           structured_outputs=SO(regex="(a{1000}){1000}")))[0].outputs[0]
+    assert out.finish_reason == "stop" and set(out.text) <= {"a"}
+    assert "grammar matcher failed" in caplog.text
