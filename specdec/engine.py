@@ -180,12 +180,7 @@ class Engine:
         gained = []
         for s, feed, d, n, nxt in zip(batch.seqs, batch.feed, drafts, result.num_accepted, result.next_token_ids):
             s.num_computed += len(feed) + n
-            kept = self.detokenizer.append(s, d[:n] + [nxt])
-            if s.processor is not None:
-                s.processor.append(kept)
-                if s.processor.grammar_done and not s.finished:
-                    s.finish_reason = "stop"
-            gained.append((s, kept))
+            gained.append((s, self._commit(s, d[:n] + [nxt])))
         record_emitted(gained, raw_logits, target_logits, batch.sampling, self.logprobs_mode, self.token_text)
 
         # 5. update: the drafter learns what was accepted; counters, costs; finished sequences leave
@@ -202,6 +197,19 @@ class Engine:
         return gained
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _commit(self, s: Sequence, tokens: list[int]) -> list[int]:
+        """Step 4 for one sequence: append tokens until a stop condition or the end of its grammar
+        (stop tokens drafted past that end are dropped, as plain decoding never reaches them)."""
+        kept = self.detokenizer.append(s, tokens)
+        if s.processor is not None:
+            used = s.processor.append(kept)
+            if used < len(kept):
+                del s.token_ids[used - len(kept):]
+                kept = kept[:used]
+            if s.processor.grammar_done and (not s.finished or used < len(tokens)):
+                s.finish_reason, s.stop_reason = "stop", None
+        return kept
 
     def _num_wanted(self) -> list[int]:
         """Drafts to ask for per row. A sequence's first token comes from a plain pass, as vLLM's comes

@@ -66,21 +66,27 @@ class RowProcessor:
 
     # -- the committed history --------------------------------------------------------------------
 
-    def append(self, tokens: list[int]) -> None:
-        """The sequence committed ``tokens`` (already appended to its history)."""
+    def append(self, tokens: list[int]) -> int:
+        """The sequence committed ``tokens`` (already appended to its history); returns how many of them
+        count: all, unless the grammar ended (or its engine gave up) before the last."""
+        if self.grammar is not None:
+            self._rollback_spec()
+            for i, t in enumerate(tokens):
+                if self.grammar_done:
+                    tokens = tokens[:i]
+                    break
+                if not self.grammar.accept_token(t):
+                    if self.grammar.failed:  # the engine gave up (its limits): the output ends here
+                        self._grammar_failed = True
+                        tokens = tokens[:i]
+                        break
+                    raise RuntimeError(f"token {t} was emitted but the grammar forbids it")
         if self.counts is not None:
             self.counts.update(tokens)
         if self.seen is not None:
             self.seen.update(tokens)
         self._columns = None
-        if self.grammar is not None:
-            self._rollback_spec()
-            for t in tokens:
-                if not self.grammar.accept_token(t):
-                    if self.grammar.failed:  # the engine gave up (its limits): the output ends here
-                        self._grammar_failed = True
-                        break
-                    raise RuntimeError(f"token {t} was emitted but the grammar forbids it")
+        return len(tokens)
 
     @property
     def grammar_done(self) -> bool:

@@ -161,3 +161,18 @@ def test_a_grammar_its_engine_gives_up_on_ends_the_output(models, spec, caplog):
                                            structured_outputs=SO(regex="(a{1000}){1000}")))[0].outputs[0]
     assert out.finish_reason == "stop" and set(out.text) <= {"a"}
     assert "grammar matcher failed" in caplog.text
+
+
+def test_stop_tokens_drafted_past_the_grammars_end_are_dropped(models):
+    """Under ignore_eos a sampled draft may propose EOS after the EOS that completes the grammar, and the
+    verifier accepts it (the finished grammar allows only stop tokens); plain decoding stops at the
+    first, so the speculative output must too: one EOS, ended by "stop"."""
+    target, _, _, tok = models
+    llm = LLM(target, speculative_config={"model": target, "num_speculative_tokens": 4, "adaptive": False},
+              max_model_len=48)
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True,
+                          structured_outputs=SO(choice=["yes", "no"])) for s in range(8)]
+    for out in llm.generate(["yes or no? yes"] * 8, sps):
+        c = out.outputs[0]
+        assert c.text in ("yes", "no") and c.finish_reason == "stop"
+        assert c.token_ids.count(tok.eos_token_id) == 1 and c.token_ids[-1] == tok.eos_token_id
