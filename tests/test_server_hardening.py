@@ -25,7 +25,7 @@ from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.server import ServerThread, build_app
-from specdec.server.async_engine import RequestError
+from specdec.server.async_engine import AsyncEngine, Prompt, RequestError, RequestHandle, _Queued
 from specdec.server.limits import KvBudget, ServerLimits
 from test_server import one_thread  # noqa: F401 (a fixture: one torch thread, the machine is shared)
 from test_server_outputs import byte_models  # noqa: F401 (a fixture: tiny models with a byte-level tokenizer)
@@ -387,6 +387,31 @@ def test_a_flood_gets_429_past_the_queue_and_never_over_commits_the_kv_budget(mo
         assert_idle(tight)
     finally:
         tight.stop()
+
+
+def test_admission_takes_at_most_max_num_batched_tokens_of_prompts_a_round(models):
+    """Queued prompts enter the engine in order while their tokens fit the round's max_num_batched_tokens
+    (a prompt alone always does), so one burst of long prompts cannot make a single round's prefill
+    stall the streams already decoding."""
+    llm = LLM(models[0], max_num_seqs=8)
+    loop = asyncio.new_event_loop()
+    try:
+        eng = AsyncEngine(llm.engine, limits=ServerLimits(max_num_batched_tokens=100, kv_cache_memory=64 * 2**20))
+        sp = SamplingParams(temperature=0, max_tokens=4)
+        sizes = [60, 30, 20, 90, 150]
+        handles = [RequestHandle(eng, loop, 1) for _ in sizes]
+        eng._queue.extend(_Queued(h, [Prompt([3 + i % 100 for i in range(n)], sp)], 0.0, [eng.kv_length(n, sp)])
+                          for h, n in zip(handles, sizes))
+        eng._num_queued = len(sizes)
+        rounds = []
+        while eng._queue:
+            before = len(llm.engine.waiting)
+            eng._admit()
+            rounds.append([len(s.prompt_token_ids) for s in list(llm.engine.waiting)[before:]])
+        assert rounds == [[60, 30], [20], [90], [150]]
+        assert all(h.state == "running" for h in handles)
+    finally:
+        loop.close()
 
 
 def test_the_kv_budget_counts_the_caches_peak_shape_and_rows_until_retired():
