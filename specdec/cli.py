@@ -253,6 +253,9 @@ def serve(
     max_prompts_per_request: Annotated[int, typer.Option(help="Prompts in one completions request.")] = 64,
     max_n: Annotated[int, typer.Option(
         help="Most choices per prompt (n); each is a sequence in the batch and the KV budget.")] = 16,
+    max_stop_strings: Annotated[int, typer.Option(
+        help="Most stop strings per request (each is searched in the output after every round).")] = 16,
+    max_stop_token_ids: Annotated[int, typer.Option(help="Most stop_token_ids per request.")] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones get 413.")] = 4 * 2**20,
     kv_cache_memory: Annotated[str | None, typer.Option(
         help="KV cache memory budget, e.g. 8GiB (default: --kv-cache-memory-fraction of the free memory "
@@ -281,6 +284,7 @@ def serve(
 
         limits = ServerLimits(
             max_body_bytes=max_body_bytes, max_prompts_per_request=max_prompts_per_request, max_n=max_n,
+            max_stop_strings=max_stop_strings, max_stop_token_ids=max_stop_token_ids,
             max_queued_requests=max_queued_requests, max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=None if kv_cache_memory is None else parse_bytes(kv_cache_memory),
             kv_cache_memory_fraction=kv_cache_memory_fraction, timeout_keep_alive=timeout_keep_alive,

@@ -389,6 +389,19 @@ def test_a_flood_gets_429_past_the_queue_and_never_over_commits_the_kv_budget(mo
         tight.stop()
 
 
+def test_stop_lists_are_bounded_by_the_servers_limits(models):
+    s = make_server(models, kv_cache_memory=16 * 2**20, max_stop_strings=2, max_stop_token_ids=3)
+    try:
+        assert post(s, body(max_tokens=2, stop=["a", "b"], stop_token_ids=[5, 6, 7])).status_code == 200
+        for extra, param in (({"stop": ["a", "b", "c"]}, "stop"), ({"stop_token_ids": [5, 6, 7, 8]}, "stop_token_ids")):
+            r = post(s, body(max_tokens=2, **extra))
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    finally:
+        s.stop()
+    with pytest.raises(ValueError, match="max_stop_strings must be at most 64"):
+        ServerLimits(max_stop_strings=65)
+
+
 def test_admission_takes_at_most_max_num_batched_tokens_of_prompts_a_round(models):
     """Queued prompts enter the engine in order while their tokens fit the round's max_num_batched_tokens
     (a prompt alone always does), so one burst of long prompts cannot make a single round's prefill

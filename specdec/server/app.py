@@ -138,6 +138,10 @@ class OpenAIServer:
         if params.n > self.limits.max_n:
             raise P.ApiError(400, f"n={params.n} is more choices than this server gives per prompt "
                              f"({self.limits.max_n}); send the request several times instead", "n")
+        for name, limit in (("stop", self.limits.max_stop_strings), ("stop_token_ids", self.limits.max_stop_token_ids)):
+            if len(getattr(params, name)) > limit:
+                raise P.ApiError(400, f"{name} has {len(getattr(params, name))} entries; this server takes at most "
+                                 f"{limit}", name)
         for name in ("logit_bias", "allowed_token_ids"):
             ids = getattr(params, name) or ()
             if any(t >= self.vocab_size for t in ids):

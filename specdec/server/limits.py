@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.config import MAX_N
+from specdec.config import MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from specdec.models.llama import CACHE_LEN_STEP
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -26,6 +26,8 @@ class ServerLimits:
     max_body_bytes: int = 4 * 2**20
     max_prompts_per_request: int = 64
     max_n: int = 16  # choices per prompt (each a sequence of its own in the batch and the KV budget)
+    max_stop_strings: int = 16  # each is searched in a sequence's text after every round, on the engine thread
+    max_stop_token_ids: int = 256
     max_queued_requests: int = 1024  # waiting for a batch slot or KV memory; 429 past it
     max_num_batched_tokens: int = 8192  # prompt tokens admitted into one round (one prompt always fits)
     kv_cache_memory: int | None = None  # bytes
@@ -40,11 +42,14 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_requests", "max_num_batched_tokens",
-                     "max_n"):
+                     "max_n", "max_stop_strings", "max_stop_token_ids"):
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                    f"{name} must be an integer >= 1, got {value!r}")
-        _check(self.max_n <= MAX_N, f"max_n must be at most {MAX_N} (SamplingParams' bound), got {self.max_n}")
+        for name, bound in (("max_n", MAX_N), ("max_stop_strings", MAX_STOP_STRINGS),
+                            ("max_stop_token_ids", MAX_STOP_TOKEN_IDS)):
+            _check(getattr(self, name) <= bound, f"{name} must be at most {bound} (SamplingParams' bound), "
+                   f"got {getattr(self, name)}")
         _check(self.kv_cache_memory is None or (isinstance(self.kv_cache_memory, int) and self.kv_cache_memory > 0),
                f"kv_cache_memory must be a number of bytes > 0 or None, got {self.kv_cache_memory!r}")
         _check(isinstance(self.kv_cache_memory_fraction, (int, float)) and 0 < self.kv_cache_memory_fraction <= 1,
