@@ -72,10 +72,11 @@ class StructuredOutputsParams:
 
     @property
     def spec_text(self) -> str:
-        """The constraint as one string (a cache key for compiled grammars)."""
+        """The constraint as one string (a cache key for compiled grammars). A schema keeps its key order:
+        JSON grammars emit properties in that order, so two orders are two constraints."""
         import json as _json
         value = getattr(self, self.kind)
-        return value if isinstance(value, str) else _json.dumps(value, sort_keys=True)
+        return value if isinstance(value, str) else _json.dumps(value)
 
 
 @dataclass

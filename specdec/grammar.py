@@ -33,12 +33,6 @@ def _short(message: str) -> str:
     return message if len(message) <= _MAX_ERROR_CHARS else message[:_MAX_ERROR_CHARS] + " ..."
 
 
-def _constraint_text(so: StructuredOutputsParams) -> str:
-    """The constraint as one string, keeping a schema's key order (``spec_text`` sorts keys, but JSON
-    grammars emit properties in the schema's order, so two orders are two different constraints)."""
-    return json.dumps(so.json) if isinstance(so.json, dict) else so.spec_text
-
-
 def _grammar_text(so: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON form) for ``so``; ValueError when the input cannot be read."""
     import llguidance
@@ -46,7 +40,7 @@ def _grammar_text(so: StructuredOutputsParams) -> str:
     options = {"whitespace_flexible": not so.disable_any_whitespace}
     kind = so.kind
     if kind in ("json", "json_object"):
-        schema = _constraint_text(so) if kind == "json" else '{"type": "object"}'
+        schema = so.spec_text if kind == "json" else '{"type": "object"}'
         try:
             parsed = json.loads(schema)
         except json.JSONDecodeError as e:
@@ -130,7 +124,7 @@ class GrammarCompiler:
         """A fresh matcher for ``so``, compiling it on a cache miss (ValueError for a bad grammar)."""
         if not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"expected StructuredOutputsParams, got {type(so).__name__}")
-        key = (so.kind, _constraint_text(so), so.disable_any_whitespace)
+        key = (so.kind, so.spec_text, so.disable_any_whitespace)
         with self._lock:
             template = self._cache.get(key)
             if template is not None:

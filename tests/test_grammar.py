@@ -145,8 +145,8 @@ def test_json_schema_refuses_what_the_schema_forbids(tok, compiler):
 
 
 def test_json_properties_come_in_the_schemas_order(tok, compiler):
-    """Two schemas that differ only in key order are two constraints (StructuredOutputsParams.spec_text
-    sorts keys; the grammar must not)."""
+    """Two schemas that differ only in key order are two constraints (the grammar's cache key,
+    StructuredOutputsParams.spec_text, keeps the order)."""
     def schema(names):
         return {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": names,
                 "additionalProperties": False}
