@@ -204,10 +204,11 @@ class Engine:
         kept = self.detokenizer.append(s, tokens)
         if s.processor is not None:
             used = s.processor.append(kept)
-            if used < len(kept):
+            trimmed = used < len(kept)
+            if trimmed:
                 del s.token_ids[used - len(kept):]
                 kept = kept[:used]
-            if s.processor.grammar_done and (not s.finished or used < len(tokens)):
+            if s.processor.grammar_done and (not s.finished or trimmed):  # else the detokenizer's reason stands
                 s.finish_reason, s.stop_reason = "stop", None
         return kept
 

@@ -176,3 +176,16 @@ def test_stop_tokens_drafted_past_the_grammars_end_are_dropped(models):
         c = out.outputs[0]
         assert c.text in ("yes", "no") and c.finish_reason == "stop"
         assert c.token_ids.count(tok.eos_token_id) == 1 and c.token_ids[-1] == tok.eos_token_id
+
+
+def test_a_stop_token_that_ends_the_grammar_is_the_stop_reason(models):
+    """EOS listed in stop_token_ids (with ignore_eos) ends the output through the stop list: the
+    stop_reason stays that token even when drafts past it were dropped with the grammar's end."""
+    target, _, _, tok = models
+    llm = LLM(target, speculative_config={"model": target, "num_speculative_tokens": 4, "adaptive": False},
+              max_model_len=48)
+    sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True, stop_token_ids=[tok.eos_token_id],
+                          structured_outputs=SO(choice=["yes", "no"])) for s in range(8)]
+    for out in llm.generate(["yes or no? yes"] * 8, sps):
+        c = out.outputs[0]
+        assert c.text in ("yes", "no") and c.finish_reason == "stop" and c.stop_reason == tok.eos_token_id
