@@ -14,7 +14,6 @@ matcher advances speculatively through drafts and rolls back on the next commit.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -55,9 +54,12 @@ class RowProcessor:
             self.bias[torch.tensor(list(p.logit_bias), device=device)] = torch.tensor(list(p.logit_bias.values()),
                                                                                      device=device)
         # the penalties touch few tokens: they work on the columns of the history's tokens and the drafts'
-        self.counts: Counter[int] | None = Counter(seq.output_token_ids) if p.presence_penalty or p.frequency_penalty else None
-        self.seen: set[int] | None = set(seq.token_ids) if p.repetition_penalty != 1.0 else None  # prompt + output
-        self._columns: _Columns | None = None  # their tensors, rebuilt after each commit
+        self.repetition = p.repetition_penalty != 1.0  # over prompt + output
+        self.counting = bool(p.presence_penalty or p.frequency_penalty)  # over the output
+        self.columns: _Columns | None = None
+        if self.repetition or self.counting:
+            self.columns = _Columns.start(seq.prompt_token_ids if self.repetition else [], seq.output_token_ids,
+                                          device)
         # the grammar's speculative path: tokens accepted past the committed history, and the mask
         # after each prefix of them (masks[i]: after spec[:i])
         self._spec: list[int] = []
@@ -81,11 +83,8 @@ class RowProcessor:
                         tokens = tokens[:i]
                         break
                     raise RuntimeError(f"token {t} was emitted but the grammar forbids it")
-        if self.counts is not None:
-            self.counts.update(tokens)
-        if self.seen is not None:
-            self.seen.update(tokens)
-        self._columns = None
+        if self.columns is not None:
+            self.columns.add(tokens)
         return len(tokens)
 
     @property
@@ -156,16 +155,13 @@ class RowProcessor:
             logits[empty] = grammar_only[empty]
         if self.bias is not None:
             logits += self.bias
-        if self.seen is not None or self.counts is not None:
+        if self.columns is not None:
             self._penalize(logits, drafts, first)
         return logits
 
     def _penalize(self, logits: torch.Tensor, drafts: list[int], first: int) -> None:
         """Repetition, frequency and presence penalties on the columns of the tokens they touch."""
-        T, p = logits.shape[0], self.params
-        if self._columns is None:
-            self._columns = _Columns.build(self.seen, self.counts, logits.device)
-        cols = self._columns
+        T, p, cols = logits.shape[0], self.params, self.columns
         col, index = cols.col, cols.index
         extra = [t for t in dict.fromkeys(drafts) if t not in col]  # draft tokens new to the history
         if extra:
@@ -178,35 +174,44 @@ class RowProcessor:
                              torch.ones(len(drafts), device=logits.device), accumulate=True)
         added = added.cumsum(0)[first:]  # [T, U]: each column's count in drafts[:first + j]
         sub = logits[:, index]  # [T, U]
-        n_extra = len(extra)
-        if self.seen is not None:
-            seen = torch.cat([cols.seen, cols.seen.new_zeros(n_extra)]) | (added > 0)  # [T, U]
+        if self.repetition:
+            seen = added > 0  # [T, U]: the history's columns are seen, a draft's once it came
+            seen[:, : len(cols.col)] = True
             rp = p.repetition_penalty
             sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
-        if self.counts is not None:
-            counts = torch.cat([cols.counts, cols.counts.new_zeros(n_extra)]) + added  # [T, U]
+        if self.counting:
+            counts = torch.cat([cols.counts, cols.counts.new_zeros(len(extra))]) + added  # [T, U]
             sub = sub - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         logits[:, index] = sub
 
 
 @dataclass
 class _Columns:
-    """The tokens of a row's history that penalties touch, as columns: ids [U], each one's column, whether
-    each is in prompt or output (repetition) [U] bool, and its output count [U]."""
+    """The tokens of a row's history that penalties touch, as columns (prompt tokens for the repetition
+    penalty, output tokens for all): ids [U], each id's column and its output count [U]. Each commit
+    adds its tokens in place."""
 
     index: torch.Tensor  # [U] long
     col: dict[int, int]
-    seen: torch.Tensor
-    counts: torch.Tensor
+    counts: torch.Tensor  # [U] float32
 
     @classmethod
-    def build(cls, seen: set[int] | None, counts: Counter | None, device) -> _Columns:
-        ids = sorted((seen or set()) | set(counts or ()))
-        return cls(torch.tensor(ids, dtype=torch.long, device=device), {t: i for i, t in enumerate(ids)},
-                   torch.tensor([t in seen for t in ids] if seen is not None else [False] * len(ids),
-                                dtype=torch.bool, device=device),
-                   torch.tensor([counts[t] for t in ids] if counts is not None else [0] * len(ids),
-                                dtype=torch.float32, device=device))
+    def start(cls, prompt: list[int], output: list[int], device) -> _Columns:
+        empty = cls(torch.zeros(0, dtype=torch.long, device=device), {}, torch.zeros(0, device=device))
+        empty.add(prompt, counted=False)
+        empty.add(output)
+        return empty
+
+    def add(self, tokens: list[int], counted: bool = True) -> None:
+        new = [t for t in dict.fromkeys(tokens) if t not in self.col]
+        if new:
+            device = self.index.device
+            self.col.update({t: len(self.col) + i for i, t in enumerate(new)})
+            self.index = torch.cat([self.index, torch.tensor(new, dtype=torch.long, device=device)])
+            self.counts = torch.cat([self.counts, torch.zeros(len(new), device=device)])
+        if counted and tokens:
+            self.counts.index_add_(0, torch.tensor([self.col[t] for t in tokens], device=self.counts.device),
+                                   torch.ones(len(tokens), device=self.counts.device))
 
 
 def process_verify_logits(logits: torch.Tensor, seqs: list[Sequence], draft_token_ids: torch.Tensor,
