@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -47,12 +48,18 @@ def spec_config(draft: str) -> dict:
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": K, "adaptive": False}
 
 
-@pytest.fixture(scope="module")
-def spec_server(models):
-    target, draft = models
-    llm = LLM(target, speculative_config=spec_config(draft), max_num_seqs=4)
+@contextmanager
+def serving(target: str, draft: str, max_num_seqs: int):
+    """A server of ``target`` speculating with ``draft`` (``spec_config``), behind the API key; ``.llm`` is its LLM."""
+    llm = LLM(target, speculative_config=spec_config(draft), max_num_seqs=max_num_seqs)
     with ServerThread(build_app(llm, served_model_name=NAME, api_key=KEY)) as server:
         server.llm = llm
+        yield server
+
+
+@pytest.fixture(scope="module")
+def spec_server(models):
+    with serving(*models, max_num_seqs=4) as server:
         yield server
 
 

@@ -17,8 +17,7 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.config import StructuredOutputsParams
-from specdec.server import ServerThread, build_app
-from test_server import KEY, NAME, one_thread, scrape, spec_config  # noqa: F401 (one_thread: a fixture)
+from test_server import KEY, NAME, one_thread, scrape, serving, spec_config  # noqa: F401 (one_thread: a fixture)
 from tiny_models import make_byte_tokenizer, make_model, perturbed_copy
 
 PROMPTS = ["w1 w2 w3", "w7 w8 w7 w8", "w20 w21 w22 w23 w24"]
@@ -33,10 +32,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models):
-    target, draft = models
-    llm = LLM(target, speculative_config=spec_config(draft), max_num_seqs=8)
-    with ServerThread(build_app(llm, served_model_name=NAME, api_key=KEY)) as s:
-        s.llm = llm
+    with serving(*models, max_num_seqs=8) as s:
         yield s
 
 
@@ -268,10 +264,7 @@ def byte_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def byte_server(byte_models):
-    target, draft = byte_models
-    llm = LLM(target, speculative_config=spec_config(draft), max_num_seqs=8)
-    with ServerThread(build_app(llm, served_model_name=NAME, api_key=KEY)) as s:
-        s.llm = llm
+    with serving(*byte_models, max_num_seqs=8) as s:
         s.client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0)
         yield s
 
