@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +147,7 @@ class Server:
 
 @dataclass
 class Result:
+    prompt: object = None  # as sent (sustained runs finish out of order)
     token_ids: list[int] = field(default_factory=list)
     start: float = 0.0
     first: float | None = None  # first generated token arrived
@@ -168,6 +170,25 @@ REQUEST_EXTRA: dict = {}  # fields every request carries (main sets response_for
 def body(prompt, max_tokens: int, stream: bool) -> dict:
     return {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
             "ignore_eos": True, "return_token_ids": True, **REQUEST_EXTRA}
+
+
+def openai_chunk(obj: dict) -> tuple[list[int], str | None]:
+    choice = obj["choices"][0]
+    return choice.get("token_ids") or [], choice["finish_reason"]
+
+
+@dataclass(frozen=True)
+class Api:
+    """How to ask a server for a greedy completion of exactly max_tokens tokens: the path, the JSON
+    body (prompt, max_tokens, stream) and a stream chunk's (new token ids, finish reason or None).
+    specdec serve's is OpenAI's /v1/completions; another server (a peer) brings its own."""
+
+    path: str = "/v1/completions"
+    body: Callable[[object, int, bool], dict] = body
+    chunk: Callable[[dict], tuple[list[int], str | None]] = openai_chunk
+
+
+OPENAI = Api()
 
 
 def json_schema_fields(source: str, compact: bool) -> dict:
@@ -195,11 +216,11 @@ def parses(tok, token_ids: list[int]) -> bool:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, prompt, max_tokens: int,
-                     leave_after: int | None = None) -> Result:
+                     leave_after: int | None = None, api: Api = OPENAI) -> Result:
     """One streaming request; ``leave_after`` chunks, then disconnect (None: read to the end)."""
-    r = Result(start=time.perf_counter())
+    r = Result(prompt=prompt, start=time.perf_counter())
     chunks = 0
-    async with client.stream("POST", url + "/v1/completions", json=body(prompt, max_tokens, True)) as resp:
+    async with client.stream("POST", url + api.path, json=api.body(prompt, max_tokens, True)) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
         async for line in resp.aiter_lines():
@@ -208,13 +229,13 @@ async def stream_one(client: httpx.AsyncClient, url: str, prompt, max_tokens: in
             obj = json.loads(line[6:])
             if "error" in obj:
                 raise RuntimeError(obj["error"]["message"])
-            choice = obj["choices"][0]
-            if choice.get("token_ids"):
+            token_ids, finish_reason = api.chunk(obj)
+            if token_ids:
                 now = time.perf_counter()
                 r.first = r.first or now
                 r.last = now
-                r.token_ids += choice["token_ids"]
-            r.finish_reason = choice["finish_reason"] or r.finish_reason
+                r.token_ids += token_ids
+            r.finish_reason = finish_reason or r.finish_reason
             chunks += 1
             if leave_after is not None and chunks >= leave_after:
                 break  # leaving the block closes the connection mid-stream
@@ -238,20 +259,21 @@ async def sequential(url: str, prompts: list, max_tokens: int) -> list[list[int]
 
 
 async def concurrent(url: str, prompts: list, max_tokens: int, leavers: list | None = None,
-                     seed: int = 0) -> tuple[list[Result], float]:
+                     seed: int = 0, api: Api = OPENAI) -> tuple[list[Result], float]:
     """All prompts at once (plus ``leavers`` that disconnect after 1-4 chunks); returns results and wall time."""
     rng = random.Random(seed)
     leavers = leavers or []
     async with client() as c:
         t0 = time.perf_counter()
-        tasks = [stream_one(c, url, p, max_tokens) for p in prompts]
-        tasks += [stream_one(c, url, p, 4 * max_tokens, leave_after=rng.randint(1, 4)) for p in leavers]
+        tasks = [stream_one(c, url, p, max_tokens, api=api) for p in prompts]
+        tasks += [stream_one(c, url, p, 4 * max_tokens, leave_after=rng.randint(1, 4), api=api) for p in leavers]
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
     return list(results[: len(prompts)]), wall
 
 
-async def sustained(url: str, prompts: list, max_tokens: int, concurrency: int) -> tuple[list[Result], float]:
+async def sustained(url: str, prompts: list, max_tokens: int, concurrency: int,
+                    api: Api = OPENAI) -> tuple[list[Result], float]:
     """Every prompt, with ``concurrency`` requests in flight until the last is sent (as vLLM's
     ``benchmark_serving --max-concurrency`` does): a client starts its next request as soon as one
     finishes. Returns results and the wall time from the first request to the last token."""
@@ -260,7 +282,7 @@ async def sustained(url: str, prompts: list, max_tokens: int, concurrency: int) 
 
     async def worker(c: httpx.AsyncClient) -> None:
         while queue:
-            results.append(await stream_one(c, url, queue.pop(), max_tokens))
+            results.append(await stream_one(c, url, queue.pop(), max_tokens, api=api))
 
     async with client() as c:
         t0 = time.perf_counter()

@@ -58,15 +58,50 @@ def build_tools(build: Path = BUILD) -> Path:
     return bin_dir
 
 
-class Server:
-    """One llama-server process with the given extra arguments, on a free local port."""
+def gguf_of(name: str, outtype: str) -> str:
+    """``name`` as a GGUF file: itself, the one in its folder, or an HF checkpoint (the shipped pair's
+    names too) converted to ``outtype`` once into ~/.cache/specdec/peer."""
+    from specdec.models.gguf import convert, find_gguf
+    from specdec.models.loader import resolve_model_path
 
-    def __init__(self, bin_dir: Path, model: str, threads: int, extra: list[str]):
+    found = None if name.startswith("specdec/") else find_gguf(name)
+    if found:
+        return found
+    out = BUILD.parent / "peer" / f"{Path(resolve_model_path(name)).name}-{outtype}.gguf"
+    if not out.exists():
+        convert(resolve_model_path(name), str(out), outtype, progress=print)
+    return str(out)
+
+
+def quantized(gguf: str) -> bool:
+    from specdec.models.gguf import read_info
+
+    return read_info(gguf).weight_type not in ("F32", "BF16", "F16")
+
+
+def completion_body(prompt: list[int], max_tokens: int, stream: bool) -> dict:
+    """llama-server's own /completion request: greedy, exactly ``max_tokens`` tokens, the ids returned,
+    no reuse of an earlier request's prompt cache."""
+    return {"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
+            "return_tokens": True, "stream": stream}
+
+
+def completion_chunk(obj: dict) -> tuple[list[int], str | None]:
+    """(new token ids, finish reason or None) of one streamed /completion chunk."""
+    return obj.get("tokens") or [], (obj.get("stop_type") or "stop") if obj.get("stop") else None
+
+
+class Server:
+    """One llama-server process with the given extra arguments, on a free local port: ``parallel``
+    slots (continuous batching) of ``ctx // parallel`` positions each."""
+
+    def __init__(self, bin_dir: Path, model: str, threads: int, extra: list[str], ctx: int = 4096, parallel: int = 1):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         cmd = [str(bin_dir / "llama-server"), "-m", model, "--port", str(self.port), "-t", str(threads),
-               "-tb", str(threads), "-c", "4096", "-np", "1", "--no-webui", *extra]
+               "-tb", str(threads), "-c", str(ctx), "-np", str(parallel), "--no-webui", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -81,8 +116,7 @@ class Server:
         raise RuntimeError("llama-server did not become healthy")
 
     def complete(self, ids: list[int], n: int) -> tuple[list[int], float, dict]:
-        body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
-                           "cache_prompt": False, "return_tokens": True}).encode()
+        body = json.dumps(completion_body(ids, n, stream=False)).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
                                      {"Content-Type": "application/json"})
         t0 = time.perf_counter()
@@ -134,12 +168,17 @@ def run_server(bin_dir: Path, target: str, threads: int, extra: list[str], promp
             "accept": accepted / drafted if drafted else None}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--target/--draft (GGUF files or HF checkpoints, converted) and the types they convert to."""
     ap.add_argument("--target", default="specdec/demo-target", help="GGUF file or HF checkpoint (converted)")
     ap.add_argument("--target-outtype", default="bf16")
     ap.add_argument("--draft", default="specdec/demo-draft")
     ap.add_argument("--draft-outtype", default="f32")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
     ap.add_argument("--draft-free-only", action="store_true", help="no draft model (a random-weight target)")
     ap.add_argument("--prompts", default=str(PROMPTS))
     ap.add_argument("--num-prompts", type=int, default=8)
@@ -155,22 +194,10 @@ def main() -> None:
     import torch
 
     from specdec import LLM
-    from specdec.models.gguf import convert, find_gguf, read_info
-    from specdec.models.loader import resolve_model_path
     from specdec.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
     bin_dir = None if args.no_server else build_tools()
-
-    def gguf_of(name: str, outtype: str) -> str:
-        found = None if name.startswith("specdec/") else find_gguf(name)
-        if found:
-            return found
-        out = BUILD.parent / "peer" / f"{Path(resolve_model_path(name)).name}-{outtype}.gguf"
-        if not out.exists():
-            convert(resolve_model_path(name), str(out), outtype, progress=print)
-        return str(out)
-
     target = gguf_of(args.target, args.target_outtype)
     draft = None if args.draft_free_only else gguf_of(args.draft, args.draft_outtype)
     plain_llm = LLM(target)
@@ -180,7 +207,7 @@ def main() -> None:
     specdec_cfgs = {"plain": None, "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8},
                     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4}}
     server_cfgs = {"plain": [], **{t: ["--spec-type", t] for t in FREE_TYPES}}
-    if read_info(target).weight_type not in ("F32", "BF16", "F16"):
+    if quantized(target):
         # as specdec's runner loads quantized files: llama.cpp's repacked q8_0 kernels crash on AMX CPUs
         server_cfgs = {k: ["--no-repack", *v] for k, v in server_cfgs.items()}
     if draft:
