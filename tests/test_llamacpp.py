@@ -96,6 +96,28 @@ def test_the_cache_grows_and_keeps_every_sequence(converted):
         assert (got[b] - hf_logits(hf, s + [t])[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
 
 
+def test_release_clears_a_small_cache_and_frees_a_large_one(converted, monkeypatch):
+    """release() forgets every sequence either way; a small context is kept (cleared, no 10-20 ms
+    rebuild at the next request), a large one is freed. The kept one computes as a fresh one."""
+    import specdec.models.llamacpp as llamacpp
+
+    _, path, hf = converted["llama"]
+    runner, _ = load_runner(path, "llama.cpp")
+    ids = random_prompts(2, [9, 6], seed=6)
+    for keep in (True, False):
+        monkeypatch.setattr(llamacpp, "KEEP_BYTES", 2**40 if keep else 0)
+        runner.sync_rows(["a", "b"])
+        runner.forward(ForwardBatch.from_rows(ids, [0, 0], logits="none"))
+        ctx = runner.ctx
+        runner.release()
+        assert (runner.ctx is ctx) == keep and (runner.ctx is None) != keep
+        assert runner.sync_rows(["b", "a"]) == [True, True]  # every row starts empty
+        got = runner.forward(ForwardBatch.from_rows([ids[1][:3], ids[0][:4]], [0, 0], logits="last"))  # [2, V]
+        assert (got[0] - hf_logits(hf, ids[1][:3])[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
+        assert (got[1] - hf_logits(hf, ids[0][:4])[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
+        runner.release()
+
+
 # largest logit error relative to the largest logit (5.5 here), measured: bf16 0.024, f16 0.005, q8_0 0.055,
 # q4_k_m 0.26 (a tiny model's rows are too short for k-quants: llama.cpp falls back to q5_0)
 @pytest.mark.parametrize("outtype,tol", [("bf16", 0.05), ("f16", 0.01), ("q8_0", 0.1), ("q4_k_m", 0.4)])

@@ -28,6 +28,7 @@ BACKEND = "llama.cpp"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids one context can hold
 BATCH_TOKENS = 512  # tokens per llama_decode call; longer feeds are split
 MIN_CELLS = 1024  # KV cells of a new context
+KEEP_BYTES = 64 * 2**20  # release() clears a context whose KV cache is at most this large instead of freeing it
 # the dtype whose rounding a GGUF weight type resembles, for the near-tie threshold (specdec.near_tie):
 # llama.cpp rounds a product's activations to the weights' type (bf16, f16) or to 8-bit blocks (q8_0, k-quants)
 WEIGHT_DTYPES = {"F32": torch.float32, "F16": torch.float16}
@@ -95,6 +96,7 @@ class LlamaCppRunner(ModelRunner):
         self.exact = self.info.weight_type == "F32"
         self.kv_type = lib.GGML_TYPE_F32 if self.exact else lib.GGML_TYPE_F16
         self.ctx = None
+        self.mem = None  # the context's llama_memory_t, fetched once per context
         self.cells = 0
         self.seq_of: dict[Hashable, int] = {}  # specdec id -> llama sequence id
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
@@ -124,9 +126,14 @@ class LlamaCppRunner(ModelRunner):
             self._rebuild(max(need, 2 * self.cells, MIN_CELLS))
 
     def release(self) -> None:
-        if self.ctx is not None:
+        """Forget every sequence and free the KV cache. A small cache (``KEEP_BYTES``) is only cleared:
+        a new context costs 10-20 ms (llama.cpp reserves its compute graphs), which a server would
+        pay at every request that finds it idle."""
+        if self.ctx is not None and self.cells * self.kv_bytes_per_token() <= KEEP_BYTES:
+            self.lib.llama_memory_clear(self.mem, False)  # the cells are marked empty; their data is overwritten
+        elif self.ctx is not None:
             self.lib.llama_free(self.ctx)
-        self.ctx, self.cells = None, 0
+            self.ctx, self.mem, self.cells = None, None, 0
         self.seq_of.clear()
         self.cached.clear()
         self.order = []
@@ -139,10 +146,9 @@ class LlamaCppRunner(ModelRunner):
         if self.ctx is None:
             self.reserve(len(ids), 1)
         keep = set(ids)
-        mem = self.lib.llama_get_memory(self.ctx)
         for i in [i for i in self.seq_of if i not in keep]:
             s = self.seq_of.pop(i)
-            self.lib.llama_memory_seq_rm(mem, s, -1, -1)
+            self.lib.llama_memory_seq_rm(self.mem, s, -1, -1)
             self.cached.pop(s, None)
             self.free.append(s)
         new = []
@@ -157,7 +163,7 @@ class LlamaCppRunner(ModelRunner):
 
     def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
         """llama.cpp's seq_cp: in the unified cache the destinations share the source's cells."""
-        mem = self.lib.llama_get_memory(self.ctx)
+        mem = self.mem
         src = self.order[src_row]
         if self.cached[src] < length:
             raise RuntimeError(f"row {src_row} holds {self.cached[src]} positions, fewer than the {length} to copy")
@@ -201,7 +207,7 @@ class LlamaCppRunner(ModelRunner):
                 if lib.llama_state_seq_set_data(ctx, buf, size, s) == 0:
                     raise RuntimeError(f"llama.cpp could not move sequence {s} to a larger context")
             lib.llama_free(old)
-        self.ctx, self.cells = ctx, cells
+        self.ctx, self.mem, self.cells = ctx, lib.llama_get_memory(ctx), cells
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -219,7 +225,7 @@ class LlamaCppRunner(ModelRunner):
         end = start + lengths
         if int(end.max(initial=0)) > self.max_model_len:
             raise ValueError(f"a row reaches position {int(end.max())}, past max_model_len={self.max_model_len}")
-        mem = self.lib.llama_get_memory(self.ctx)
+        mem = self.mem
         for b, s in enumerate(rows):  # rollback: drop what each row held from its start on
             held = self.cached[s]
             if start[b] > held:
