@@ -78,6 +78,21 @@ def test_ragged_rows_rollback_and_continuation_match_transformers(converted):
     assert runner.sync_rows(["z", "new"]) == [False, True]
 
 
+def test_logits_come_back_at_the_asked_positions_in_the_asked_order(converted):
+    """A ragged batch asking for positions past a row's tokens gets zeros there, and an index out of
+    order (or repeated) gets the logits in its own order."""
+    _, path, hf = converted["llama"]
+    runner, _ = load_runner(path, "llama.cpp")
+    seqs = random_prompts(2, [6, 4], seed=7)
+    runner.sync_rows(["a", "b"])
+    index = torch.tensor([[5, 0, 3, 3], [1, 2, 3, 4]])  # [B, L]; row b has 4 tokens: position 4 is past them
+    got = runner.forward(ForwardBatch(torch.tensor([seqs[0], seqs[1] + [0, 0]]), [0, 0], [6, 4], index))  # [2, 4, V]
+    ref = [hf_logits(hf, s)[:, : runner.vocab_size] for s in seqs]  # [T, V] each
+    assert (got[0] - ref[0][[5, 0, 3, 3]]).abs().max() < LOGIT_TOL
+    assert (got[1, :3] - ref[1][[1, 2, 3]]).abs().max() < LOGIT_TOL
+    assert not got[1, 3].any()
+
+
 def test_the_cache_grows_and_keeps_every_sequence(converted):
     """More positions than a context holds: it is rebuilt larger with every sequence's KV copied over."""
     _, path, hf = converted["llama"]

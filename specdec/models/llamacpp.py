@@ -239,8 +239,8 @@ class LlamaCppRunner(ModelRunner):
             # one token per row with its logits (a draft step): every array is already flat, in row order
             for b, s in enumerate(rows):
                 self.cached[s] = int(end[b])
-            return self._decode(batch.token_ids[:, 0].cpu().numpy(), start, np.asarray(rows, dtype=np.int32),
-                                np.ones(B, dtype=np.int8))  # [B, V]
+            return torch.from_numpy(self._decode(batch.token_ids[:, 0].cpu().numpy(), start,
+                                                 np.asarray(rows, dtype=np.int32), np.ones(B, dtype=np.int8)))  # [B, V]
 
         # the real tokens, row-major: (row b, column t) for t < lengths[b]
         real = np.arange(T)[None, :] < lengths[:, None]  # [B, T]
@@ -267,11 +267,15 @@ class LlamaCppRunner(ModelRunner):
         if out_rows is None:
             return None
         valid, slots = out_rows
-        out = torch.zeros(*valid.shape, self.vocab_size)  # [B, L, V]
-        out[torch.from_numpy(valid)] = logits[torch.from_numpy(slots)]
+        if valid.all() and np.array_equal(slots, np.arange(len(slots))):  # the outputs are already in (b, j) order
+            out = logits.reshape(*valid.shape, self.vocab_size)  # [B, L, V]
+        else:  # in numpy: a torch op here would wake torch's thread pool against llama.cpp's threads
+            out = np.zeros((*valid.shape, self.vocab_size), dtype=np.float32)  # [B, L, V]
+            out[valid] = logits[slots]
+        out = torch.from_numpy(out)
         return out[:, 0] if index.dim() == 1 else out
 
-    def _decode(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, flags: np.ndarray) -> torch.Tensor:
+    def _decode(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, flags: np.ndarray) -> np.ndarray:
         """Feed N tokens in llama_decode calls of up to BATCH_TOKENS; returns the logits of the flagged
         ones, in order [n_flagged, vocab_size]."""
         lib, n = self.lib, len(tokens)
@@ -292,10 +296,10 @@ class LlamaCppRunner(ModelRunner):
             if m:
                 ptr = lib.llama_get_logits(self.ctx)
                 arr = np.ctypeslib.as_array(ptr, shape=(m, self.n_vocab))
-                parts.append(torch.from_numpy(arr[:, : self.vocab_size].copy()))  # the buffer is reused
+                parts.append(arr[:, : self.vocab_size].copy())  # the buffer is reused
         if not parts:
-            return torch.zeros(0, self.vocab_size)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            return np.zeros((0, self.vocab_size), dtype=np.float32)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class _Batch:
