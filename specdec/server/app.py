@@ -117,7 +117,7 @@ class OpenAIServer:
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def check_api_key(self, request: Request) -> None:
+    async def check_api_key(self, request: Request) -> None:  # async: FastAPI runs a sync one in a thread pool
         if self.api_key is None:
             return
         auth = request.headers.get("authorization", "")
@@ -294,7 +294,7 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
         body = await _parse(request, P.CompletionRequest)
         server.check_model(body.model)
         body.check_supported()
-        prompts = body.prompts()
+        prompts = body.prompts(server.limits.max_prompts_per_request)
         choices = await server.prepare(body, prompts, body.max_tokens)
         echo = None
         if body.echo:  # each choice starts with its prompt's text
