@@ -267,9 +267,13 @@ def _engine_main(conn, llm_kwargs: dict[str, Any], limits: ServerLimits, release
     logging.basicConfig(level=logging.INFO, format="%(asctime)s specdec-engine %(levelname)s %(name)s: %(message)s")
     try:
         import torch
+        from tqdm import tqdm
 
         from specdec.llm import LLM
 
+        # tqdm's default lock (loading bars) is a multiprocessing semaphore that is never released; the
+        # resource tracker this process shares with the HTTP one would report it as leaked at exit
+        tqdm.set_lock(threading.RLock())
         torch.set_num_threads(threads)
         llm = LLM(**llm_kwargs)
         loop = _PipedEngine(llm.engine, conn, limits, release_when_idle)
