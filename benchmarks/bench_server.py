@@ -52,6 +52,7 @@ import json
 import multiprocessing
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -573,6 +574,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--serve-args", default="", help="more options for every specdec serve, e.g. "
+                    "'--engine-in-process' or '--http-nice 0'")
     ap.add_argument("--abuse", type=float, metavar="SECONDS",
                     help="abuse mode: well-behaved streams while a hostile client runs for SECONDS")
     ap.add_argument("--baseline-seconds", type=float, default=30.0, help="abuse mode: seconds without the abuse")
@@ -591,7 +594,7 @@ def main() -> None:
     else:
         raise SystemExit("pass --draft D or --speculative-config JSON")
     common = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-              "--max-num-seqs", str(args.max_num_seqs)]
+              "--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.serve_args)]
     tok, context = target_tokenizer(args)
     distinct = fitting(make_prompts(args, tok), args, tok, context)
     if args.abuse:
