@@ -23,7 +23,9 @@ the target alone. This process is only the client (asyncio + httpx, server-sent 
    cannot hold, oversized bodies and prompts, 10,000 prompts, idle, slowloris and lying
    connections, long model names, foreign Host/Origin, hang-ups mid-body. Reports the well-behaved
    requests' completion and equality to their solo outputs, their TPOT p50/p95 with and without
-   the abuse, the abuse's status codes, and the server's RSS before and after.
+   the abuse, the abuse's status codes, and the server's RSS (HTTP and engine processes) after the
+   baseline and after the abuse, both idle. The hostile client replays pre-encoded bodies, as an
+   attacker would: its own JSON encoding would otherwise take the shared cores' time.
 
     python benchmarks/bench_server.py --model T --draft D --abuse 60 [--num-requests 64] [--baseline-seconds 30]
 
@@ -50,6 +52,7 @@ import json
 import multiprocessing
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -119,11 +122,22 @@ class Server:
         raise SystemExit(f"the {self.name} server did not start within {timeout} s (log: {self.log.name})")
 
     def rss_mib(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return float("nan")
+        """The server's resident memory: its HTTP process and its engine process (``specdec serve`` runs
+        the engine in a child process)."""
+        pids = [self.proc.pid]
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                pids += [int(p) for p in f.read().split()]
+        except OSError:
+            pass
+        total = 0.0
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+            except (OSError, StopIteration):
+                pass
+        return total or float("nan")
 
     def metrics(self) -> dict[str, float]:
         out = {}
@@ -323,9 +337,16 @@ async def abuse(url: str, port: int, seconds: float, only: set[str] | None = Non
         key = f"{case} {outcome}"
         counts[key] = counts.get(key, 0) + 1
 
+    encoded: dict[int, bytes] = {}  # each payload is encoded once, as an attacker replaying bytes would:
+    # on a 2-core machine the client's own JSON encoding of 5 MB bodies would take the server's CPU
+
     async def post(c: httpx.AsyncClient, case: str, payload=None, headers=None) -> None:
+        data = encoded.get(id(payload))
+        if data is None:
+            data = encoded[id(payload)] = json.dumps(payload).encode()
         try:
-            r = await c.post(url + "/v1/completions", json=payload, headers=headers)
+            r = await c.post(url + "/v1/completions", content=data,
+                             headers={"Content-Type": "application/json", **(headers or {})})
             note(case, r.status_code)
         except httpx.HTTPError:  # the server answered early (413) and closed while the body was being sent
             note(case, "closed early")
@@ -366,14 +387,17 @@ async def abuse(url: str, port: int, seconds: float, only: set[str] | None = Non
     bad_values = [{"temperature": 1e-40}, {"temperature": 5e-324}, {"top_p": 1e-300}, {"top_k": 2**63},
                   {"top_k": 10**30}, {"temperature": 0.8, "min_p": 1e-300}, {"stop": ["x"] * 1000},
                   {"stop_token_ids": list(range(100_000))}]
+    bad_values = [{**sample, **v} for v in bad_values]
+    big_body, big_prompt = {**sample, "prompt": "hello " * 900_000}, {**sample, "prompt": "hello " * 170_000}
+    many_prompts, long_name = {**sample, "prompt": [[1, 2, 3]] * 10_000}, {**sample, "model": "m" * 2**20}
     head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0), limits=httpx.Limits(max_connections=100)) as c:
         cases = {
-            "bad value": [lambda v=v: post(c, "bad value", {**sample, **v}) for v in bad_values],
-            "5 MB body": [lambda: post(c, "5 MB body", {**sample, "prompt": "hello " * 900_000})],
-            "1 MB prompt": [lambda: post(c, "1 MB prompt", {**sample, "prompt": "hello " * 170_000})],
-            "10,000 prompts": [lambda: post(c, "10,000 prompts", {**sample, "prompt": [[1, 2, 3]] * 10_000})],
-            "1 MiB model name": [lambda: post(c, "1 MiB model name", {**sample, "model": "m" * 2**20})],
+            "bad value": [lambda v=v: post(c, "bad value", v) for v in bad_values],
+            "5 MB body": [lambda: post(c, "5 MB body", big_body)],
+            "1 MB prompt": [lambda: post(c, "1 MB prompt", big_prompt)],
+            "10,000 prompts": [lambda: post(c, "10,000 prompts", many_prompts)],
+            "1 MiB model name": [lambda: post(c, "1 MiB model name", long_name)],
             "foreign Host": [lambda: post(c, "foreign Host", sample, headers={"Host": "rebound.example.com"})],
             "foreign Origin": [lambda: post(c, "foreign Origin", sample,
                                             headers={"Origin": "http://evil.example.com"})],
@@ -401,8 +425,10 @@ def abuse_main(args, spec_args: list[str], common: list[str], prompts: list) -> 
         asyncio.run(sequential(server.url, prompts[:2], 8))  # warm up
         solo = asyncio.run(sequential(server.url, prompts, args.max_tokens))
         time.sleep(1.0)
-        rss_before = server.rss_mib()
+        rss_start = server.rss_mib()
         base = asyncio.run(well_behaved(server.url, prompts, args.max_tokens, args.num_requests, args.baseline_seconds))
+        time.sleep(2.0)  # idle: the engine releases its caches; what stays is the load's working set
+        rss_before = server.rss_mib()  # (oneDNN's kernels for each batch shape, the allocator's pools)
 
         async def both():
             # the hostile client is a process of its own: in this one its JSON encoding of 5 MB bodies
@@ -433,7 +459,8 @@ def abuse_main(args, spec_args: list[str], common: list[str], prompts: list) -> 
     report = {"model": args.model, "speculative": spec_args, "streams": args.num_requests,
               "baseline": summary(base), "abuse": summary(load), "abuse_seconds": args.abuse,
               "abuse_outcomes": dict(sorted(counts.items())), "health_after": healthy,
-              "server_rss_mib": {"before": rss_before, "after": rss_after, "after_over_before": rss_after / rss_before}}
+              "server_rss_mib": {"start": rss_start, "before": rss_before, "after": rss_after,
+                                 "after_over_before": rss_after / rss_before}}
     report["tpot_p95_abuse_over_baseline"] = report["abuse"]["tpot_p95_ms"] / report["baseline"]["tpot_p95_ms"]
     if args.json:
         print(json.dumps(report, indent=2))
@@ -450,7 +477,8 @@ def abuse_main(args, spec_args: list[str], common: list[str], prompts: list) -> 
     print(f"  TPOT p95 under abuse / baseline: {report['tpot_p95_abuse_over_baseline']:.2f}x")
     print("  abuse outcomes: " + ", ".join(f"{k}: {v}" for k, v in report["abuse_outcomes"].items()))
     m = report["server_rss_mib"]
-    print(f"  server RSS: before {m['before']:.0f} MiB, after {m['after']:.0f} MiB ({m['after_over_before']:.2f}x); "
+    print(f"  server RSS (HTTP and engine processes): {m['start']:.0f} MiB before the baseline, {m['before']:.0f} MiB "
+          f"after it (before the abuse), {m['after']:.0f} MiB after the abuse ({m['after_over_before']:.2f}x); "
           f"/health after: {'200' if healthy else 'failed'}")
 
 
@@ -568,6 +596,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--serve-args", default="", help="more options for every specdec serve, e.g. "
+                    "'--engine-in-process' or '--http-nice 0'")
     ap.add_argument("--abuse", type=float, metavar="SECONDS",
                     help="abuse mode: well-behaved streams while a hostile client runs for SECONDS")
     ap.add_argument("--baseline-seconds", type=float, default=30.0, help="abuse mode: seconds without the abuse")
@@ -586,7 +616,7 @@ def main() -> None:
     else:
         raise SystemExit("pass --draft D or --speculative-config JSON")
     common = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
-              "--max-num-seqs", str(args.max_num_seqs)]
+              "--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.serve_args)]
     tok, context = target_tokenizer(args)
     distinct = fitting(make_prompts(args, tok), args, tok, context)
     if args.abuse:

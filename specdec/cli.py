@@ -273,6 +273,13 @@ def serve(
     metrics_public: Annotated[bool, typer.Option(
         "--metrics-public", help="Serve /metrics without the API key.")] = False,
     enable_docs: Annotated[bool, typer.Option("--enable-docs", help="Serve /docs, /redoc and /openapi.json.")] = False,
+    engine_in_process: Annotated[bool, typer.Option(
+        "--engine-in-process", help="Run the engine loop as a thread of the HTTP process instead of a process of "
+                                    "its own (one process; the HTTP side's work then slows the rounds).")] = False,
+    http_nice: Annotated[int, typer.Option(
+        min=0, max=19, help="CPU niceness the HTTP process adds to its own once the engine process runs, so on a "
+                            "machine with few cores the rounds of admitted requests come before handling new (or "
+                            "hostile) ones; 0 keeps both at the same priority.")] = 5,
 ) -> None:
     """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching; every
     resource a client can ask for is bounded (see the options)."""
@@ -304,7 +311,9 @@ def serve(
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                served_model_name=served_model_name, api_key=api_key, limits=limits,
-                               backend=backend, tokenizer=tokenizer)
+                               backend=backend, tokenizer=tokenizer, engine_process=not engine_in_process)
+    if not engine_in_process and http_nice:
+        os.nice(http_nice)  # after the engine process started: it keeps the priority this process had
     run_server(server_app, host=host, port=port)
 
 

@@ -140,6 +140,17 @@ class GrammarCompiler:
                 ll = template.deep_copy()
         return GrammarMatcher(ll, self.vocab_size, len(self.tokenizer), self.eos_token_ids)
 
+    def ready_matchers(self, so: StructuredOutputsParams, count: int) -> list[GrammarMatcher]:
+        """``count`` fresh matchers with their first mask computed: the grammar engine builds its lexer
+        lazily, and a pathological regex can take seconds there, which a server does off its engine
+        thread. ValueError for a bad grammar or one the engine gives up on before its first token."""
+        matchers = [self.matcher(so) for _ in range(count)]
+        for m in matchers:
+            m.allowed_mask()
+            if m.failed:  # e.g. a schema that refers to itself without end
+                raise ValueError("the grammar engine gave up on it before its first token")
+        return matchers
+
     def cache_size(self) -> int:
         with self._lock:
             return len(self._cache)

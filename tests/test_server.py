@@ -367,6 +367,10 @@ CHAT = {"model": NAME, "messages": [{"role": "user", "content": "w1"}], "max_tok
     ("/v1/completions", {"model": NAME, "max_tokens": 2}, 400, "prompt"),  # missing field
     ("/v1/completions", {**GOOD, "max_tokens": "ten"}, 400, "max_tokens"),  # mistyped field
     ("/v1/completions", {**GOOD, "prompt": 3}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [5, "w1"]}, 400, "prompt"),  # forms mixed
+    ("/v1/completions", {**GOOD, "prompt": [[5], "w1"]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [[5, 1.5]]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [True]}, 400, "prompt"),  # a bool is not a token id
     ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),

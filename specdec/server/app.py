@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app: routes over one ``AsyncEngine``.
+"""The OpenAI-compatible HTTP app: routes over one engine loop (``AsyncEngine``, or ``EngineProcess``).
 
     app = build_app(LLM("path/to/target", speculative_config={...}), api_key="secret")
     uvicorn.run(app, host="127.0.0.1", port=8000)
@@ -41,7 +41,10 @@ from specdec.config import SamplingParams, short_repr
 from specdec.host_memory import trim_heap
 from specdec.llm import LLM
 from specdec.server import protocol as P
-from specdec.server.async_engine import AsyncEngine, LoopHooks, Prompt, QueueFull, RequestError
+from specdec.grammar import GrammarCompiler
+from specdec.logprobs import TokenText
+from specdec.server.async_engine import AsyncEngine, EngineInfo, LoopHooks, Prompt, QueueFull, RequestError
+from specdec.server.engine_process import EngineProcess
 from specdec.server.chat import render_chat
 from specdec.server.guard import Guard
 from specdec.server.limits import ServerLimits
@@ -59,21 +62,22 @@ LARGE_BODY_BYTES = 256 * 1024  # after such bodies the heap is trimmed (at most 
 
 
 class OpenAIServer:
-    """What the routes share: the model, its engine loop, metrics and settings."""
+    """What the routes share: the engine loop (in a thread, or in a process of its own), what the HTTP
+    side knows of its model (``EngineInfo``), metrics and settings."""
 
-    def __init__(self, llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
-                 release_when_idle: bool = True, limits: ServerLimits | None = None):
-        self.llm = llm
-        self.tokenizer = llm.tokenizer
-        self.model_name = served_model_name or llm.model_config.model
-        target = llm.engine.target
-        self.max_model_len, self.vocab_size = target.max_model_len, target.vocab_size
+    def __init__(self, engine: AsyncEngine | EngineProcess, info: EngineInfo, served_model_name: str | None = None,
+                 api_key: str | None = None, limits: ServerLimits | None = None):
+        self.engine, self.info = engine, info
+        self.tokenizer = info.tokenizer
+        self.model_name = served_model_name or info.model
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.api_key = api_key
         self.limits = limits or ServerLimits()
-        self.engine = AsyncEngine(llm.engine, release_when_idle=release_when_idle, limits=self.limits)
-        self.metrics = ServerMetrics(llm.engine, self.engine)
+        self.metrics = ServerMetrics(self.engine)
         self.engine.hooks = LoopHooks(self.metrics.on_first_token, self.metrics.on_finish, self.metrics.on_error,
                                       self.metrics.on_loop_error)
+        self._grammar_compiler = None
+        self._token_text = TokenText(self.tokenizer)
         # A prompt of more characters than the context times the longest token's bytes cannot fit:
         # refuse it before tokenizing it.
         self.max_prompt_chars = self.max_model_len * _longest_token_bytes(self.tokenizer)
@@ -81,6 +85,16 @@ class OpenAIServer:
         self.grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="specdec-grammar")
         self.created = P.now()
         self._large_at, self._trim_pending = 0.0, False
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The HTTP side's compiler (an engine in a thread gets the matchers it makes; one in a process
+        compiles again from the request's parameters, after this one has checked them)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer; this model folder has none")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.info.eos_token_ids)
+        return self._grammar_compiler
 
     def trim_soon(self) -> None:
         """Give the heap's free pages back once large bodies stop coming for a second (at most one trim
@@ -103,7 +117,7 @@ class OpenAIServer:
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def check_api_key(self, request: Request) -> None:
+    async def check_api_key(self, request: Request) -> None:  # async: FastAPI runs a sync one in a thread pool
         if self.api_key is None:
             return
         auth = request.headers.get("authorization", "")
@@ -152,14 +166,9 @@ class OpenAIServer:
         mask computed here: the grammar engine builds its lexer lazily, and a pathological regex can take
         seconds there, which must not happen on the engine thread. A grammar the engine refuses is a 400
         naming the field; its exception text goes to the log only."""
-        compiler = self.llm.engine.grammar_compiler  # ValueError (400) when the model has no tokenizer
+        compiler = self.grammar_compiler  # ValueError (400) when the model has no tokenizer
         try:
-            matchers = [compiler.matcher(so) for _ in range(count)]
-            for m in matchers:
-                m.allowed_mask()
-                if m.failed:  # e.g. a schema that refers to itself without end
-                    raise ValueError("the grammar engine gave up on it before its first token")
-            return matchers
+            return compiler.ready_matchers(so, count)
         except ValueError as e:
             log.info("%s could not be compiled: %s", field, e)
             raise P.ApiError(400, f"{field} could not be compiled into a grammar: check that the {so.kind} "
@@ -167,7 +176,7 @@ class OpenAIServer:
 
     def token_text(self, token_id: int, as_id: bool) -> str:
         """How logprobs name a token: its text, or ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""
-        text = None if as_id else self.llm.engine.token_text(token_id)  # decoded once per id (logprobs.py)
+        text = None if as_id else self._token_text(token_id)  # decoded once per id (logprobs.py)
         return f"token_id:{token_id}" if text is None else text
 
     async def encode(self, prompts: list[P.Prompt] | list[list[P.ChatMessage]], params: SamplingParams,
@@ -222,15 +231,27 @@ class OpenAIServer:
 
 
 def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
-              release_when_idle: bool = True, limits: ServerLimits | None = None, **llm_kwargs: Any) -> FastAPI:
+              release_when_idle: bool = True, limits: ServerLimits | None = None, engine_process: bool = False,
+              **llm_kwargs: Any) -> FastAPI:
     """The FastAPI app over ``llm`` (or over ``LLM(**llm_kwargs)``). The engine loop runs while the app's
     lifespan does: start the app under uvicorn (``specdec.server.serve`` or ``ServerThread``), which
-    also applies the connection timeouts of ``limits``."""
-    if llm is None:
-        llm = LLM(**llm_kwargs)
-    elif llm_kwargs:
-        raise ValueError(f"pass an LLM or LLM arguments, not both (got {sorted(llm_kwargs)})")
-    server = OpenAIServer(llm, served_model_name, api_key, release_when_idle, limits)
+    also applies the connection timeouts of ``limits``. ``engine_process=True`` (with ``llm_kwargs``)
+    loads the model and runs the loop in a process of its own (``engine_process.py``, what
+    ``specdec serve`` does), so the HTTP side's Python work never holds up a round."""
+    limits = limits or ServerLimits()
+    if engine_process:
+        if llm is not None:
+            raise ValueError("engine_process=True loads the model in the engine's own process: pass LLM "
+                             "arguments (model=..., ...), not an LLM")
+        loop = EngineProcess(llm_kwargs, limits, release_when_idle)
+        info = loop.info
+    else:
+        if llm is None:
+            llm = LLM(**llm_kwargs)
+        elif llm_kwargs:
+            raise ValueError(f"pass an LLM or LLM arguments, not both (got {sorted(llm_kwargs)})")
+        loop, info = AsyncEngine(llm.engine, release_when_idle=release_when_idle, limits=limits), EngineInfo.of(llm)
+    server = OpenAIServer(loop, info, served_model_name, api_key, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -273,7 +294,7 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
         body = await _parse(request, P.CompletionRequest)
         server.check_model(body.model)
         body.check_supported()
-        prompts = body.prompts()
+        prompts = body.prompts(server.limits.max_prompts_per_request)
         choices = await server.prepare(body, prompts, body.max_tokens)
         echo = None
         if body.echo:  # each choice starts with its prompt's text

@@ -22,6 +22,7 @@ the KV caches and blocks on the inbox.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -54,6 +55,23 @@ class Prompt(NamedTuple):
     grammars: list[Any] | None = None
 
 
+@dataclass
+class EngineInfo:
+    """What the HTTP side needs of the model the engine runs (an engine process sends it once, loaded)."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any  # None for a model folder without one
+    eos_token_ids: set[int]
+
+    @classmethod
+    def of(cls, llm) -> EngineInfo:
+        target = llm.engine.target
+        return cls(llm.model_config.model, target.max_model_len, target.vocab_size, llm.tokenizer,
+                   set(llm.engine.detokenizer.eos_token_ids))
+
+
 class QueueFull(Exception):
     """The request queue is at ``max_queued_requests``: answer 429 and let the client retry."""
 
@@ -64,6 +82,9 @@ class RequestError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status, self.message = status, message
+
+    def __reduce__(self):  # crosses the engine process's pipe (engine_process.py)
+        return RequestError, (self.status, self.message)
 
 
 @dataclass
@@ -81,11 +102,16 @@ class Event:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # on a choice's first event, when asked for
 
 
-class RequestHandle:
-    """The asyncio side of one request: a queue of Events for its choices, and a way to abort them."""
+_request_ids = itertools.count()
 
-    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop, num_choices: int):
+
+class RequestHandle:
+    """The asyncio side of one request: a queue of Events for its choices, and a way to abort them.
+    ``owner`` is the engine loop (``AsyncEngine``, or ``EngineProcess`` whose loop runs in another process)."""
+
+    def __init__(self, owner, loop: asyncio.AbstractEventLoop | None, num_choices: int, rid: int | None = None):
         self.owner, self.loop = owner, loop
+        self.rid = next(_request_ids) if rid is None else rid
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.num_choices = num_choices
         self.open = num_choices  # choices not finished yet (asyncio side)
@@ -112,7 +138,7 @@ class RequestHandle:
         """Drop the request (thread-safe): it leaves the queue, or the batch within one round."""
         if self.open:
             self.open = 0
-            self.owner._inbox.put(("abort", self))
+            self.owner.abort(self)
 
     def _post(self, ev: Event) -> None:  # engine thread
         try:
@@ -146,12 +172,45 @@ class _Track:
     posted: int = 0  # output tokens already posted
 
 
+class Finished(NamedTuple):
+    """A sequence that left the engine, for the metrics (times are ``time.perf_counter()``, which is
+    system-wide monotonic, so they compare across the engine process and the HTTP one)."""
+
+    finish_reason: str  # "abort" when the client went away
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    first_token: float | None
+    end: float
+
+    @classmethod
+    def of(cls, seq: Sequence, track: _Track) -> Finished:
+        return cls(seq.finish_reason or "abort", seq.num_prompt_tokens, seq.num_output_tokens, track.arrival,
+                   track.first_token, time.perf_counter())
+
+
+@dataclass
+class Snapshot:
+    """What /metrics reads of the engine: its speculative counters (``engine.stats``), the batch and
+    the queue, and the KV budget."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    running: int = 0
+    waiting: int = 0
+    kv_budget_bytes: int = 0
+    kv_reserved_bytes: int = 0
+
+
 @dataclass
 class LoopHooks:
     """Callbacks the engine thread fires (the Prometheus metrics hang on these)."""
 
     on_first_token: Callable[[float], None] = lambda ttft: None
-    on_finish: Callable[[Sequence, float, float | None], None] = lambda seq, arrival, first: None
+    on_finish: Callable[[Finished], None] = lambda finished: None
     on_error: Callable[[BaseException], None] = lambda e: None  # an engine step raised
     on_loop_error: Callable[[BaseException], None] = lambda e: None  # anything else in the loop raised
 
@@ -180,27 +239,66 @@ class _Attempt:
                 s.generator.set_state(state)
 
 
-class AsyncEngine:
+class Admission:
+    """What the HTTP side checks before a request joins the engine's queue, shared by the engine loop in
+    a thread (``AsyncEngine``) and in a process (``EngineProcess``): the request's worst-case KV cache
+    against the budget, and the queue's bound."""
+
+    def __init__(self, k: int, max_model_len: int, budget: KvBudget, limits: ServerLimits):
+        self.k, self.max_model_len, self.budget, self.limits = k, max_model_len, budget, limits
+        self._num_queued = 0  # requests submitted, not yet admitted or dropped (guarded by _lock)
+        self._lock = threading.Lock()
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    def kv_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """KV positions a sequence may reach: prompt + output (within the context) + a verify pass."""
+        end = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+        return round_up(end + self.k + 1)
+
+    def check(self, prompts: list[Prompt | tuple]) -> tuple[list[Prompt], list[int]]:
+        """The prompts and the KV positions each of their choices may reach; ValueError for a request the
+        server can never run (its KV cache alone exceeds the budget), QueueFull when the queue is full
+        (then the caller owns one queue slot)."""
+        prompts = [Prompt(*p) for p in prompts]
+        lengths = [self.kv_length(len(p.token_ids), p.params) for p in prompts for _ in range(p.params.n)]
+        need = self.budget.bytes_for(len(lengths), max(lengths))
+        if len(lengths) > self.budget.max_rows or need > self.budget.budget:
+            raise ValueError(
+                f"this request needs {len(lengths)} sequence(s) and {need / 2**20:.0f} MiB of KV cache; the server "
+                f"runs at most {self.budget.max_rows} sequences in {self.budget.budget / 2**20:.0f} MiB. Lower "
+                "max_tokens or n, or send fewer prompts")
+        with self._lock:
+            if self._num_queued >= self.limits.max_queued_requests:
+                raise QueueFull(f"{self._num_queued} requests are waiting")
+            self._num_queued += 1
+        return prompts, lengths
+
+    def _left_queue(self) -> None:
+        with self._lock:
+            self._num_queued -= 1
+
+
+class AsyncEngine(Admission):
     def __init__(self, engine: Engine, hooks: LoopHooks | None = None, release_when_idle: bool = True,
                  limits: ServerLimits | None = None):
         self.engine = engine
         self.hooks = hooks or LoopHooks()
         self.release_when_idle = release_when_idle
-        self.limits = limits or ServerLimits()
+        limits = limits or ServerLimits()
         target = engine.target
         per_token = target.kv_bytes_per_token()
         draft_runner = getattr(engine.drafter, "runner", None)  # a draft model keeps a cache of its own
         if draft_runner is not None:
             per_token += draft_runner.kv_bytes_per_token()
-        budget = self.limits.kv_cache_memory
+        budget = limits.kv_cache_memory
         if budget is None:
-            budget = int(self.limits.kv_cache_memory_fraction * available_memory(target.device))
-        self.budget = KvBudget(budget, per_token, engine.max_num_seqs)
-        self.k = engine.k
+            budget = int(limits.kv_cache_memory_fraction * available_memory(target.device))
+        super().__init__(engine.k, target.max_model_len, KvBudget(budget, per_token, engine.max_num_seqs), limits)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queue: deque[_Queued] = deque()  # engine thread only
-        self._num_queued = 0  # requests submitted, not yet admitted or dropped (guarded by _lock)
-        self._lock = threading.Lock()
         self._tracks: dict[int, _Track] = {}  # seq_id -> track (engine thread only)
         self._thread: threading.Thread | None = None
         self._busy = False
@@ -223,36 +321,29 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    @property
-    def num_queued(self) -> int:
-        return self._num_queued
-
-    def kv_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """KV positions a sequence may reach: prompt + output (within the context) + a verify pass."""
-        end = min(num_prompt_tokens + params.max_tokens, self.engine.target.max_model_len)
-        return round_up(end + self.k + 1)
-
     def submit(self, prompts: list[Prompt | tuple], arrival: float | None = None) -> RequestHandle:
-        """Queue one request (its choices: ``n`` per prompt, each a sequence). Raises ValueError for a
-        request the server can never run (its KV cache alone exceeds the budget), QueueFull when the
-        queue is full."""
+        """Queue one request (its choices: ``n`` per prompt, each a sequence); see ``Admission.check``."""
         if not self.alive:
             raise RuntimeError("the engine loop is not running")
-        prompts = [Prompt(*p) for p in prompts]
-        lengths = [self.kv_length(len(p.token_ids), p.params) for p in prompts for _ in range(p.params.n)]
-        need = self.budget.bytes_for(len(lengths), max(lengths))
-        if len(lengths) > self.budget.max_rows or need > self.budget.budget:
-            raise ValueError(
-                f"this request needs {len(lengths)} sequence(s) and {need / 2**20:.0f} MiB of KV cache; the server "
-                f"runs at most {self.budget.max_rows} sequences in {self.budget.budget / 2**20:.0f} MiB. Lower "
-                "max_tokens or n, or send fewer prompts")
-        with self._lock:
-            if self._num_queued >= self.limits.max_queued_requests:
-                raise QueueFull(f"{self._num_queued} requests are waiting")
-            self._num_queued += 1
+        prompts, lengths = self.check(prompts)
         handle = RequestHandle(self, asyncio.get_running_loop(), len(lengths))
-        self._inbox.put(("add", _Queued(handle, prompts, arrival or time.perf_counter(), lengths)))
+        self.enqueue(handle, prompts, lengths, arrival)
         return handle
+
+    def enqueue(self, handle: RequestHandle, prompts: list[Prompt], lengths: list[int],
+                arrival: float | None = None) -> None:
+        """Hand a checked request (it holds a queue slot) to the engine thread (thread-safe)."""
+        self._inbox.put(("add", _Queued(handle, prompts, arrival or time.perf_counter(), lengths)))
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Drop a request (thread-safe): it leaves the queue, or the batch within one round."""
+        self._inbox.put(("abort", handle))
+
+    def snapshot(self) -> Snapshot:
+        s, e = self.engine.stats, self.engine
+        return Snapshot(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_emitted_tokens,
+                        list(s.num_accepted_tokens_per_pos), len(e.running), len(e.waiting) + self.num_queued,
+                        self.budget.budget, self.budget.reserved)
 
     # -- engine thread: the loop ------------------------------------------------------------------
 
@@ -317,12 +408,11 @@ class AsyncEngine:
             if track is not None and not s.finished:
                 self.engine.abort(s)
                 self.budget.finish(s.seq_id)
-                self._hook(self.hooks.on_finish, s, track.arrival, track.first_token)
+                self._hook(self.hooks.on_finish, Finished.of(s, track))
         handle.state = "done"
 
     def _dequeue(self) -> _Queued:
-        with self._lock:
-            self._num_queued -= 1
+        self._left_queue()
         return self._queue.popleft()
 
     def _admit(self) -> None:
@@ -487,7 +577,7 @@ class AsyncEngine:
                     del self._tracks[seq.seq_id]
                     self.budget.finish(seq.seq_id)
                     ev.prompt_tokens, ev.completion_tokens = seq.num_prompt_tokens, seq.num_output_tokens
-                    self._hook(self.hooks.on_finish, seq, track.arrival, track.first_token)
+                    self._hook(self.hooks.on_finish, Finished.of(seq, track))
                 track.handle._post(ev)
             except Exception as e:
                 log.exception("turning sequence %s's tokens into text failed; failing its request", seq.seq_id)

@@ -1,21 +1,18 @@
 """Prometheus metrics, one ``CollectorRegistry`` per app, named as vLLM names them under ``specdec:``.
 
-The speculative counters are read from ``engine.stats`` at scrape time (a custom collector), so
-they always equal what ``LLM.get_metrics()`` reports. Counters are exposed with the ``_total``
+The speculative counters are read from the engine loop's ``snapshot()`` at scrape time (a custom
+collector): with the loop in a thread they always equal what ``LLM.get_metrics()`` reports; with it
+in a process of its own, they are as of its last round. Counters are exposed with the ``_total``
 suffix, as prometheus-client and vLLM write them: ``specdec:spec_decode_num_drafts_total``.
 """
 
 from __future__ import annotations
 
-import time
-
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specdec.engine import Engine
-from specdec.sequence import Sequence
-from specdec.server.async_engine import AsyncEngine
+from specdec.server.async_engine import Finished
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
@@ -31,11 +28,11 @@ prometheus_client.disable_created_metrics()  # no *_created series (vLLM does th
 class _EngineCollector:
     """Speculative-decoding counters, queue and KV-budget gauges, read from the engines when scraped."""
 
-    def __init__(self, engine: Engine, loop: AsyncEngine):
-        self.engine, self.loop = engine, loop
+    def __init__(self, loop):
+        self.loop = loop  # AsyncEngine or EngineProcess: anything with snapshot()
 
     def collect(self):
-        s = self.engine.stats
+        s = self.loop.snapshot()
         for name, value, doc in (
             ("spec_decode_num_drafts", s.num_drafts, "(sequence, round) pairs that proposed at least one token."),
             ("spec_decode_num_draft_tokens", s.num_draft_tokens, "Draft tokens proposed."),
@@ -50,20 +47,20 @@ class _EngineCollector:
             per_pos.add_metric([str(i)], v)
         yield per_pos
         yield GaugeMetricFamily("specdec:num_requests_running", "Sequences in the running batch.",
-                                value=len(self.engine.running))
+                                value=s.running)
         yield GaugeMetricFamily("specdec:num_requests_waiting", "Requests waiting for a batch slot or KV memory.",
-                                value=len(self.engine.waiting) + self.loop.num_queued)
+                                value=s.waiting)
         yield GaugeMetricFamily("specdec:kv_cache_budget_bytes", "KV cache memory the server may use.",
-                                value=self.loop.budget.budget)
+                                value=s.kv_budget_bytes)
         yield GaugeMetricFamily("specdec:kv_cache_reserved_bytes",
                                 "KV cache memory the admitted requests may hold (the caches' peak shape).",
-                                value=self.loop.budget.reserved)
+                                value=s.kv_reserved_bytes)
 
 
 class ServerMetrics:
-    def __init__(self, engine: Engine, loop: AsyncEngine):
+    def __init__(self, loop):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, loop))
+        self.registry.register(_EngineCollector(loop))
         r = self.registry
         self.ttft = Histogram("specdec:time_to_first_token_seconds",
                               "Arrival of the request to its first generated token.", buckets=TTFT_BUCKETS, registry=r)
@@ -83,20 +80,19 @@ class ServerMetrics:
         self.loop_failures = Counter("specdec:engine_loop_failures", "Errors in the engine thread outside a "
                                      "round (admission, detokenizing); the loop carries on.", registry=r)
 
-    # hooks called on the engine thread
+    # hooks called on the engine thread (or the thread reading the engine process's pipe)
     def on_first_token(self, ttft: float) -> None:
         self.ttft.observe(ttft)
 
-    def on_finish(self, seq: Sequence, arrival: float, first_token: float | None) -> None:
-        end = time.perf_counter()
-        self.requests.labels(seq.finish_reason or "abort").inc()
-        self.prompt_tokens.inc(seq.num_prompt_tokens)
-        self.generation_tokens.inc(seq.num_output_tokens)
-        if seq.finish_reason == "abort":
+    def on_finish(self, f: Finished) -> None:
+        self.requests.labels(f.finish_reason).inc()
+        self.prompt_tokens.inc(f.prompt_tokens)
+        self.generation_tokens.inc(f.output_tokens)
+        if f.finish_reason == "abort":
             return
-        self.e2e.observe(end - arrival)
-        if first_token is not None and seq.num_output_tokens > 1:
-            self.tpot.observe((end - first_token) / (seq.num_output_tokens - 1))
+        self.e2e.observe(f.end - f.arrival)
+        if f.first_token is not None and f.output_tokens > 1:
+            self.tpot.observe((f.end - f.first_token) / (f.output_tokens - 1))
 
     def on_error(self, error: BaseException) -> None:
         self.engine_failures.inc()

@@ -240,7 +240,10 @@ Prompt = str | list[int]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # str | list[str] | list[int] | list[list[int]]: the items are checked by prompts(), after the
+    # server's bound on their count (validating 10,000 token lists against each form here holds the
+    # GIL for tens of ms, for a request refused anyway)
+    prompt: str | list
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
@@ -276,16 +279,27 @@ class CompletionRequest(_SamplingFields):
             params.prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too (vLLM)
         return params
 
-    def prompts(self) -> list[Prompt]:
-        """The request's prompts: strings, or lists of token ids."""
+    def prompts(self, max_prompts: int) -> list[Prompt]:
+        """The request's prompts (strings, or lists of token ids), at most ``max_prompts`` of them; the
+        count is checked before the items, so a huge list is refused without walking it."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
         if not p:
             raise ApiError(400, "prompt is empty; pass a string, a list of strings or a list of token ids", "prompt")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        if _is_token_ids(p):
+            return [p]
+        if len(p) > max_prompts:
+            raise ApiError(400, f"the request has {len(p)} prompts; this server takes at most {max_prompts} per "
+                           "request", "prompt", "too_many_prompts")
+        if not (all(type(x) is str for x in p) or all(type(x) is list and _is_token_ids(x) for x in p)):
+            raise ApiError(400, "prompt has the wrong type: pass a string, a list of strings, a list of token ids "
+                           "(integers) or a list of such lists", "prompt", "invalid_type")
+        return p
+
+
+def _is_token_ids(items: list) -> bool:
+    return all(type(t) is int for t in items)  # JSON true/false are bools, not token ids
 
 
 class ChatMessage(BaseModel):
