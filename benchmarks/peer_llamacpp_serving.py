@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4, help="specdec's draft tokens per round (adaptive below it)")
     ap.add_argument("--ks", default="2,4", help="llama-server --spec-draft-n-max values")
     ap.add_argument("--slot-context", type=int, default=1024, help="llama-server positions per slot")
+    ap.add_argument("--serve-args", default="", help="more options for every specdec serve, e.g. "
+                    "'--engine-in-process' or '--http-nice 0'")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -85,7 +88,8 @@ def main() -> None:
     servers: dict[str, object] = {}
     try:
         for name, extra in specdec_cfgs.items():
-            servers[f"specdec {name}"] = SpecdecServer(name.split()[0], ["--model", target, *extra], args.threads)
+            servers[f"specdec {name}"] = SpecdecServer(name.split()[0], ["--model", target, *extra,
+                                                                        *shlex.split(args.serve_args)], args.threads)
         for name, extra in server_cfgs.items():
             servers[f"llama-server {name}"] = LlamaServer(bin_dir, target, args.threads, extra,
                                                           ctx=args.concurrency * args.slot_context,
