@@ -269,7 +269,7 @@ class LlamaCppRunner(ModelRunner):
         valid, slots = out_rows
         if valid.all() and np.array_equal(slots, np.arange(len(slots))):  # the outputs are already in (b, j) order
             out = logits.reshape(*valid.shape, self.vocab_size)  # [B, L, V]
-        else:  # in numpy: a torch op here would wake torch's thread pool against llama.cpp's threads
+        else:  # positions past a row's tokens, or an index out of order: scatter
             out = np.zeros((*valid.shape, self.vocab_size), dtype=np.float32)  # [B, L, V]
             out[valid] = logits[slots]
         out = torch.from_numpy(out)
