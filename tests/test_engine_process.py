@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -154,3 +158,41 @@ def test_when_the_engine_process_dies_requests_fail_with_503_and_health_says_so(
             time.sleep(0.05)
         r = httpx.post(url, json={"model": NAME, "prompt": "w1", "max_tokens": 2})
         assert r.status_code == 503 and "Traceback" not in r.text
+
+
+def test_specdec_serve_runs_the_engine_in_a_child_process_and_stops_it(models):
+    """The real command line (``python -m specdec serve``): it answers with the engine in a child
+    process, the HTTP process runs at --http-nice, and SIGTERM ends both, with nothing leaked."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", models[0], "--port", str(port),
+                             "--served-model-name", NAME], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w1 w2", "max_tokens": 4,
+                                                       "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 5  # --http-nice
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]  # uvicorn re-raises the signal it handled
+    deadline = time.monotonic() + 10  # the engine and multiprocessing's resource tracker exit after the server
+    while any(Path(f"/proc/{c}").exists() for c in children):
+        assert time.monotonic() < deadline, "a child of the server outlived it"
+        time.sleep(0.1)
+    assert len(children) >= 1
+    assert "leaked" not in out and "Traceback" not in out
