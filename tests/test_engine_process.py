@@ -185,7 +185,7 @@ def test_specdec_serve_runs_the_engine_in_a_child_process_and_stops_it(models):
         r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w1 w2", "max_tokens": 4,
                                                        "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 5  # --http-nice
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 5)  # --http-nice
     finally:
         proc.terminate()
         out = proc.communicate(timeout=60)[0].decode()
