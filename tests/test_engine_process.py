@@ -21,6 +21,7 @@ import pytest
 from specdec import LLM, SamplingParams
 from specdec.config import StructuredOutputsParams
 from specdec.server import ServerThread, build_app
+from specdec.server.async_engine import Prompt
 from test_server import one_thread  # noqa: F401 (a fixture: one torch thread, which the engine process takes)
 from test_server_outputs import byte_models  # noqa: F401 (a fixture: tiny models with a byte-level tokenizer)
 
@@ -132,6 +133,24 @@ def test_a_client_that_goes_away_aborts_its_sequence_in_the_engine_process(serve
     else:
         pytest.fail("the engine process never dropped the request")
     assert now["specdec:generation_tokens_total"] - before.get("specdec:generation_tokens_total", 0) < 200
+
+
+def test_a_grammar_the_engine_process_cannot_compile_fails_its_request_and_frees_its_queue_slot(models):
+    """The engine process's side alone, over a real pipe: the HTTP side counted the request as queued,
+    so the failure must say it left the queue, or the HTTP side's count would never come down."""
+    import multiprocessing
+
+    from specdec.server.engine_process import _PipedEngine
+    from specdec.server.limits import ServerLimits
+
+    ours, theirs = multiprocessing.Pipe()
+    loop = _PipedEngine(LLM(**llm_kwargs(models)).engine, theirs, ServerLimits(kv_cache_memory=2**26), True)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="("))
+    loop.add(7, [Prompt([5, 6], params)], [64], time.perf_counter())
+    kind, events, _, dequeued, snapshot = ours.recv()
+    assert kind == "round" and dequeued == 1 and [rid for rid, _ in events] == [7]
+    assert events[0][1].error.status == 400 and "could not be compiled" in events[0][1].error.message
+    assert loop.num_queued == 0 and snapshot.waiting == 0 and 7 not in loop.handles
 
 
 def test_a_model_that_cannot_load_is_a_value_error(tmp_path):

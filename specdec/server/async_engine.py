@@ -276,6 +276,10 @@ class Admission:
             self._num_queued += 1
         return prompts, lengths
 
+    def _joined_queue(self) -> None:  # a request checked elsewhere (the engine process's HTTP side)
+        with self._lock:
+            self._num_queued += 1
+
     def _left_queue(self) -> None:
         with self._lock:
             self._num_queued -= 1

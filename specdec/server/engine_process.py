@@ -177,8 +177,8 @@ class _RemoteHandle(RequestHandle):
     def __init__(self, owner: _PipedEngine, rid: int, num_choices: int):
         super().__init__(owner, None, num_choices, rid)
 
-    def _post(self, ev: Event) -> None:
-        self.owner.outbox.append((self.rid, ev))  # list.append is atomic: the engine and main threads post
+    def _post(self, ev: Event) -> None:  # engine thread, as for AsyncEngine's handles
+        self.owner.outbox.append((self.rid, ev))
 
 
 class _PipedEngine(AsyncEngine):
@@ -236,19 +236,15 @@ class _PipedEngine(AsyncEngine):
 
     def add(self, rid: int, prompts: list[Prompt], lengths: list[int], arrival: float) -> None:
         """A request from the HTTP side (main thread): its grammars compiled here, then into the queue."""
-        with self._lock:
-            self._num_queued += 1  # the HTTP side checked the queue's bound
-        handle = _RemoteHandle(self, rid, len(lengths))
-        self.handles[rid] = handle
         try:
             prompts = [Prompt(p.token_ids, p.params, self._matchers(p)) for p in prompts]
         except ValueError as e:  # the HTTP side compiled it already; this is a last line of defence
             log.warning("a grammar the HTTP side compiled failed here: %s", e)
-            self._left_queue()
-            self.handles.pop(rid, None)
-            self.send(("round", [(rid, Event(0, "", [], error=RequestError(400, "the grammar could not be compiled")))],
-                       [], 0, self.snapshot()))
+            error = Event(0, "", [], error=RequestError(400, "the grammar could not be compiled"))
+            self.send(("round", [(rid, error)], [], 1, self.snapshot()))  # 1: it leaves the HTTP side's queue count
             return
+        self._joined_queue()  # the HTTP side checked the queue's bound
+        handle = self.handles[rid] = _RemoteHandle(self, rid, len(lengths))
         self.enqueue(handle, prompts, lengths, arrival)
 
     def _matchers(self, p: Prompt) -> list | None:
