@@ -181,10 +181,9 @@ class OpenAIServer:
 
     async def encode(self, prompts: list[P.Prompt] | list[list[P.ChatMessage]], params: SamplingParams,
                      max_tokens: int | None) -> list[tuple[list[int], SamplingParams]]:
-        """Token ids and params per prompt: cheap checks here, tokenizing in the pool, context checks after."""
-        if len(prompts) > self.limits.max_prompts_per_request:
-            raise P.ApiError(400, f"the request has {len(prompts)} prompts; this server takes at most "
-                             f"{self.limits.max_prompts_per_request} per request", "prompt", "too_many_prompts")
+        """Token ids and params per prompt: cheap checks here, tokenizing in the pool, context checks after.
+        (How many prompts a request may hold is checked before its prompts are even read:
+        ``CompletionRequest.prompts``; a chat request has one.)"""
         for prompt in prompts:
             if isinstance(prompt, str):
                 chars = len(prompt)
