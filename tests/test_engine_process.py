@@ -22,12 +22,12 @@ from specdec import LLM, SamplingParams
 from specdec.config import StructuredOutputsParams
 from specdec.server import ServerThread, build_app
 from specdec.server.async_engine import Prompt
-from test_server import one_thread  # noqa: F401 (a fixture: one torch thread, which the engine process takes)
+from test_server import KEY, NAME, one_thread, scrape, spec_config  # noqa: F401 (one_thread: a fixture, one torch thread)
 from test_server_outputs import byte_models  # noqa: F401 (a fixture: tiny models with a byte-level tokenizer)
 
-KEY = "sk-test"
-NAME = "tiny"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+DRAFTS, GENERATED = ("specdec:spec_decode_num_drafts_total", ()), ("specdec:generation_tokens_total", ())
+RUNNING = ("specdec:num_requests_running", ())
 PROMPTS = ["w1 w2 w3", "w7 w8", "w20 w21 w22 w23 w24", "w5"]
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["n"], "additionalProperties": False}
@@ -41,8 +41,7 @@ def models(byte_models):
 
 def llm_kwargs(models) -> dict:
     target, draft = models
-    return {"model": target, "max_num_seqs": 8, "speculative_config": {
-        "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive": False}}
+    return {"model": target, "max_num_seqs": 8, "speculative_config": spec_config(draft)}
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +56,6 @@ def server(models):
 @pytest.fixture(scope="module")
 def library(models):
     return LLM(**llm_kwargs(models))
-
-
-def scrape(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", headers=AUTH).text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
 
 
 def test_the_engine_runs_in_another_process(server):
@@ -95,12 +85,12 @@ def test_metrics_come_over_the_pipe(server):
     server.client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True})
     after = scrape(server.url)
-    length = 'specdec:request_success_total{finished_reason="length"}'
+    length = ("specdec:request_success_total", (("finished_reason", "length"),))
     assert after[length] == before.get(length, 0) + 1
-    assert after["specdec:spec_decode_num_drafts_total"] > before["specdec:spec_decode_num_drafts_total"]
-    assert after["specdec:generation_tokens_total"] == before.get("specdec:generation_tokens_total", 0) + 12
-    assert after["specdec:num_requests_running"] == 0
-    assert after["specdec:kv_cache_budget_bytes"] > 0
+    assert after[DRAFTS] > before[DRAFTS]
+    assert after[GENERATED] == before.get(GENERATED, 0) + 12
+    assert after[RUNNING] == 0
+    assert after[("specdec:kv_cache_budget_bytes", ())] > 0
 
 
 def test_grammars_compile_in_the_engine_process_too(server, library):
@@ -117,7 +107,7 @@ def test_grammars_compile_in_the_engine_process_too(server, library):
 
 def test_a_client_that_goes_away_aborts_its_sequence_in_the_engine_process(server):
     before = scrape(server.url)
-    abort = 'specdec:request_success_total{finished_reason="abort"}'
+    abort = ("specdec:request_success_total", (("finished_reason", "abort"),))
     with httpx.stream("POST", server.url + "/v1/completions", headers=AUTH, timeout=30, json={
             "model": NAME, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "stream": True}) as r:
@@ -127,12 +117,12 @@ def test_a_client_that_goes_away_aborts_its_sequence_in_the_engine_process(serve
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         now = scrape(server.url)
-        if now.get(abort, 0) > before.get(abort, 0) and now["specdec:num_requests_running"] == 0:
+        if now.get(abort, 0) > before.get(abort, 0) and now[RUNNING] == 0:
             break
         time.sleep(0.05)
     else:
         pytest.fail("the engine process never dropped the request")
-    assert now["specdec:generation_tokens_total"] - before.get("specdec:generation_tokens_total", 0) < 200
+    assert now[GENERATED] - before.get(GENERATED, 0) < 200
 
 
 def test_a_grammar_the_engine_process_cannot_compile_fails_its_request_and_frees_its_queue_slot(models):
