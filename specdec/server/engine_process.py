@@ -42,10 +42,10 @@ START_TIMEOUT_S = 1800.0  # loading (or converting) a large model may take minut
 class EngineProcess(Admission):
     """The HTTP side of an engine process: the same surface as ``AsyncEngine`` (submit, abort, alive,
     snapshot, hooks). Constructing it starts the process and waits until the model is loaded; a model
-    that cannot be loaded is a ValueError with the engine's message."""
+    that cannot be loaded is a ValueError with the engine's message. The engine runs as many torch
+    threads as this process has set (``specdec serve --threads``)."""
 
-    def __init__(self, llm_kwargs: dict[str, Any], limits: ServerLimits | None = None, release_when_idle: bool = True,
-                 threads: int | None = None):
+    def __init__(self, llm_kwargs: dict[str, Any], limits: ServerLimits | None = None, release_when_idle: bool = True):
         import torch
 
         limits = limits or ServerLimits()
@@ -53,7 +53,7 @@ class EngineProcess(Admission):
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch or OpenMP state forked
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_engine_main, name="specdec-engine", daemon=True,
-                                 args=(child, llm_kwargs, limits, release_when_idle, threads or torch.get_num_threads()))
+                                 args=(child, llm_kwargs, limits, release_when_idle, torch.get_num_threads()))
         self._proc.start()
         child.close()
         try:
