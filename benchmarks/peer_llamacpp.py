@@ -187,6 +187,9 @@ def main() -> None:
     ap.add_argument("--ks", default="2,3,4,5,6,8", help="llama-server --spec-draft-n-max values to try")
     ap.add_argument("--rounds", type=int, default=1, help="alternations of every configuration")
     ap.add_argument("--torch", action="store_true", help="also run specdec's torch backend (HF checkpoints)")
+    ap.add_argument("--server-fa", default="auto,off",
+                    help="llama-server --flash-attn settings to run every configuration with (its default is auto: "
+                         "on for the CPU; specdec's runner turns it off)")
     ap.add_argument("--no-server", action="store_true", help="specdec only (llama.cpp's tools not built)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -216,6 +219,9 @@ def main() -> None:
                                           "enable_suffix_decoding": True}}
         server_cfgs |= {f"-md k={k}": [*server_cfgs["plain"], "-md", draft, "--spec-draft-n-max", str(k), "-tbd", str(args.threads),
                                        "-td", str(args.threads)] for k in map(int, args.ks.split(","))}
+    fa_settings = args.server_fa.split(",")
+    server_cfgs = {(name if fa == "auto" else f"{name} -fa {fa}"): [*extra, "-fa", fa]
+                   for name, extra in server_cfgs.items() for fa in fa_settings}
     llms = {name: plain_llm if cfg is None else LLM(target, speculative_config=cfg) for name, cfg in specdec_cfgs.items()}
     if args.torch:  # the same configurations on the torch runner, from the HF checkpoints
         for name, cfg in list(specdec_cfgs.items()):
@@ -243,7 +249,7 @@ def main() -> None:
     print("\nsame greedy outputs as plain decoding on the same backend (else: where, the top-2 gap, near-tie?):")
     for k, v in results.items():
         plain_key = "specdec torch plain" if k.startswith("specdec torch") else \
-            "specdec plain" if k.startswith("specdec") else "llama-server plain"
+            "specdec plain" if k.startswith("specdec") else "llama-server plain" + "".join(k.partition(" -fa ")[1:])
         base = results[plain_key][0]["outputs"]
         same = sum(a == b for a, b in zip(v[0]["outputs"], base))
         notes = []
@@ -269,8 +275,8 @@ def main() -> None:
             print(f"specdec {name}: llama.cpp / torch backend {mean[f'specdec {name}']['e2e'] / mean[f'specdec torch {name}']['e2e']:.2f}x")
     if not server_cfgs:
         return
-    sp_plain, lc_plain = mean["specdec plain"]["e2e"], mean["llama-server plain"]["e2e"]
-    print(f"\nspecdec plain / llama-server plain: {sp_plain / lc_plain:.2f}x")
+    lc_plain_name, lc_plain = best("llama-server", ["plain"])
+    print(f"\nspecdec plain / llama-server plain ({lc_plain_name}): {mean['specdec plain']['e2e'] / lc_plain:.2f}x")
     if draft:
         md, md_v = best("llama-server", ["-md"])
         print(f"specdec draft (adaptive) / llama-server best -md ({md}): "

@@ -50,6 +50,9 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4, help="specdec's draft tokens per round (adaptive below it)")
     ap.add_argument("--ks", default="2,4", help="llama-server --spec-draft-n-max values")
     ap.add_argument("--slot-context", type=int, default=1024, help="llama-server positions per slot")
+    ap.add_argument("--server-fa", default="auto,off",
+                    help="llama-server --flash-attn settings to run every configuration with (its default is auto: "
+                         "on for the CPU; specdec's runner turns it off)")
     ap.add_argument("--serve-args", default="", help="more options for every specdec serve, e.g. "
                     "'--engine-in-process' or '--http-nice 0'")
     ap.add_argument("--json", help="also write the results here")
@@ -84,6 +87,8 @@ def main() -> None:
     server_cfgs = {"plain": repack, **{f"-md k={n}": [*repack, "-md", draft, "--spec-draft-n-max", n, "-td",
                                                      str(args.threads), "-tbd", str(args.threads)]
                                        for n in args.ks.split(",")}}
+    server_cfgs = {(name if fa == "auto" else f"{name} -fa {fa}"): [*extra, "-fa", fa]
+                   for name, extra in server_cfgs.items() for fa in args.server_fa.split(",")}
 
     servers: dict[str, object] = {}
     try:
@@ -130,7 +135,7 @@ def main() -> None:
 
     rows = {}
     for key, v in res.items():
-        plain = res[f"{key.split()[0]} plain"]["outputs"]
+        plain = res[f"{key.split()[0]} plain" + "".join(key.partition(" -fa ")[1:])]["outputs"]
         diverged = [(p, plain[p], got) for p, got in v["outputs"].items() if got != plain[p]]
         judged = [first_divergence(judge.target, list(p), e, g) for p, e, g in diverged]
         rows[key] = {"tok_s": v["tokens"] / v["wall"], "tpot_ms": 1e3 * statistics.median(v["tpot"]),

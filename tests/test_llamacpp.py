@@ -105,10 +105,22 @@ def test_the_cache_grows_and_keeps_every_sequence(converted):
         runner.forward(ForwardBatch.from_rows([s[lo : lo + 50] for s in seqs], [lo, lo], logits="none"))
     runner.sync_rows(["p", "q"] + [f"r{i}" for i in range(8)])
     runner.forward(ForwardBatch.from_rows([[5] * 100] * 8, [0] * 8, logits="none", row_offset=2))
-    assert runner.cells > first
+    assert runner.cells > first and runner.n_seq >= 10  # sequence ids grew past the first context's 4 as well
     got = runner.forward(ForwardBatch.from_rows([[7], [8]], [200, 200], logits="last"))
     for b, (s, t) in enumerate(zip(seqs, [7, 8])):
         assert (got[b] - hf_logits(hf, s + [t])[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
+
+
+def test_attention_scratch_stays_within_the_kv_cache():
+    """Without flash attention a compute pass holds cells x ubatch x heads float32 scores: the ubatch
+    keeps them within the KV cache's own size, a power of two from 64 to 512 tokens."""
+    from specdec.models.llamacpp import _ubatch
+
+    for kv_bytes, heads, want in [(8192, 8, 256), (16384, 8, 512), (524288, 32, 512), (131072, 32, 512),
+                                  (2048, 16, 64), (24576, 8, 512), (12288, 8, 256)]:
+        got = _ubatch(kv_bytes, heads)
+        assert got == want, (kv_bytes, heads, got)
+        assert got == 64 or got * heads * 4 <= kv_bytes
 
 
 def test_release_clears_a_small_cache_and_frees_a_large_one(converted, monkeypatch):

@@ -26,8 +26,10 @@ log = logging.getLogger(__name__)
 
 BACKEND = "llama.cpp"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids one context can hold
+MIN_SEQUENCES = 4  # a context's first n_seq_max; it doubles as rows need (each id costs every decode a little)
 BATCH_TOKENS = 512  # tokens per llama_decode call; longer feeds are split
 MIN_CELLS = 1024  # KV cells of a new context
+MIN_UBATCH = 64  # fewest tokens per llama.cpp compute pass (n_ubatch)
 KEEP_BYTES = 64 * 2**20  # release() clears a context whose KV cache is at most this large instead of freeing it
 # the dtype whose rounding a GGUF weight type resembles, for the near-tie threshold (specdec.near_tie):
 # llama.cpp rounds a product's activations to the weights' type (bf16, f16) or to 8-bit blocks (q8_0, k-quants)
@@ -91,13 +93,19 @@ class LlamaCppRunner(ModelRunner):
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {limit}")
         self.max_model_len = max_model_len or limit
         self.threads = threads or torch.get_num_threads()
-        # float32 weights compute in float32 throughout (KV cache included, and without flash attention,
-        # whose CPU kernel rounds to f16), so their logits match the torch runner's float32 ones within 1e-5
+        # float32 weights compute in float32 throughout (KV cache included), so their logits match the
+        # torch runner's float32 ones within 1e-5; other weights keep llama.cpp's f16 KV cache
         self.exact = self.info.weight_type == "F32"
         self.kv_type = lib.GGML_TYPE_F32 if self.exact else lib.GGML_TYPE_F16
+        # Flash attention stays off: ggml's CPU kernel walks the cache once per query, so a verify pass
+        # of k+1 tokens paid k+1 times the attention (README, llama.cpp backend). Without it the scores
+        # are one matrix product, whose scratch (cells x ubatch x heads floats) the ubatch keeps within
+        # the KV cache's own size.
+        self.ubatch = _ubatch(self.kv_bytes_per_token(), lib.llama_model_n_head(model))
         self.ctx = None
         self.mem = None  # the context's llama_memory_t, fetched once per context
         self.cells = 0
+        self.n_seq = 0  # the context's n_seq_max: sequence ids below it (free ids are reused lowest-first)
         self.seq_of: dict[Hashable, int] = {}  # specdec id -> llama sequence id
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
         self.cached: dict[int, int] = {}  # llama sequence id -> positions held
@@ -122,8 +130,8 @@ class LlamaCppRunner(ModelRunner):
             raise ValueError(f"llama.cpp holds at most {MAX_SEQUENCES} sequences per context, asked for {num_rows}; "
                              "lower max_num_seqs")
         need = num_rows * length
-        if self.ctx is None or need > self.cells:
-            self._rebuild(max(need, 2 * self.cells, MIN_CELLS))
+        if self.ctx is None or need > self.cells or num_rows > self.n_seq:
+            self._rebuild(max(need, 2 * self.cells, MIN_CELLS) if need > self.cells else self.cells, num_rows)
 
     def release(self) -> None:
         """Forget every sequence and free the KV cache. A small cache (``KEEP_BYTES``) is only cleared:
@@ -133,7 +141,7 @@ class LlamaCppRunner(ModelRunner):
             self.lib.llama_memory_clear(self.mem, False)  # the cells are marked empty; their data is overwritten
         elif self.ctx is not None:
             self.lib.llama_free(self.ctx)
-            self.ctx, self.mem, self.cells = None, None, 0
+            self.ctx, self.mem, self.cells, self.n_seq = None, None, 0, 0
         self.seq_of.clear()
         self.cached.clear()
         self.order = []
@@ -143,7 +151,7 @@ class LlamaCppRunner(ModelRunner):
         if len(ids) > MAX_SEQUENCES:
             raise ValueError(f"llama.cpp holds at most {MAX_SEQUENCES} sequences per context, got {len(ids)}; "
                              "lower max_num_seqs")
-        if self.ctx is None:
+        if self.ctx is None or len(ids) > self.n_seq:
             self.reserve(len(ids), 1)
         keep = set(ids)
         for i in [i for i in self.seq_of if i not in keep]:
@@ -178,19 +186,24 @@ class LlamaCppRunner(ModelRunner):
         per = 4 if self.kv_type == self.lib.GGML_TYPE_F32 else 2
         return self.num_layers * 2 * self.info.kv_width * per
 
-    def _rebuild(self, cells: int) -> None:
-        """A context of ``cells`` KV cells; the sequences of the old one are copied over."""
+    def _rebuild(self, cells: int, rows: int = 0) -> None:
+        """A context of ``cells`` KV cells for at least ``rows`` sequences; the sequences of the old one
+        are copied over."""
         lib = self.lib
         cells = -(-cells // 256) * 256
+        n_seq = max(self.n_seq, MIN_SEQUENCES)
+        while n_seq < rows:
+            n_seq *= 2
+        n_seq = min(n_seq, MAX_SEQUENCES)
         params = lib.llama_context_default_params()
         params.n_ctx = cells
-        params.n_batch = params.n_ubatch = BATCH_TOKENS
-        params.n_seq_max = MAX_SEQUENCES
+        params.n_batch = BATCH_TOKENS
+        params.n_ubatch = self.ubatch
+        params.n_seq_max = n_seq
         params.kv_unified = True  # one batch of ragged rows is one graph; per-sequence streams would split it
         params.n_threads = params.n_threads_batch = self.threads
         params.type_k = params.type_v = self.kv_type
-        if self.exact:
-            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
         ctx = lib.llama_init_from_model(self.model, params)
         if not ctx:
@@ -207,7 +220,7 @@ class LlamaCppRunner(ModelRunner):
                 if lib.llama_state_seq_set_data(ctx, buf, size, s) == 0:
                     raise RuntimeError(f"llama.cpp could not move sequence {s} to a larger context")
             lib.llama_free(old)
-        self.ctx, self.mem, self.cells = ctx, lib.llama_get_memory(ctx), cells
+        self.ctx, self.mem, self.cells, self.n_seq = ctx, lib.llama_get_memory(ctx), cells, n_seq
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -300,6 +313,13 @@ class LlamaCppRunner(ModelRunner):
         if not parts:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _ubatch(kv_bytes_per_cell: int, n_head: int) -> int:
+    """Tokens per compute pass: the largest power of two up to BATCH_TOKENS (at least MIN_UBATCH) whose
+    attention scores, ubatch x heads float32s per cell, take no more than the cell's KV."""
+    fits = kv_bytes_per_cell // (4 * n_head)
+    return min(BATCH_TOKENS, max(MIN_UBATCH, 1 << max(fits.bit_length() - 1, 0)))
 
 
 class _Batch:
