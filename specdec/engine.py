@@ -56,6 +56,7 @@ class Engine:
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)  # logprobs.py
         self.token_text = TokenText(tokenizer)
         self._grammar_compiler = None
+        self._last_sampling = None  # the previous round's SamplingBatch (RoundBatch.build reuses it)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -157,7 +158,8 @@ class Engine:
             return []
         t0 = time.perf_counter()
         self.target.sync_rows([s.seq_id for s in self.running])  # cache rows follow batch order
-        batch = RoundBatch.build(self.running, self._num_wanted(), self.device)
+        batch = RoundBatch.build(self.running, self._num_wanted(), self.device, self._last_sampling)
+        self._last_sampling = batch.sampling
 
         # 1. draft: up to num_wanted[b] tokens x_1..x_k per row (and q_1..q_k when it samples)
         t_draft = time.perf_counter()

@@ -29,9 +29,17 @@ class SamplingBatch:
     all_greedy: bool
     needs_sort: bool  # some row uses top-k or top-p
     needs_min_p: bool
+    params: tuple[SamplingParams, ...] = ()  # what the rows were built from (``from_params(..., reuse=)``)
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
+    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu",
+                    reuse: SamplingBatch | None = None) -> SamplingBatch:
+        """The batch for ``params``; ``reuse``, last round's, comes back as is when its rows hold the
+        same SamplingParams objects (a decoding batch's usual round: no tensors to build)."""
+        if (reuse is not None and len(reuse.params) == len(params)
+                and all(a is b for a, b in zip(reuse.params, params))):
+            return reuse
+
         def t(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -45,6 +53,7 @@ class SamplingBatch:
             all_greedy=all(greedy),
             needs_sort=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
             needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
+            params=tuple(params),
         )
 
     @property
@@ -54,7 +63,8 @@ class SamplingBatch:
     def select(self, rows: Sequence[int]) -> SamplingBatch:
         idx = torch.tensor(rows, device=self.temperature.device)
         return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
-                             self.greedy[idx], self.all_greedy, self.needs_sort, self.needs_min_p)
+                             self.greedy[idx], self.all_greedy, self.needs_sort, self.needs_min_p,
+                             tuple(self.params[r] for r in rows) if self.params else ())
 
 
 def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

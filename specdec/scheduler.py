@@ -76,9 +76,11 @@ class RoundBatch:
     num_draft: list[int] = field(default_factory=list)  # [B]
 
     @classmethod
-    def build(cls, seqs: list[Sequence], num_wanted: list[int], device: torch.device) -> RoundBatch:
+    def build(cls, seqs: list[Sequence], num_wanted: list[int], device: torch.device,
+              last: SamplingBatch | None = None) -> RoundBatch:
+        """``last``: the previous round's SamplingBatch, reused when the rows' parameters are the same."""
         return cls(seqs, [s.num_computed for s in seqs], [s.token_ids[s.num_computed:] for s in seqs], num_wanted,
-                   SamplingBatch.from_params([s.params for s in seqs], device))
+                   SamplingBatch.from_params([s.params for s in seqs], device, reuse=last))
 
     @property
     def carries_prompt(self) -> bool:

@@ -248,12 +248,18 @@ class LlamaCppRunner(ModelRunner):
             self.cached[s] = int(start[b])
 
         index = batch.logits_index
-        if T == 1 and index is not None and index.dim() == 1 and bool((lengths == 1).all()):
-            # one token per row with its logits (a draft step): every array is already flat, in row order
-            for b, s in enumerate(rows):
-                self.cached[s] = int(end[b])
-            return torch.from_numpy(self._decode(batch.token_ids[:, 0].cpu().numpy(), start,
-                                                 np.asarray(rows, dtype=np.int32), np.ones(B, dtype=np.int8)))  # [B, V]
+        if index is not None and bool((lengths == T).all()):
+            idx = index.cpu().numpy()
+            if T == 1 if idx.ndim == 1 else idx.shape[1] == T and (idx == np.arange(T)).all():
+                # every row feeds T tokens and wants the logits of each (a verify pass without a prompt,
+                # a plain or draft step): the arrays are flat in row order, with no mask to build
+                for b, s in enumerate(rows):
+                    self.cached[s] = int(end[b])
+                pos = (start[:, None] + np.arange(T)).reshape(-1)  # [B*T]
+                logits = self._decode(batch.token_ids.cpu().numpy().reshape(-1), pos,
+                                      np.repeat(np.asarray(rows, dtype=np.int32), T), np.ones(B * T, dtype=np.int8))
+                out = torch.from_numpy(logits.reshape(B, T, self.vocab_size))  # [B, T, V]
+                return out[:, 0] if idx.ndim == 1 else out
 
         # the real tokens, row-major: (row b, column t) for t < lengths[b]
         real = np.arange(T)[None, :] < lengths[:, None]  # [B, T]
