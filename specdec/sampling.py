@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.config import SamplingParams
@@ -65,6 +66,14 @@ class SamplingBatch:
         return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
                              self.greedy[idx], self.all_greedy, self.needs_sort, self.needs_min_p,
                              tuple(self.params[r] for r in rows) if self.params else ())
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (the first maximal index, as torch's); float32 CPU tensors through numpy,
+    whose argmax over a 8k vocabulary row takes 2 us against torch's 18 (a greedy step, a draft step)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1)))
+    return x.argmax(dim=-1)
 
 
 def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingBatch, probs_from_logits, sample
+from specdec.sampling import SamplingBatch, argmax, probs_from_logits, sample
 
 
 @dataclass
@@ -64,8 +64,8 @@ def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
                   num_draft: torch.Tensor | None = None) -> VerifyResult:
     k = draft_token_ids.shape[1]
     if k == 0:  # plain decoding: the bonus token is the argmax
-        return VerifyResult([0] * len(target_logits), target_logits[:, 0].argmax(dim=-1).tolist())
-    target_argmax = target_logits.argmax(dim=-1)  # [B, k+1]
+        return VerifyResult([0] * len(target_logits), argmax(target_logits[:, 0]).tolist())
+    target_argmax = argmax(target_logits)  # [B, k+1]
     matches = draft_token_ids == target_argmax[:, :k]  # [B, k]
     if num_draft is not None:
         matches &= torch.arange(k, device=matches.device) < num_draft[:, None]

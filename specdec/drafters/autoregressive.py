@@ -16,7 +16,7 @@ import torch
 
 from specdec.drafters.base import DraftProposal
 from specdec.processing import process_draft_logits
-from specdec.sampling import SamplingBatch, probs_from_logits, sample
+from specdec.sampling import SamplingBatch, argmax, probs_from_logits, sample
 from specdec.sequence import Sequence
 
 
@@ -35,12 +35,12 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
         active &= i < limit
         logits = process_draft_logits(logits, seqs, draft_ids)  # penalties / grammar as the target's at i
         if sb.all_greedy and draft_p_min == 0.0:
-            x = logits.argmax(dim=-1)  # [B]
+            x = argmax(logits)  # [B]
         else:
             q = probs_from_logits(logits, sb)  # [B, V]
             if draft_p_min > 0.0:
                 active &= q.amax(dim=-1) >= draft_p_min  # too unsure: this row proposes nothing more
-            x = q.argmax(dim=-1) if sb.all_greedy else logits.argmax(dim=-1)  # [B]; greedy rows keep it
+            x = argmax(q if sb.all_greedy else logits)  # [B]; greedy rows keep it
             if not sb.all_greedy:
                 draft_probs.append(q)
                 rows = (active & ~sb.greedy).nonzero().flatten().tolist()  # the sampled rows that draft x_i
