@@ -56,6 +56,20 @@ def test_converted_f32_logits_match_transformers(converted, arch):
     assert (got - ref).abs().max() < LOGIT_TOL
 
 
+def test_flash_attention_on_request_computes_the_same_model(converted):
+    """flash_attn=True (what llama.cpp's tools default to; benchmarks/verify_cost.py compares both)
+    gives the same logits within its f16 rounding of the attention inputs, at full ubatch."""
+    from specdec.models.llamacpp import BATCH_TOKENS, LlamaCppRunner
+
+    _, path, hf = converted["llama"]
+    runner = LlamaCppRunner(path, flash_attn=True)
+    assert runner.ubatch == BATCH_TOKENS
+    prompt = random_prompts(1, [9], seed=8)[0]
+    runner.sync_rows(["a"])
+    got = runner.forward(ForwardBatch.from_rows([prompt], [0], logits="all"))[0]  # [9, V]
+    assert (got - hf_logits(hf, prompt)[:, : runner.vocab_size]).abs().max() < 0.05
+
+
 def test_ragged_rows_rollback_and_continuation_match_transformers(converted):
     """Rows of different lengths in one llama batch, a row rolled back to an earlier start, and rows
     synced in a new order: each row's logits equal a fresh pass over its whole sequence."""

@@ -63,7 +63,9 @@ class LlamaCppRunner(ModelRunner):
     backend = BACKEND
 
     def __init__(self, path: str, tokenizer=None, max_model_len: int | None = None, vocab_size: int | None = None,
-                 threads: int | None = None, info: GGUFInfo | None = None):
+                 threads: int | None = None, info: GGUFInfo | None = None, flash_attn: bool = False):
+        """``flash_attn``: llama.cpp's flash attention, off unless asked for (benchmarks/verify_cost.py
+        compares both; with it a float32 file's attention rounds to f16)."""
         lib = _lib()
         self.lib = lib
         self.info = info or read_info(path)
@@ -101,7 +103,8 @@ class LlamaCppRunner(ModelRunner):
         # of k+1 tokens paid k+1 times the attention (README, llama.cpp backend). Without it the scores
         # are one matrix product, whose scratch (cells x ubatch x heads floats) the ubatch keeps within
         # the KV cache's own size.
-        self.ubatch = _ubatch(self.kv_bytes_per_token(), lib.llama_model_n_head(model))
+        self.flash_attn = flash_attn
+        self.ubatch = BATCH_TOKENS if flash_attn else _ubatch(self.kv_bytes_per_token(), lib.llama_model_n_head(model))
         self.ctx = None
         self.mem = None  # the context's llama_memory_t, fetched once per context
         self.cells = 0
@@ -203,7 +206,7 @@ class LlamaCppRunner(ModelRunner):
         params.kv_unified = True  # one batch of ragged rows is one graph; per-sequence streams would split it
         params.n_threads = params.n_threads_batch = self.threads
         params.type_k = params.type_v = self.kv_type
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.no_perf = True
         ctx = lib.llama_init_from_model(self.model, params)
         if not ctx:

@@ -1,0 +1,77 @@
+"""The verify cost curve v(k) of each backend: one forward of k+1 tokens over one of 1 token, at a
+given context, for GGUF files on llama.cpp (flash attention off, as specdec's runner runs them, and
+on, as llama.cpp's tools do by default) and HF checkpoints on the torch runner.
+
+The cost model (ALGORITHM.md) divides τ by c·k + v(k): the flatter v, the more drafted tokens pay.
+Variants alternate within each repeat, so machine noise hits them alike; medians are printed.
+
+    python benchmarks/verify_cost.py --gguf X.gguf [--hf CHECKPOINT] [--threads 2] [--contexts 64,600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+TOKENS = (1, 2, 3, 5, 9)  # k = 0, 1, 2, 4, 8
+
+
+def runners(args) -> dict[str, object]:
+    from specdec.models.llamacpp import LlamaCppRunner
+    from specdec.models.loader import load_runner
+
+    out = {}
+    for path in args.gguf:
+        name = path.rsplit("/", 1)[-1]
+        out[f"{name} llama.cpp"] = LlamaCppRunner(path)
+        out[f"{name} llama.cpp, flash attention"] = LlamaCppRunner(path, flash_attn=True)
+    for path in args.hf:
+        out[f"{path} torch"] = load_runner(path, "torch")[0]
+    return out
+
+
+def main() -> None:
+    from specdec.models.base import ForwardBatch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", action="append", default=[], help="a GGUF file (repeatable)")
+    ap.add_argument("--hf", action="append", default=[], help="an HF checkpoint for the torch runner (repeatable)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--contexts", default="64,600", help="positions already cached before the timed forward")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    if not args.gguf and not args.hf:
+        ap.error("give at least one --gguf or --hf model")
+    torch.set_num_threads(args.threads)
+    models = runners(args)
+    for C in map(int, args.contexts.split(",")):
+        times: dict[str, dict[int, list[float]]] = {m: {T: [] for T in TOKENS} for m in models}
+        for m, r in models.items():  # each runner's row holds C positions of a fixed pseudo-random prompt
+            r.reserve(1, C + max(TOKENS) + 1)
+            r.sync_rows(["probe"])
+            prompt = [(i * 7919) % (r.vocab_size - 10) + 5 for i in range(C)]
+            r.forward(ForwardBatch.from_rows([prompt], [0], logits="none"))
+        for _ in range(args.repeats):
+            for m, r in models.items():
+                for T in TOKENS:
+                    feed = ForwardBatch.from_rows([[(j * 31) % (r.vocab_size - 10) + 5 for j in range(T)]], [C],
+                                                  logits="all")
+                    t = time.perf_counter()
+                    r.forward(feed)  # a verify pass: logits at every position
+                    times[m][T].append(time.perf_counter() - t)
+        print(f"\ncontext {C}, {args.threads} threads: ms per forward of T tokens (median of {args.repeats}); "
+              "v(k) = t(k+1) / t(1)")
+        print("| model, backend | " + " | ".join(f"T={T}" for T in TOKENS) + " | " +
+              " | ".join(f"v({T - 1})" for T in TOKENS[1:]) + " |")
+        print("| --- " * (2 * len(TOKENS)) + "|")
+        for m in models:
+            med = [1e3 * statistics.median(times[m][T]) for T in TOKENS]
+            print(f"| {m} | " + " | ".join(f"{x:.2f}" for x in med) + " | " +
+                  " | ".join(f"{x / med[0]:.2f}" for x in med[1:]) + " |")
+
+
+if __name__ == "__main__":
+    main()
