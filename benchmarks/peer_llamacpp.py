@@ -205,7 +205,12 @@ def main() -> None:
     draft = None if args.draft_free_only else gguf_of(args.draft, args.draft_outtype)
     plain_llm = LLM(target)
     tok = plain_llm.tokenizer
-    prompts = [tok.encode(r["prompt"]) for r in load_prompts(args.prompts, args.num_prompts)]
+    # fresh prompts every round: suffix decoding remembers earlier outputs, so a repeated prompt would be
+    # drafted from its own previous answer
+    prompts = [tok.encode(r["prompt"]) for r in load_prompts(args.prompts, args.num_prompts * args.rounds)]
+    if len(prompts) < args.num_prompts * args.rounds:
+        raise SystemExit(f"{args.prompts} holds {len(prompts)} prompts; {args.rounds} rounds of {args.num_prompts} "
+                         "need more: lower --rounds or --num-prompts")
 
     specdec_cfgs = {"plain": None, "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8},
                     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4}}
@@ -222,13 +227,22 @@ def main() -> None:
     fa_settings = args.server_fa.split(",")
     server_cfgs = {(name if fa == "auto" else f"{name} -fa {fa}"): [*extra, "-fa", fa]
                    for name, extra in server_cfgs.items() for fa in fa_settings}
-    llms = {name: plain_llm if cfg is None else LLM(target, speculative_config=cfg) for name, cfg in specdec_cfgs.items()}
+    backend_of = dict.fromkeys(specdec_cfgs, (target, "llama.cpp"))
     if args.torch:  # the same configurations on the torch runner, from the HF checkpoints
         for name, cfg in list(specdec_cfgs.items()):
             if cfg and cfg.get("model"):
                 cfg = {**cfg, "model": args.draft}
             specdec_cfgs[f"torch {name}"] = cfg
-            llms[f"torch {name}"] = LLM(args.target, backend="torch", speculative_config=cfg)
+            backend_of[f"torch {name}"] = (args.target, "torch")
+
+    def build(name: str):
+        """A new LLM per round: no drafter state (suffix trees, adaptive k) carries over from the last one."""
+        if name == "plain":
+            return plain_llm
+        model, backend = backend_of[name]
+        return LLM(model, backend=backend, speculative_config=specdec_cfgs[name])
+
+    llms = {}
     if args.no_server:
         server_cfgs = {}
 
@@ -236,9 +250,12 @@ def main() -> None:
     ours, theirs = [("specdec", n) for n in specdec_cfgs], [("llama-server", n) for n in server_cfgs]
     mixed = [x for i in range(max(len(ours), len(theirs))) for x in ours[i : i + 1] + theirs[i : i + 1]]
     for r in range(args.rounds):
+        batch = prompts[r * args.num_prompts : (r + 1) * args.num_prompts]
         for side, name in (mixed if r % 2 == 0 else mixed[::-1]):
-            res = run_specdec(llms[name], prompts, args.max_tokens) if side == "specdec" else \
-                run_server(bin_dir, target, args.threads, server_cfgs[name], prompts, args.max_tokens)
+            if side == "specdec":
+                llms[name] = build(name)
+            res = run_specdec(llms[name], batch, args.max_tokens) if side == "specdec" else \
+                run_server(bin_dir, target, args.threads, server_cfgs[name], batch, args.max_tokens)
             results.setdefault(f"{side} {name}", []).append(res)
             print(f"{side:12s} {name:20s} e2e {res['e2e']:7.1f} tok/s  decode {res['decode']:7.1f} tok/s  "
                   f"accept {res['accept'] if res['accept'] is not None else '-'}", flush=True)
@@ -250,12 +267,13 @@ def main() -> None:
     for k, v in results.items():
         plain_key = "specdec torch plain" if k.startswith("specdec torch") else \
             "specdec plain" if k.startswith("specdec") else "llama-server plain" + "".join(k.partition(" -fa ")[1:])
-        base = results[plain_key][0]["outputs"]
-        same = sum(a == b for a, b in zip(v[0]["outputs"], base))
+        base = [o for x in results[plain_key] for o in x["outputs"]]  # every round's, in prompt order
+        got = [o for x in v for o in x["outputs"]]
+        same = sum(a == b for a, b in zip(got, base))
         notes = []
         if k.startswith("specdec"):
             runner = llms[plain_key.removeprefix("specdec ")].target
-            for ids, e, g in zip(prompts, base, v[0]["outputs"]):
+            for ids, e, g in zip(prompts, base, got):
                 d = first_divergence(runner, ids, e, g)
                 if d:
                     notes.append(f"@{d['position']} gap {d['gap']:.3g} < {d['threshold']:.3g}: {d['near_tie']}")
