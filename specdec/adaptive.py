@@ -15,7 +15,9 @@ within MIN_GAIN of 1: a predicted gain that small is inside the estimates' noise
 size first takes plain steps (and again every REFRESH_ROUNDS rounds), so that S is measured
 against its real baseline.
 When k* = 0 the batch decodes plainly and probes again with a one-token draft after a while,
-backing off while the probes keep failing, so a drafter that never helps costs almost nothing.
+backing off while the probes keep failing, so a drafter that never helps costs almost nothing;
+until the next probe (or another batch size) S is not evaluated again, as plain rounds change
+no acceptance estimate (evaluating it cost 16-30 us a round, ~1% of a plain step on llama.cpp).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class AdaptiveK:
         self.off_rounds = 0  # rounds decoded plainly since speculation was switched off
         self.probe_interval = PROBE_INTERVAL
         self.probing = False
+        self.off_batch = 0  # the batch size speculation was last switched off at
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
 
     # -- decisions --------------------------------------------------------------------------------
@@ -115,17 +118,22 @@ class AdaptiveK:
         plain = self.verify_time.get((B, 1))
         if plain is None or len(plain.samples) < PLAIN_SAMPLES or stale:
             return [0] * B  # every speedup at this batch size is relative to a fresh plain step of it
-        prior = self._batch_alphas()
-        alphas = [self.seqs.setdefault(sid, PositionStats()).alphas(self.k_max, prior, PRIOR_WEIGHT)
-                  for sid in seq_ids]
-        best = max(range(self.k_max + 1), key=lambda k: self._speedup(B, k, alphas))
-        if best and self._speedup(B, best, alphas) < 1.0 + MIN_GAIN:
-            best = 0
         was_probe, self.probing = self.probing, False
+        if self.off_rounds and not was_probe and B == self.off_batch:
+            best = 0  # off: plain rounds teach the estimates nothing, so the decision waits for a probe
+        else:
+            prior = self._batch_alphas()
+            alphas = [self.seqs.setdefault(sid, PositionStats()).alphas(self.k_max, prior, PRIOR_WEIGHT)
+                      for sid in seq_ids]
+            speedups = self._speedups(B, alphas)  # S(0..k_max)
+            best = max(range(self.k_max + 1), key=speedups.__getitem__)
+            if speedups[best] < 1.0 + MIN_GAIN:
+                best = 0
         if best == 0:
             if was_probe:  # the probe did not switch speculation back on: wait longer next time
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
             self.off_rounds += 1
+            self.off_batch = B
             if self.off_rounds % self.probe_interval == 0:
                 best, self.probing = min(PROBE_K, self.k_max), True
         else:
@@ -134,21 +142,26 @@ class AdaptiveK:
 
     def predicted_speedup(self, batch: int, k: int, alphas: list[float] | None = None) -> float:
         """S(k) at this batch size for sequences whose conditional acceptance is ``alphas``."""
-        return self._speedup(batch, k, [alphas if alphas is not None else self._batch_alphas()])
+        return self._speedups(batch, [alphas if alphas is not None else self._batch_alphas()])[k]
 
-    def _speedup(self, B: int, k: int, alphas_per_seq: list[list[float]]) -> float:
-        if k == 0:
-            return 1.0
-        expected = 0.0
+    def _speedups(self, B: int, alphas_per_seq: list[list[float]]) -> list[float]:
+        """S(k) for k = 0..k_max (the longest list of alphas given), the costs computed once."""
+        K = max([self.k_max] + [len(a) for a in alphas_per_seq])
+        expected = [0.0] * (K + 1)  # mean tokens per sequence per round, E(k)
         for alphas in alphas_per_seq:
-            run = 1.0
-            expected += 1.0
-            for a in alphas[:k]:
+            run, total = 1.0, 1.0
+            expected[0] += 1.0
+            for k, a in enumerate(alphas[:K], start=1):
                 run *= a
-                expected += run
-        expected /= len(alphas_per_seq)  # mean tokens per sequence per round
+                total += run
+                expected[k] += total
+            for k in range(len(alphas) + 1, K + 1):
+                expected[k] += total
+        n = len(alphas_per_seq)
         t1 = self._verify_cost(B, 1)
-        return expected * t1 / (k * self._draft_cost(B, t1) + self._verify_cost(B, k + 1))
+        c = self._draft_cost(B, t1)
+        line = self._verify_line(B)
+        return [1.0] + [expected[k] / n * t1 / (k * c + line(k + 1)) for k in range(1, K + 1)]
 
     def _batch_alphas(self) -> list[float]:
         prior = [PRIOR_ALPHA] * self.k_max
@@ -160,24 +173,28 @@ class AdaptiveK:
         return alphas
 
     def _verify_cost(self, B: int, T: int) -> float:
-        """Seconds of a verify pass with T tokens per row. T = 1: the measured plain step. T > 1:
+        """Seconds of a verify pass with T tokens per row (``_verify_line``)."""
+        return self._verify_line(B)(T)
+
+    def _verify_line(self, B: int):
+        """T -> seconds of a verify pass with T tokens per row. T = 1: the measured plain step. T > 1:
         the least-squares line through the lengths measured at this batch size (single timings
         are noisy enough to make k = 3 look cheaper than k = 2), never below the plain step; with
         one length measured, the prior slope from it."""
         known = sorted((t, em.value) for (b, t), em in self.verify_time.items() if b == B and em.value is not None)
-        if T == 1 and known and known[0][0] == 1:
-            return known[0][1]
         if not known:
-            return 1.0 + PRIOR_VERIFY_SLOPE * (T - 1)  # unitless prior; only ratios matter
-        floor = known[0][1] if known[0][0] == 1 else 0.0
+            return lambda T: 1.0 + PRIOR_VERIFY_SLOPE * (T - 1)  # unitless prior; only ratios matter
+        plain = known[0][1] if known[0][0] == 1 else None
         if len(known) == 1:
             t0, v0 = known[0]
-            return v0 * (1.0 + PRIOR_VERIFY_SLOPE * (T - 1)) / (1.0 + PRIOR_VERIFY_SLOPE * (t0 - 1))
+            scale = v0 / (1.0 + PRIOR_VERIFY_SLOPE * (t0 - 1))
+            return lambda T: scale * (1.0 + PRIOR_VERIFY_SLOPE * (T - 1))
         n = len(known)
         mt = sum(t for t, _ in known) / n
         mv = sum(v for _, v in known) / n
         slope = sum((t - mt) * (v - mv) for t, v in known) / sum((t - mt) ** 2 for t, _ in known)
-        return max(mv + slope * (T - mt), floor)
+        floor = plain or 0.0
+        return lambda T: plain if T == 1 and plain is not None else max(mv + slope * (T - mt), floor)
 
     def _draft_cost(self, B: int, t1: float) -> float:
         e = self.draft_time.get(B)

@@ -63,6 +63,25 @@ def test_useless_drafts_switch_speculation_off_and_probes_back_off():
     assert drafted < 20  # a handful of early rounds and probes with exponential back-off
 
 
+def test_while_off_the_cost_model_waits_for_the_next_probe_or_batch_size(monkeypatch):
+    ctrl = AdaptiveK(4)
+    feed(ctrl, 60, accept=lambda k: 0, per_token=0.004)  # useless drafts: speculation switches off
+    assert ctrl.off_rounds > 0 and not ctrl.probing
+    calls = []
+    speedups = ctrl._speedups
+    monkeypatch.setattr(ctrl, "_speedups", lambda B, alphas: calls.append(B) or speedups(B, alphas))
+    rounds_to_probe = ctrl.probe_interval - ctrl.off_rounds % ctrl.probe_interval
+    for _ in range(rounds_to_probe - 1):
+        assert ctrl.choose([0]) == [0]
+        ctrl.record([0], [0], [0], 0.0, 0.010)
+    assert calls == []
+    assert ctrl.choose([0]) == [1] and ctrl.probing  # the probe, on schedule
+    ctrl.record([0], [1], [0], 0.001, 0.014)
+    assert ctrl.choose([0]) == [0] and calls == [1]  # the probe's result is weighed
+    feed(ctrl, PLAIN_SAMPLES + 3, accept=lambda k: 0, batch=2)  # another batch size is weighed anew
+    assert 2 in calls
+
+
 def test_expensive_drafts_are_not_worth_it_even_when_accepted():
     ctrl = AdaptiveK(4)
     ks = feed(ctrl, 40, accept=lambda k: k, t1=0.010, per_token=0.004, draft=0.012)
