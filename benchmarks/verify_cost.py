@@ -5,7 +5,12 @@ on, as llama.cpp's tools do by default) and HF checkpoints on the torch runner.
 The cost model (ALGORITHM.md) divides τ by c·k + v(k): the flatter v, the more drafted tokens pay.
 Variants alternate within each repeat, so machine noise hits them alike; medians are printed.
 
-    python benchmarks/verify_cost.py --gguf X.gguf [--hf CHECKPOINT] [--threads 2] [--contexts 64,600]
+``--burst N`` times each length N forwards in a row and keeps the second half of each burst: the
+cost a loop that keeps one length meets. On some CPUs it differs from the alternating figure by
+1.5x or more (the README's llama.cpp section: a one-token step settles only after ~20 in a row,
+5-token passes grow dearer over ~10), and a speculative loop sees something in between.
+
+    python benchmarks/verify_cost.py --gguf X.gguf [--hf CHECKPOINT] [--threads 2] [--contexts 64,600] [--burst 20]
 """
 
 from __future__ import annotations
@@ -42,9 +47,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", default="64,600", help="positions already cached before the timed forward")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--burst", type=int, default=1,
+                    help="forwards of one length in a row; the second half of each burst is timed (1: alternate)")
     args = ap.parse_args()
     if not args.gguf and not args.hf:
         ap.error("give at least one --gguf or --hf model")
+    if args.burst < 1:
+        ap.error(f"--burst must be at least 1, got {args.burst}")
     torch.set_num_threads(args.threads)
     models = runners(args)
     for C in map(int, args.contexts.split(",")):
@@ -59,11 +68,14 @@ def main() -> None:
                 for T in TOKENS:
                     feed = ForwardBatch.from_rows([[(j * 31) % (r.vocab_size - 10) + 5 for j in range(T)]], [C],
                                                   logits="all")
-                    t = time.perf_counter()
-                    r.forward(feed)  # a verify pass: logits at every position
-                    times[m][T].append(time.perf_counter() - t)
-        print(f"\ncontext {C}, {args.threads} threads: ms per forward of T tokens (median of {args.repeats}); "
-              "v(k) = t(k+1) / t(1)")
+                    for i in range(args.burst):
+                        t = time.perf_counter()
+                        r.forward(feed)  # a verify pass: logits at every position
+                        if i >= args.burst // 2:
+                            times[m][T].append(time.perf_counter() - t)
+        shape = "each length alternating" if args.burst == 1 else f"bursts of {args.burst} of each length"
+        print(f"\ncontext {C}, {args.threads} threads, {shape}: ms per forward of T tokens (median of "
+              f"{args.repeats} repeats); v(k) = t(k+1) / t(1)")
         print("| model, backend | " + " | ".join(f"T={T}" for T in TOKENS) + " | " +
               " | ".join(f"v({T - 1})" for T in TOKENS[1:]) + " |")
         print("| --- " * (2 * len(TOKENS)) + "|")
