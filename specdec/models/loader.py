@@ -67,6 +67,11 @@ def check_architecture(config) -> None:
 def load_model(name: str, dtype: str = "auto", device: str = "cpu", trust_remote_code: bool = False) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from specdec.models.gguf import find_gguf
+
+    gguf_file = None if name in SHIPPED else find_gguf(name)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, dtype, device)
     path = resolve_model_path(name)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     check_architecture(config)
@@ -78,6 +83,49 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", trust_remote
                                                     trust_remote_code=trust_remote_code)
     hf_model.to(device).eval()
     return LoadedModel(path=path, config=config, hf_model=hf_model, tokenizer=load_tokenizer(path))
+
+
+# the dtype a GGUF file's weights load in on the torch backend: their own where torch has it; dequantized
+# types (q8_0, k-quants) as float32, which holds their values exactly
+GGUF_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _load_gguf(path: str, dtype: str, device: str) -> LoadedModel:
+    """A GGUF file as transformers' model (its GGUF reader maps the tensors back and dequantizes them),
+    with the file's tokenizer, for the torch backend."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.models.gguf import read_info
+
+    info = read_info(path)
+    folder, file = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    except Exception as e:  # an architecture transformers cannot read from GGUF
+        raise ValueError(f"the torch backend cannot read {path!r} (architecture {info.architecture!r}: "
+                         f"{type(e).__name__}); use backend='llama.cpp'") from None
+    if not getattr(config, "architectures", None):  # a GGUF names the model type only
+        config.architectures = [a for a in SUPPORTED_ARCHITECTURES if a.lower() == f"{config.model_type}forcausallm"]
+    check_architecture(config)
+    if not 0 <= (config.pad_token_id if config.pad_token_id is not None else 0) < config.vocab_size:
+        config.pad_token_id = None  # a tokenizer's padding id past the embedding rows (it only marks padding)
+    config.dtype = GGUF_DTYPES.get(info.weight_type, "float32")
+    torch_dtype = _torch_dtype(dtype, config, device)
+    extra = {}
+    try:  # transformers keeps quantized blocks packed where it has kernels; the runner needs dense weights
+        from transformers import GgufConfig
+
+        extra["quantization_config"] = GgufConfig(gguf_file=file, dequantize=True)
+    except ImportError:  # a transformers that always dequantizes
+        pass
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=config, dtype=torch_dtype,
+                                                        **extra)
+    except NotImplementedError:  # e.g. a llama-architecture file that names Mistral: transformers lacks its mapping
+        raise ValueError(f"the torch backend cannot read {path!r}: transformers' GGUF reader does not map model "
+                         f"type {config.model_type!r}; use backend='llama.cpp' or the Hugging Face checkpoint") from None
+    hf_model.to(device).eval()
+    return LoadedModel(path=path, config=config, hf_model=hf_model, tokenizer=gguf_tokenizer(info))
 
 
 def load_tokenizer(path: str):
@@ -140,10 +188,7 @@ def choose_backend(name: str, backend: str = "auto", device: str = "cpu", method
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     gguf_file = find_gguf(name) if name not in SHIPPED else None
     if backend == "torch":
-        if gguf_file:
-            raise ValueError(f"{name!r} is a GGUF file, which the torch backend cannot load; use backend='llama.cpp' "
-                             "(or 'auto'), or pass the Hugging Face checkpoint it came from")
-        return "torch"
+        return "torch"  # a GGUF file is dequantized into transformers' model (load_model)
     if backend == "llama.cpp":
         if not str(device).startswith("cpu"):
             raise ValueError(f"specdec's llama.cpp backend runs on the CPU; got device={device!r} (use backend='torch')")
@@ -184,6 +229,8 @@ def load_runner(name: str, backend: str = "torch", dtype: str = "auto", device: 
         from specdec.models.llama import LlamaRunner
 
         loaded = load_model(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        if tokenizer:
+            loaded.tokenizer = load_tokenizer(tokenizer)
         runner = LlamaRunner(loaded, max_model_len=max_model_len, vocab_size=vocab_size)
         return runner, _eos_token_ids(loaded.hf_model, loaded.config, loaded.tokenizer)
     from specdec.models.gguf import find_gguf, read_info
