@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--ks", default="2,3,4,5,6,8", help="llama-server --spec-draft-n-max values to try")
     ap.add_argument("--rounds", type=int, default=1, help="alternations of every configuration")
-    ap.add_argument("--torch", action="store_true", help="also run specdec's torch backend (HF checkpoints)")
+    ap.add_argument("--torch", action="store_true", help="also run specdec's torch backend on the same GGUF files")
     ap.add_argument("--server-fa", default="auto,off",
                     help="llama-server --flash-attn settings to run every configuration with (its default is auto: "
                          "on for the CPU; specdec's runner turns it off)")
@@ -228,12 +228,10 @@ def main() -> None:
     server_cfgs = {(name if fa == "auto" else f"{name} -fa {fa}"): [*extra, "-fa", fa]
                    for name, extra in server_cfgs.items() for fa in fa_settings}
     backend_of = dict.fromkeys(specdec_cfgs, (target, "llama.cpp"))
-    if args.torch:  # the same configurations on the torch runner, from the HF checkpoints
+    if args.torch:  # the same configurations and files on the torch runner (a GGUF draft stays on llama.cpp)
         for name, cfg in list(specdec_cfgs.items()):
-            if cfg and cfg.get("model"):
-                cfg = {**cfg, "model": args.draft}
             specdec_cfgs[f"torch {name}"] = cfg
-            backend_of[f"torch {name}"] = (args.target, "torch")
+            backend_of[f"torch {name}"] = (target, "torch")
 
     def build(name: str):
         """A new LLM per round: no drafter state (suffix trees, adaptive k) carries over from the last one."""
@@ -282,9 +280,9 @@ def main() -> None:
     for k, v in sorted(mean.items(), key=lambda kv: -kv[1]["e2e"]):
         print(f"  {k:34s} {v['e2e']:7.1f} / {v['decode']:7.1f}")
 
-    def best(prefix: str, names, without: str = "\0") -> tuple[str, float]:
-        cands = [(k, mean[k]["e2e"]) for k in mean
-                 if k.startswith(prefix) and any(n in k for n in names) and without not in k and "torch" not in k]
+    def best(prefix: str, names, without: str = "\0", torch_too: bool = False) -> tuple[str, float]:
+        cands = [(k, mean[k]["e2e"]) for k in mean if k.startswith(prefix) and any(n in k for n in names)
+                 and without not in k and (torch_too or "torch" not in k)]
         return max(cands, key=lambda x: x[1]) if cands else ("-", float("nan"))
 
     if args.torch:
@@ -303,6 +301,10 @@ def main() -> None:
     free, free_v = best("llama-server", FREE_TYPES)
     sd_best, sd_v = best("specdec", ["suffix", "ngram", "draft"])
     print(f"specdec best ({sd_best}) / llama-server best speculative ({any_spec}): {sd_v / any_v:.2f}x")
+    if args.torch:
+        sd_any, sd_any_v = best("specdec", ["suffix", "ngram", "draft"], torch_too=True)
+        print(f"specdec best on either backend ({sd_any}) / llama-server best speculative ({any_spec}): "
+              f"{sd_any_v / any_v:.2f}x")
     sd_free, sd_free_v = best("specdec", ["suffix", "ngram"], without="draft")
     print(f"specdec best draft-free ({sd_free}) / llama-server best draft-free ({free}): {sd_free_v / free_v:.2f}x")
     if args.json:
