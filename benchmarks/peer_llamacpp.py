@@ -213,6 +213,9 @@ def main() -> None:
                          "need more: lower --rounds or --num-prompts")
 
     specdec_cfgs = {"plain": None, "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8},
+                    # up to 3 drafts per matched token, k fixed: long copies where text repeats
+                    "suffix k=32 x3 fixed": {"method": "suffix", "num_speculative_tokens": 32, "adaptive": False,
+                                             "suffix_decoding_max_spec_factor": 3.0},
                     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4}}
     server_cfgs = {"plain": [], **{t: ["--spec-type", t] for t in FREE_TYPES}}
     if quantized(target):
