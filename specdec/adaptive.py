@@ -151,16 +151,16 @@ class AdaptiveK:
         for alphas in alphas_per_seq:
             run, total = 1.0, 1.0
             expected[0] += 1.0
-            for k, a in enumerate(alphas[:K], start=1):
+            for k, a in enumerate(alphas, start=1):
                 run *= a
                 total += run
                 expected[k] += total
             for k in range(len(alphas) + 1, K + 1):
                 expected[k] += total
         n = len(alphas_per_seq)
-        t1 = self._verify_cost(B, 1)
-        c = self._draft_cost(B, t1)
         line = self._verify_line(B)
+        t1 = line(1)
+        c = self._draft_cost(B, t1)
         return [1.0] + [expected[k] / n * t1 / (k * c + line(k + 1)) for k in range(1, K + 1)]
 
     def _batch_alphas(self) -> list[float]:
@@ -171,10 +171,6 @@ class AdaptiveK:
             if i >= len(self.batch_stats.reached) or self.batch_stats.reached[i] < 1e-3:
                 alphas[i] = alphas[i - 1]
         return alphas
-
-    def _verify_cost(self, B: int, T: int) -> float:
-        """Seconds of a verify pass with T tokens per row (``_verify_line``)."""
-        return self._verify_line(B)(T)
 
     def _verify_line(self, B: int):
         """T -> seconds of a verify pass with T tokens per row. T = 1: the measured plain step. T > 1:
