@@ -3,6 +3,7 @@ top of it (greedy equality, exact sampled distributions) and its bad-input error
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -341,10 +342,14 @@ def test_layer_skip_on_llamacpp_names_the_backend(pair, converted):
     with pytest.raises(ValueError, match="llama.cpp backend cannot do"):
         LLM(hf_dir, backend="llama.cpp", speculative_config={"method": "layer_skip", "num_speculative_tokens": 2})
     assert LLM(hf_dir, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2}).backend == "torch"
-    # a GGUF on the torch backend can: its model is transformers' own
+    # a GGUF on the torch backend can (its model is transformers' own), and stays lossless
     llm = LLM(target, backend="torch", speculative_config={"method": "layer_skip", "num_speculative_tokens": 2,
                                                             "num_draft_layers": 1})
-    assert llm.backend == "torch" and llm.generate(["w1 w2"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, [6], seed=3)]
+    expected = [o.outputs[0].token_ids for o in LLM(target, backend="torch").generate(prompts, sp)]
+    assert llm.backend == "torch" and [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == expected
+    assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
 def test_converting_an_unsupported_architecture_is_refused(tmp_path):
@@ -389,3 +394,6 @@ def test_cli_converts_runs_a_gguf_and_exits_2_on_bad_input(converted, tmp_path):
     res = cli.invoke(app, ["generate", "--model", str(out), "--prompt", "w1 w2", "--temperature", "0",
                            "--max-tokens", "4", "--ignore-eos", "--json", "--backend", "torch"])
     assert res.exit_code == 0, res.output
+    lib = LLM(str(out), backend="torch").generate(["w1 w2"], SamplingParams(temperature=0, max_tokens=4,
+                                                                             ignore_eos=True))[0].outputs[0]
+    assert json.loads(res.stdout)["token_ids"] == lib.token_ids and len(lib.token_ids) == 4
