@@ -6,9 +6,9 @@ The cost model (ALGORITHM.md) divides τ by c·k + v(k): the flatter v, the more
 Variants alternate within each repeat, so machine noise hits them alike; medians are printed.
 
 ``--burst N`` times each length N forwards in a row and keeps the second half of each burst: the
-cost a loop that keeps one length meets. On some CPUs it differs from the alternating figure by
-1.5x or more (the README's llama.cpp section: a one-token step settles only after ~20 in a row,
-5-token passes grow dearer over ~10), and a speculative loop sees something in between.
+cost a loop that keeps one length meets. On some CPUs step times depend on what ran just before,
+so the two differ widely (the README's llama.cpp section has both), and a speculative loop sees
+something in between.
 
     python benchmarks/verify_cost.py --gguf X.gguf [--hf CHECKPOINT] [--threads 2] [--contexts 64,600] [--burst 20]
 """

@@ -17,7 +17,7 @@ against its real baseline.
 When k* = 0 the batch decodes plainly and probes again with a one-token draft after a while,
 backing off while the probes keep failing, so a drafter that never helps costs almost nothing;
 until the next probe (or another batch size) S is not evaluated again, as plain rounds change
-no acceptance estimate (evaluating it cost 16-30 us a round, ~1% of a plain step on llama.cpp).
+no acceptance estimate (README, llama.cpp backend: what evaluating it every round cost).
 """
 
 from __future__ import annotations
