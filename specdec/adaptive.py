@@ -109,6 +109,7 @@ class AdaptiveK:
         self.probing = False
         self.off_batch = 0  # the batch size speculation was last switched off at
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
+        self.measuring_plain = True  # the last choice was 0 only to time plain steps (the engine takes them one by one)
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -116,7 +117,8 @@ class AdaptiveK:
         B = len(seq_ids)
         stale = self.rounds - self.plain_measured_at.get(B, -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
         plain = self.verify_time.get((B, 1))
-        if plain is None or len(plain.samples) < PLAIN_SAMPLES or stale:
+        self.measuring_plain = plain is None or len(plain.samples) < PLAIN_SAMPLES or stale
+        if self.measuring_plain:
             return [0] * B  # every speedup at this batch size is relative to a fresh plain step of it
         was_probe, self.probing = self.probing, False
         if self.off_rounds and not was_probe and B == self.off_batch:

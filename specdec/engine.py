@@ -33,13 +33,18 @@ from specdec.verify import verify
 log = logging.getLogger(__name__)
 
 MERGED_PREFILL_TOKENS = 512  # new prompts up to this many tokens in all join a running batch's verify pass
+PLAIN_STEPS = 4  # greedy plain rounds take up to this many steps in one runner call (Engine._plain_round)
 
 
 class Engine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
                  tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256,
-                 adaptive: bool = False, strict_drafter: bool | None = None, logprobs_mode: str = "raw_logprobs"):
+                 adaptive: bool = False, strict_drafter: bool | None = None, logprobs_mode: str = "raw_logprobs",
+                 num_scheduler_steps: int = PLAIN_STEPS):
+        if not (isinstance(num_scheduler_steps, int) and num_scheduler_steps >= 1):
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
         self.target = target
+        self.num_scheduler_steps = num_scheduler_steps  # plain steps per greedy plain round (_plain_round)
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
         # adaptive: one k per round for the batch, from measured acceptance and costs; else k fixed
@@ -165,6 +170,9 @@ class Engine:
         t_draft = time.perf_counter()
         self._draft(batch)
         t1 = time.perf_counter()
+        steps = self._num_plain_steps(batch)
+        if steps > 1:  # nothing drafted and every row greedy: several plain steps in one call
+            return self._plain_round(batch, steps, t0)
 
         # 2. verify: one target pass over [feed, x_1..x_k] -> p_1..p_{k+1} per row  [B, k+1, V];
         #    position j of a row with penalties / biases / a grammar is processed as if x_1..x_j were emitted
@@ -199,6 +207,49 @@ class Engine:
         return gained
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _num_plain_steps(self, batch: RoundBatch) -> int:
+        """How many plain steps this round may take in one runner call: several only when it drafts
+        nothing and every row is greedy with nothing that reads its logits (processors, logprobs),
+        each row past its first output token (which streams at once), no request waiting for a place
+        (it joins only between rounds), and not while the adaptive controller times plain steps before
+        it may speculate (a plain stretch of several steps a round would delay speculation)."""
+        if (self.num_scheduler_steps == 1 or max(batch.num_wanted) > 0 or batch.carries_prompt or not batch.sampling.all_greedy
+                or (self.scheduler.waiting and len(self.running) < self.max_num_seqs)
+                or (self.controller is not None and self.controller.measuring_plain)):
+            return 1
+        for s in batch.seqs:
+            if s.processor is not None or s.params.logprobs is not None or s.num_output_tokens == 0:
+                return 1
+        return min(self.num_scheduler_steps, min(s.room for s in batch.seqs))
+
+    def _plain_round(self, batch: RoundBatch, steps: int, t0: float) -> list[tuple[Sequence, list[int]]]:
+        """Up to ``steps`` greedy plain steps through ``target.greedy_steps``: the tokens a verify pass
+        without drafts would pick (its argmax), without the per-step bookkeeping of a round, which on a
+        fast CPU step is a tenth of its time or more (README, llama.cpp backend). Tokens past a stop
+        condition are dropped by the commit, as a speculative round's are."""
+        seqs = batch.seqs
+        stop_ids = set()  # the loop may end once every row has emitted one of these
+        for s in seqs:
+            stop_ids.update(s.params.stop_token_ids)
+            if not s.params.ignore_eos:
+                stop_ids.update(self.detokenizer.eos_token_ids)
+        t1 = time.perf_counter()
+        tokens = self.target.greedy_steps([f[0] for f in batch.feed], batch.start, steps,
+                                          stop_token_ids=sorted(stop_ids))  # [B, n]
+        t2 = time.perf_counter()
+        gained = []
+        for s, row in zip(seqs, tokens):
+            s.num_computed += len(row)  # [feed, x_1..x_{n-1}] are cached; x_n is fed next round
+            gained.append((s, self._commit(s, row)))
+        n = len(tokens[0])
+        self.stats.record_plain_steps(len(seqs), n)
+        if self.controller is not None:
+            self.controller.record([s.seq_id for s in seqs], [0] * len(seqs), [0] * len(seqs), 0.0, (t2 - t1) / n)
+        self.stats.verify_time_s += t2 - t1
+        self.stats.step_time_s += time.perf_counter() - t0
+        self._retire()
+        return gained
 
     def _commit(self, s: Sequence, tokens: list[int]) -> list[int]:
         """Step 4 for one sequence: append tokens until a stop condition or the end of its grammar

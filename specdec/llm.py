@@ -9,7 +9,7 @@ import torch
 
 from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.detokenizer import TextStreamer
-from specdec.engine import Engine
+from specdec.engine import PLAIN_STEPS, Engine
 from specdec.logprobs import check_logprobs_mode
 from specdec.metrics import SpecDecodingStats
 from specdec.outputs import CompletionOutput, RequestOutput, StreamDelta
@@ -29,12 +29,15 @@ class LLM:
     ``logprobs_mode``: what ``SamplingParams(logprobs=N)`` reports (vLLM's names): "raw_logprobs"
     (default) the model's own log_softmax, "processed_logprobs" the distribution each token was
     sampled from, after penalties, grammar, temperature and top-k / top-p / min-p (logprobs.py).
+    ``num_scheduler_steps`` (vLLM's name): greedy rounds that draft nothing take up to this many
+    plain steps in one runner call (1: one step a round); tokens past a stop are dropped.
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, trust_remote_code: bool = False,
-                 backend: str = "auto", tokenizer: str | None = None, logprobs_mode: str = "raw_logprobs"):
+                 backend: str = "auto", tokenizer: str | None = None, logprobs_mode: str = "raw_logprobs",
+                 num_scheduler_steps: int = PLAIN_STEPS):
         from specdec.drafters import build_drafter
         from specdec.models.loader import choose_backend, load_runner
 
@@ -45,6 +48,8 @@ class LLM:
         check_logprobs_mode(logprobs_mode)
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        if not (isinstance(num_scheduler_steps, int) and num_scheduler_steps >= 1):
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
         method = self.speculative_config.method if self.speculative_config else None
         self.backend = choose_backend(model, backend, device, method)  # "torch" or "llama.cpp"
         self.target, eos = load_runner(model, self.backend, dtype, device, max_model_len, trust_remote_code,
@@ -57,7 +62,7 @@ class LLM:
             k = spec.num_speculative_tokens
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
                              max_num_seqs=max_num_seqs, adaptive=spec is not None and spec.adaptive,
-                             logprobs_mode=logprobs_mode)
+                             logprobs_mode=logprobs_mode, num_scheduler_steps=num_scheduler_steps)
 
     # -- generation -------------------------------------------------------------------------------
 

@@ -25,6 +25,11 @@ class SpecDecodingStats:
     prefill_time_s: float = 0.0
     step_time_s: float = 0.0  # whole rounds, prefill excluded; the rest is loop overhead
 
+    def record_plain_steps(self, num_seqs: int, steps: int) -> None:
+        """``steps`` plain decoding steps of ``num_seqs`` sequences taken in one call (Engine._plain_round)."""
+        self.num_verify_passes += steps
+        self.num_emitted_tokens += num_seqs * steps
+
     def record_round(self, k_per_seq: list[int], num_accepted: list[int]) -> None:
         """One round: drafts proposed and accepted per sequence of the batch."""
         self.num_verify_passes += 1

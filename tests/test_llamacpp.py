@@ -118,6 +118,67 @@ def test_ragged_rows_rollback_and_continuation_match_transformers(converted):
     assert runner.sync_rows(["z", "new"]) == [False, True]
 
 
+@pytest.mark.parametrize("backend", ["llama.cpp", "torch"])
+def test_greedy_steps_equal_greedy_forwards_and_stop_when_every_row_has_stopped(converted, backend):
+    """ModelRunner.greedy_steps on both backends: each row's argmax chain equals one greedy forward at
+    a time, from rows of different cached lengths (one rolled back); with stop ids it returns once
+    every row has emitted one, leaving each row's cache at start + the steps taken."""
+    hf_dir, path, _ = converted["llama"]
+    runner, _ = load_runner(path if backend == "llama.cpp" else hf_dir, backend)
+    seqs = random_prompts(3, [9, 5, 7], seed=4)
+
+    def reference(steps):
+        runner.sync_rows(["ref"])
+        out = []
+        for s in seqs:
+            ids = list(s)
+            for _ in range(steps):
+                logits = runner.forward(ForwardBatch.from_rows([ids], [0], logits="last"))  # [1, V]
+                ids.append(int(logits[0].argmax()))
+            out.append(ids[len(s):])
+        return out
+
+    expected = reference(7)
+    runner.sync_rows(["a", "b", "c"])
+    runner.forward(ForwardBatch.from_rows([s[:-1] + [1, 2] for s in seqs], [0, 0, 0], logits="none"))
+    # each row rolls back past the two tokens that do not belong and feeds its last prompt token
+    got = runner.greedy_steps([s[-1] for s in seqs], [len(s) - 1 for s in seqs], 6)
+    assert got == [e[:6] for e in expected]
+    # continuing from the cache it left: the last argmax is fed next
+    more = runner.greedy_steps([g[-1] for g in got], [len(s) + 5 for s in seqs], 1)
+    assert more == [e[6:] for e in expected]
+    stop = {expected[0][1], expected[1][3], expected[2][0]}  # each row emits one by step 4 (maybe sooner)
+    first_stop = max(min(i for i, t in enumerate(e) if t in stop) for e in expected)
+    got = runner.greedy_steps([s[-1] for s in seqs], [len(s) - 1 for s in seqs], 6, stop_token_ids=sorted(stop))
+    assert got == [e[: first_stop + 1] for e in expected]
+    if backend == "llama.cpp":
+        assert [runner.cached[runner.seq_of[i]] for i in "abc"] == [len(s) + first_stop for s in seqs]
+
+
+@pytest.mark.parametrize("backend", ["llama.cpp", "torch"])
+def test_plain_rounds_of_several_steps_equal_rounds_of_one(converted, backend):
+    """num_scheduler_steps: greedy plain rounds of up to 4 steps give what rounds of one give, with a
+    stop token met inside a round, max_tokens that is no multiple of 4, and a stop string; the
+    several-step call is what ran."""
+    hf_dir, path, _ = converted["llama"]
+    model = path if backend == "llama.cpp" else hf_dir
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [5, 9, 4], seed=3)]
+    one, many = LLM(model, backend=backend, num_scheduler_steps=1), LLM(model, backend=backend)
+    steps = []
+    greedy_steps = many.target.greedy_steps
+    many.target.greedy_steps = lambda *a, **kw: (steps.append(a[2]), greedy_steps(*a, **kw))[1]
+    sp = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+    free = [o.outputs[0] for o in one.generate(prompts, sp)]
+    params = [SamplingParams(temperature=0, max_tokens=11, stop_token_ids=[free[0].token_ids[6]]),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, stop=[free[2].text[-6:-3]])]
+    want = [(c.token_ids, c.text, c.finish_reason) for c in (o.outputs[0] for o in one.generate(prompts, params))]
+    got = [(c.token_ids, c.text, c.finish_reason) for c in (o.outputs[0] for o in many.generate(prompts, params))]
+    assert got == want
+    assert want[0][2] == "stop" and len(want[0][0]) <= 7 and want[2][2] == "stop"
+    assert max(steps) == 4
+
+
 def test_logits_come_back_at_the_asked_positions_in_the_asked_order(converted):
     """A ragged batch asking for positions past a row's tokens gets zeros there, and an index out of
     order (or repeated) gets the logits in its own order."""
@@ -245,11 +306,19 @@ def test_greedy_speculative_equals_plain_on_llamacpp(pair, method, batch):
         cfg |= {"method": method}
     llm = LLM(target, speculative_config=cfg)
     assert llm.backend == "llama.cpp"
+    draft_steps = []
+    if "draft_model" in method:  # greedy drafts of more than one token take one greedy_steps call
+        runner = getattr(llm.engine.drafter, "model", llm.engine.drafter).runner
+        greedy_steps = runner.greedy_steps
+        runner.greedy_steps = lambda *a, **kw: (draft_steps.append(a[2]), greedy_steps(*a, **kw))[1]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
     for p, e, g in zip(prompts, expected, got):
         assert_greedy_equal(hf, p, e, g)  # f32 GGUF: the backend's rounding is float32's (lossless.NEAR_TIE)
     assert llm.get_metrics()["num_draft_tokens"] > 0
+    m = llm.get_metrics()
+    if method == "draft_model" and m["num_draft_tokens"] > m["num_drafts"]:  # some round drafted 2 or more
+        assert draft_steps
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,19 @@ from specdec.sequence import Sequence
 
 def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int], torch.Tensor],
                          seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch,
-                         draft_p_min: float = 0.0) -> DraftProposal:
+                         draft_p_min: float = 0.0,
+                         greedy_steps: Callable[[list[int], int], list[list[int]]] | None = None) -> DraftProposal:
     """logits [B, V]: the drafter's distribution for the first draft position.
-    feed(x [B], i) runs draft i (0-based) through the drafter and returns the logits [B, V] after it."""
+    feed(x [B], i) runs draft i (0-based) through the drafter and returns the logits [B, V] after it.
+    greedy_steps(x_1 [B], n), optional: feeds x_1 and its own argmaxes, returning x_2..x_{n+1} [B, n]
+    (ModelRunner.greedy_steps); drafts that are all argmaxes then take one call instead of k."""
     B, k = len(seqs), max(num_draft, default=0)
     device = logits.device
+    if (greedy_steps is not None and k > 1 and sb.all_greedy and draft_p_min == 0.0
+            and all(s.processor is None for s in seqs)):
+        first = argmax(logits)  # [B] x_1
+        rest = torch.tensor(greedy_steps(first.tolist(), k - 1), dtype=torch.long, device=device)  # [B, k-1]
+        return DraftProposal(torch.cat([first[:, None], rest], dim=1), None, list(num_draft))
     limit = torch.tensor(num_draft, device=device)  # [B]
     active = limit > 0  # [B] rows still drafting
     lengths = torch.zeros(B, dtype=torch.long, device=device)

@@ -56,7 +56,10 @@ class DraftModelDrafter(Drafter):
         def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
             return self.runner.forward(ForwardBatch.dense(x[:, None], [p + i for p in pos], logits="last"))
 
-        proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min)
+        def greedy(x: list[int], n: int) -> list[list[int]]:  # x [B] fed at pos -> the next n argmaxes [B, n]
+            return self.runner.greedy_steps(x, pos, n)
+
+        proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min, greedy)
 
         # 3. Remember what the cache now holds: the history plus the drafts that were fed.
         fed = proposal.draft_token_ids[:, : max(proposal.draft_token_ids.shape[1] - 1, 0)].tolist()

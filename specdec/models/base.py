@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling import argmax
+
 
 def pad_rows(rows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
     """Right-pad token rows (possibly empty) with 0 into one [B, longest] long tensor."""
@@ -92,6 +94,27 @@ class ModelRunner(ABC):
         """Run ``batch``, writing its KV. Returns float32 logits [B, V] or [B, L, V] at
         ``batch.logits_index``, or None when it is None. A backend that cannot honour
         ``num_layers`` raises ValueError."""
+
+    def greedy_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int = 0,
+                     stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
+        """Greedy decoding of up to ``steps`` tokens per row in one call (plain rounds, greedy drafts):
+        row b feeds ``token_ids[b]`` at ``start[b]``, takes the argmax, feeds it, and so on. Returns
+        the argmax tokens [B, n], n <= steps: it stops early once every row has produced one of
+        ``stop_token_ids``. The cache then holds start[b] + n positions (the last argmax is not fed).
+        A backend overrides this with a loop that skips the general forward's bookkeeping."""
+        x = torch.as_tensor(list(token_ids), dtype=torch.long)[:, None].to(self.device)  # [B, 1]
+        stops = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=self.device)
+        stopped = torch.zeros(len(start), dtype=torch.bool, device=self.device)  # [B]
+        out = []
+        for i in range(steps):
+            logits = self.forward(ForwardBatch.dense(x, [p + i for p in start], logits="last", row_offset=row_offset))
+            x = argmax(logits)[:, None]  # [B, 1]
+            out.append(x)
+            if len(stops):
+                stopped |= torch.isin(x[:, 0], stops)
+                if bool(stopped.all()):
+                    break
+        return torch.cat(out, dim=1).tolist()
 
     @abstractmethod
     def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:

@@ -241,14 +241,7 @@ class LlamaCppRunner(ModelRunner):
         end = start + lengths
         if int(end.max(initial=0)) > self.max_model_len:
             raise ValueError(f"a row reaches position {int(end.max())}, past max_model_len={self.max_model_len}")
-        mem = self.mem
-        for b, s in enumerate(rows):  # rollback: drop what each row held from its start on
-            held = self.cached[s]
-            if start[b] > held:
-                raise RuntimeError(f"row {batch.row_offset + b} starts at {start[b]} but its cache holds {held} positions")
-            if start[b] < held:
-                self.lib.llama_memory_seq_rm(mem, s, int(start[b]), -1)
-            self.cached[s] = int(start[b])
+        self._roll_back(rows, start, batch.row_offset)
 
         index = batch.logits_index
         if index is not None and bool((lengths == T).all()):
@@ -297,6 +290,63 @@ class LlamaCppRunner(ModelRunner):
         out = torch.from_numpy(out)
         return out[:, 0] if index.dim() == 1 else out
 
+    def greedy_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int = 0,
+                     stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
+        """The base contract in a lean loop: one llama batch of B tokens is refilled in place each step
+        and the argmax read straight from llama.cpp's logits buffer (what a plain step costs in
+        Python: README, llama.cpp backend)."""
+        B = len(token_ids)
+        rows = self.order[row_offset : row_offset + B]
+        if len(rows) != B:
+            raise RuntimeError(f"greedy steps over rows {row_offset}..{row_offset + B - 1} but sync_rows "
+                               f"placed {len(self.order)}")
+        if steps < 1 or max(start) + steps > self.max_model_len:
+            raise ValueError(f"{steps} greedy steps from position {max(start)} do not fit max_model_len="
+                             f"{self.max_model_len}")
+        self._roll_back(rows, start, row_offset)
+        for b, s in enumerate(rows):
+            self.cached[s] = start[b] + steps
+        if sum(self.cached.values()) > self.cells:
+            self._rebuild(max(sum(self.cached.values()), 2 * self.cells))
+        batch = self._batch.fill(np.asarray(token_ids, dtype=np.int32), np.asarray(start, dtype=np.int32),
+                                 np.asarray(rows, dtype=np.int32), np.ones(B, dtype=np.int8))
+        stops = np.asarray(stop_token_ids, dtype=np.int32)
+        stopped = np.zeros(B, dtype=bool)
+        out = np.empty((B, steps), dtype=np.int32)  # [B, steps]
+        lib, V = self.lib, self.vocab_size
+        for i in range(steps):
+            if i:
+                self._batch.token[:B] = out[:, i - 1]
+                self._batch.pos[:B] += 1
+            self._check(lib.llama_decode(self.ctx, batch), batch)  # self.ctx: _check may rebuild it
+            logits = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(B, self.n_vocab))  # [B, n_vocab]
+            out[:, i] = logits[:, :V].argmax(axis=1)
+            if len(stops):
+                stopped |= np.isin(out[:, i], stops)
+                if stopped.all():
+                    for b, s in enumerate(rows):
+                        self.cached[s] = start[b] + i + 1
+                    return out[:, : i + 1].tolist()
+        return out.tolist()
+
+    def _roll_back(self, rows: list[int], start: Sequence[int], row_offset: int) -> None:
+        """Drop what each row held from its start on (rollback is a length change)."""
+        for b, s in enumerate(rows):
+            held = self.cached[s]
+            if start[b] > held:
+                raise RuntimeError(f"row {row_offset + b} starts at {start[b]} but its cache holds {held} positions")
+            if start[b] < held:
+                self.lib.llama_memory_seq_rm(self.mem, s, int(start[b]), -1)
+            self.cached[s] = int(start[b])
+
+    def _check(self, rc: int, batch) -> None:
+        """llama_decode's return code: 1 (no room in a fragmented cache) grows the cache and retries once."""
+        if rc == 1:
+            self._rebuild(2 * self.cells)
+            rc = self.lib.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}; set SPECDEC_LLAMA_LOG=1 for llama.cpp's reason")
+
     def _decode(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, flags: np.ndarray) -> np.ndarray:
         """Feed N tokens in llama_decode calls of up to BATCH_TOKENS; returns the logits of the flagged
         ones, in order [n_flagged, vocab_size]."""
@@ -308,12 +358,7 @@ class LlamaCppRunner(ModelRunner):
         for lo in range(0, n, BATCH_TOKENS):
             hi = min(n, lo + BATCH_TOKENS)
             batch = self._batch.fill(tokens[lo:hi], pos[lo:hi], seq[lo:hi], flags[lo:hi])
-            rc = lib.llama_decode(self.ctx, batch)
-            if rc == 1:  # no room in the KV cache (fragmented): grow and retry once
-                self._rebuild(2 * self.cells)
-                rc = lib.llama_decode(self.ctx, batch)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode failed with code {rc}; set SPECDEC_LLAMA_LOG=1 for llama.cpp's reason")
+            self._check(lib.llama_decode(self.ctx, batch), batch)
             m = int(flags[lo:hi].sum())
             if m:
                 ptr = lib.llama_get_logits(self.ctx)
