@@ -109,7 +109,9 @@ class AdaptiveK:
         self.probing = False
         self.off_batch = 0  # the batch size speculation was last switched off at
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
-        self.measuring_plain = True  # the last choice was 0 only to time plain steps (the engine takes them one by one)
+        # the last choice was 0 only to time a batch size's first plain steps: the engine takes them one
+        # by one, so that speculation starts after PLAIN_SAMPLES + 1 tokens (a refresh may take several a round)
+        self.measuring_plain = True
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -117,8 +119,8 @@ class AdaptiveK:
         B = len(seq_ids)
         stale = self.rounds - self.plain_measured_at.get(B, -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
         plain = self.verify_time.get((B, 1))
-        self.measuring_plain = plain is None or len(plain.samples) < PLAIN_SAMPLES or stale
-        if self.measuring_plain:
+        self.measuring_plain = plain is None or len(plain.samples) < PLAIN_SAMPLES
+        if self.measuring_plain or stale:
             return [0] * B  # every speedup at this batch size is relative to a fresh plain step of it
         was_probe, self.probing = self.probing, False
         if self.off_rounds and not was_probe and B == self.off_batch:
