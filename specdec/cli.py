@@ -237,6 +237,8 @@ def serve(
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences decoded at once; the rest wait.")] = 256,
+    num_scheduler_steps: Annotated[int, typer.Option(
+        help="Plain steps a greedy round that drafts nothing may take in one call (1: one a round).")] = 4,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients send (default: --model).")] = None,
     dtype: DtypeOpt = "auto",
@@ -310,7 +312,7 @@ def serve(
         quiet_transformers()
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                               served_model_name=served_model_name, api_key=api_key, limits=limits,
+                               num_scheduler_steps=num_scheduler_steps, served_model_name=served_model_name, api_key=api_key, limits=limits,
                                backend=backend, tokenizer=tokenizer, engine_process=not engine_in_process)
     if not engine_in_process and http_nice:
         os.nice(http_nice)  # after the engine process started: it keeps the priority this process had

@@ -456,5 +456,7 @@ def test_serve_command_refuses_bad_input_with_exit_2(models):
     runner = CliRunner()
     r = runner.invoke(app, ["serve", "--model", models[0], "--max-num-seqs", "0"])
     assert r.exit_code == 2 and "max_num_seqs must be an integer >= 1" in r.output
+    r = runner.invoke(app, ["serve", "--model", models[0], "--num-scheduler-steps", "0"])
+    assert r.exit_code == 2 and "num_scheduler_steps must be an integer >= 1, got 0" in r.output
     r = runner.invoke(app, ["serve", "--model", models[0], "--speculative-config", "{"])
     assert r.exit_code == 2 and "not valid JSON" in r.output
