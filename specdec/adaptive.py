@@ -109,18 +109,13 @@ class AdaptiveK:
         self.probing = False
         self.off_batch = 0  # the batch size speculation was last switched off at
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
-        # the last choice was 0 only to time a batch size's first plain steps: the engine takes them one
-        # by one, so that speculation starts after PLAIN_SAMPLES + 1 tokens (a refresh may take several a round)
-        self.measuring_plain = True
 
     # -- decisions --------------------------------------------------------------------------------
 
     def choose(self, seq_ids: list[int]) -> list[int]:
         B = len(seq_ids)
         stale = self.rounds - self.plain_measured_at.get(B, -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
-        plain = self.verify_time.get((B, 1))
-        self.measuring_plain = plain is None or len(plain.samples) < PLAIN_SAMPLES
-        if self.measuring_plain or stale:
+        if self.measuring_plain(B) or stale:
             return [0] * B  # every speedup at this batch size is relative to a fresh plain step of it
         was_probe, self.probing = self.probing, False
         if self.off_rounds and not was_probe and B == self.off_batch:
@@ -143,6 +138,13 @@ class AdaptiveK:
         else:
             self.off_rounds, self.probe_interval = 0, PROBE_INTERVAL
         return [best] * B
+
+    def measuring_plain(self, batch: int) -> bool:
+        """Whether this batch size's first plain steps are still being timed. The engine takes them one
+        a round, so that speculation starts after PLAIN_SAMPLES + 1 tokens (a refresh of a stale
+        timing may take several steps a round)."""
+        plain = self.verify_time.get((batch, 1))
+        return plain is None or len(plain.samples) < PLAIN_SAMPLES
 
     def predicted_speedup(self, batch: int, k: int, alphas: list[float] | None = None) -> float:
         """S(k) at this batch size for sequences whose conditional acceptance is ``alphas``."""

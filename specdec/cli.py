@@ -312,7 +312,8 @@ def serve(
         quiet_transformers()
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                               num_scheduler_steps=num_scheduler_steps, served_model_name=served_model_name, api_key=api_key, limits=limits,
+                               num_scheduler_steps=num_scheduler_steps, served_model_name=served_model_name,
+                               api_key=api_key, limits=limits,
                                backend=backend, tokenizer=tokenizer, engine_process=not engine_in_process)
     if not engine_in_process and http_nice:
         os.nice(http_nice)  # after the engine process started: it keeps the priority this process had

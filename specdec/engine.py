@@ -36,13 +36,17 @@ MERGED_PREFILL_TOKENS = 512  # new prompts up to this many tokens in all join a 
 PLAIN_STEPS = 4  # greedy plain rounds take up to this many steps in one runner call (Engine._plain_round)
 
 
+def check_num_scheduler_steps(n: int) -> None:
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {n!r}")
+
+
 class Engine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
                  tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256,
                  adaptive: bool = False, strict_drafter: bool | None = None, logprobs_mode: str = "raw_logprobs",
                  num_scheduler_steps: int = PLAIN_STEPS):
-        if not (isinstance(num_scheduler_steps, int) and num_scheduler_steps >= 1):
-            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
+        check_num_scheduler_steps(num_scheduler_steps)
         self.target = target
         self.num_scheduler_steps = num_scheduler_steps  # plain steps per greedy plain round (_plain_round)
         self.drafter = drafter
@@ -214,9 +218,9 @@ class Engine:
         each row past its first output token (which streams at once), no request waiting for a place
         (it joins only between rounds), and not while the adaptive controller times plain steps before
         it may speculate (a plain stretch of several steps a round would delay speculation)."""
-        if (self.num_scheduler_steps == 1 or max(batch.num_wanted) > 0 or batch.carries_prompt or not batch.sampling.all_greedy
-                or (self.scheduler.waiting and len(self.running) < self.max_num_seqs)
-                or (self.controller is not None and self.controller.measuring_plain)):
+        if (self.num_scheduler_steps == 1 or max(batch.num_wanted) > 0 or batch.carries_prompt
+                or not batch.sampling.all_greedy or (self.scheduler.waiting and len(self.running) < self.max_num_seqs)
+                or (self.controller is not None and self.controller.measuring_plain(len(batch.seqs)))):
             return 1
         for s in batch.seqs:
             if s.processor is not None or s.params.logprobs is not None or s.num_output_tokens == 0:

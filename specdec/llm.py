@@ -9,7 +9,7 @@ import torch
 
 from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.detokenizer import TextStreamer
-from specdec.engine import PLAIN_STEPS, Engine
+from specdec.engine import PLAIN_STEPS, Engine, check_num_scheduler_steps
 from specdec.logprobs import check_logprobs_mode
 from specdec.metrics import SpecDecodingStats
 from specdec.outputs import CompletionOutput, RequestOutput, StreamDelta
@@ -48,8 +48,7 @@ class LLM:
         check_logprobs_mode(logprobs_mode)
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        if not (isinstance(num_scheduler_steps, int) and num_scheduler_steps >= 1):
-            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
+        check_num_scheduler_steps(num_scheduler_steps)  # before the model loads
         method = self.speculative_config.method if self.speculative_config else None
         self.backend = choose_backend(model, backend, device, method)  # "torch" or "llama.cpp"
         self.target, eos = load_runner(model, self.backend, dtype, device, max_model_len, trust_remote_code,

@@ -306,8 +306,7 @@ class LlamaCppRunner(ModelRunner):
         self._roll_back(rows, start, row_offset)
         for b, s in enumerate(rows):
             self.cached[s] = start[b] + steps
-        if sum(self.cached.values()) > self.cells:
-            self._rebuild(max(sum(self.cached.values()), 2 * self.cells))
+        self._fit_cached()
         batch = self._batch.fill(np.asarray(token_ids, dtype=np.int32), np.asarray(start, dtype=np.int32),
                                  np.asarray(rows, dtype=np.int32), np.ones(B, dtype=np.int8))
         stops = np.asarray(stop_token_ids, dtype=np.int32)
@@ -339,6 +338,12 @@ class LlamaCppRunner(ModelRunner):
                 self.lib.llama_memory_seq_rm(self.mem, s, int(start[b]), -1)
             self.cached[s] = int(start[b])
 
+    def _fit_cached(self) -> None:
+        """Grow the context when the positions the rows will hold (``self.cached``) exceed its cells."""
+        need = sum(self.cached.values())
+        if need > self.cells:
+            self._rebuild(max(need, 2 * self.cells))
+
     def _check(self, rc: int, batch) -> None:
         """llama_decode's return code: 1 (no room in a fragmented cache) grows the cache and retries once."""
         if rc == 1:
@@ -351,9 +356,7 @@ class LlamaCppRunner(ModelRunner):
         """Feed N tokens in llama_decode calls of up to BATCH_TOKENS; returns the logits of the flagged
         ones, in order [n_flagged, vocab_size]."""
         lib, n = self.lib, len(tokens)
-        need = sum(self.cached.values())
-        if need > self.cells:
-            self._rebuild(max(need, 2 * self.cells))
+        self._fit_cached()
         parts = []
         for lo in range(0, n, BATCH_TOKENS):
             hi = min(n, lo + BATCH_TOKENS)
