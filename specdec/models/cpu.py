@@ -15,8 +15,6 @@ CPU path can be tested on any CPU.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import platform
 import time
@@ -24,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from specdec.models import timings
 
 NO_NATIVE_ENV = "SPECDEC_NO_NATIVE_BF16"
 # oneDNN ISAs (ONEDNN_MAX_CPU_ISA) whose kernels have bf16 dot products; the lower ones emulate them.
@@ -109,11 +109,11 @@ def bf16_verdict(out_features: int, in_features: int) -> Bf16Verdict:
     support = native_bf16()
     if not support.native:
         return Bf16Verdict(False, f"no native bf16: {support.reason}", {})
-    key = _cache_key(out_features, in_features)
-    ms = _read_cache().get(key)
+    key = f"{timings.machine_key()} {out_features}x{in_features}"
+    ms = timings.read(cache_path()).get(key)
     if ms is None:
         ms = _time_products(out_features, in_features)
-        _write_cache(key, ms)
+        timings.write(cache_path(), key, ms)
     faster = all(b < f for b, f in zip(ms["bf16"], ms["float32"]))
     timing = ", ".join(f"{b:.2f} vs {f:.2f} ms at {r} row{'s' * (r > 1)}"
                        for r, b, f in zip((1, VERIFY_ROWS), ms["bf16"], ms["float32"]))
@@ -127,6 +127,8 @@ KIND_NAMES = {"onednn": "oneDNN bf16 inner product", "wxt": "w @ x^T (ATen)", "d
 def describe_path(runner, requested: str) -> str:
     """One line for ``specdec demo`` and ``bench``: the ISA, the weights' dtype, the product kernel
     and why, for a loaded runner and the dtype that was asked for."""
+    if getattr(runner, "backend", "torch") == "llama.cpp":
+        return runner.describe()
     dtype = str(runner.dtype).removeprefix("torch.")
     kind = getattr(getattr(runner, "lm_head", None), "kind", "dense")
     if runner.device.type != "cpu":
@@ -170,34 +172,4 @@ def _time_products(out_features: int, in_features: int, repeats: int = 7) -> dic
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdec" / "cpu_bf16.json"
-
-
-def _cache_key(out_features: int, in_features: int) -> str:
-    """The machine (CPU model and features), torch, the thread count and the shape."""
-    caps = torch.cpu.get_capabilities()
-    features = hashlib.sha1(json.dumps(sorted((k, str(v)) for k, v in caps.items())).encode()).hexdigest()[:12]
-    return (f"{caps.get('cpu_name', platform.processor())} {features} torch {torch.__version__} "
-            f"threads {torch.get_num_threads()} {out_features}x{in_features}")
-
-
-def _read_cache() -> dict:
-    try:
-        return json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(key: str, ms: dict) -> None:
-    """Best effort: a read-only home only means timing again next time."""
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_cache()
-        data[key] = ms
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass
+    return timings.cache_file("cpu_bf16.json")

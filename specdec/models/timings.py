@@ -1,0 +1,51 @@
+"""specdec's cache folder, and timings measured once per machine and kept there as JSON: dtype="auto"'s
+bf16 verdict (cpu.py) and backend="auto"'s choice (backend_choice.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def cache_dir() -> Path:
+    """specdec's cache folder: $SPECDEC_CACHE, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec."""
+    if os.environ.get("SPECDEC_CACHE"):
+        return Path(os.environ["SPECDEC_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specdec"
+
+
+def cache_file(name: str) -> Path:
+    return cache_dir() / name
+
+
+def machine_key() -> str:
+    """The machine as timings depend on it: the CPU model and features, torch, the thread count."""
+    caps = torch.cpu.get_capabilities()
+    features = hashlib.sha1(json.dumps(sorted((k, str(v)) for k, v in caps.items())).encode()).hexdigest()[:12]
+    return f"{caps.get('cpu_name', platform.processor())} {features} torch {torch.__version__} threads {torch.get_num_threads()}"
+
+
+def read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write(path: Path, key: str, value) -> None:
+    """Best effort: a read-only home only means timing again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = read(path)
+        data[key] = value
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
