@@ -49,16 +49,14 @@ class LLM:
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         check_num_scheduler_steps(num_scheduler_steps)  # before the model loads
-        method = self.speculative_config.method if self.speculative_config else None
-        self.backend = choose_backend(model, backend, device, method)  # "torch" or "llama.cpp"
+        spec = self.speculative_config
+        method, k = (spec.method, spec.num_speculative_tokens) if spec else (None, 0)
+        # "torch" or "llama.cpp", and why (auto times both on CPU: models/backend_choice.py)
+        self.backend, self.backend_reason = choose_backend(model, backend, device, method, k, dtype)
         self.target, eos = load_runner(model, self.backend, dtype, device, max_model_len, trust_remote_code,
                                        tokenizer=tokenizer)
         self.tokenizer = self.target.tokenizer
-        spec = self.speculative_config
-        drafter, k = None, 0
-        if spec is not None and spec.num_speculative_tokens > 0:
-            drafter = build_drafter(spec, self.target, dtype, device)
-            k = spec.num_speculative_tokens
+        drafter = build_drafter(spec, self.target, dtype, device) if k > 0 else None
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
                              max_num_seqs=max_num_seqs, adaptive=spec is not None and spec.adaptive,
                              logprobs_mode=logprobs_mode, num_scheduler_steps=num_scheduler_steps)

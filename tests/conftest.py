@@ -6,6 +6,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("SPECDEC_STRICT_DRAFTER", "1")  # a drafter that raises fails the test (engine.py)
+os.environ.setdefault("SPECDEC_AUTO_BACKEND", "torch")  # auto picks the same backend on every machine
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402

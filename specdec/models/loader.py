@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.models import timings
 from specdec.models.cpu import bf16_verdict, largest_product
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -173,14 +174,14 @@ def check_same_vocabulary(target_tok, draft_tok, target_name: str, draft_name: s
 # -- backends: torch (HF safetensors) and llama.cpp (GGUF) --------------------------------------------
 
 BACKENDS = ("auto", "torch", "llama.cpp")
-# auto converts an HF checkpoint for llama.cpp on CPU only where that was measured faster (README, Speed)
-AUTO_CONVERTS_HF_ON_CPU = False
 OUTTYPE_OF_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
-def choose_backend(name: str, backend: str = "auto", device: str = "cpu", method: str | None = None) -> str:
-    """The backend that runs model ``name``: what was asked for, or for ``auto`` llama.cpp for a GGUF
-    file and, on CPU, for a checkpoint it can convert; torch for CUDA and layer_skip."""
+def choose_backend(name: str, backend: str = "auto", device: str = "cpu", method: str | None = None,
+                   num_speculative_tokens: int = 0, dtype: str = "auto") -> tuple[str, str]:
+    """The backend that runs model ``name`` and why: what was asked for, or for ``auto`` llama.cpp for a
+    GGUF file, torch for CUDA and layer_skip, and for a checkpoint on CPU that llama.cpp can convert,
+    the backend measured faster here (backend_choice.py)."""
     from specdec.models.gguf import find_gguf
     from specdec.models.llamacpp import llama_cpp_available
 
@@ -188,19 +189,27 @@ def choose_backend(name: str, backend: str = "auto", device: str = "cpu", method
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     gguf_file = find_gguf(name) if name not in SHIPPED else None
     if backend == "torch":
-        return "torch"  # a GGUF file is dequantized into transformers' model (load_model)
+        return "torch", "asked for"  # a GGUF file is dequantized into transformers' model (load_model)
     if backend == "llama.cpp":
         if not str(device).startswith("cpu"):
             raise ValueError(f"specdec's llama.cpp backend runs on the CPU; got device={device!r} (use backend='torch')")
         if method == "layer_skip":
             raise ValueError(_LAYER_SKIP)
-        return "llama.cpp"
+        return "llama.cpp", "asked for"
     if gguf_file:
-        return "llama.cpp"
-    if (AUTO_CONVERTS_HF_ON_CPU and str(device).startswith("cpu") and method != "layer_skip"
-            and llama_cpp_available() and _convertible(name)):
-        return "llama.cpp"
-    return "torch"
+        return "llama.cpp", "auto: a GGUF file"
+    if not str(device).startswith("cpu"):
+        return "torch", f"auto: device {device}"
+    if method == "layer_skip":
+        return "torch", "auto: layer_skip runs the target's first layers (torch only)"
+    if not llama_cpp_available():
+        return "torch", "auto: llama-cpp-python is not installed"
+    if not _convertible(name):
+        return "torch", "auto: not a checkpoint specdec converts to GGUF"
+    from specdec.models.backend_choice import auto_backend
+
+    verdict = auto_backend(resolve_model_path(name), dtype, num_speculative_tokens)
+    return verdict.backend, f"auto: {verdict.reason}"
 
 
 _LAYER_SKIP = ("layer_skip runs the target's first layers, which the llama.cpp backend cannot do (it runs whole "
@@ -265,7 +274,7 @@ def converted_gguf(name: str, dtype: str = "auto") -> str:
         outtype = OUTTYPE_OF_DTYPE[dtype]
     else:
         raise ValueError(f"dtype must be one of {list(OUTTYPE_OF_DTYPE)} or 'auto', got {dtype!r}")
-    cache = Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser() / "gguf"
+    cache = timings.cache_dir() / "gguf"
     out = cache / f"{Path(path).name}-{checkpoint_digest(path)}-{outtype}.gguf"
     if not out.exists():
         print(f"specdec: converting {name} to GGUF ({outtype}) for llama.cpp, once: {out}", file=sys.stderr, flush=True)
