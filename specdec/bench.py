@@ -235,7 +235,7 @@ def compute_paths(llm: LLM) -> dict[str, str]:
     from specdec.models.cpu import describe_path
 
     requested = llm.model_config.dtype
-    paths = {"target": describe_path(llm.engine.target, requested)}
+    paths = {"backend": f"{llm.backend} ({llm.backend_reason})", "target": describe_path(llm.engine.target, requested)}
     draft = getattr(llm.engine.drafter, "runner", None)
     if draft is not None:
         paths["draft"] = describe_path(draft, requested)

@@ -152,7 +152,8 @@ def bench(
             raise CliError(f"--peer must be 'hf', got {peer!r}")
         spec_llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
                        tokenizer=tokenizer)
-        ar_llm = LLM(model=model, dtype=dtype, device=device, backend=backend, tokenizer=tokenizer)
+        # the baseline runs where the speculative side does, whichever auto picked: one backend's ratio
+        ar_llm = LLM(model=model, dtype=dtype, device=device, backend=spec_llm.backend, tokenizer=tokenizer)
         if peer == "hf":
             from specdec.workbench.peer_hf import run_bench_with_hf
 
@@ -189,13 +190,13 @@ def demo(
         quiet_transformers()
         spec_llm = LLM(model=DEMO_TARGET, device=device, backend=backend, speculative_config={
             "method": "draft_model", "model": DEMO_DRAFT, "num_speculative_tokens": 4})
-        ar_llm = LLM(model=DEMO_TARGET, device=device, backend=backend)
+        ar_llm = LLM(model=DEMO_TARGET, device=device, backend=spec_llm.backend)  # the same backend
         completions = [o.outputs[0].text for o in spec_llm.generate(DEMO_PROMPTS, params)]
         result = run_bench(ar_llm, spec_llm, DEMO_PROMPTS, params).as_dict()
     summary = {"ar_tokens_per_s": result["ar"]["tokens_per_s"], "spec_tokens_per_s": result["spec"]["tokens_per_s"],
                "speedup": result["speedup"], "acceptance_rate": result["spec"]["acceptance_rate"],
                "mean_acceptance_length": result["spec"]["mean_acceptance_length"], "paths": result["paths"],
-               "backend": spec_llm.backend}
+               "backend": spec_llm.backend, "backend_reason": spec_llm.backend_reason}
     if as_json:
         print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
         return
