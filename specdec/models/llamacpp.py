@@ -129,7 +129,7 @@ class LlamaCppRunner(ModelRunner):
     def describe(self) -> str:
         """The compute path in one line: llama.cpp's CPU features as built, weights, KV cache, threads."""
         info = self.lib.llama_print_system_info().decode(errors="replace")
-        features = [f.split("=")[0].strip() for f in info.split("|") if f.strip().endswith("= 1")]
+        features = [f.split("=")[0].split(":")[-1].strip() for f in info.split("|") if f.strip().endswith("= 1")]
         kv = "f32" if self.kv_type == self.lib.GGML_TYPE_F32 else "f16"
         return (f"llama.cpp ggml-cpu ({', '.join(features) or 'no SIMD features'}): {self.info.weight_type} "
                 f"weights, {kv} KV cache, {self.threads} threads")
