@@ -42,6 +42,10 @@ def test_auto_times_both_backends_once_and_keeps_the_verdict(measured, monkeypat
     assert auto_backend(measured, "float32", 4) == verdict
     llm = LLM(measured, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     assert (llm.backend, llm.backend_reason) == (verdict.backend, f"auto: {verdict.reason}")
+    key = next(iter(cached))
+    backend_choice.cache_path().write_text(json.dumps({key: {"torch": "fast"}}))  # a damaged entry is timed anew
+    monkeypatch.setattr(backend_choice, "time_backends", fake_timings)
+    assert auto_backend(measured, "float32", 4).ms == fake_timings(measured, "float32", 4)
 
 
 def fake_timings(path, dtype, k):

@@ -59,12 +59,18 @@ def auto_backend(path: str, dtype: str, k: int) -> BackendVerdict:
                               "where llama.cpp is the faster", {})
     key = f"{timings.machine_key()} {checkpoint_digest(path)} {dtype} k {k}"
     ms = timings.read(cache_path()).get(key)
-    if ms is None:
+    if not _well_formed(ms):  # absent, or an edited file's leftovers
         print(f"specdec: timing {Path(path).name} on llama.cpp and torch for backend=auto (k={k}), once",
               file=sys.stderr, flush=True)
         ms = time_backends(path, dtype, k)
         timings.write(cache_path(), key, ms)
     return _decide(ms, k)
+
+
+def _well_formed(ms) -> bool:
+    return (isinstance(ms, dict) and set(ms) == {"llama.cpp", "torch"}
+            and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) for x in t)
+                    for t in ms.values()))
 
 
 def _decide(ms: dict, k: int) -> BackendVerdict:
