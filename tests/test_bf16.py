@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import LLM, SamplingParams
-from specdec.models import cpu
+from specdec.models import cpu, timings
 from specdec.models.base import ForwardBatch
 from specdec.models.linear import Linear
 from specdec.models.llama import LlamaRunner
@@ -275,3 +275,19 @@ def test_host_memory_calls_are_safe():
     pinned = pin_mmap_threshold()
     assert pinned is (platform.libc_ver()[0] == "glibc")  # mallopt succeeds on glibc; elsewhere a no-op
     trim_heap()
+
+
+def test_timings_are_measured_once_and_again_when_the_cache_is_damaged(tmp_path):
+    path, names, calls = tmp_path / "t.json", ("bf16", "float32"), []
+    measured = {"bf16": [1.0, 2.0], "float32": [3.0, 4.0]}
+
+    def measure():
+        calls.append(1)
+        return measured
+
+    assert timings.cached(path, "key", measure, names) == measured
+    assert timings.cached(path, "key", measure, names) == measured and len(calls) == 1  # from the file
+    for damaged in ('{"key": {"bf16": [1.0]}}', '{"key": {"bf16": [1, 2], "float32": ["x", 2]}}', "not json", "[1, 2]"):
+        path.write_text(damaged)
+        assert timings.cached(path, "key", measure, names) == measured
+    assert len(calls) == 5 and json.loads(path.read_text())["key"] == measured

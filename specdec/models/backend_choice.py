@@ -57,20 +57,13 @@ def auto_backend(path: str, dtype: str, k: int) -> BackendVerdict:
     if size > MAX_TIMED_BYTES:
         return BackendVerdict("llama.cpp", f"a checkpoint of {size / 2**30:.1f} GiB decodes bound by memory, "
                               "where llama.cpp is the faster", {})
-    key = f"{timings.machine_key()} {checkpoint_digest(path)} {dtype} k {k}"
-    ms = timings.read(cache_path()).get(key)
-    if not _well_formed(ms):  # absent, or an edited file's leftovers
+    def measure() -> dict:
         print(f"specdec: timing {Path(path).name} on llama.cpp and torch for backend=auto (k={k}), once",
               file=sys.stderr, flush=True)
-        ms = time_backends(path, dtype, k)
-        timings.write(cache_path(), key, ms)
-    return _decide(ms, k)
+        return time_backends(path, dtype, k)
 
-
-def _well_formed(ms) -> bool:
-    return (isinstance(ms, dict) and set(ms) == {"llama.cpp", "torch"}
-            and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, (int, float)) for x in t)
-                    for t in ms.values()))
+    key = f"{timings.machine_key()} {checkpoint_digest(path)} {dtype} k {k}"
+    return _decide(timings.cached(cache_path(), key, measure, ("llama.cpp", "torch")), k)
 
 
 def _decide(ms: dict, k: int) -> BackendVerdict:
@@ -83,8 +76,8 @@ def _decide(ms: dict, k: int) -> BackendVerdict:
 
 def time_backends(path: str, dtype: str, k: int) -> dict:
     """Milliseconds of the target's forward of 1 and k+1 tokens (k=0: 1 token only, reported twice) on
-    both backends, alternating, after CONTEXT positions (or what the model allows): the median over repeats of each burst's
-    settled half."""
+    both backends, alternating, after CONTEXT positions (or what the model allows): the median over
+    repeats of each burst's settled half."""
     from specdec.models.base import ForwardBatch
     from specdec.models.loader import load_runner
 

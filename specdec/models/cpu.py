@@ -110,10 +110,7 @@ def bf16_verdict(out_features: int, in_features: int) -> Bf16Verdict:
     if not support.native:
         return Bf16Verdict(False, f"no native bf16: {support.reason}", {})
     key = f"{timings.machine_key()} {out_features}x{in_features}"
-    ms = timings.read(cache_path()).get(key)
-    if ms is None:
-        ms = _time_products(out_features, in_features)
-        timings.write(cache_path(), key, ms)
+    ms = timings.cached(cache_path(), key, lambda: _time_products(out_features, in_features), ("bf16", "float32"))
     faster = all(b < f for b, f in zip(ms["bf16"], ms["float32"]))
     timing = ", ".join(f"{b:.2f} vs {f:.2f} ms at {r} row{'s' * (r > 1)}"
                        for r, b, f in zip((1, VERIFY_ROWS), ms["bf16"], ms["float32"]))

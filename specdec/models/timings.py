@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,14 +29,32 @@ def machine_key() -> str:
     """The machine as timings depend on it: the CPU model and features, torch, the thread count."""
     caps = torch.cpu.get_capabilities()
     features = hashlib.sha1(json.dumps(sorted((k, str(v)) for k, v in caps.items())).encode()).hexdigest()[:12]
-    return f"{caps.get('cpu_name', platform.processor())} {features} torch {torch.__version__} threads {torch.get_num_threads()}"
+    return (f"{caps.get('cpu_name', platform.processor())} {features} torch {torch.__version__} "
+            f"threads {torch.get_num_threads()}")
+
+
+def cached(path: Path, key: str, measure: Callable[[], dict], names: tuple[str, ...], length: int = 2) -> dict:
+    """The timings kept under ``key`` in ``path``: {name: [length numbers]} for exactly ``names``,
+    measured and kept when absent or damaged (a hand-edited or truncated file times again)."""
+    value = read(path).get(key)
+    if not _well_formed(value, names, length):
+        value = measure()
+        write(path, key, value)
+    return value
+
+
+def _well_formed(value, names: tuple[str, ...], length: int) -> bool:
+    return (isinstance(value, dict) and set(value) == set(names)
+            and all(isinstance(t, list) and len(t) == length
+                    and all(isinstance(x, (int, float)) for x in t) for t in value.values()))
 
 
 def read(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
 def write(path: Path, key: str, value) -> None:
