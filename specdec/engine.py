@@ -200,7 +200,7 @@ class Engine:
         # 5. update: the drafter learns what was accepted; counters, costs; finished sequences leave
         if batch.draft_token_ids.shape[1] > 0:
             self.drafter.observe(batch.seqs, result.num_accepted)
-        self.stats.record_round(batch.num_draft, result.num_accepted)
+        self.stats.record_round(batch.num_draft, result.num_accepted, batch.num_wanted)
         if self.controller is not None:  # a pass that carried a prompt times no verify pass
             self.controller.record([s.seq_id for s in batch.seqs], batch.num_draft, result.num_accepted,
                                    t1 - t_draft, None if batch.carries_prompt else t2 - t1)

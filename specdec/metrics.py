@@ -1,4 +1,5 @@
-"""Speculative-decoding counters with vLLM's names and meanings, and the cost model of ALGORITHM.md.
+"""Speculative-decoding counters with vLLM's names and meanings (docs/algorithm.md, "Metrics"); the cost
+model that reads them is specdec/cost_model.py.
 
 Counters count per sequence and round, as vLLM's do (a round over 8 sequences that all draft is 8
 drafts), except ``num_verify_passes``: one target pass verifies the whole batch."""
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 class SpecDecodingStats:
     num_drafts: int = 0  # (sequence, round) pairs that proposed at least one token
     num_draft_tokens: int = 0
+    num_asked_draft_tokens: int = 0  # drafts the engine asked for: a lookup drafter may find fewer
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
     num_draft_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts proposed at position i
@@ -30,9 +32,11 @@ class SpecDecodingStats:
         self.num_verify_passes += steps
         self.num_emitted_tokens += num_seqs * steps
 
-    def record_round(self, k_per_seq: list[int], num_accepted: list[int]) -> None:
-        """One round: drafts proposed and accepted per sequence of the batch."""
+    def record_round(self, k_per_seq: list[int], num_accepted: list[int], num_asked: list[int] | None = None) -> None:
+        """One round: drafts proposed, accepted and (``num_asked``, default: as proposed) asked for per
+        sequence of the batch  [B] each."""
         self.num_verify_passes += 1
+        self.num_asked_draft_tokens += sum(num_asked if num_asked is not None else k_per_seq)
         for k, n in zip(k_per_seq, num_accepted):
             self.num_emitted_tokens += n + 1
             if k == 0:
