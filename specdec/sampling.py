@@ -2,9 +2,10 @@
 
 One pipeline, in this order: temperature -> top-k -> top-p -> min-p, then softmax.
 The verifier's p and a sampling drafter's q both come from ``probs_from_logits``
-with the same per-row parameters, as ALGORITHM.md requires. A row's probabilities do not
-depend on the other rows' parameters (a row without top-p is not cut at a rounded cumulative
-mass because another row uses top-p), so a seeded request samples alike in any batch.
+with the same per-row parameters (docs/algorithm.md: "Sampling options apply to p and q").
+A row's probabilities do not depend on the other rows' parameters (a row without top-p is not cut
+at a rounded cumulative mass because another row uses top-p), so a seeded request samples alike
+in any batch.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class SamplingBatch:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (the first maximal index, as torch's); float32 CPU tensors through numpy,
-    whose argmax over a 8k vocabulary row takes 2 us against torch's 18 (a greedy step, a draft step)."""
+    whose argmax over a vocabulary row costs a fraction of torch's: every greedy step and greedy draft
+    takes one (figures: README, "Where the time goes at batch 1")."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
         return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1)))
     return x.argmax(dim=-1)
@@ -117,8 +119,8 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
 
     The exponential race argmax_x p(x) / E_x, E ~ Exp(1) i.i.d., picks x with probability p(x) (as
     torch.multinomial does for one sample, and vLLM). Written out, each call takes exactly V uniforms
-    from the row's generator whatever else is in the batch, and costs a fifth of torch.multinomial,
-    whose exponential_ is slow on CPU (8192 tokens: 0.25 vs 1.15 ms on a loaded 2-core machine)."""
+    from the row's generator whatever else is in the batch, and costs less than torch.multinomial,
+    whose exponential_ is slow on CPU (figures: README, "Where the time goes at batch 1")."""
     return torch.stack([(probs[b] / exponentials(probs.shape[-1], g, probs.device)).argmax()
                         for b, g in enumerate(generators)])
 
