@@ -39,9 +39,9 @@ as JSON. Use it with prompts that ask for such records:
 
 Without --prompts a built-in set of 12 short code and prose prompts is cycled; --token-prompts sends
 random token ids instead (for tiny test models whose tokenizers know no real words). With enough
-prompts (Spec-Bench's 480: ``--prompts ../shared/data/spec_bench/question.jsonl``) the comparison
-sends each prompt once and none from the load test, so drafters that learn from earlier outputs
-(suffix) are not measured on text they have already seen.
+prompts (Spec-Bench's 480: ``--prompts "$SPEC_BENCH"``, the Spec-Bench repository's
+data/spec_bench/question.jsonl) the comparison sends each prompt once and none from the load test,
+so drafters that learn from earlier outputs (suffix) are not measured on text they have already seen.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ plain outputs token for token; a divergence is judged a near-tie or not by specd
 (``specdec.near_tie``). Same threads on both sides: llama-server ``-t/-tb`` (``-td/-tbd`` for the
 draft), specdec serve OMP_NUM_THREADS.
 
-    python benchmarks/peer_llamacpp_serving.py --prompts ../shared/data/spec_bench/question.jsonl \\
+    python benchmarks/peer_llamacpp_serving.py --prompts "$SPEC_BENCH" \\
         --threads 2 [--rounds 1] [--json out.json]
 """
 

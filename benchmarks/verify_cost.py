@@ -2,7 +2,7 @@
 given context, for GGUF files on llama.cpp (flash attention off, as specdec's runner runs them, and
 on, as llama.cpp's tools do by default) and HF checkpoints on the torch runner.
 
-The cost model (ALGORITHM.md) divides τ by c·k + v(k): the flatter v, the more drafted tokens pay.
+The cost model (docs/algorithm.md) divides τ by c·k + v(k): the flatter v, the more drafted tokens pay.
 Variants alternate within each repeat, so machine noise hits them alike; medians are printed.
 
 ``--burst N`` times each length N forwards in a row and keeps the second half of each burst: the

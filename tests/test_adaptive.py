@@ -103,7 +103,7 @@ def test_a_round_after_plain_ones_does_not_time_drafting():
 
 def test_the_controller_picks_the_k_the_cost_model_says_is_best():
     """Positions 1 and 2 are accepted with probability 0.9, later ones with 0.05: with these costs
-    (c = 0.1, v(k) = 1 + 0.2k) ALGORITHM.md's S(k) is 1.46, 1.69, 1.45, 1.25 for k = 1..4, so k = 2
+    (c = 0.1, v(k) = 1 + 0.2k) docs/algorithm.md's S(k) is 1.46, 1.69, 1.45, 1.25 for k = 1..4, so k = 2
     and only k = 2 is right; the controller, measuring all of it, must settle on it."""
     import random
 
@@ -116,7 +116,7 @@ def test_the_controller_picks_the_k_the_cost_model_says_is_best():
             n += 1
         return n
 
-    def speedup(k):  # ALGORITHM.md: S(k) = E(k) / (k c + v(k)), E(k) = 1 + sum_i prod_{j<=i} alpha_j
+    def speedup(k):  # docs/algorithm.md: S(k) = E(k) / (k c + v(k)), E(k) = 1 + sum_i prod_{j<=i} alpha_j
         run, expected = 1.0, 1.0
         for a in alphas[:k]:
             run *= a

@@ -82,7 +82,7 @@ def fails_with(result, text: str) -> None:
 def test_expected_tokens_and_acceptance_from_rounds():
     assert expected_tokens([0.5, 0.5], 0) == 1.0
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
-    # i.i.d. alpha: matches ALGORITHM.md's closed form (1 - a^(k+1)) / (1 - a)
+    # i.i.d. alpha: matches docs/algorithm.md's closed form (1 - a^(k+1)) / (1 - a)
     assert expected_tokens([0.7] * 4, 4) == pytest.approx((1 - 0.7 ** 5) / 0.3)
     s = predicted_speedups([1.0, 1.0], c=0.5, v=[1.0, 1.2, 1.4])
     assert s == pytest.approx([1.0, 2 / 1.7, 3 / 2.4])
