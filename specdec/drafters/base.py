@@ -46,6 +46,11 @@ class Drafter(ABC):
     def release_memory(self) -> None:
         """No sequence is running: free buffers that the next proposal can rebuild (a KV cache)."""
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache of its own that one position of one sequence takes (0: it keeps none), for
+        the scheduler's KV budget beside the target's."""
+        return 0
+
 
 def grew_from(tokens: list[int], history: list[int], tail_check: int = 8) -> bool:
     """Whether ``history`` grew from ``tokens`` (a drafter's copy of it), checked by length and the last

@@ -73,6 +73,9 @@ class DraftModelDrafter(Drafter):
         return self.runner.forward(ForwardBatch.from_rows(chunks, starts, logits="last", row_offset=row_offset,
                                                           device=self.runner.device))
 
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_token()
+
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows
 

@@ -77,3 +77,6 @@ class HybridDrafter(Drafter):
     def release_memory(self) -> None:
         self.suffix.release_memory()
         self.model.release_memory()
+
+    def kv_bytes_per_token(self) -> int:
+        return self.suffix.kv_bytes_per_token() + self.model.kv_bytes_per_token()

@@ -42,3 +42,8 @@ class LayerSkipDrafter(Drafter):
                                                           num_layers=n))
 
         return draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min)
+
+    def kv_bytes_per_token(self) -> int:
+        """0: its keys and values live in the target's cache, at positions the target's verify pass
+        writes anyway (the module docstring), so the target's share of the budget covers them."""
+        return 0

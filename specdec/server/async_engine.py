@@ -293,10 +293,7 @@ class AsyncEngine(Admission):
         self.release_when_idle = release_when_idle
         limits = limits or ServerLimits()
         target = engine.target
-        per_token = target.kv_bytes_per_token()
-        draft_runner = getattr(engine.drafter, "runner", None)  # a draft model keeps a cache of its own
-        if draft_runner is not None:
-            per_token += draft_runner.kv_bytes_per_token()
+        per_token = target.kv_bytes_per_token() + (engine.drafter.kv_bytes_per_token() if engine.drafter else 0)
         budget = limits.kv_cache_memory
         if budget is None:
             budget = int(limits.kv_cache_memory_fraction * available_memory(target.device))
