@@ -141,6 +141,39 @@ def test_config_validation():
         TrainConfig(data=["x"], out="y", precision="fp8")
     with pytest.raises(ValueError):
         TrainConfig(data=["x"], out="y", seq_len=4096)
+    from specdec.training.distill import DistillConfig
+
+    with pytest.raises(ValueError, match="val_fraction"):  # the fields both configs share, checked for both
+        DistillConfig(target="t", data=["x"], out="y", val_fraction=1.0)
+    with pytest.raises(ValueError, match="no data given"):
+        DistillConfig(target="t", data=[], out="y")
+
+
+def test_command_line_options_reach_the_configs():
+    from specdec.training import distill as distill_cli, train as train_cli
+
+    args = train_cli.build_parser().parse_args([
+        "--data", "a", "b", "--out", "o", "--hidden-size", "16", "--layers", "3", "--heads", "2", "--kv-heads", "1",
+        "--max-position-embeddings", "64", "--rope-theta", "500", "--no-tie-embeddings", "--seq-len", "16",
+        "--beta2", "0.9", "--lr", "1e-3", "--vocab-size", "300",
+    ])  # fmt: skip
+    cfg = train_cli.config_from_args(args, "cmd")
+    assert cfg.model == ModelShape(hidden_size=16, num_layers=3, num_heads=2, num_kv_heads=1,
+                                   max_position_embeddings=64, rope_theta=500.0, tie_embeddings=False)
+    assert (cfg.data, cfg.out, cfg.seq_len, cfg.vocab_size, cfg.command) == (["a", "b"], "o", 16, 300, "cmd")
+    assert (cfg.optim.lr, cfg.optim.beta2) == (1e-3, 0.9)
+    llama = cfg.model.llama_config(vocab_size=300, eos_id=0)
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
+            llama.max_position_embeddings, llama.tie_word_embeddings) == (16, 3, 2, 1, 64, False)
+
+    args = distill_cli.build_parser().parse_args([
+        "--target", "t", "--data", "a", "--out", "o", "--layers", "1", "--temperature", "2", "--on-policy-fraction",
+        "0.5", "--prompt-len", "8", "--accept-prompts", "0", "--accept-k", "3", "--init-draft", "d", "--seq-len", "32",
+    ])  # fmt: skip
+    cfg = distill_cli.config_from_args(args, "cmd")
+    assert cfg.draft == replace(distill_cli.DEFAULT_DRAFT, num_layers=1)
+    assert (cfg.target, cfg.init_draft, cfg.temperature, cfg.on_policy_fraction, cfg.prompt_len) == ("t", "d", 2.0, 0.5, 8)
+    assert (cfg.accept_prompts, cfg.accept_k, cfg.seq_len, cfg.optim.beta2) == (0, 3, 32, OptimConfig().beta2)
 
 
 # Tokenizer -------------------------------------------------------------------

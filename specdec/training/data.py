@@ -85,6 +85,15 @@ def split_files(files: Sequence[Path], val_fraction: float) -> tuple[list[Path],
     return train, val
 
 
+def read_split(
+    paths: Iterable[str | Path], val_fraction: float
+) -> tuple[tuple[list[Path], list[Path]], tuple[list[str], list[str]]]:
+    """``(train_files, held_out_files), (train_texts, held_out_texts)`` of the files under ``paths``
+    (see :func:`collect_files`), split by :func:`split_files`; empty and non-UTF-8 files have no text."""
+    files = split_files(collect_files(paths), val_fraction)
+    return files, tuple([t for t in map(read_text, side) if t is not None] for side in files)
+
+
 def tokenize_documents(texts: Iterable[str], tokenizer, batch_size: int = 256) -> np.ndarray:
     """Concatenate ``doc0 EOS doc1 EOS ...`` into one flat array.
 
@@ -150,6 +159,12 @@ class TokenWindows:
         mine = self.state_dict()
         if state != mine:
             raise ValueError(f"checkpoint sampler state {state} does not match this run's {mine}")
+
+
+def held_out_windows(tokens: np.ndarray, seq_len: int, n: int) -> torch.Tensor | None:
+    """``n`` fixed windows ``[n, seq_len + 1]`` of held-out ``tokens`` for evaluation, or None when
+    they do not fill a window."""
+    return TokenWindows(tokens, seq_len).fixed(n) if len(tokens) > seq_len else None
 
 
 def describe_sources(paths: Iterable[str | Path]) -> str:

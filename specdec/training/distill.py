@@ -13,10 +13,10 @@ Data is either windows of a corpus (off-policy) or, with
 ``on_policy_fraction > 0``, partly continuations sampled from the target after
 a short corpus prefix: the contexts the draft will see when drafting.
 
-Steps: 1. processes; 2. target and its tokenizer; 3. data; 4. draft,
-optimizer, schedule; 5. resume and 6. distill, both in ``loop.run_loop``;
-7. save the draft folder; 8. measure the saved draft's acceptance by the target
-on held-out prompts (greedy, k fixed).
+Steps: 1. processes; 2. target and its tokenizer; 3. data; 4. draft; 5. resume
+and 6. distill, both in ``loop.run_loop`` (which makes the optimizer and its
+schedule); 7. save the draft folder; 8. measure the saved draft's acceptance by
+the target on held-out prompts (greedy, k fixed).
 
     python -m specdec.training.distill --target TARGET --data stdlib --out DRAFT
 """
@@ -35,26 +35,9 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from specdec.training import distributed
 from specdec.training.acceptance import draft_acceptance, format_acceptance
-from specdec.training.data import (
-    TokenWindows,
-    collect_files,
-    describe_sources,
-    read_text,
-    split_files,
-    tokenize_documents,
-)
-from specdec.training.loop import (
-    OptimConfig,
-    add_loop_args,
-    check_loop_config,
-    held_out_loss,
-    launch_command,
-    loop_config_from_args,
-    make_optimizer,
-    make_scheduler,
-    run_loop,
-    start_run,
-)
+from specdec.training.data import TokenWindows, describe_sources, held_out_windows, read_split, tokenize_documents
+from specdec.training.loop import (RunConfig, add_loop_args, fields_from_args, launch_command, loop_config_from_args,
+                                   run_loop, start_run)
 from specdec.training.model_card import write_model_card
 from specdec.training.tokenizer import load_tokenizer
 from specdec.training.train import ModelShape, add_shape_args, export_hf_folder, shape_from_args
@@ -65,54 +48,28 @@ ACCEPT_PROMPT_LEN = 128  # tokens of held-out text before each acceptance-report
 
 
 @dataclass
-class DistillConfig:
+class DistillConfig(RunConfig):
+    """What to distill from which target (see :class:`RunConfig` for data, output and the loop)."""
+
     target: str  # Hugging Face folder (or hub id) of the target
-    data: list[str]
-    out: str
-    run_dir: str | None = None
     init_draft: str | None = None  # start from this folder instead of random init
     draft: ModelShape = field(default_factory=lambda: DEFAULT_DRAFT)
     temperature: float = 1.0
     on_policy_fraction: float = 0.0  # share of each batch sampled from the target
     prompt_len: int = 32  # corpus prefix before an on-policy continuation
-    val_fraction: float = 0.02
-    seq_len: int = 512
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_steps: int = 1000
-    stop_at_step: int | None = None
-    eval_every: int = 100
-    eval_windows: int = 32
-    log_every: int = 10
-    checkpoint_every: int = 0
-    checkpoint_minutes: float = 10.0
-    resume: bool = False
-    precision: str = "auto"
-    threads: int = 0
-    device: str = "auto"
-    seed: int = 0
-    save_dtype: str = "bfloat16"
     accept_prompts: int = 8  # held-out prompts for the final acceptance report (0: skip it)
     accept_k: int = 4
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    command: str = ""
 
     def __post_init__(self) -> None:
-        if not self.data:
-            raise ValueError("no distillation data given")
+        super().__post_init__()
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if not 0 <= self.on_policy_fraction <= 1:
             raise ValueError(f"on_policy_fraction must be in [0, 1], got {self.on_policy_fraction}")
         if self.on_policy_fraction and not 0 < self.prompt_len < self.seq_len:
             raise ValueError("prompt_len must be in (0, seq_len) for on-policy data")
-        check_loop_config(self)
         if self.accept_prompts < 0 or not 1 <= self.accept_k <= 16:
             raise ValueError("accept_prompts must be >= 0 and accept_k in [1, 16]")
-
-    @property
-    def run_path(self) -> Path:
-        return Path(self.run_dir or self.out)
 
 
 def forward_kl(p_logits: torch.Tensor, q_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -185,16 +142,17 @@ def run_distill(cfg: DistillConfig) -> DistillResult:
     log(f"target {cfg.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters; bf16={bf16}")
 
     # 3. Data (the seq_len + 1 windows of TokenWindows; distillation uses the first seq_len).
-    train_files, val_files = split_files(collect_files(cfg.data), cfg.val_fraction)
-    train_tokens = tokenize_documents(filter(None, map(read_text, train_files)), tokenizer)
-    val_tokens = tokenize_documents(filter(None, map(read_text, val_files)), tokenizer)
+    _, (train_texts, val_texts) = read_split(cfg.data, cfg.val_fraction)
+    train_tokens = tokenize_documents(train_texts, tokenizer)
+    val_tokens = tokenize_documents(val_texts, tokenizer)
+    del train_texts, val_texts
     sampler = TokenWindows(train_tokens, cfg.seq_len, seed=cfg.seed, rank=d.rank)
-    val_windows = None
-    if len(val_tokens) > cfg.seq_len:
-        val_windows = TokenWindows(val_tokens, cfg.seq_len).fixed(cfg.eval_windows)[:, : cfg.seq_len]
+    val_windows = held_out_windows(val_tokens, cfg.seq_len, cfg.eval_windows)
+    if val_windows is not None:
+        val_windows = val_windows[:, : cfg.seq_len]  # [n, seq_len]
     log(f"data: {len(train_tokens):,} train tokens, {len(val_tokens):,} held-out tokens")
 
-    # 4. Draft, optimizer, schedule.
+    # 4. Draft.
     torch.manual_seed(cfg.seed)
     if cfg.init_draft:
         draft = AutoModelForCausalLM.from_pretrained(cfg.init_draft, dtype=torch.float32)
@@ -205,31 +163,16 @@ def run_distill(cfg: DistillConfig) -> DistillResult:
     draft = draft.to(d.device)
     n_params = sum(p.numel() for p in draft.parameters())
     log(f"draft: {n_params / 1e6:.2f}M parameters")
-    optimizer = make_optimizer(draft, cfg.optim)
-    scheduler = make_scheduler(optimizer, cfg.optim, cfg.max_steps)
 
     # 5. Resume if asked, and 6. distill with periodic eval and checkpoints.
-    def micro_loss(ddp_draft, step: int, micro: int) -> torch.Tensor:
-        tokens = make_batch(cfg, sampler, target, step, micro, d.rank, bf16, d.device)  # [batch, seq_len]
+    def batch(step: int, micro: int) -> torch.Tensor:
+        return make_batch(cfg, sampler, target, step, micro, d.rank, bf16, d.device)  # [batch, seq_len]
+
+    def loss(ddp_draft, tokens: torch.Tensor) -> torch.Tensor:
         return distill_loss(target, ddp_draft, tokens, cfg.temperature, bf16)
 
-    def evaluate() -> float:
-        return held_out_loss(draft, val_windows, d, cfg.batch_size, lambda m, w: distill_loss(target, m, w, cfg.temperature, bf16))
-
-    r = run_loop(cfg, d, log, draft, optimizer, scheduler, sampler, micro_loss, evaluate if val_windows is not None else None, "kl")
-
-    summary = {
-        "steps": r.steps,
-        "tokens_seen": r.tokens_seen,
-        "first_kl": r.first_loss,
-        "train_kl": r.last_loss,
-        "held_out_kl": r.eval_loss,
-        "wall_time_s": r.elapsed,
-        "parameters": n_params,
-        "bf16": bf16,
-        "world_size": d.world_size,
-        "ranks_identical": r.ranks_identical,
-    }
+    r = run_loop(cfg, d, log, draft, sampler, batch, loss, val_windows, "kl")
+    summary = r.summary("kl", parameters=n_params, bf16=bf16)
 
     # 7. Save the draft with the target's tokenizer.
     if d.is_main:
@@ -280,39 +223,26 @@ def write_distill_card(out: Path, cfg: DistillConfig, summary: dict) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec distill", description="Distill a draft model from a target's logits.")
     p.add_argument("--target", required=True)
-    p.add_argument("--data", nargs="+", required=True, help="files or folders ('stdlib' = Python stdlib minus tests)")
-    p.add_argument("--out", required=True)
-    p.add_argument("--run-dir", default=None)
+    add_loop_args(p)
     p.add_argument("--init-draft", default=None)
     add_shape_args(p, DEFAULT_DRAFT)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--on-policy-fraction", type=float, default=0.0)
     p.add_argument("--prompt-len", type=int, default=32)
-    add_loop_args(p)
     p.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for the acceptance report (0: skip)")
     p.add_argument("--accept-k", type=int, default=4, help="draft length for the acceptance report")
     return p
 
 
+def config_from_args(args: argparse.Namespace, command: str) -> DistillConfig:
+    own = fields_from_args(args, "target init_draft temperature on_policy_fraction prompt_len accept_prompts accept_k")
+    return DistillConfig(**loop_config_from_args(args), **own, draft=shape_from_args(args), command=command)
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = build_parser().parse_args(argv)
-    cfg = DistillConfig(
-        target=a.target,
-        data=a.data,
-        out=a.out,
-        run_dir=a.run_dir,
-        init_draft=a.init_draft,
-        draft=shape_from_args(a),
-        temperature=a.temperature,
-        on_policy_fraction=a.on_policy_fraction,
-        prompt_len=a.prompt_len,
-        accept_prompts=a.accept_prompts,
-        accept_k=a.accept_k,
-        command=launch_command("specdec.training.distill", argv),
-        **loop_config_from_args(a),
-    )
-    return distill(cfg)
+    args = build_parser().parse_args(argv)
+    return distill(config_from_args(args, launch_command("specdec.training.distill", argv)))
 
 
 if __name__ == "__main__":

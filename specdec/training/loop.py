@@ -2,8 +2,8 @@
 
 The two differ only in how a micro-batch and its loss are made (next-token
 cross-entropy vs forward KL on the target's logits) and in what they build
-around the loop; both hand :func:`run_loop` a model, an optimizer, a schedule,
-a data sampler and two callables.
+around the loop; both hand :func:`run_loop` a model, a data sampler, the
+held-out windows and two callables.
 
 Steps of :func:`run_loop`: 1. resume from ``run_dir/checkpoint.pt`` if asked;
 2. wrap the model in DDP under torchrun; 3. step until ``stop_at_step`` or
@@ -11,8 +11,8 @@ Steps of :func:`run_loop`: 1. resume from ``run_dir/checkpoint.pt`` if asked;
 ``eval_every`` and checkpointing by steps or minutes and at the end; 4. check
 that every rank ends with the same weights.
 
-Also here: the optimizer and its schedule, the precision choice, the run log
-and the command-line options both commands share.
+Also here: the configuration fields and command-line options both commands
+share, the optimizer and its schedule, the precision choice and the run log.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import shlex
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,14 +53,49 @@ class OptimConfig:
             raise ValueError(f"bad optimizer settings: {self}")
 
 
-def check_loop_config(cfg) -> None:
-    """Validate the fields every run config shares (see :func:`add_loop_args`)."""
-    if cfg.precision not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"precision must be auto, bf16 or fp32, got {cfg.precision!r}")
-    if cfg.save_dtype not in SAVE_DTYPES:
-        raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {cfg.save_dtype!r}")
-    if min(cfg.seq_len, cfg.batch_size, cfg.grad_accum, cfg.max_steps) < 1:
-        raise ValueError("seq_len, batch_size, grad_accum and max_steps must be >= 1")
+@dataclass(kw_only=True)
+class RunConfig:
+    """The fields ``TrainConfig`` and ``DistillConfig`` share: data, output and the loop's settings
+    (the options of :func:`add_loop_args`)."""
+
+    data: list[str]
+    out: str
+    run_dir: str | None = None  # checkpoints and logs; defaults to out
+    val_fraction: float = 0.02
+    seq_len: int = 512
+    batch_size: int = 8  # windows per rank per micro-batch
+    grad_accum: int = 1
+    max_steps: int = 1000
+    stop_at_step: int | None = None  # leave early (schedule still spans max_steps), e.g. to split a run
+    eval_every: int = 100
+    eval_windows: int = 32
+    log_every: int = 10
+    checkpoint_every: int = 0  # steps; 0 = only by time
+    checkpoint_minutes: float = 10.0
+    resume: bool = False
+    precision: str = "auto"  # auto | bf16 | fp32 (autocast; master weights stay fp32)
+    threads: int = 0  # torch threads per rank; 0 = leave torch's default
+    device: str = "auto"
+    seed: int = 0
+    save_dtype: str = "bfloat16"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    command: str = ""  # recorded in the model card
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("no data given (--data: files or folders)")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype must be one of {sorted(SAVE_DTYPES)}, got {self.save_dtype!r}")
+        if min(self.seq_len, self.batch_size, self.grad_accum, self.max_steps) < 1:
+            raise ValueError("seq_len, batch_size, grad_accum and max_steps must be >= 1")
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir or self.out)
 
 
 def lr_lambda(optim: OptimConfig, max_steps: int):
@@ -119,7 +154,7 @@ class RunLog:
             f.write(line + "\n")
 
 
-def start_run(cfg, log_name: str) -> tuple[distributed.Dist, RunLog, bool]:
+def start_run(cfg: RunConfig, log_name: str) -> tuple[distributed.Dist, RunLog, bool]:
     """Set up threads, processes (torchrun or not), the run folder and its log; returns (dist, log, bf16)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -166,27 +201,49 @@ class LoopResult:
     eval_loss: float  # nan without held-out data
     elapsed: float  # training seconds, summed over resumed runs
     ranks_identical: bool
+    world_size: int
+
+    def summary(self, loss_name: str, **facts) -> dict:
+        """The run's summary: the loop's figures (losses as ``first_``/``train_``/``held_out_`` +
+        ``loss_name``), then ``facts``, then how the ranks ran."""
+        return {
+            "steps": self.steps,
+            "tokens_seen": self.tokens_seen,
+            f"first_{loss_name}": self.first_loss,
+            f"train_{loss_name}": self.last_loss,
+            f"held_out_{loss_name}": self.eval_loss,
+            "wall_time_s": self.elapsed,
+            **facts,
+            "world_size": self.world_size,
+            "ranks_identical": self.ranks_identical,
+        }
 
 
 def run_loop(
-    cfg,
+    cfg: RunConfig,
     d: distributed.Dist,
     log: RunLog,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     sampler: TokenWindows,
-    micro_loss: Callable[[torch.nn.Module, int, int], torch.Tensor],
-    evaluate: Callable[[], float] | None,
+    batch: Callable[[int, int], torch.Tensor],
+    loss: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    val_windows: torch.Tensor | None,
     loss_name: str = "loss",
 ) -> LoopResult:
     """Optimise ``model`` (unwrapped, on ``d.device``) for ``cfg``'s steps; see the module docstring.
 
-    ``micro_loss(wrapped_model, step, micro)`` makes micro-batch ``micro`` of
-    ``step`` and returns its mean loss; ``evaluate()`` returns the held-out
-    loss (None: no held-out data). ``cfg`` is a ``TrainConfig`` or a
-    ``DistillConfig``; it is stored in the checkpoint.
+    ``batch(step, micro)`` makes micro-batch ``micro`` of ``step`` on
+    ``d.device``; ``loss(model, windows)`` is its mean loss, in training and on
+    the fixed ``val_windows`` (None: no held-out data). ``sampler`` is the
+    source of the batches, whose state the checkpoint checks on resume.
+    ``cfg`` is stored in the checkpoint.
     """
+    optimizer = make_optimizer(model, cfg.optim)
+    scheduler = make_scheduler(optimizer, cfg.optim, cfg.max_steps)
+
+    def evaluate() -> float:
+        return held_out_loss(model, val_windows, d, cfg.batch_size, loss)
+
     # 1. Resume.
     step, tokens_seen, elapsed, last_loss, first_loss = 0, 0, 0.0, float("nan"), float("nan")
     ckpt_path = cfg.run_path / CHECKPOINT_NAME
@@ -244,9 +301,9 @@ def run_loop(
             sync = micro == cfg.grad_accum - 1
             ctx = ddp_model.no_sync() if (d.enabled and not sync) else nullcontext()
             with ctx:
-                loss = micro_loss(ddp_model, step, micro) / cfg.grad_accum
-                loss.backward()
-            loss_sum += loss.item()
+                micro_loss = loss(ddp_model, batch(step, micro)) / cfg.grad_accum
+                micro_loss.backward()
+            loss_sum += micro_loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         scheduler.step()
@@ -265,7 +322,7 @@ def run_loop(
             lr = scheduler.get_last_lr()[0]
             log(f"step {step}/{cfg.max_steps} {loss_name} {last_loss:.4f} lr {lr:.2e} tok/s {tok_s:,.0f} tokens {tokens_seen:,}")
             window_start, window_tokens = time.time(), 0
-        if evaluate is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == end):
+        if val_windows is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == end):
             t = time.time()
             eval_loss = evaluate()
             elapsed += time.time() - t
@@ -277,7 +334,7 @@ def run_loop(
             last_ckpt = time.time()
     progress.stop()
 
-    if evaluate is not None and math.isnan(eval_loss):
+    if val_windows is not None and math.isnan(eval_loss):
         eval_loss = evaluate()
 
     # 4. All ranks must hold the same weights; a mismatch means a DDP bug.
@@ -290,14 +347,17 @@ def run_loop(
         identical = bool(torch.equal(lo, hi))
         log(f"weights identical across {d.world_size} ranks: {identical}")
 
-    return LoopResult(step, tokens_seen, first_loss, last_loss, eval_loss, elapsed, identical)
+    return LoopResult(step, tokens_seen, first_loss, last_loss, eval_loss, elapsed, identical, d.world_size)
 
 
 # Command line ------------------------------------------------------------------
 
 
 def add_loop_args(p: argparse.ArgumentParser) -> None:
-    """The options of ``specdec train`` and ``specdec distill`` that configure the loop."""
+    """The options ``specdec train`` and ``specdec distill`` share: the fields of :class:`RunConfig`."""
+    p.add_argument("--data", nargs="+", required=True, help="files or folders ('stdlib' = Python stdlib minus tests)")
+    p.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    p.add_argument("--run-dir", default=None, help="checkpoints and the run's log (default: --out)")
     p.add_argument("--val-fraction", type=float, default=0.02)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8, help="windows per rank per micro-batch")
@@ -323,7 +383,7 @@ def add_loop_args(p: argparse.ArgumentParser) -> None:
 
 
 def loop_config_from_args(a: argparse.Namespace) -> dict:
-    """Config fields from :func:`add_loop_args` options, ``optim`` included."""
+    """:class:`RunConfig` fields from :func:`add_loop_args` options, ``optim`` included."""
     optim = OptimConfig(
         lr=a.lr,
         warmup_steps=a.warmup_steps,
@@ -333,10 +393,15 @@ def loop_config_from_args(a: argparse.Namespace) -> dict:
         grad_clip=a.grad_clip,
     )
     names = (
-        "val_fraction seq_len batch_size grad_accum max_steps stop_at_step eval_every eval_windows log_every "
-        "checkpoint_every checkpoint_minutes resume precision threads device seed save_dtype"
-    ).split()
-    return {**{n: getattr(a, n) for n in names}, "optim": optim}
+        "data out run_dir val_fraction seq_len batch_size grad_accum max_steps stop_at_step eval_every eval_windows "
+        "log_every checkpoint_every checkpoint_minutes resume precision threads device seed save_dtype"
+    )
+    return {**fields_from_args(a, names), "optim": optim}
+
+
+def fields_from_args(a: argparse.Namespace, names: str) -> dict:
+    """``{name: a.name}`` for the space-separated ``names``: options whose dest is the config field's name."""
+    return {n: getattr(a, n) for n in names.split()}
 
 
 def launch_command(module: str, argv: list[str]) -> str:

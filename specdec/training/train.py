@@ -8,9 +8,9 @@ averaged, rank 0 writes files, and all ranks end with identical weights.
     torchrun --nproc_per_node 2 -m specdec.training.train --data stdlib --out OUT
 
 Steps: 1. set up processes; 2. tokenizer (train or reuse); 3. tokenize the
-corpus; 4. build the model, optimizer and schedule; 5. resume if asked and
-6. train with periodic eval and checkpoints, both in ``loop.run_loop``; 7. save
-a Hugging Face folder with a model card.
+corpus; 4. build the model; 5. resume if asked and 6. train with periodic eval
+and checkpoints, both in ``loop.run_loop`` (which makes the optimizer and its
+schedule); 7. save a Hugging Face folder with a model card.
 """
 
 from __future__ import annotations
@@ -27,30 +27,33 @@ import torch.nn.functional as F
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from specdec.training import distributed
-from specdec.training.data import (
-    TokenWindows,
-    collect_files,
-    describe_sources,
-    read_text,
-    split_files,
-    tokenize_documents,
-)
+from specdec.training.data import TokenWindows, describe_sources, held_out_windows, read_split, tokenize_documents
 from specdec.training.loop import (
     SAVE_DTYPES,
-    OptimConfig,
+    OptimConfig,  # noqa: F401  (re-exported with lr_lambda: `from specdec.training.train import OptimConfig`)
+    RunConfig,
     add_loop_args,
-    check_loop_config,
-    held_out_loss,
     launch_command,
     loop_config_from_args,
-    lr_lambda,  # noqa: F401  (re-exported: `from specdec.training.train import lr_lambda`)
-    make_optimizer,
-    make_scheduler,
+    lr_lambda,  # noqa: F401
     run_loop,
     start_run,
 )
 from specdec.training.model_card import write_model_card
 from specdec.training.tokenizer import TokenizerConfig, load_tokenizer, save_tokenizer, train_tokenizer
+
+
+# ModelShape field: (its LlamaConfig name, its command-line option). tie_embeddings has no option of
+# its own (only `specdec train` has --no-tie-embeddings).
+SHAPE_NAMES = {
+    "hidden_size": ("hidden_size", "--hidden-size"),
+    "num_layers": ("num_hidden_layers", "--layers"),
+    "num_heads": ("num_attention_heads", "--heads"),
+    "num_kv_heads": ("num_key_value_heads", "--kv-heads"),
+    "intermediate_size": ("intermediate_size", "--intermediate-size"),
+    "max_position_embeddings": ("max_position_embeddings", "--max-position-embeddings"),
+    "rope_theta": ("rope_theta", "--rope-theta"),
+}
 
 
 @dataclass(frozen=True)
@@ -75,13 +78,7 @@ class ModelShape:
     def llama_config(self, vocab_size: int, eos_id: int) -> LlamaConfig:
         return LlamaConfig(
             vocab_size=vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            intermediate_size=self.intermediate_size,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
+            **{hf_name: getattr(self, name) for name, (hf_name, _) in SHAPE_NAMES.items()},
             tie_word_embeddings=self.tie_embeddings,
             bos_token_id=eos_id,
             eos_token_id=eos_id,
@@ -90,45 +87,17 @@ class ModelShape:
 
 
 @dataclass
-class TrainConfig:
-    data: list[str]
-    out: str
-    run_dir: str | None = None  # checkpoints and logs; defaults to out
+class TrainConfig(RunConfig):
+    """What to train (see :class:`RunConfig` for data, output and the loop)."""
+
     tokenizer: str | None = None  # reuse this tokenizer folder instead of training one
     vocab_size: int = 8192
-    val_fraction: float = 0.02
-    seq_len: int = 512
-    batch_size: int = 8  # windows per rank per micro-batch
-    grad_accum: int = 1
-    max_steps: int = 1000
-    stop_at_step: int | None = None  # leave early (schedule still spans max_steps), e.g. to split a run
-    eval_every: int = 100
-    eval_windows: int = 32
-    log_every: int = 10
-    checkpoint_every: int = 0  # steps; 0 = only by time
-    checkpoint_minutes: float = 10.0
-    resume: bool = False
-    precision: str = "auto"  # auto | bf16 | fp32 (autocast; master weights stay fp32)
-    threads: int = 0  # torch threads per rank; 0 = leave torch's default
-    device: str = "auto"
-    seed: int = 0
-    save_dtype: str = "bfloat16"
     model: ModelShape = field(default_factory=ModelShape)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    command: str = ""  # recorded in the model card
 
     def __post_init__(self) -> None:
-        if not self.data:
-            raise ValueError("no training data given")
-        check_loop_config(self)
+        super().__post_init__()
         if self.seq_len > self.model.max_position_embeddings:
             raise ValueError("seq_len exceeds max_position_embeddings")
-        if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-
-    @property
-    def run_path(self) -> Path:
-        return Path(self.run_dir or self.out)
 
 
 def lm_loss(model: torch.nn.Module, windows: torch.Tensor, bf16: bool) -> torch.Tensor:
@@ -168,10 +137,7 @@ def run_training(cfg: TrainConfig) -> TrainResult:
     log(f"world_size={d.world_size} device={d.device} threads={torch.get_num_threads()} bf16={bf16}")
 
     # 2. Tokenizer, trained on the training documents only.
-    files = collect_files(cfg.data)
-    train_files, val_files = split_files(files, cfg.val_fraction)
-    train_texts = [t for t in map(read_text, train_files) if t is not None]
-    val_texts = [t for t in map(read_text, val_files) if t is not None]
+    (train_files, val_files), (train_texts, val_texts) = read_split(cfg.data, cfg.val_fraction)
     tokenizer = prepare_tokenizer(cfg, train_texts, d)
 
     # 3. Tokens.
@@ -184,46 +150,30 @@ def run_training(cfg: TrainConfig) -> TrainResult:
         f"{len(val_files)} held-out files ({len(val_tokens):,} tokens), tokenized in {time.time() - t0:.1f}s"
     )
     sampler = TokenWindows(train_tokens, cfg.seq_len, seed=cfg.seed, rank=d.rank)
-    val_windows = None
-    if len(val_tokens) > cfg.seq_len:
-        val_windows = TokenWindows(val_tokens, cfg.seq_len).fixed(cfg.eval_windows)  # [n, seq_len + 1]
+    val_windows = held_out_windows(val_tokens, cfg.seq_len, cfg.eval_windows)  # [n, seq_len + 1] or None
 
-    # 4. Model, optimizer, schedule. Same seed on every rank; DDP also broadcasts.
+    # 4. Model. Same seed on every rank; DDP also broadcasts.
     torch.manual_seed(cfg.seed)
     config = cfg.model.llama_config(len(tokenizer), tokenizer.eos_token_id)
     model = LlamaForCausalLM(config).to(d.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
-    optimizer = make_optimizer(model, cfg.optim)
-    scheduler = make_scheduler(optimizer, cfg.optim, cfg.max_steps)
 
     # 5. Resume if asked, and 6. train with periodic eval and checkpoints.
-    def micro_loss(ddp_model, step: int, micro: int) -> torch.Tensor:
-        windows = sampler.batch(cfg.batch_size, step, micro).to(d.device)  # [batch, seq_len + 1]
-        return lm_loss(ddp_model, windows, bf16)
+    def batch(step: int, micro: int) -> torch.Tensor:
+        return sampler.batch(cfg.batch_size, step, micro).to(d.device)  # [batch, seq_len + 1]
 
-    def evaluate() -> float:
-        return held_out_loss(model, val_windows, d, cfg.batch_size, lambda m, w: lm_loss(m, w, bf16))
-
-    r = run_loop(cfg, d, log, model, optimizer, scheduler, sampler, micro_loss, evaluate if val_windows is not None else None)
-
-    summary = {
-        "steps": r.steps,
-        "tokens_seen": r.tokens_seen,
-        "first_loss": r.first_loss,
-        "train_loss": r.last_loss,
-        "held_out_loss": r.eval_loss,
-        "wall_time_s": r.elapsed,
-        "parameters": n_params,
-        "vocab": len(tokenizer),
-        "train_tokens": len(train_tokens),
-        "held_out_tokens": len(val_tokens),
-        "train_files": len(train_files),
-        "held_out_files": len(val_files),
-        "bf16": bf16,
-        "world_size": d.world_size,
-        "ranks_identical": r.ranks_identical,
-    }
+    r = run_loop(cfg, d, log, model, sampler, batch, lambda m, windows: lm_loss(m, windows, bf16), val_windows)
+    summary = r.summary(
+        "loss",
+        parameters=n_params,
+        vocab=len(tokenizer),
+        train_tokens=len(train_tokens),
+        held_out_tokens=len(val_tokens),
+        train_files=len(train_files),
+        held_out_files=len(val_files),
+        bf16=bf16,
+    )
 
     # 7. Hugging Face folder.
     if d.is_main:
@@ -283,53 +233,33 @@ def write_card(out: Path, cfg: TrainConfig, summary: dict, notes: str = "") -> P
 
 
 def add_shape_args(p: argparse.ArgumentParser, default: ModelShape) -> None:
-    p.add_argument("--hidden-size", type=int, default=default.hidden_size)
-    p.add_argument("--layers", type=int, default=default.num_layers)
-    p.add_argument("--heads", type=int, default=default.num_heads)
-    p.add_argument("--kv-heads", type=int, default=default.num_kv_heads)
-    p.add_argument("--intermediate-size", type=int, default=default.intermediate_size)
-    p.add_argument("--max-position-embeddings", type=int, default=default.max_position_embeddings)
-    p.add_argument("--rope-theta", type=float, default=default.rope_theta)
+    """The options of :data:`SHAPE_NAMES`, each stored under its ModelShape field's name."""
+    for name, (_, option) in SHAPE_NAMES.items():
+        value = getattr(default, name)
+        p.add_argument(option, dest=name, type=type(value), default=value)
 
 
 def shape_from_args(a: argparse.Namespace) -> ModelShape:
     return ModelShape(
-        hidden_size=a.hidden_size,
-        num_layers=a.layers,
-        num_heads=a.heads,
-        num_kv_heads=a.kv_heads,
-        intermediate_size=a.intermediate_size,
-        max_position_embeddings=a.max_position_embeddings,
-        rope_theta=a.rope_theta,
+        **{name: getattr(a, name) for name in SHAPE_NAMES},
         tie_embeddings=not getattr(a, "no_tie_embeddings", False),  # only `specdec train` has --no-tie-embeddings
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec train", description="Pretrain a small Llama model from scratch.")
-    p.add_argument("--data", nargs="+", required=True, help="files or folders ('stdlib' = Python stdlib minus tests)")
-    p.add_argument("--out", required=True, help="final Hugging Face folder")
-    p.add_argument("--run-dir", default=None, help="checkpoints and train.log (default: --out)")
+    add_loop_args(p)
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer folder")
     p.add_argument("--vocab-size", type=int, default=8192)
     add_shape_args(p, ModelShape())
     p.add_argument("--no-tie-embeddings", action="store_true")
-    add_loop_args(p)
     p.add_argument("--beta2", type=float, default=0.95)
     return p
 
 
 def config_from_args(args: argparse.Namespace, command: str) -> TrainConfig:
-    return TrainConfig(
-        data=args.data,
-        out=args.out,
-        run_dir=args.run_dir,
-        tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
-        model=shape_from_args(args),
-        command=command,
-        **loop_config_from_args(args),
-    )
+    return TrainConfig(**loop_config_from_args(args), tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                       model=shape_from_args(args), command=command)
 
 
 def main(argv: list[str] | None = None) -> dict:
