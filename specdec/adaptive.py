@@ -1,6 +1,7 @@
 """Adaptive speculation: each round, the k that the cost model says pays most for the batch.
 
-ALGORITHM.md's cost model with measured quantities instead of assumptions:
+The cost model (specdec/cost_model.py, docs/algorithm.md) with measured quantities instead of
+assumptions:
 - acceptance: per sequence and per draft position i, the conditional rate
   alpha_i = P(x_i accepted | x_1..x_{i-1} accepted), from decayed counts, smoothed towards
   the same rates over all sequences;
@@ -26,13 +27,15 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from specdec.cost_model import best_k, mean_expected_tokens, round_cost, speedup
+
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the batch-wide rates mixed into a sequence's own counts
 DECAY = 0.95  # per update: older rounds weigh less, so a sequence's estimate follows its text
-PRIOR_VERIFY_SLOPE = 0.07  # v(T) = 1 + slope * (T - 1) until measured (ALGORITHM.md: v(4) ~ 1.2-1.3 on CPU)
+PRIOR_VERIFY_SLOPE = 0.07  # v(T) = 1 + slope * (T - 1) until measured (measured curves: README, Speed)
 PRIOR_DRAFT_COST = 0.1  # c, one draft step in units of a 1-token target step, until measured
-MIN_GAIN = 0.06  # speculate only where the predicted speedup exceeds 1 + MIN_GAIN (0.03 let a marginal
-#                  drafter, layer_skip with 6 of 8 layers, flip on and off for 0.94-0.96x)
+MIN_GAIN = 0.06  # speculate only where the predicted speedup exceeds 1 + MIN_GAIN: a smaller margin
+#                  let a marginal drafter flip on and off, slower than plain decoding (README, Drafters)
 PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
 PROBE_INTERVAL = 8  # rounds; doubles after every probe that does not switch speculation back on
 MAX_PROBE_INTERVAL = 128
@@ -124,10 +127,7 @@ class AdaptiveK:
             prior = self._batch_alphas()
             alphas = [self.seqs.setdefault(sid, PositionStats()).alphas(self.k_max, prior, PRIOR_WEIGHT)
                       for sid in seq_ids]
-            speedups = self._speedups(B, alphas)  # S(0..k_max)
-            best = max(range(self.k_max + 1), key=speedups.__getitem__)
-            if speedups[best] < 1.0 + MIN_GAIN:
-                best = 0
+            best = best_k(self._speedups(B, alphas), MIN_GAIN)  # from S(0..k_max)
         if best == 0:
             if was_probe:  # the probe did not switch speculation back on: wait longer next time
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
@@ -153,21 +153,11 @@ class AdaptiveK:
     def _speedups(self, B: int, alphas_per_seq: list[list[float]]) -> list[float]:
         """S(k) for k = 0..k_max (the longest list of alphas given), the costs computed once."""
         K = max([self.k_max] + [len(a) for a in alphas_per_seq])
-        expected = [0.0] * (K + 1)  # mean tokens per sequence per round, E(k)
-        for alphas in alphas_per_seq:
-            run, total = 1.0, 1.0
-            expected[0] += 1.0
-            for k, a in enumerate(alphas, start=1):
-                run *= a
-                total += run
-                expected[k] += total
-            for k in range(len(alphas) + 1, K + 1):
-                expected[k] += total
-        n = len(alphas_per_seq)
+        tokens = mean_expected_tokens(alphas_per_seq, K)  # E(k), mean over the batch
         line = self._verify_line(B)
         t1 = line(1)
         c = self._draft_cost(B, t1)
-        return [1.0] + [expected[k] / n * t1 / (k * c + line(k + 1)) for k in range(1, K + 1)]
+        return [1.0] + [speedup(tokens[k], round_cost(k, c, line(k + 1)), t1) for k in range(1, K + 1)]
 
     def _batch_alphas(self) -> list[float]:
         prior = [PRIOR_ALPHA] * self.k_max

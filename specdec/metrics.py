@@ -74,15 +74,3 @@ class SpecDecodingStats:
         d["acceptance_rate_per_pos"] = self.acceptance_rate_per_pos
         d["overhead_time_s"] = max(0.0, self.step_time_s - self.draft_time_s - self.verify_time_s)
         return d
-
-
-def expected_tokens_per_round(alpha: float, k: int) -> float:
-    """E(k) = (1 - alpha^(k+1)) / (1 - alpha): tokens per round with i.i.d. acceptance alpha."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def predicted_speedup(alpha: float, k: int, c: float, v: float) -> float:
-    """S(k) = E(k) / (k*c + v(k)), in units of one 1-token target step."""
-    return expected_tokens_per_round(alpha, k) / (k * c + v)

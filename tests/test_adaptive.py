@@ -5,7 +5,7 @@ import collections
 import pytest
 
 from specdec.adaptive import PLAIN_SAMPLES, AdaptiveK, PositionStats, Timing
-from specdec.metrics import predicted_speedup
+from specdec.cost_model import expected_tokens, round_cost, speedup
 
 
 def feed(ctrl: AdaptiveK, rounds: int, accept, t1=0.010, per_token=0.001, draft=0.001, batch=1):
@@ -19,7 +19,7 @@ def feed(ctrl: AdaptiveK, rounds: int, accept, t1=0.010, per_token=0.001, draft=
     return ks
 
 
-def test_cost_model_matches_algorithm_md_when_costs_are_measured():
+def test_the_controller_computes_the_cost_models_speedup_from_measured_costs():
     ctrl = AdaptiveK(4)
     for T, t in [(1, 0.010), (2, 0.011), (3, 0.012), (4, 0.013), (5, 0.014)]:
         ctrl.verify_time.setdefault((1, T), Timing(skip=0)).update(t)
@@ -27,7 +27,7 @@ def test_cost_model_matches_algorithm_md_when_costs_are_measured():
     alpha = 0.7
     for k in range(1, 5):
         got = ctrl.predicted_speedup(1, k, [alpha] * 4)
-        assert got == pytest.approx(predicted_speedup(alpha, k, c=0.2, v=1 + 0.1 * k))
+        assert got == pytest.approx(speedup(expected_tokens([alpha] * k, k), round_cost(k, 0.2, 1 + 0.1 * k)))
 
 
 def test_good_drafts_keep_k_high():
@@ -116,15 +116,11 @@ def test_the_controller_picks_the_k_the_cost_model_says_is_best():
             n += 1
         return n
 
-    def speedup(k):  # docs/algorithm.md: S(k) = E(k) / (k c + v(k)), E(k) = 1 + sum_i prod_{j<=i} alpha_j
-        run, expected = 1.0, 1.0
-        for a in alphas[:k]:
-            run *= a
-            expected += run
-        return expected / (k * 0.1 + 1 + 0.2 * k)
+    def s(k):  # the cost model's S(k) with these alphas and costs
+        return speedup(expected_tokens(alphas, k), round_cost(k, 0.1, 1 + 0.2 * k))
 
-    best = max(range(9), key=speedup)
-    assert best == 2 and speedup(2) > 1.1 * max(speedup(1), speedup(3))
+    best = max(range(9), key=s)
+    assert best == 2 and s(2) > 1.1 * max(s(1), s(3))
     ctrl = AdaptiveK(8)
     chosen = []
     for _ in range(300):
