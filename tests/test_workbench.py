@@ -19,15 +19,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import specdec.verify as verify_module  # noqa: E402
 from specdec import LLM  # noqa: E402
 from specdec.cli import app  # noqa: E402
+from specdec.cost_model import expected_tokens  # noqa: E402
 from specdec.sampling import sample  # noqa: E402
 from specdec.workbench.export import ENGINES, export_config  # noqa: E402
 from specdec.workbench.lossless import chi_square, verify_lossless  # noqa: E402
-from specdec.workbench.profile import (  # noqa: E402
-    acceptance_from_rounds,
-    expected_tokens,
-    predicted_speedups,
-    round_cost,
-)
+from specdec.workbench.profile import acceptance_from_rounds  # noqa: E402
 from tiny_models import make_model, perturbed_copy  # noqa: E402
 
 runner = CliRunner()
@@ -76,16 +72,10 @@ def fails_with(result, text: str) -> None:
     assert "error:" in result.stderr and text in result.stderr, result.stderr
 
 
-# -- the cost model -------------------------------------------------------------------------------
+# -- acceptance as the profile measures it (the cost model: tests/test_cost_model.py) -------------
 
 
-def test_expected_tokens_and_acceptance_from_rounds():
-    assert expected_tokens([0.5, 0.5], 0) == 1.0
-    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
-    # i.i.d. alpha: matches docs/algorithm.md's closed form (1 - a^(k+1)) / (1 - a)
-    assert expected_tokens([0.7] * 4, 4) == pytest.approx((1 - 0.7 ** 5) / 0.3)
-    s = predicted_speedups([1.0, 1.0], c=0.5, v=[1.0, 1.2, 1.4])
-    assert s == pytest.approx([1.0, 2 / 1.7, 3 / 2.4])
+def test_acceptance_from_rounds():
     # (drafts, accepted) per round: position 2 reached by the two rounds that accepted position 1
     acc = acceptance_from_rounds([(2, 0), (2, 1), (2, 2), (0, 0)], 2)
     assert acc["num_rounds"] == 3
@@ -98,9 +88,6 @@ def test_expected_tokens_and_acceptance_from_rounds():
     assert acc["alpha_conditional"] == pytest.approx([3 / 4, 1 / 2])  # position 2: asked 3 times, reached by 2
     assert acc["proposal_rate_per_pos"] == pytest.approx([3 / 4, 1 / 3])
     assert acc["draft_length_histogram"] == [1, 2, 1] and acc["num_rounds"] == 3
-    # the round cost averages over the proposal lengths: n = 0, 1, 1, 2 at k = 2
-    assert round_cost(2, 0.5, [1.0, 1.2, 1.4], [1, 2, 1]) == pytest.approx((1.0 + 2 * 1.7 + 2.4) / 4)
-    assert round_cost(2, 0.5, [1.0, 1.2, 1.4]) == pytest.approx(2.4)
 
 
 # -- profile and report ---------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Profile a workload: measure acceptance and costs, predict the speedup for every k, recommend a
 setting, then run it and compare the prediction with the measured speedup.
 
-The cost model is ALGORITHM.md's, with the measured per-position acceptance instead of one i.i.d. α:
+The cost model is specdec/cost_model.py's (docs/algorithm.md), with the measured per-position
+acceptance instead of one i.i.d. α:
 - α_i, the conditional acceptance of draft position i: of the rounds that asked for at least i drafts
   and accepted positions 1..i-1, the share that accepted position i (a drafter that proposed fewer than
   i tokens counts as not accepted: lookup drafters often find shorter continuations);
@@ -36,6 +37,7 @@ import torch
 
 from specdec.bench import run_bench
 from specdec.config import SamplingParams, SpeculativeConfig
+from specdec.cost_model import best_k, mean_expected_tokens, mean_round_cost, predicted_speedups
 from specdec.llm import LLM
 from specdec.metrics import SpecDecodingStats
 from specdec.models.base import ForwardBatch
@@ -47,57 +49,17 @@ PROFILE_VERSION = 1
 Progress = Callable[[str, int], Callable[[], None]]  # (description, total) -> advance()
 
 
-def expected_tokens(alphas: list[float], k: int) -> float:
-    """E(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j with α_j the conditional acceptance of position j."""
-    expected, run = 1.0, 1.0
-    for a in alphas[:k]:
-        run *= a
-        expected += run
-    return expected
-
-
-def round_cost(k: int, c: float, v: list[float], draft_lengths: list[int] | None = None) -> float:
-    """Cost of one round in 1-token target steps: k·c + v(k), or, given ``draft_lengths`` (rounds that
-    proposed n tokens at k = K, indexed by n), its mean over the proposal lengths truncated to k."""
-    if not draft_lengths or sum(draft_lengths) == 0:
-        return k * c + v[k]
-    total = sum(draft_lengths)
-    return sum(count * (min(n, k) * c + v[min(n, k)]) for n, count in enumerate(draft_lengths)) / total
-
-
-def predicted_speedups(alphas: list[float], c: float, v: list[float],
-                       draft_lengths: list[int] | None = None) -> list[float]:
-    """S(k) = E(k) / (k·c + v(k)) for k = 0..len(v)-1, in units of one 1-token target step."""
-    return [expected_tokens(alphas, k) / round_cost(k, c, v, draft_lengths) for k in range(len(v))]
-
-
 @dataclass
 class _RecordingStats(SpecDecodingStats):
     """The engine's counters, plus (tag, asked, drafted, accepted) for every sequence in every round."""
 
     rounds: list = field(default_factory=list)
     tag: str | None = None
-    asked: list[int] | None = None  # what the engine asked the drafter for in the current round
 
-    def record_round(self, k_per_seq: list[int], num_accepted: list[int]) -> None:
-        super().record_round(k_per_seq, num_accepted)
-        asked = self.asked or [0] * len(k_per_seq)
+    def record_round(self, k_per_seq: list[int], num_accepted: list[int], num_asked: list[int] | None = None) -> None:
+        super().record_round(k_per_seq, num_accepted, num_asked)
+        asked = num_asked if num_asked is not None else k_per_seq  # fewer than k near a sequence's end
         self.rounds += [(self.tag, max(a, k), k, n) for a, k, n in zip(asked, k_per_seq, num_accepted)]
-        self.asked = None
-
-
-def _record_asked(llm: LLM) -> None:
-    """Remember how many drafts the engine asks for (the room at the end of a sequence limits it)."""
-    drafter = llm.engine.drafter
-    if drafter is None:
-        return
-    propose = drafter.propose
-
-    def recording_propose(seqs, num_draft, sb):
-        llm.engine.stats.asked = list(num_draft)
-        return propose(seqs, num_draft, sb)
-
-    drafter.propose = recording_propose
 
 
 @dataclass
@@ -287,7 +249,6 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
     _warm(ar_llm, records[0][0], params)
     stats = _RecordingStats()
     spec_llm.engine.stats = stats
-    _record_asked(spec_llm)
     sides = {cat: {"ar": _Side(), "spec": _Side()} for cat in categories}
     matched = 0
     advance = tick(f"{spec.method} at k={K}", len(records))
@@ -325,18 +286,18 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
         ar = _merge([sides[c_]["ar"] for c_ in cats])
         sp = _merge([sides[c_]["spec"] for c_ in cats])
         s_pred = predicted_speedups(acc["alpha_conditional"], c, v, acc["draft_length_histogram"])
-        best_k = max(range(K + 1), key=lambda k: s_pred[k])
+        k_best = best_k(s_pred)
         entry = {
             **acc,
             "num_prompts": sum(1 for _, cat in records if cat in cats),
-            "expected_tokens": [expected_tokens(acc["alpha_conditional"], k) for k in range(K + 1)],
-            "predicted_speedup": s_pred, "best_k": best_k, "best_speedup": s_pred[best_k],
+            "expected_tokens": mean_expected_tokens([acc["alpha_conditional"]], K),
+            "predicted_speedup": s_pred, "best_k": k_best, "best_speedup": s_pred[k_best],
             "plain_tokens_per_s": ar.tokens_per_s, "spec_tokens_per_s": sp.tokens_per_s,
             "measured_speedup_at_k_max": sp.tokens_per_s / ar.tokens_per_s if ar.tokens_per_s else 0.0,
             "time_split": _time_split(sp),
             "plain_time_split": _time_split(ar),
         }
-        entry["round_cost"] = [round_cost(k, c, v, acc["draft_length_histogram"]) for k in range(K + 1)]
+        entry["round_cost"] = [mean_round_cost(k, c, v, acc["draft_length_histogram"]) for k in range(K + 1)]
         entry["predicted_speedup_end_to_end"] = _end_to_end(entry, ar, sp, t_step)
         result["categories"][name] = entry
     result["overall"] = result["categories"][ALL]
@@ -360,7 +321,7 @@ def _end_to_end(entry: dict, ar: _Side, sp: _Side, t_step: float) -> list[float]
         if k == 0:
             out.append(1.0)
             continue
-        rounds = tokens / expected_tokens(entry["alpha_conditional"], k)
+        rounds = tokens / entry["expected_tokens"][k]
         out.append(plain_time / (prefill + rounds * (t_step * cost + overhead)))
     return out
 
