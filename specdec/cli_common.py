@@ -12,6 +12,8 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from specdec.json_input import json_object
+
 TAU = "τ (mean acceptance length: tokens per verify pass, incl. bonus)"
 
 ModelOpt = Annotated[str, typer.Option(
@@ -69,12 +71,7 @@ def _speculative_config_base(draft: str | None, k: int | None, raw: str | None) 
     if draft is not None and raw is not None:
         raise CliError("pass either --draft or --speculative-config, not both")
     if raw is not None:
-        try:
-            cfg = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise CliError(f"--speculative-config is not valid JSON: {e.msg} at column {e.colno}") from None
-        if not isinstance(cfg, dict):
-            raise CliError(f"--speculative-config must be a JSON object, got {type(cfg).__name__}")
+        cfg = json_object(raw, "--speculative-config")
         if k is not None:
             if cfg.get("num_speculative_tokens", k) != k:
                 raise CliError(f"-k {k} disagrees with num_speculative_tokens "

@@ -8,8 +8,9 @@ here are single-turn). Blank lines are skipped.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from specdec.json_input import json_object
 
 
 def load_prompts(path: str | Path, num: int | None = None) -> list[dict]:
@@ -37,12 +38,7 @@ def load_prompts(path: str | Path, num: int | None = None) -> list[dict]:
 
 def _parse_line(line: str, path: Path, lineno: int) -> dict:
     where = f"{path}:{lineno}"
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: line {lineno} must be a JSON object, got {type(obj).__name__}")
+    obj = json_object(line, f"{where}: line {lineno}")
     category = obj.get("category")
     if category is not None and not isinstance(category, str):
         category = str(category)

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from specdec import cli_common as base
+from specdec.json_input import json_object
 
 SpecsOpt = Annotated[list[str] | None, typer.Option(
     "--speculative-config", help='vLLM-style JSON; repeat it to compare methods, e.g. \'{"method": "ngram"}\'.')]
@@ -66,7 +67,7 @@ def profile(
         from specdec.workbench.report import summarize
 
         records = load_prompts(prompts, num_prompts)
-        configs = [_parse_json(raw, "--speculative-config") for raw in (speculative_config or [])]
+        configs = [json_object(raw, "--speculative-config") for raw in (speculative_config or [])]
         if draft is not None:
             configs.append({"method": "draft_model", "model": draft})
         if not configs:
@@ -161,7 +162,7 @@ def export(
         if profile_path is not None:
             result = export_from_profile(engine, profile_path)
         else:
-            result = export_config(engine, _parse_json(speculative_config, "--speculative-config"), model)
+            result = export_config(engine, json_object(speculative_config, "--speculative-config"), model)
     if as_json:
         base.print_json(result.as_dict())
     else:
@@ -176,16 +177,6 @@ def register(app: typer.Typer) -> None:
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def _parse_json(raw: str, flag: str) -> dict:
-    try:
-        cfg = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise base.CliError(f"{flag} is not valid JSON: {e.msg} at column {e.colno}") from None
-    if not isinstance(cfg, dict):
-        raise base.CliError(f"{flag} must be a JSON object, got {type(cfg).__name__}")
-    return cfg
 
 
 def _print_profile(p: dict, path: str, console: Console) -> None:
