@@ -25,9 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec.config import SpeculativeConfig
+from specdec.json_input import json_object
 
 ENGINES = ("vllm", "sglang", "trtllm", "llamacpp")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM", "llamacpp": "llama.cpp"}
+# Per engine, the methods it has no equivalent of, each with the nearest option it does have ("": none to name).
+MISSING = {
+    "vllm": {"layer_skip": "nearest options are a draft model or EAGLE heads, which need separately trained weights"},
+    "sglang": {"suffix": "the nearest is --speculative-algorithm NGRAM (an n-gram cache over earlier requests)",
+               "layer_skip": ""},
+    "trtllm": {"suffix": "the nearest is decoding_type NGram", "layer_skip": ""},
+    "llamacpp": {"suffix": "", "layer_skip": ""},
+}
+METHOD_NAMES = {"suffix": "suffix-decoding drafter",
+                "layer_skip": "layer-skip self-speculation (drafting with the target's first layers)"}
+ENGINE_NOTES = {"llamacpp": ["llama.cpp loads GGUF files: convert each checkpoint with llama.cpp's convert_hf_to_gguf.py "
+                             "and pass the .gguf paths"]}
 
 
 @dataclass
@@ -53,8 +66,13 @@ def export_config(engine: str, speculative_config: dict | SpeculativeConfig, mod
     if spec is None or spec.num_speculative_tokens == 0:
         raise ValueError("the speculative config drafts no tokens (num_speculative_tokens is 0); nothing to export")
     target = model or "TARGET_MODEL"
-    notes = _common_notes(spec)
-    exp = {"vllm": _vllm, "sglang": _sglang, "trtllm": _trtllm, "llamacpp": _llamacpp}[engine](spec, target, notes)
+    notes = _common_notes(spec) + ENGINE_NOTES.get(engine, [])
+    if spec.method in MISSING[engine]:
+        nearest = MISSING[engine][spec.method]
+        why = f"{ENGINE_NAMES[engine]} has no {METHOD_NAMES[spec.method]}" + (f"; {nearest}" if nearest else "")
+        exp = Export(engine, spec.method, False, {}, None, notes + [why])
+    else:
+        exp = {"vllm": _vllm, "sglang": _sglang, "trtllm": _trtllm, "llamacpp": _llamacpp}[engine](spec, target, notes)
     exp.text = _render(exp)
     return exp
 
@@ -64,11 +82,8 @@ def export_from_profile(engine: str, profile_path: str | Path) -> Export:
     path = Path(profile_path)
     if not path.is_file():
         raise ValueError(f"profile {str(path)!r} does not exist; run `specdec profile ... --out DIR` first")
-    try:
-        profile = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"profile {str(path)!r} is not valid JSON: {e.msg}") from None
-    rec = profile.get("recommendation") if isinstance(profile, dict) else None
+    profile = json_object(path.read_text(), f"profile {str(path)!r}")
+    rec = profile.get("recommendation")
     if not isinstance(rec, dict) or "speculative_config" not in rec:
         raise ValueError(f"profile {str(path)!r} has no recommendation; is it a specdec profile.json?")
     if rec.get("plain"):
@@ -91,10 +106,6 @@ def _common_notes(spec: SpeculativeConfig) -> list[str]:
     return notes
 
 
-def _unsupported(engine: str, spec: SpeculativeConfig, notes: list[str], why: str) -> Export:
-    return Export(engine, spec.method, False, {}, None, notes + [why])
-
-
 def _vllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
     k = spec.num_speculative_tokens
     if spec.method == "draft_model":
@@ -105,17 +116,13 @@ def _vllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
     elif spec.method == "ngram":
         cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.prompt_lookup_max,
                "prompt_lookup_min": spec.prompt_lookup_min}
-    elif spec.method == "suffix":
+    else:  # suffix
         cfg = {"method": "suffix", "num_speculative_tokens": k,
                "suffix_decoding_max_tree_depth": spec.suffix_decoding_max_tree_depth,
                "suffix_decoding_max_cached_requests": spec.suffix_decoding_max_cached_requests,
                "suffix_decoding_max_spec_factor": spec.suffix_decoding_max_spec_factor,
                "suffix_decoding_min_token_prob": spec.suffix_decoding_min_token_prob}
         notes.append("vLLM's suffix decoding needs the arctic-inference package installed")
-    else:
-        return _unsupported("vllm", spec, notes, "vLLM has no layer-skip self-speculation (drafting with the "
-                            "target's first layers); nearest options are a draft model or EAGLE heads, which "
-                            "need separately trained weights")
     command = f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(cfg))}"
     return Export("vllm", spec.method, True, {"speculative_config": cfg}, command, notes)
 
@@ -130,7 +137,7 @@ def _sglang(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         if spec.draft_p_min > 0:
             notes.append(f"draft_p_min={spec.draft_p_min} has no SGLang option; SGLang always drafts "
                          "--speculative-num-steps tokens")
-    elif spec.method == "ngram":
+    else:  # ngram
         flags = {"--speculative-algorithm": "NGRAM", "--speculative-num-draft-tokens": k + 1,
                  "--speculative-ngram-min-match-window-size": spec.prompt_lookup_min,
                  "--speculative-ngram-max-match-window-size": spec.prompt_lookup_max,
@@ -140,12 +147,6 @@ def _sglang(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
                      "chain of drafts as specdec does")
         notes.append("newer SGLang releases replace the match-window flags by --speculative-ngram-max-trie-depth; "
                      "check `python -m sglang.launch_server --help` for your version")
-    elif spec.method == "suffix":
-        return _unsupported("sglang", spec, notes, "SGLang has no suffix-decoding drafter; the nearest is "
-                            "--speculative-algorithm NGRAM (an n-gram cache over earlier requests)")
-    else:
-        return _unsupported("sglang", spec, notes, "SGLang has no layer-skip self-speculation (drafting with the "
-                            "target's first layers)")
     parts = ["python -m sglang.launch_server", f"--model-path {shlex.quote(target)}"]
     parts += [f"{name} {shlex.quote(str(value))}" for name, value in flags.items()]
     return Export("sglang", spec.method, True, flags, " \\\n  ".join(parts), notes)
@@ -159,18 +160,12 @@ def _trtllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         extra = {"disable_overlap_scheduler": True}  # as TensorRT-LLM's own draft/target example sets it
         if spec.draft_p_min > 0:
             notes.append(f"draft_p_min={spec.draft_p_min} has no TensorRT-LLM option; it always drafts max_draft_len")
-    elif spec.method == "ngram":
+    else:  # ngram
         cfg = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": spec.prompt_lookup_max,
                "is_public_pool": False}
         notes.append(f"prompt_lookup_min={spec.prompt_lookup_min} has no TensorRT-LLM option (NGram has only "
                      "max_matching_ngram_size); is_public_pool false keeps a pool per request rather than one "
                      "shared by all requests, as specdec's prompt lookup does")
-    elif spec.method == "suffix":
-        return _unsupported("trtllm", spec, notes, "TensorRT-LLM has no suffix-decoding drafter; the nearest is "
-                            "decoding_type NGram")
-    else:
-        return _unsupported("trtllm", spec, notes, "TensorRT-LLM has no layer-skip self-speculation (drafting "
-                            "with the target's first layers)")
     options = {"speculative_config": cfg, **extra}
     command = f"trtllm-serve {shlex.quote(target)} --backend pytorch --extra_llm_api_options extra-llm-api-config.yml"
     return Export("trtllm", spec.method, True, options, command, notes)
@@ -178,22 +173,15 @@ def _trtllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
 
 def _llamacpp(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
     k = spec.num_speculative_tokens
-    notes.append("llama.cpp loads GGUF files: convert each checkpoint with llama.cpp's convert_hf_to_gguf.py "
-                 "and pass the .gguf paths")
     if spec.method == "draft_model":
         flags = {"-md": _gguf(spec.model), "--draft-max": k, "--draft-min": 0, "--draft-p-min": spec.draft_p_min}
         notes.append("--draft-p-min is set explicitly: llama.cpp's default (0.75) stops drafting early, specdec's "
                      f"draft_p_min is {spec.draft_p_min}")
-    elif spec.method == "ngram":
+    else:  # ngram
         flags = {"--spec-type": "ngram-simple", "--draft-max": k}
         notes.append("model-free drafting (--spec-type) exists only in recent llama-server builds; its n-gram "
                      f"sizes are its own, prompt_lookup_min/max ({spec.prompt_lookup_min}/{spec.prompt_lookup_max}) "
                      "have no llama-server option")
-    elif spec.method == "suffix":
-        return _unsupported("llamacpp", spec, notes, "llama.cpp has no suffix-decoding drafter")
-    else:
-        return _unsupported("llamacpp", spec, notes, "llama.cpp has no layer-skip self-speculation (drafting with "
-                            "the target's first layers)")
     parts = ["llama-server", f"-m {shlex.quote(_gguf(target))}"]
     parts += [f"{name} {shlex.quote(str(value))}" for name, value in flags.items()]
     return Export("llamacpp", spec.method, True, flags, " \\\n  ".join(parts), notes)
