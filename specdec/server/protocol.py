@@ -381,32 +381,26 @@ OBJECT = {"completion": ("text_completion", "text_completion"), "chat": ("chat.c
 
 def choice(kind: Kind, index: int, text: str, reason: str | None, token_ids: list[int] | None,
            logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict:
-    c: dict[str, Any] = {"index": index}
-    if kind == "completion":
-        c["text"] = text
-    else:
-        c["message"] = {"role": "assistant", "content": text}
-    c["logprobs"] = logprobs
-    c["finish_reason"] = finish_reason(reason)
-    if token_ids is not None:
-        c["token_ids"] = token_ids
-    if prompt_logprobs is not None:
-        c["prompt_logprobs"] = prompt_logprobs
-    return c
+    body = {"text": text} if kind == "completion" else {"message": {"role": "assistant", "content": text}}
+    return _choice(index, body, reason, token_ids, logprobs, prompt_logprobs)
 
 
 def chunk_choice(kind: Kind, index: int, text: str | None, reason: str | None, token_ids: list[int] | None,
                  role: bool = False, logprobs: dict | None = None, prompt_logprobs: list | None = None) -> dict:
-    c: dict[str, Any] = {"index": index}
     if kind == "completion":
-        c["text"] = text or ""
+        body: dict[str, Any] = {"text": text or ""}
     else:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        c["delta"] = delta
-    c["logprobs"] = logprobs
-    c["finish_reason"] = finish_reason(reason)
+        body = {"delta": delta}
+    return _choice(index, body, reason, token_ids, logprobs, prompt_logprobs)
+
+
+def _choice(index: int, body: dict, reason: str | None, token_ids: list[int] | None, logprobs: dict | None,
+            prompt_logprobs: list | None) -> dict:
+    """A choice whole or streamed: its text (``body``) among the fields both carry, in OpenAI's order."""
+    c: dict[str, Any] = {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason(reason)}
     if token_ids is not None:
         c["token_ids"] = token_ids
     if prompt_logprobs is not None:
