@@ -149,8 +149,8 @@ def test_config_validation():
         DistillConfig(target="t", data=[], out="y")
 
 
-def test_command_line_options_reach_the_configs():
-    from specdec.training import distill as distill_cli, train as train_cli
+def test_train_options_reach_the_config():
+    from specdec.training import train as train_cli
 
     args = train_cli.build_parser().parse_args([
         "--data", "a", "b", "--out", "o", "--hidden-size", "16", "--layers", "3", "--heads", "2", "--kv-heads", "1",
@@ -165,15 +165,6 @@ def test_command_line_options_reach_the_configs():
     llama = cfg.model.llama_config(vocab_size=300, eos_id=0)
     assert (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
             llama.max_position_embeddings, llama.tie_word_embeddings) == (16, 3, 2, 1, 64, False)
-
-    args = distill_cli.build_parser().parse_args([
-        "--target", "t", "--data", "a", "--out", "o", "--layers", "1", "--temperature", "2", "--on-policy-fraction",
-        "0.5", "--prompt-len", "8", "--accept-prompts", "0", "--accept-k", "3", "--init-draft", "d", "--seq-len", "32",
-    ])  # fmt: skip
-    cfg = distill_cli.config_from_args(args, "cmd")
-    assert cfg.draft == replace(distill_cli.DEFAULT_DRAFT, num_layers=1)
-    assert (cfg.target, cfg.init_draft, cfg.temperature, cfg.on_policy_fraction, cfg.prompt_len) == ("t", "d", 2.0, 0.5, 8)
-    assert (cfg.accept_prompts, cfg.accept_k, cfg.seq_len, cfg.optim.beta2) == (0, 3, 32, OptimConfig().beta2)
 
 
 # Tokenizer -------------------------------------------------------------------
@@ -361,3 +352,27 @@ def test_distill_reduces_kl_and_saves_draft_with_target_tokenizer(tmp_path, corp
     policy = replace(cfg, out=str(tmp_path / "draft2"), init_draft=str(out), on_policy_fraction=0.5, prompt_len=8, max_steps=4, resume=True)
     s2 = distill(policy)
     assert s2["steps"] == 4 and s2["train_kl"] == s2["train_kl"]  # finite
+
+
+def test_distill_options_reach_the_config(tmp_path, corpus, tiny_target):
+    from dataclasses import asdict
+
+    from specdec.training.distill import DEFAULT_DRAFT, main as distill_main
+
+    summary = distill_main([
+        "--target", str(tiny_target), "--data", str(corpus), "--out", str(tmp_path / "d"), "--run-dir",
+        str(tmp_path / "run"), "--layers", "1", "--hidden-size", "16", "--heads", "2", "--kv-heads", "1",
+        "--intermediate-size", "32", "--max-position-embeddings", "64", "--temperature", "2",
+        "--on-policy-fraction", "0.5", "--prompt-len", "8", "--accept-prompts", "0", "--accept-k", "3",
+        "--val-fraction", "0.2", "--seq-len", "32", "--batch-size", "2", "--max-steps", "1", "--eval-windows", "2",
+        "--lr", "1e-3", "--threads", "1", "--precision", "fp32", "--save-dtype", "float32",
+    ])  # fmt: skip
+    assert summary["steps"] == 1 and "held_out_acceptance" not in summary
+    cfg = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["config"]  # the DistillConfig, as a dict
+    shape = replace(DEFAULT_DRAFT, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
+                    max_position_embeddings=64)
+    assert cfg["draft"] == asdict(shape) and cfg["target"] == str(tiny_target) and cfg["init_draft"] is None
+    assert (cfg["temperature"], cfg["on_policy_fraction"], cfg["prompt_len"]) == (2.0, 0.5, 8)
+    assert (cfg["accept_prompts"], cfg["accept_k"], cfg["seq_len"], cfg["batch_size"]) == (0, 3, 32, 2)
+    assert cfg["optim"] == asdict(OptimConfig(lr=1e-3)) and cfg["out"] == str(tmp_path / "d")
+    assert cfg["command"].startswith("python -m specdec.training.distill --target")

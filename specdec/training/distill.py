@@ -234,15 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace, command: str) -> DistillConfig:
-    own = fields_from_args(args, "target init_draft temperature on_policy_fraction prompt_len accept_prompts accept_k")
-    return DistillConfig(**loop_config_from_args(args), **own, draft=shape_from_args(args), command=command)
-
-
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    return distill(config_from_args(args, launch_command("specdec.training.distill", argv)))
+    a = build_parser().parse_args(argv)
+    own = fields_from_args(a, "target init_draft temperature on_policy_fraction prompt_len accept_prompts accept_k")
+    return distill(DistillConfig(**loop_config_from_args(a), **own, draft=shape_from_args(a),
+                                 command=launch_command("specdec.training.distill", argv)))
 
 
 if __name__ == "__main__":
