@@ -248,7 +248,7 @@ def serve(
     tokenizer: TokenizerOpt = None,
     threads: Annotated[int | None, typer.Option(
         help="Torch threads (default: $OMP_NUM_THREADS, else one fewer than the CPU cores, leaving one to "
-             "the HTTP event loop: on 2 cores one thread served 8 concurrent requests 10% faster than two).")] = None,
+             "the HTTP event loop, which otherwise competes with the rounds for the CPU).")] = None,
     max_num_batched_tokens: Annotated[int, typer.Option(
         help="Most prompt tokens admitted into one round (a longer single prompt is still admitted).")] = 8192,
     max_queued_requests: Annotated[int, typer.Option(
