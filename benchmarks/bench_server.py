@@ -527,7 +527,7 @@ def target_tokenizer(args):
     """The target's tokenizer and context length (the shipped pair's names resolve to its folders)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from specdec.models.loader import resolve_model_path
+    from specdec.models.resolve import resolve_model_path
 
     path = resolve_model_path(args.model)
     return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).max_position_embeddings

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specdec.models.gguf import convert
-from specdec.models.loader import SHIPPED
+from specdec.models.resolve import SHIPPED
 
 
 def build(out: Path, seed: int = 0) -> Path:

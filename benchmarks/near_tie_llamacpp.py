@@ -8,7 +8,7 @@ import sys
 import torch
 
 from specdec.models.base import ForwardBatch
-from specdec.models.loader import load_runner
+from specdec.models.load import load_runner
 from specdec.prompts import load_prompts
 
 

@@ -61,8 +61,8 @@ def build_tools(build: Path = BUILD) -> Path:
 def gguf_of(name: str, outtype: str) -> str:
     """``name`` as a GGUF file: itself, the one in its folder, or an HF checkpoint (the shipped pair's
     names too) converted to ``outtype`` once into ~/.cache/specdec/peer."""
-    from specdec.models.gguf import convert, find_gguf
-    from specdec.models.loader import resolve_model_path
+    from specdec.models.gguf import convert
+    from specdec.models.resolve import find_gguf, resolve_model_path
 
     found = None if name.startswith("specdec/") else find_gguf(name)
     if found:

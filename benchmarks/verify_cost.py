@@ -26,7 +26,7 @@ TOKENS = (1, 2, 3, 5, 9)  # k = 0, 1, 2, 4, 8
 
 def runners(args) -> dict[str, object]:
     from specdec.models.llamacpp import LlamaCppRunner
-    from specdec.models.loader import load_runner
+    from specdec.models.load import load_runner
 
     out = {}
     for path in args.gguf:

@@ -232,7 +232,7 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
 
 def compute_paths(llm: LLM) -> dict[str, str]:
     """Which compute path the target and the draft model took and why (``cpu.describe_path``)."""
-    from specdec.models.cpu import describe_path
+    from specdec.models.dtype_choice import describe_path
 
     requested = llm.model_config.dtype
     paths = {"backend": f"{llm.backend} ({llm.backend_reason})", "target": describe_path(llm.engine.target, requested)}

@@ -174,7 +174,7 @@ def demo(
     as_json: JsonOpt = False,
 ) -> None:
     """Complete three Python prompts with the shipped pair (greedy, k=4), then bench plain vs speculative."""
-    from specdec.models.loader import SHIPPED
+    from specdec.models.resolve import SHIPPED
 
     missing = [name for name in (DEMO_TARGET, DEMO_DRAFT) if not (SHIPPED[name] / "config.json").exists()]
     if missing:
@@ -218,7 +218,7 @@ def convert(
     """Convert a checkpoint to GGUF for the llama.cpp backend (and llama.cpp's own tools)."""
     with errors_exit_2():
         from specdec.models.gguf import convert as convert_checkpoint
-        from specdec.models.loader import resolve_model_path
+        from specdec.models.resolve import resolve_model_path
 
         quiet_transformers()
         path = convert_checkpoint(resolve_model_path(hf_dir), out, outtype,

@@ -9,9 +9,13 @@ import torch
 
 from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.detokenizer import TextStreamer
+from specdec.drafters import build_drafter
 from specdec.engine import PLAIN_STEPS, Engine, check_num_scheduler_steps
 from specdec.logprobs import check_logprobs_mode
 from specdec.metrics import SpecDecodingStats
+from specdec.models.choose import choose, choose_draft
+from specdec.models.load import load
+from specdec.models.resolve import resolve
 from specdec.outputs import CompletionOutput, RequestOutput, StreamDelta
 from specdec.sequence import Sequence
 
@@ -38,9 +42,6 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, trust_remote_code: bool = False,
                  backend: str = "auto", tokenizer: str | None = None, logprobs_mode: str = "raw_logprobs",
                  num_scheduler_steps: int = PLAIN_STEPS):
-        from specdec.drafters import build_drafter
-        from specdec.models.loader import choose_backend, load_runner
-
         self.model_config = ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                                         trust_remote_code=trust_remote_code, backend=backend, tokenizer=tokenizer)
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -51,12 +52,21 @@ class LLM:
         check_num_scheduler_steps(num_scheduler_steps)  # before the model loads
         spec = self.speculative_config
         method, k = (spec.method, spec.num_speculative_tokens) if spec else (None, 0)
-        # "torch" or "llama.cpp", and why (auto times both on CPU: models/backend_choice.py)
-        self.backend, self.backend_reason = choose_backend(model, backend, device, method, k, dtype)
-        self.target, eos = load_runner(model, self.backend, dtype, device, max_model_len, trust_remote_code,
-                                       tokenizer=tokenizer)
+        # the models, in three steps (specdec/models/): resolve the names to files, choose each model's
+        # backend and dtype ("torch" or "llama.cpp", and why: auto times both on CPU), load the runners
+        target_source = resolve(model)
+        draft_source = resolve(spec.model) if k > 0 and method == "draft_model" else None
+        target_choice = choose(target_source, backend, dtype, device, method, k)
+        draft_choice = choose_draft(draft_source, target_choice, dtype, device) if draft_source else None
+        self.backend, self.backend_reason = target_choice.backend, target_choice.reason
+        self.target, eos = load(target_source, target_choice.backend, target_choice.dtype, device, max_model_len,
+                                trust_remote_code, tokenizer=tokenizer)
+        draft = None
+        if draft_source:
+            draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device,
+                            vocab_size=self.target.vocab_size)
         self.tokenizer = self.target.tokenizer
-        drafter = build_drafter(spec, self.target, dtype, device) if k > 0 else None
+        drafter = build_drafter(spec, self.target, draft) if k > 0 else None
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
                              max_num_seqs=max_num_seqs, adaptive=spec is not None and spec.adaptive,
                              logprobs_mode=logprobs_mode, num_scheduler_steps=num_scheduler_steps)

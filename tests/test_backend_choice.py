@@ -14,6 +14,7 @@ from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.bench import compute_paths  # noqa: E402
 from specdec.models import backend_choice  # noqa: E402
 from specdec.models.backend_choice import ENV, auto_backend  # noqa: E402
+from specdec.models.resolve import resolve  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def measured(tmp_path, monkeypatch):
 
 
 def test_auto_times_both_backends_once_and_keeps_the_verdict(measured, monkeypatch, capfd):
-    verdict = auto_backend(measured, "float32", 4)
+    verdict = auto_backend(resolve(measured), "float32", 4)
     assert "timing m on llama.cpp and torch for backend=auto (k=4), once" in capfd.readouterr().err
     assert verdict.backend in ("torch", "llama.cpp") and verdict.reason.startswith("faster here: t(1) + t(5)")
     assert set(verdict.ms) == {"torch", "llama.cpp"} and all(len(t) == 2 and min(t) > 0 for t in verdict.ms.values())
@@ -39,13 +40,13 @@ def test_auto_times_both_backends_once_and_keeps_the_verdict(measured, monkeypat
         raise AssertionError("timed again: the verdict should come from the cache")
 
     monkeypatch.setattr(backend_choice, "time_backends", no_timing)
-    assert auto_backend(measured, "float32", 4) == verdict
+    assert auto_backend(resolve(measured), "float32", 4) == verdict
     llm = LLM(measured, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     assert (llm.backend, llm.backend_reason) == (verdict.backend, f"auto: {verdict.reason}")
     key = next(iter(cached))
     backend_choice.cache_path().write_text(json.dumps({key: {"torch": "fast"}}))  # a damaged entry is timed anew
     monkeypatch.setattr(backend_choice, "time_backends", fake_timings)
-    assert auto_backend(measured, "float32", 4).ms == fake_timings(measured, "float32", 4)
+    assert auto_backend(resolve(measured), "float32", 4).ms == fake_timings(measured, "float32", 4)
 
 
 def fake_timings(path, dtype, k):
@@ -71,7 +72,7 @@ def test_auto_picks_per_draft_length_and_runs_losslessly_on_its_pick(measured, m
 def test_a_large_checkpoint_goes_to_llamacpp_untimed(measured, monkeypatch):
     monkeypatch.setattr(backend_choice, "MAX_TIMED_BYTES", 0)
     monkeypatch.setattr(backend_choice, "time_backends", lambda *a: pytest.fail("timed a large checkpoint"))
-    verdict = auto_backend(measured, "auto", 0)
+    verdict = auto_backend(resolve(measured), "auto", 0)
     assert verdict.backend == "llama.cpp" and "bound by memory" in verdict.reason and verdict.ms == {}
 
 

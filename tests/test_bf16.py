@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from specdec import LLM, SamplingParams
-from specdec.models import cpu, timings
+from specdec.models import cpu, dtype_choice, timings
 from specdec.models.base import ForwardBatch
 from specdec.models.linear import Linear
 from specdec.models.llama import LlamaRunner
-from specdec.models.loader import _torch_dtype, load_model
+from specdec.models.load import load_model
 from specdec.near_tie import BF16_RELATIVE_STEP, first_divergence
 from tiny_models import make_model, random_prompts
 
@@ -122,40 +122,40 @@ def config(dt, hidden=64):
 def test_torch_dtype(monkeypatch):
     monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")  # as on a CPU without native bf16
     for bf16 in (torch.bfloat16, "bfloat16"):
-        assert _torch_dtype("auto", config(bf16), "cpu") == torch.float32
-        assert _torch_dtype("auto", config(bf16), "cuda") == torch.bfloat16
-    assert _torch_dtype("auto", config(torch.float16), "cpu") == torch.float32
-    assert _torch_dtype("auto", config(torch.float16), "cuda") == torch.float16
-    assert _torch_dtype("auto", config(torch.float32), "cpu") == torch.float32
-    assert _torch_dtype("auto", config(None), "cpu") == torch.float32
-    assert _torch_dtype("bfloat16", config(torch.float32), "cpu") == torch.bfloat16  # explicit stays
-    assert _torch_dtype("float32", config(torch.bfloat16), "cpu") == torch.float32
+        assert dtype_choice.torch_dtype("auto", config(bf16), "cpu") == torch.float32
+        assert dtype_choice.torch_dtype("auto", config(bf16), "cuda") == torch.bfloat16
+    assert dtype_choice.torch_dtype("auto", config(torch.float16), "cpu") == torch.float32
+    assert dtype_choice.torch_dtype("auto", config(torch.float16), "cuda") == torch.float16
+    assert dtype_choice.torch_dtype("auto", config(torch.float32), "cpu") == torch.float32
+    assert dtype_choice.torch_dtype("auto", config(None), "cpu") == torch.float32
+    assert dtype_choice.torch_dtype("bfloat16", config(torch.float32), "cpu") == torch.bfloat16  # explicit stays
+    assert dtype_choice.torch_dtype("float32", config(torch.bfloat16), "cpu") == torch.float32
     with pytest.raises(ValueError, match="float32.*bfloat16.*float16.*auto.*'half'"):
-        _torch_dtype("half", config(torch.float32), "cpu")
+        dtype_choice.torch_dtype("half", config(torch.float32), "cpu")
 
 
 def test_auto_keeps_bf16_only_where_native_and_timed_faster(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    shape = cpu.largest_product(config(torch.bfloat16, hidden=96))
+    shape = dtype_choice.largest_product(config(torch.bfloat16, hidden=96))
     assert shape == (4 * 96, 96)  # the LM head, the largest of the three
-    verdict = cpu.bf16_verdict(*shape)
+    verdict = dtype_choice.bf16_verdict(*shape)
     if not NATIVE.native:  # nothing timed, nothing cached
-        assert not verdict.use_bf16 and verdict.reason.startswith("no native bf16") and not cpu.cache_path().exists()
-        assert _torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.float32
+        assert not verdict.use_bf16 and verdict.reason.startswith("no native bf16") and not dtype_choice.cache_path().exists()
+        assert dtype_choice.torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.float32
         return
-    cached = json.loads(cpu.cache_path().read_text())
+    cached = json.loads(dtype_choice.cache_path().read_text())
     (key,) = cached
     assert key.endswith("384x96") and cached[key] == verdict.ms and all(t > 0 for t in verdict.ms["bf16"])
     expected = torch.bfloat16 if verdict.use_bf16 else torch.float32
-    assert _torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == expected
+    assert dtype_choice.torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == expected
     # the cached verdict is what decides, timed once per machine: bf16 slower at 5 rows -> float32
     cached[key] = {"bf16": [0.1, 0.3], "float32": [0.2, 0.2]}
-    cpu.cache_path().write_text(json.dumps(cached))
-    assert "not faster" in cpu.bf16_verdict(*shape).reason
-    assert _torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.float32
+    dtype_choice.cache_path().write_text(json.dumps(cached))
+    assert "not faster" in dtype_choice.bf16_verdict(*shape).reason
+    assert dtype_choice.torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.float32
     cached[key] = {"bf16": [0.1, 0.1], "float32": [0.2, 0.2]}
-    cpu.cache_path().write_text(json.dumps(cached))
-    assert _torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.bfloat16
+    dtype_choice.cache_path().write_text(json.dumps(cached))
+    assert dtype_choice.torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.bfloat16
 
 
 def bf16_copy(src: Path, dst: Path, noise: float = 0.0, seed: int = 2) -> Path:
@@ -183,11 +183,11 @@ def test_auto_loads_a_bf16_checkpoint_as_float32_without_native_bf16(pair, monke
     monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
     runner = LLM(pair[0]).target
     assert runner.dtype == torch.float32 and runner.layers[0].qkv.kind == "wxt"
-    path = cpu.describe_path(runner, "auto")  # what demo and bench print
+    path = dtype_choice.describe_path(runner, "auto")  # what demo and bench print
     assert "float32 weights, w @ x^T" in path and f"no native bf16: {cpu.NO_NATIVE_ENV}=1 is set" in path, path
     explicit = LLM(pair[0], dtype="bfloat16").target  # asked for: bf16 weights on the w @ x^T path
     assert explicit.dtype == torch.bfloat16 and explicit.layers[0].qkv.kind == "wxt"
-    path = cpu.describe_path(explicit, "bfloat16")
+    path = dtype_choice.describe_path(explicit, "bfloat16")
     assert "bfloat16 weights, w @ x^T" in path and "--dtype bfloat16, no native bf16" in path, path
 
 

@@ -352,20 +352,20 @@ def test_bench_bad_input_exits_2(models, tmp_path, prompts_file, case):
 
 
 def test_demo_without_the_shipped_pair_exits_1(monkeypatch, tmp_path):
-    from specdec.models import loader
+    from specdec.models.resolve import SHIPPED
 
-    monkeypatch.setitem(loader.SHIPPED, "specdec/demo-target", tmp_path / "demo-target")
-    monkeypatch.setitem(loader.SHIPPED, "specdec/demo-draft", tmp_path / "demo-draft")
+    monkeypatch.setitem(SHIPPED, "specdec/demo-target", tmp_path / "demo-target")
+    monkeypatch.setitem(SHIPPED, "specdec/demo-draft", tmp_path / "demo-draft")
     result = cli("demo")
     assert result.exit_code == 1
     assert "shipped demo pair is not installed" in result.stderr and "Traceback" not in result.output
 
 
 def test_demo_with_a_pair_installed(monkeypatch, models):
-    from specdec.models import loader
+    from specdec.models.resolve import SHIPPED
 
-    monkeypatch.setitem(loader.SHIPPED, "specdec/demo-target", Path(models["target"]))
-    monkeypatch.setitem(loader.SHIPPED, "specdec/demo-draft", Path(models["same"]))
+    monkeypatch.setitem(SHIPPED, "specdec/demo-target", Path(models["target"]))
+    monkeypatch.setitem(SHIPPED, "specdec/demo-draft", Path(models["same"]))
     out = json_out(cli("demo", "--max-tokens", "8", "--json"))
     assert {"ar_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate", "mean_acceptance_length"} <= set(out)
     assert out["speedup"] == pytest.approx(out["spec_tokens_per_s"] / out["ar_tokens_per_s"])

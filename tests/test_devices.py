@@ -11,7 +11,7 @@ import torch
 from lossless import FALSE_ALARM, chi_square_p
 from specdec import LLM, SamplingParams
 from specdec.models.base import next_token_logits
-from specdec.models.loader import load_model
+from specdec.models.load import load_model
 from specdec.near_tie import first_divergence
 from tiny_models import make_model, perturbed_copy, random_prompts
 

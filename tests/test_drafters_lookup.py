@@ -14,7 +14,7 @@ from lossless import assert_first_tokens_follow_target, assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix import END_MASK, SLOT_SHIFT, Node, RequestTrie, SuffixDrafter, SuffixTrie
-from specdec.models.loader import load_model
+from specdec.models.load import load_model
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from tiny_models import make_model, random_prompts

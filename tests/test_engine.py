@@ -11,7 +11,7 @@ from lossless import assert_first_tokens_follow_target, assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.models.loader import load_model
+from specdec.models.load import load_model
 from specdec.sampling import SamplingBatch
 from tiny_models import make_model, perturbed_copy, random_prompts
 
@@ -497,7 +497,8 @@ def test_incremental_detokenizing_streams_exactly_the_whole_decode(text, chunk):
     from types import SimpleNamespace
 
     from specdec.detokenizer import Detokenizer, TextStreamer
-    from specdec.models.loader import load_tokenizer, resolve_model_path
+    from specdec.models.load import load_tokenizer
+    from specdec.models.resolve import resolve_model_path
 
     tok = load_tokenizer(resolve_model_path("specdec/demo-target"))
     ids = tok.encode(text, add_special_tokens=False)

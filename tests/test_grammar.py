@@ -13,7 +13,7 @@ import torch
 
 from specdec.config import StructuredOutputsParams as SO
 from specdec.grammar import GrammarCompiler
-from specdec.models.loader import SHIPPED
+from specdec.models.resolve import SHIPPED
 from tiny_models import byte_level_token_bytes
 
 SHIPPED_TOKENIZER = SHIPPED["specdec/demo-target"]

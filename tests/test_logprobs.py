@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.models.loader import load_model
+from specdec.models.load import load_model
 from specdec.sampling import SamplingBatch, probs_from_logits
 from test_drafters_lookup import make_repetitive_model, repetitive_prompts
 from tiny_models import perturbed_copy

@@ -7,7 +7,7 @@ import torch
 
 from specdec.models.base import ForwardBatch
 from specdec.models.llama import FEW_QUERIES, LlamaRunner, _attention_mask, _few_query_attention
-from specdec.models.loader import load_model
+from specdec.models.load import load_model
 from tiny_models import make_model
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

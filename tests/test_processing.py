@@ -11,7 +11,7 @@ import torch
 
 from lossless import assert_first_tokens_follow_target, reference_processing
 from specdec import LLM, SamplingParams
-from specdec.models.loader import load_model
+from specdec.models.load import load_model
 from test_drafters_lookup import make_repetitive_model
 from tiny_models import perturbed_copy
 

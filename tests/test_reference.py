@@ -9,7 +9,7 @@ from scipy import stats
 from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p, exact_joint
 from specdec import LLM, SamplingParams
 from specdec.models.llama import LlamaRunner
-from specdec.models.loader import load_model
+from specdec.models.load import load_model
 from specdec.reference import speculative_generate
 from tiny_models import make_model, perturbed_copy, random_prompts
 

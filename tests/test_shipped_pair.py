@@ -3,7 +3,7 @@
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.models.loader import SHIPPED
+from specdec.models.resolve import SHIPPED
 from specdec.near_tie import first_divergence
 
 pytestmark = pytest.mark.skipif(not (SHIPPED["specdec/demo-draft"] / "config.json").exists(),

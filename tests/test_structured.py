@@ -16,7 +16,7 @@ import torch
 from lossless import FALSE_ALARM, NEAR_TIE, chi_square_p
 from specdec import LLM, SamplingParams
 from specdec.config import StructuredOutputsParams as SO
-from specdec.models.loader import load_model
+from specdec.models.load import load_model
 from tiny_models import byte_level_token_bytes, make_byte_tokenizer, make_model, perturbed_copy
 
 VOCAB_ROWS = 330  # a 320-token byte-level tokenizer plus padding rows that must never be sampled

@@ -9,8 +9,10 @@ from specdec.models.base import ModelRunner
 __all__ = ["DraftProposal", "Drafter", "build_drafter"]
 
 
-def build_drafter(spec: SpeculativeConfig, target: ModelRunner, dtype: str, device: str) -> Drafter:
-    drafter = _build(spec, target, dtype, device)
+def build_drafter(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | None = None) -> Drafter:
+    """The drafter ``spec`` names, beside ``target``. ``draft``: the draft model's runner for method
+    draft_model, loaded by the caller (``LLM`` resolves, chooses and loads it with the target)."""
+    drafter = _build(spec, target, draft)
     if spec.enable_suffix_decoding:
         from specdec.drafters.hybrid import HybridDrafter
 
@@ -27,23 +29,15 @@ def _suffix(spec: SpeculativeConfig) -> Drafter:
                          min_token_prob=spec.suffix_decoding_min_token_prob)
 
 
-def _build(spec: SpeculativeConfig, target: ModelRunner, dtype: str, device: str) -> Drafter:
+def _build(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | None) -> Drafter:
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
-        from specdec.models.gguf import find_gguf
-        from specdec.models.loader import SHIPPED, check_same_vocabulary, load_runner
 
-        # the draft runs where the target does; a GGUF draft runs on llama.cpp whatever the target's backend
-        is_gguf = spec.model not in SHIPPED and find_gguf(spec.model) is not None
-        backend = "llama.cpp" if is_gguf or getattr(target, "backend", "torch") == "llama.cpp" else "torch"
-        runner, _ = load_runner(spec.model, backend, "auto" if is_gguf else dtype, device,
-                                vocab_size=target.vocab_size)
-        check_same_vocabulary(getattr(target, "tokenizer", None), runner.tokenizer, "target", spec.model)
-        if runner.vocab_size < target.vocab_size:
-            raise ValueError(f"draft {spec.model!r} has {runner.vocab_size} vocabulary rows but the target's "
-                             f"vocabulary has {target.vocab_size} tokens; use a draft from the target's model family")
-        runner.max_model_len = min(runner.max_model_len, target.max_model_len)
-        return DraftModelDrafter(runner, spec.draft_p_min)
+        if draft is None:
+            raise ValueError("method draft_model needs the draft model's runner (LLM loads it from spec.model)")
+        _check_draft(target, draft, spec.model)
+        draft.max_model_len = min(draft.max_model_len, target.max_model_len)
+        return DraftModelDrafter(draft, spec.draft_p_min)
     if spec.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
 
@@ -52,10 +46,25 @@ def _build(spec: SpeculativeConfig, target: ModelRunner, dtype: str, device: str
         return _suffix(spec)
     if spec.method == "layer_skip":
         from specdec.drafters.layer_skip import LayerSkipDrafter
-        from specdec.models.loader import _LAYER_SKIP
 
-        if getattr(target, "backend", "torch") == "llama.cpp":
-            raise ValueError(_LAYER_SKIP)
-
+        if not target.can_run_layer_subsets:
+            raise ValueError(f"layer_skip needs a target that runs its first layers alone; the {target.backend} "
+                             "backend cannot do that (use backend='torch', or method draft_model, ngram or suffix)")
         return LayerSkipDrafter(target, spec.num_draft_layers, spec.draft_p_min)
     raise ValueError(f"unknown speculative method {spec.method!r}")
+
+
+def _check_draft(target: ModelRunner, draft: ModelRunner, name: str) -> None:
+    """Draft and target must map the same strings to the same ids (padded embedding rows don't
+    matter), and the draft must have a row for every token of the target's vocabulary."""
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+        if tv != dv:
+            only_t = len(set(tv.items()) - set(dv.items()))
+            only_d = len(set(dv.items()) - set(tv.items()))
+            raise ValueError(f"draft {name!r} and target have different vocabularies ({len(dv)} vs {len(tv)} tokens; "
+                             f"{only_t} target and {only_d} draft entries differ); speculative decoding needs a "
+                             "draft with the target's tokenizer (same model family)")
+    if draft.vocab_size < target.vocab_size:
+        raise ValueError(f"draft {name!r} has {draft.vocab_size} vocabulary rows but the target's vocabulary has "
+                         f"{target.vocab_size} tokens; use a draft from the target's model family")

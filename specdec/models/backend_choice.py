@@ -1,23 +1,22 @@
 """Which backend ``backend="auto"`` runs an HF checkpoint on, on a CPU: the one that is faster here.
 
-Neither backend is faster on every CPU. llama.cpp's one-token step was 1.4-2x the torch runner's on the
-CPUs measured (README, llama.cpp backend), but torch's verify pass is flatter (oneDNN; AMX), so with long
-drafts torch can win. The choice is therefore measured. The target's forward is timed on both backends,
-once per machine, checkpoint, dtype, thread count and draft length: 1 token (a plain step) and k+1
-tokens (a verify pass), after ``CONTEXT`` cached positions. The verdict is cached
-(~/.cache/specdec/backend.json). llama.cpp wins when its t(1) is lower without speculation, and when its
-t(1) + t(k+1) is lower with it (rounds that draft nothing decode plainly).
+Neither backend is faster on every CPU: llama.cpp's one-token step is the cheaper on the CPUs
+measured (README, llama.cpp backend), but torch's verify pass is flatter (oneDNN; AMX), so with
+long drafts torch can win. The choice is therefore measured. The target's forward is timed on both
+backends, once per machine, checkpoint, dtype, thread count and draft length: 1 token (a plain
+step) and k+1 tokens (a verify pass), after ``CONTEXT`` cached positions. The verdict is cached
+(~/.cache/specdec/backend.json). llama.cpp wins when its t(1) is lower without speculation, and
+when its t(1) + t(k+1) is lower with it (rounds that draft nothing decode plainly).
 
-Checkpoints above ``MAX_TIMED_BYTES`` go to llama.cpp without timing. At those sizes decoding is bound
-by memory, llama.cpp was 3-4.4x faster per token (a 287M Llama), and timing both would load the model
-twice. ``SPECDEC_AUTO_BACKEND=torch|llama.cpp`` fixes the choice (the test suite fixes torch, so that
-every test runs the same backend on every machine).
+Checkpoints above ``MAX_TIMED_BYTES`` go to llama.cpp without timing: at those sizes decoding is
+bound by memory, where llama.cpp is the faster, and timing both would load the model twice.
+``SPECDEC_AUTO_BACKEND=torch|llama.cpp`` fixes the choice (the test suite fixes torch, so that
+every test runs the same backend on every machine). Called by choose.py, the choose step.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.models import timings
+from specdec.models.base import ForwardBatch
+from specdec.models.dtype_choice import dtype_for
+from specdec.models.gguf import checkpoint_digest
+from specdec.models.load import load
+from specdec.models.resolve import ModelSource
 
 ENV = "SPECDEC_AUTO_BACKEND"
 CONTEXT = 256  # positions cached before the timed forwards (fewer if the model is shorter)
@@ -43,26 +47,25 @@ class BackendVerdict:
     ms: dict  # {"torch": [t(1), t(k+1)], "llama.cpp": [...]} in ms; empty when not timed
 
 
-def auto_backend(path: str, dtype: str, k: int) -> BackendVerdict:
-    """The faster backend for checkpoint folder ``path`` (convertible, on a CPU with llama.cpp) decoding
+def auto_backend(source: ModelSource, dtype: str, k: int) -> BackendVerdict:
+    """The faster backend for checkpoint ``source`` (convertible, on a CPU with llama.cpp) decoding
     with drafts of up to ``k`` tokens (0: plain decoding)."""
-    from specdec.models.gguf import checkpoint_digest
-
     fixed = os.environ.get(ENV, "")
     if fixed:
         if fixed not in ("torch", "llama.cpp"):
             raise ValueError(f"{ENV} must be 'torch' or 'llama.cpp', got {fixed!r}; unset it to let auto measure")
         return BackendVerdict(fixed, f"{ENV}={fixed}", {})
-    size = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in Path(source.path).glob("*.safetensors"))
     if size > MAX_TIMED_BYTES:
         return BackendVerdict("llama.cpp", f"a checkpoint of {size / 2**30:.1f} GiB decodes bound by memory, "
                               "where llama.cpp is the faster", {})
-    def measure() -> dict:
-        print(f"specdec: timing {Path(path).name} on llama.cpp and torch for backend=auto (k={k}), once",
-              file=sys.stderr, flush=True)
-        return time_backends(path, dtype, k)
 
-    key = f"{timings.machine_key()} {checkpoint_digest(path)} {dtype} k {k}"
+    def measure() -> dict:
+        print(f"specdec: timing {Path(source.path).name} on llama.cpp and torch for backend=auto (k={k}), once",
+              file=sys.stderr, flush=True)
+        return time_backends(source, dtype, k)
+
+    key = f"{timings.machine_key()} {checkpoint_digest(source.path)} {dtype} k {k}"
     return _decide(timings.cached(cache_path(), key, measure, ("llama.cpp", "torch")), k)
 
 
@@ -74,17 +77,14 @@ def _decide(ms: dict, k: int) -> BackendVerdict:
     return BackendVerdict(backend, f"faster here: {what} {timing}", ms)
 
 
-def time_backends(path: str, dtype: str, k: int) -> dict:
+def time_backends(source: ModelSource, dtype: str, k: int) -> dict:
     """Milliseconds of the target's forward of 1 and k+1 tokens (k=0: 1 token only, reported twice) on
     both backends, alternating, after CONTEXT positions (or what the model allows): the median over
     repeats of each burst's settled half."""
-    from specdec.models.base import ForwardBatch
-    from specdec.models.loader import load_runner
-
     lengths = (1, k + 1) if k else (1,)
-    config = json.loads(Path(path, "config.json").read_text())
-    context = max(1, min(CONTEXT, config.get("max_position_embeddings", CONTEXT + k + 1) - k - 1))
-    runners = {b: load_runner(path, b, dtype, "cpu", max_model_len=context + k + 1)[0] for b in ("llama.cpp", "torch")}
+    context = max(1, min(CONTEXT, source.config.get("max_position_embeddings", CONTEXT + k + 1) - k - 1))
+    runners = {b: load(source, b, dtype_for(source, b, dtype), "cpu", max_model_len=context + k + 1)[0]
+               for b in ("llama.cpp", "torch")}
     prompt = [(i * 7919 + 3) % min(r.vocab_size for r in runners.values()) for i in range(context + k + 1)]
     for r in runners.values():
         r.sync_rows(["__specdec_backend_probe__"])

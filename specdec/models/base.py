@@ -70,11 +70,22 @@ def _logits_index(logits: str | int, lengths: list[int], T: int, device: torch.d
 
 
 class ModelRunner(ABC):
+    """What every backend offers its callers: the attributes below, the cache methods and ``forward``.
+    Callers ask a capability (``can_run_layer_subsets``), never a backend's name."""
+
     vocab_size: int  # width of the returned logits: the tokenizer's length, padded rows cut off
     max_model_len: int  # longest sequence (prompt + output) the model accepts
     num_layers: int
     device: torch.device
-    backend: str  # "torch" | "llama.cpp"
+    dtype: torch.dtype  # the weights' dtype, or the one whose rounding they resemble (near-tie thresholds)
+    tokenizer: object | None  # the model's transformers tokenizer; None: prompts go in as token ids
+    backend: str  # the backend's name, for messages and reports: "torch" | "llama.cpp"
+    can_run_layer_subsets: bool = False  # honours ForwardBatch.num_layers (layer_skip's self-speculation)
+    casts_weights: bool = False  # True: the weights were cast at load to a dtype specdec chose (dtype_choice.py)
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The compute path in one line (kernels, weights' dtype, ...), for demo and bench."""
 
     @abstractmethod
     def reserve(self, num_rows: int, length: int) -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.models.llamacpp_lib import load_library
+
 OUTTYPES = ("f32", "bf16", "f16", "q8_0", "q4_k_m")
 TOKENIZER_CONFIG_KEY = "specdec.tokenizer_config"
 MODEL_TYPE_KEY = "specdec.model_type"  # the HF model_type: transformers picks the tokenizer class by it
@@ -43,6 +45,13 @@ class GGUFInfo:
     weight_type: str  # the type most weights are stored in: F32, BF16, F16, Q8_0, Q4_K, ...
     context_length: int
     kv_width: int  # KV heads x head size: one layer's keys (or values) per position
+    # the shape, under Hugging Face's config names (dtype_choice.largest_product reads them)
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
     tokens: list[str]  # llama.cpp's vocabulary, in id order
     hf_tokenizer_json: str | None  # the converted checkpoint's tokenizer.json, when specdec wrote the file
     hf_tokenizer_config: str | None
@@ -70,36 +79,22 @@ def read_info(path: str) -> GGUFInfo:
     for t in reader.tensors:
         if len(t.shape) >= 2:
             counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    hidden = int(field(f"{arch}.embedding_length", 0) or 0)
+    heads = int(field(f"{arch}.attention.head_count", 0) or 0)
+    kv_heads = int(field(f"{arch}.attention.head_count_kv", 0) or heads)
+    head_dim = int(field(f"{arch}.attention.key_length", 0) or hidden // max(1, heads))
+    tokens = list(field("tokenizer.ggml.tokens", []) or [])
     return GGUFInfo(path=path, architecture=arch, weight_type=max(counts, key=counts.get) if counts else "F32",
-                    context_length=int(field(f"{arch}.context_length", 0) or 0),
-                    kv_width=int(field(f"{arch}.attention.head_count_kv", 0) or field(f"{arch}.attention.head_count", 0) or 0)
-                    * int(field(f"{arch}.attention.key_length", 0) or (field(f"{arch}.embedding_length", 0) or 0)
-                          // max(1, int(field(f"{arch}.attention.head_count", 1) or 1))),
-                    tokens=list(field("tokenizer.ggml.tokens", []) or []),
+                    context_length=int(field(f"{arch}.context_length", 0) or 0), kv_width=kv_heads * head_dim,
+                    hidden_size=hidden, intermediate_size=int(field(f"{arch}.feed_forward_length", 0) or 0),
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                    vocab_size=int(field(f"{arch}.vocab_size", 0) or len(tokens)),
+                    tokens=tokens,
                     hf_tokenizer_json=field("tokenizer.huggingface.json"),
                     hf_tokenizer_config=field(TOKENIZER_CONFIG_KEY),
                     hf_model_type=field(MODEL_TYPE_KEY),
                     bos_token_id=field("tokenizer.ggml.bos_token_id"),
                     eos_token_id=field("tokenizer.ggml.eos_token_id"))
-
-
-def find_gguf(name: str) -> str | None:
-    """The GGUF file ``name`` names: the file itself, or the one .gguf in a folder; None when it names
-    neither (an HF checkpoint). ValueError for a folder with several."""
-    p = Path(os.path.expanduser(name))
-    if p.suffix == ".gguf":
-        if not p.is_file():
-            raise ValueError(f"GGUF file {name!r} does not exist; check the path, or convert a checkpoint "
-                             "with `specdec convert HF_DIR --out X.gguf`")
-        return str(p)
-    if p.is_dir() and not (p / "config.json").exists():
-        files = sorted(p.glob("*.gguf"))
-        if len(files) > 1:
-            raise ValueError(f"folder {name!r} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
-                             "pass the one to load")
-        if files:
-            return str(files[0])
-    return None
 
 
 # -- conversion -------------------------------------------------------------------------------------
@@ -292,9 +287,7 @@ def _add_vocabulary(w, hf_dir: str, config: dict) -> None:
 
 
 def _quantize(src: str, dst: str, outtype: str, progress) -> None:
-    from specdec.models.llamacpp import _lib
-
-    llama_cpp = _lib()
+    llama_cpp = load_library()
 
     ftype = {"q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_k_m": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M}[outtype]
     params = llama_cpp.llama_model_quantize_default_params()

@@ -25,17 +25,18 @@ import torch.nn.functional as F
 from specdec.models.cpu import native_bf16
 
 
-# oneDNN's bf16 inner product streams weights from memory faster for 3-6 rows than for 1 or 2
-# (all linears of the 55 MB demo target, 1 thread: 4.1 ms at 1 row, 4.7 at 2, 3.7 at 4), and its
-# results for 4+ rows do not depend on the row count. Models too large for the CPU's caches pad
-# their products to this many rows; small ones, whose weights stay in cache, are faster unpadded.
+# oneDNN's bf16 inner product streams weights from memory faster for a few rows than for 1 or 2
+# (README, Speed), and its results for 4+ rows do not depend on the row count. Models too large for
+# the CPU's caches pad their products to this many rows; small ones, whose weights stay in cache,
+# are faster unpadded.
 ONEDNN_MIN_ROWS = 4
 
 
-# oneDNN keeps up to 1,024 built kernels by default, with their buffers: after a burst of varied
-# batch shapes a server then held ~60 MB more than before it (demo pair). 128 covers the shapes of
-# steady decoding. Read by oneDNN when it first builds a kernel; a value set by the user stays.
+# oneDNN keeps up to 1,024 built kernels by default, with their buffers, so a burst of varied batch
+# shapes leaves a server holding memory it no longer needs. 128 covers the shapes of steady
+# decoding. Read by oneDNN when it first builds a kernel; a value set by the user stays.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+KERNEL_NAMES = {"onednn": "oneDNN bf16 inner product", "wxt": "w @ x^T (ATen)", "dense": "F.linear"}  # by kind
 
 
 def onednn_rows(rows: int, min_rows: int) -> int:

@@ -1,6 +1,6 @@
 """A lean PyTorch forward for Llama-family checkpoints (Llama, Qwen2, Qwen3, Mistral).
 
-Weights come from the transformers model loaded by ``loader.load_model``; this
+Weights come from the transformers model that load.py loads (``LoadedModel``); this
 module re-packs them (fused q/k/v and gate/up projections) and runs its own
 forward over its own KV cache, written by absolute position. Logits match
 transformers' forward within float32 rounding.
@@ -16,13 +16,23 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.models.cpu import native_bf16
 from specdec.models.kv_cache import KVCache, RowTable
-from specdec.models.linear import ONEDNN_MIN_ROWS, Linear
-from specdec.models.loader import LoadedModel
+from specdec.models.linear import KERNEL_NAMES, ONEDNN_MIN_ROWS, Linear
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CACHE_RESIDENT_BYTES = 16 << 20  # weights up to this size stay in a server CPU's caches between tokens
 CACHE_LEN_STEP = 256  # grow the cache in steps, not one token at a time
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint as transformers loads it: what ``LlamaRunner`` packs its weights from."""
+
+    path: str
+    config: object  # transformers.PretrainedConfig
+    hf_model: torch.nn.Module  # the transformers model, used only as a source of weights
+    tokenizer: object | None  # transformers tokenizer, or None when the folder ships none
 
 
 @dataclass
@@ -44,6 +54,8 @@ PACK_BELOW = 0.75  # ragged rows are packed when their real tokens are at most t
 
 class LlamaRunner(ModelRunner):
     backend = "torch"
+    can_run_layer_subsets = True
+    casts_weights = True
 
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None):
         cfg = loaded.config
@@ -85,6 +97,13 @@ class LlamaRunner(ModelRunner):
         self._init_rope(inner.rotary_emb, cfg)
         self.cache: KVCache | None = None
         self.rows = RowTable()
+
+    def describe(self) -> str:
+        """The compute path in one line: the ISA (or device), the weights' dtype, the product kernel."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.device.type != "cpu":
+            return f"{self.device.type}: {dtype} weights, {KERNEL_NAMES['dense']}"
+        return f"{native_bf16().isa}: {dtype} weights, {KERNEL_NAMES.get(self.lm_head.kind, self.lm_head.kind)}"
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -11,9 +11,6 @@ and every sequence's KV is copied over.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
-import logging
-import os
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -21,8 +18,7 @@ import torch
 
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.models.gguf import GGUFInfo, read_info
-
-log = logging.getLogger(__name__)
+from specdec.models.llamacpp_lib import load_library
 
 BACKEND = "llama.cpp"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids one context can hold
@@ -36,37 +32,16 @@ KEEP_BYTES = 64 * 2**20  # release() clears a context whose KV cache is at most 
 WEIGHT_DTYPES = {"F32": torch.float32, "F16": torch.float16}
 
 
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def _lib():
-    try:
-        import llama_cpp
-    except ImportError:
-        raise ValueError("the llama.cpp backend needs llama-cpp-python: run `make install` (builds it for this CPU) "
-                         "or `pip install llama-cpp-python gguf`; or pass backend='torch'") from None
-    if not getattr(_lib, "ready", False):
-        llama_cpp.llama_backend_init()
-        _lib.callback = llama_cpp.llama_log_callback(_log_from_llama)  # kept alive: C holds the pointer
-        llama_cpp.llama_log_set(_lib.callback, None)
-        _lib.ready = True
-    return llama_cpp
-
-
-def _log_from_llama(level: int, text: bytes, _user) -> None:
-    if os.environ.get("SPECDEC_LLAMA_LOG"):  # llama.cpp's own log lines, on request only
-        log.warning("llama.cpp: %s", text.decode(errors="replace").rstrip())
-
-
 class LlamaCppRunner(ModelRunner):
     backend = BACKEND
+    can_run_layer_subsets = False  # llama.cpp runs whole models only
+    casts_weights = False  # a GGUF file's weights run in their own types
 
     def __init__(self, path: str, tokenizer=None, max_model_len: int | None = None, vocab_size: int | None = None,
                  threads: int | None = None, info: GGUFInfo | None = None, flash_attn: bool = False):
         """``flash_attn``: llama.cpp's flash attention, off unless asked for (benchmarks/verify_cost.py
         compares both; with it a float32 file's attention rounds to f16)."""
-        lib = _lib()
+        lib = load_library()
         self.lib = lib
         self.info = info or read_info(path)
         self.path = path
@@ -146,8 +121,8 @@ class LlamaCppRunner(ModelRunner):
 
     def release(self) -> None:
         """Forget every sequence and free the KV cache. A small cache (``KEEP_BYTES``) is only cleared:
-        a new context costs 10-20 ms (llama.cpp reserves its compute graphs), which a server would
-        pay at every request that finds it idle."""
+        a new context is costly (llama.cpp reserves its compute graphs), which a server would pay at
+        every request that finds it idle."""
         if self.ctx is not None and self.cells * self.kv_bytes_per_token() <= KEEP_BYTES:
             self.lib.llama_memory_clear(self.mem, False)  # the cells are marked empty; their data is overwritten
         elif self.ctx is not None:

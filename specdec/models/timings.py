@@ -1,5 +1,5 @@
 """specdec's cache folder, and timings measured once per machine and kept there as JSON: dtype="auto"'s
-bf16 verdict (cpu.py) and backend="auto"'s choice (backend_choice.py)."""
+bf16 verdict (dtype_choice.py) and backend="auto"'s choice (backend_choice.py)."""
 
 from __future__ import annotations
 

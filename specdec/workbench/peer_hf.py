@@ -29,7 +29,8 @@ class HFPeer:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from specdec.models.loader import _torch_dtype, resolve_model_path
+        from specdec.models.dtype_choice import torch_dtype as _torch_dtype
+        from specdec.models.resolve import resolve_model_path
 
         if not params.greedy:
             raise ValueError("--peer hf compares greedy outputs token for token; use --temperature 0")

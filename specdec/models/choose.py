@@ -1,0 +1,80 @@
+"""Step 2 of loading a model: the backend and the dtype it runs in, and why.
+
+``backend="auto"`` runs a GGUF file on llama.cpp; torch on CUDA and for layer_skip (which runs the
+target's first layers); and a checkpoint on a CPU that llama.cpp can convert on the backend measured
+faster here (backend_choice.py). The dtype follows dtype_choice.py's rule for the backend chosen. A
+draft model runs where the target does, and a GGUF draft on llama.cpp whatever the target's backend.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+
+from specdec.models import llamacpp_lib
+from specdec.models.backend_choice import auto_backend
+from specdec.models.dtype_choice import dtype_for
+from specdec.models.gguf import ARCHITECTURES
+from specdec.models.resolve import ModelSource
+
+BACKENDS = ("auto", "torch", "llama.cpp")
+LAYER_SKIP_NEEDS_TORCH = ("layer_skip runs the target's first layers, which the llama.cpp backend cannot do (it runs "
+                          "whole models only); use backend='torch' with an HF checkpoint, or method draft_model, ngram "
+                          "or suffix")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where a model runs, in what dtype, and why."""
+
+    backend: str  # "torch" | "llama.cpp"
+    reason: str  # why this backend: "asked for", or auto's reason
+    dtype: str | None  # the weights' dtype by name (dtype_choice.dtype_for); None: a GGUF file's own types
+
+
+def choose(source: ModelSource, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
+           method: str | None = None, num_speculative_tokens: int = 0) -> Choice:
+    """The backend and dtype the target ``source`` runs in, for speculative ``method`` with drafts of
+    up to ``num_speculative_tokens`` (0: plain decoding)."""
+    chosen, reason = _backend(source, backend, device, method, num_speculative_tokens, dtype)
+    if method == "layer_skip" and chosen == "llama.cpp":
+        raise ValueError(LAYER_SKIP_NEEDS_TORCH)
+    return Choice(chosen, reason, dtype_for(source, chosen, dtype, device))
+
+
+def choose_draft(source: ModelSource, target: Choice, dtype: str = "auto", device: str = "cpu") -> Choice:
+    """The backend and dtype of draft model ``source`` beside a target that runs as ``target`` says."""
+    if source.is_gguf:
+        return Choice("llama.cpp", "a GGUF draft", dtype_for(source, "llama.cpp"))
+    return Choice(target.backend, "where the target runs", dtype_for(source, target.backend, dtype, device))
+
+
+def _backend(source: ModelSource, backend: str, device: str, method: str | None, k: int,
+             dtype: str) -> tuple[str, str]:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    on_cpu = str(device).startswith("cpu")
+    if backend == "torch":
+        return "torch", "asked for"  # a GGUF file is dequantized into transformers' model (load.py)
+    if backend == "llama.cpp":
+        if not on_cpu:
+            raise ValueError(f"specdec's llama.cpp backend runs on the CPU; got device={device!r} (use backend='torch')")
+        return "llama.cpp", "asked for"
+    if source.is_gguf:
+        return "llama.cpp", "auto: a GGUF file"
+    if not on_cpu:
+        return "torch", f"auto: device {device}"
+    if method == "layer_skip":
+        return "torch", "auto: layer_skip runs the target's first layers (torch only)"
+    if not llamacpp_lib.available():
+        return "torch", "auto: llama-cpp-python is not installed"
+    if not _convertible(source):
+        return "torch", "auto: not a checkpoint specdec converts to GGUF"
+    verdict = auto_backend(source, dtype, k)
+    return verdict.backend, f"auto: {verdict.reason}"
+
+
+def _convertible(source: ModelSource) -> bool:
+    archs = source.config.get("architectures") or []
+    return bool(archs) and archs[0] in ARCHITECTURES and bool(glob.glob(os.path.join(source.path, "*.safetensors")))
