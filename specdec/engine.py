@@ -1,7 +1,8 @@
-"""The engine: one speculative round over the running batch per ``step()`` (ALGORITHM.md).
+"""The engine: one speculative round over the running batch per ``step()`` (docs/algorithm.md).
 
-The scheduler decides who runs (scheduler.py), the runners compute (models/), the verifier decides
-what is kept (verify.py), the detokenizer stops sequences (detokenizer.py). With no drafter (or
+The scheduler decides who runs and what each row drafts (scheduler.py), the engine carries it out
+(prefills, rounds), the runners compute (models/), the verifier decides what is kept (verify.py),
+the detokenizer stops sequences (detokenizer.py). With no drafter (or
 k = 0) the same loop is plain autoregressive decoding: the baseline every benchmark compares against.
 ``reference.py`` is the same algorithm for one sequence, written to be read.
 """
@@ -26,19 +27,13 @@ from specdec.metrics import SpecDecodingStats
 from specdec.models.base import ForwardBatch, ModelRunner, pad_rows
 from specdec.processing import RowProcessor, bad_words_token_ids, constrain_drafts, process_verify_logits
 from specdec.sampling import make_generator
-from specdec.scheduler import RoundBatch, Scheduler
+from specdec.scheduler import PLAIN_STEPS, RoundBatch, Scheduler, check_num_scheduler_steps
 from specdec.sequence import Sequence
 from specdec.verify import verify
 
+__all__ = ["PLAIN_STEPS", "Engine", "check_num_scheduler_steps"]
+
 log = logging.getLogger(__name__)
-
-MERGED_PREFILL_TOKENS = 512  # new prompts up to this many tokens in all join a running batch's verify pass
-PLAIN_STEPS = 4  # greedy plain rounds take up to this many steps in one runner call (Engine._plain_round)
-
-
-def check_num_scheduler_steps(n: int) -> None:
-    if not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {n!r}")
 
 
 class Engine:
@@ -46,20 +41,19 @@ class Engine:
                  tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256,
                  adaptive: bool = False, strict_drafter: bool | None = None, logprobs_mode: str = "raw_logprobs",
                  num_scheduler_steps: int = PLAIN_STEPS):
-        check_num_scheduler_steps(num_scheduler_steps)
         self.target = target
-        self.num_scheduler_steps = num_scheduler_steps  # plain steps per greedy plain round (_plain_round)
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
         # adaptive: one k per round for the batch, from measured acceptance and costs; else k fixed
-        self.controller = AdaptiveK(self.k) if adaptive and self.k > 0 else None
+        controller = AdaptiveK(self.k) if adaptive and self.k > 0 else None
+        kv_bytes = target.kv_bytes_per_token() + (drafter.kv_bytes_per_token() if drafter is not None else 0)
+        self.scheduler = Scheduler(max_num_seqs, self.k, controller, num_scheduler_steps, kv_bytes,
+                                   target.max_model_len)
         # A failing drafter degrades its sequences to plain decoding; strict (tests): it raises.
         self.strict_drafter = (os.environ.get("SPECDEC_STRICT_DRAFTER", "0") not in ("0", "")
                                if strict_drafter is None else strict_drafter)
-        self.plain_only: set[int] = set()  # sequences that decode plainly since the drafter failed on them
         self.drafter_failures = 0
         self.detokenizer = Detokenizer(tokenizer, eos_token_ids)
-        self.scheduler = Scheduler(max_num_seqs)
         self.stats = SpecDecodingStats()
         self.device = target.device
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)  # logprobs.py
@@ -72,6 +66,11 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None) -> Sequence:
         """Queue a request. ``grammar``: a compiled matcher for ``params.structured_outputs`` (a server
         compiles it off the engine thread with ``self.grammar_compiler``); compiled here when None."""
+        seq = self._sequence(prompt_token_ids, params, grammar)
+        self.scheduler.add([seq])
+        return seq
+
+    def _sequence(self, prompt_token_ids: list[int], params: SamplingParams, grammar) -> Sequence:
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt is empty; pass at least one token")
@@ -85,23 +84,37 @@ class Engine:
                        max_len=self.target.max_model_len)
         if params.processes_logits:
             seq.processor = self._processor(seq, grammar)
-        self.scheduler.add(seq)
         return seq
 
     def add_choices(self, prompt_token_ids: list[int], params: SamplingParams,
                     grammars: list | None = None) -> list[Sequence]:
         """``params.n`` sequences for one prompt (vLLM's n): choice i has n = 1 and, when seeded,
         seed + i (vLLM's rule), so each is reproducible alone. They share one prefill (``_prefill``).
-        ``grammars``: one matcher per choice (a server compiles them off this thread), or None."""
+        ``grammars``: one matcher per choice (a server compiles them off this thread), or None. Each
+        choice is admitted on its own, as a request of its own would be."""
+        seqs = self._choices(prompt_token_ids, params, grammars)
+        for s in seqs:
+            self.scheduler.add([s])
+        return seqs
+
+    def add_group(self, prompts: list[tuple[list[int], SamplingParams, list | None]]) -> list[Sequence]:
+        """Queue one request of several prompts (token ids, params, grammar matchers or None), ``n``
+        choices each, admitted together (a server's request): choice i of the request is the i-th
+        sequence returned, prompt-major. A ValueError queues nothing."""
+        seqs = [s for ids, params, grammars in prompts for s in self._choices(ids, params, grammars)]
+        self.scheduler.add(seqs)
+        return seqs
+
+    def _choices(self, prompt_token_ids: list[int], params: SamplingParams, grammars: list | None) -> list[Sequence]:
         if grammars is not None and len(grammars) != params.n:
             raise ValueError(f"got {len(grammars)} grammar matchers for n={params.n} choices; pass one per choice")
         if params.n == 1:
-            return [self.add_request(prompt_token_ids, params, grammars[0] if grammars else None)]
+            return [self._sequence(prompt_token_ids, params, grammars[0] if grammars else None)]
         seqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            seqs.append(self.add_request(prompt_token_ids, replace(params, n=1, seed=seed),
-                                         grammars[i] if grammars else None))
+            seqs.append(self._sequence(prompt_token_ids, replace(params, n=1, seed=seed),
+                                       grammars[i] if grammars else None))
             seqs[-1].prefill_group = seqs[0].seq_id
         return seqs
 
@@ -141,21 +154,33 @@ class Engine:
         return self.scheduler.running
 
     @property
-    def waiting(self):
-        return self.scheduler.waiting
+    def waiting(self) -> list[Sequence]:
+        return self.scheduler.waiting_seqs()
 
     @property
     def max_num_seqs(self) -> int:
         return self.scheduler.max_num_seqs
 
+    @property
+    def controller(self) -> AdaptiveK | None:
+        return self.scheduler.controller
+
+    @property
+    def plain_only(self) -> set[int]:
+        return self.scheduler.plain_only
+
     def release_memory(self) -> None:
         """Free the KV caches while nothing runs (a server between bursts); they regrow on demand."""
         if self.running:
             raise RuntimeError("release_memory() while sequences are running would lose their caches")
+        self._free_caches()
+
+    def _free_caches(self) -> None:
         self.target.release()
         if self.drafter is not None:
             self.drafter.release_memory()
         trim_heap()
+        self.scheduler.memory_released()
 
     # -- the round --------------------------------------------------------------------------------
 
@@ -167,14 +192,14 @@ class Engine:
             return []
         t0 = time.perf_counter()
         self.target.sync_rows([s.seq_id for s in self.running])  # cache rows follow batch order
-        batch = RoundBatch.build(self.running, self._num_wanted(), self.device, self._last_sampling)
+        batch = RoundBatch.build(self.running, self.scheduler.num_wanted(), self.device, self._last_sampling)
         self._last_sampling = batch.sampling
 
         # 1. draft: up to num_wanted[b] tokens x_1..x_k per row (and q_1..q_k when it samples)
         t_draft = time.perf_counter()
         self._draft(batch)
         t1 = time.perf_counter()
-        steps = self._num_plain_steps(batch)
+        steps = self.scheduler.num_plain_steps(batch)
         if steps > 1:  # nothing drafted and every row greedy: several plain steps in one call
             return self._plain_round(batch, steps, t0)
 
@@ -211,21 +236,6 @@ class Engine:
         return gained
 
     # -- helpers ----------------------------------------------------------------------------------
-
-    def _num_plain_steps(self, batch: RoundBatch) -> int:
-        """How many plain steps this round may take in one runner call: several only when it drafts
-        nothing and every row is greedy with nothing that reads its logits (processors, logprobs),
-        each row past its first output token (which streams at once), no request waiting for a place
-        (it joins only between rounds), and not while the adaptive controller times plain steps before
-        it may speculate (a plain stretch of several steps a round would delay speculation)."""
-        if (self.num_scheduler_steps == 1 or max(batch.num_wanted) > 0 or batch.carries_prompt
-                or not batch.sampling.all_greedy or (self.scheduler.waiting and len(self.running) < self.max_num_seqs)
-                or (self.controller is not None and self.controller.measuring_plain(len(batch.seqs)))):
-            return 1
-        for s in batch.seqs:
-            if s.processor is not None or s.params.logprobs is not None or s.num_output_tokens == 0:
-                return 1
-        return min(self.num_scheduler_steps, min(s.room for s in batch.seqs))
 
     def _plain_round(self, batch: RoundBatch, steps: int, t0: float) -> list[tuple[Sequence, list[int]]]:
         """Up to ``steps`` greedy plain steps through ``target.greedy_steps``: the tokens a verify pass
@@ -269,20 +279,6 @@ class Engine:
                 s.finish_reason, s.stop_reason = "stop", None
         return kept
 
-    def _num_wanted(self) -> list[int]:
-        """Drafts to ask for per row. A sequence's first token comes from a plain pass, as vLLM's comes
-        from its prefill (drafting would add the draft's prompt catch-up to the time to first token);
-        drafts beyond the room left are wasted."""
-        seqs = self.running
-        ks = [self.k] * len(seqs)
-        if self.controller is not None:
-            # A seeded sampled request keeps k fixed: its random draws depend on k, and the
-            # controller's choices depend on timings, so only a fixed k makes the seed reproducible.
-            chosen = self.controller.choose([s.seq_id for s in seqs])
-            ks = [self.k if s.params.seed is not None and not s.params.greedy else c for s, c in zip(seqs, chosen)]
-        return [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0 else max(0, min(k, s.room - 1))
-                for k, s in zip(ks, seqs)]
-
     def _draft(self, batch: RoundBatch) -> None:
         """Step 1. A drafter that fails degrades its sequences to plain decoding (strict: it raises)."""
         if max(batch.num_wanted) == 0:
@@ -311,21 +307,20 @@ class Engine:
         batch.set_drafts(proposal.draft_token_ids, proposal.draft_probs, num_draft)
 
     def _admit(self) -> None:
-        """Admit waiting requests. While others decode, small prompts ride in the next verify pass
-        (each row feeds what its cache lacks), which costs far less than a pass of their own that
-        reads every weight once more (vLLM's chunked prefill does the same). Otherwise each prompt
-        but its last token is prefilled now (``_prefill``); the first round's verify pass feeds the last."""
-        decoding = bool(self.running)
-        new = self.scheduler.admit()
-        if not new:
+        """Carry out the scheduler's admission (``Scheduler.admit``). A merged newcomer feeds its whole
+        prompt in the next verify pass (each row feeds what its cache lacks); the others are prefilled
+        now but their last token (``_prefill``), which the first round's verify pass feeds."""
+        admitted = self.scheduler.admit()
+        if admitted is None:
             return
         t0 = time.perf_counter()
-        running = self.running
+        if admitted.release_caches:
+            self._free_caches()  # the newcomers have no cache yet; nothing else runs
+        running, new = self.running, admitted.seqs
         # room for the prompts now; the cache grows in steps as the outputs do
         self.target.reserve(len(running), max(s.num_prompt_tokens for s in running) + self.k + 1)
         self.target.sync_rows([s.seq_id for s in running])
-        if (decoding and sum(s.num_prompt_tokens for s in new) <= MERGED_PREFILL_TOKENS
-                and all(s.params.prompt_logprobs is None for s in new)):  # a verify pass has no prompt logits
+        if admitted.merged:
             for s in new:
                 s.num_computed = 0
             return
@@ -369,9 +364,5 @@ class Engine:
 
     def _retire(self) -> None:
         done = self.scheduler.retire()
-        if done:
-            if self.drafter is not None:
-                self.drafter.release(done)
-            if self.controller is not None:
-                self.controller.release([s.seq_id for s in done])
-            self.plain_only.difference_update(s.seq_id for s in done)
+        if done and self.drafter is not None:
+            self.drafter.release(done)

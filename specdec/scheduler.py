@@ -1,32 +1,138 @@
-"""The scheduler: who runs this round. It owns the waiting queue and the running batch.
+"""The scheduler: the one owner of admission, for ``LLM.generate`` and the server alike.
 
-Admission takes waiting requests up to ``max_num_seqs`` running; retirement drops finished
-sequences and fills their places from the end of the batch, so the cache rows (which follow
-batch order, ``RowTable``) move as little as possible. ``RoundBatch`` is what one round runs on.
+It holds the waiting queue and the running batch and decides, between two rounds:
+- who joins: waiting requests in arrival order, a request's sequences together, while there are
+  seats (``max_num_seqs``), prompt tokens left in the round (``max_num_batched_tokens``) and KV
+  memory (``KvBudget``: the target's cache and the drafter's, when it keeps one). A request that
+  does not fit waits, and everyone behind it waits too: none overtakes, so none starves;
+- how they join: small prompts ride in the next verify pass, others get a prefill of their own;
+- what each row asks of the drafter (k per row, from the adaptive controller when there is one)
+  and whether a round takes several plain steps in one runner call;
+- who leaves: finished sequences, their places filled from the end of the batch so the cache rows
+  (which follow batch order) move as little as possible.
+The engine carries these decisions out (engine.py); ``RoundBatch`` is what one round runs on.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
+from specdec.adaptive import AdaptiveK
 from specdec.models.base import ForwardBatch, pad_rows
+from specdec.models.llama import CACHE_LEN_STEP
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
+MERGED_PREFILL_TOKENS = 512  # new prompts up to this many tokens in all join a running batch's verify pass
+PLAIN_STEPS = 4  # greedy plain rounds take up to this many steps in one runner call (Engine._plain_round)
+
+
+def check_num_scheduler_steps(n: int) -> None:
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {n!r}")
+
+
+def round_up(n: int, step: int = CACHE_LEN_STEP) -> int:
+    """n rounded up to the steps the torch runner grows its KV cache in."""
+    return -(-n // step) * step
+
+
+class KvBudget:
+    """KV cache memory that admission never over-commits.
+
+    The runners keep their caches at the most rows and the longest length reached since they were
+    last released (rows x length x bytes per position), so a request may join only while
+    max(peak rows, rows with it) x max(peak length, its length) still fits the budget. A row counts
+    while its sequence is in the batch: a finished one until it is retired. Bytes per position are
+    the target's plus the drafter's (``Drafter.kv_bytes_per_token``). The server's HTTP side checks
+    requests against the same object (``check``) before they join the queue.
+    """
+
+    def __init__(self, budget: int, bytes_per_token: int, max_rows: int, max_model_len: int, k: int):
+        self.budget, self.bytes_per_token, self.max_rows = budget, bytes_per_token, max_rows
+        self.max_model_len, self.k = max_model_len, k
+        self.peak_rows = self.peak_len = 0
+
+    def positions(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """KV positions a sequence may reach: prompt + output (within the context) + a verify pass."""
+        return round_up(min(num_prompt_tokens + max_tokens, self.max_model_len) + self.k + 1)
+
+    def bytes_for(self, rows: int, length: int) -> int:
+        return rows * length * self.bytes_per_token
+
+    @property
+    def reserved(self) -> int:
+        """Bytes the caches may hold now (their peak shape)."""
+        return self.bytes_for(self.peak_rows, self.peak_len)
+
+    def check(self, lengths: list[int]) -> None:
+        """ValueError for a request (its sequences' KV positions) that can never run, even alone."""
+        need = self.bytes_for(len(lengths), max(lengths))
+        if len(lengths) > self.max_rows or need > self.budget:
+            raise ValueError(
+                f"this request needs {len(lengths)} sequence(s) and {need / 2**20:.0f} MiB of KV cache; the server "
+                f"runs at most {self.max_rows} sequences in {self.budget / 2**20:.0f} MiB. Lower "
+                "max_tokens or n, or send fewer prompts")
+
+    def fits(self, rows: int, length: int) -> bool:
+        """Whether the caches may grow to ``rows`` rows, one of ``length`` positions."""
+        return self.bytes_for(max(self.peak_rows, rows), max(self.peak_len, length)) <= self.budget
+
+    def grow(self, rows: int, length: int) -> None:
+        self.peak_rows, self.peak_len = max(self.peak_rows, rows), max(self.peak_len, length)
+
+    def released(self) -> None:
+        """The caches were freed (nothing runs): nothing counts."""
+        self.peak_rows = self.peak_len = 0
+
+
+@dataclass
+class Admitted:
+    """What one admission decided: the newcomers (at the batch's end) and how they join."""
+
+    seqs: list[Sequence]
+    merged: bool  # their prompts ride in the next verify pass; else each gets a prefill now
+    release_caches: bool = False  # free the caches first: they are held at an old peak that nothing uses
+
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int = 256):
+    def __init__(self, max_num_seqs: int = 256, k: int = 0, controller: AdaptiveK | None = None,
+                 num_scheduler_steps: int = PLAIN_STEPS, kv_bytes_per_token: int = 0, max_model_len: int = 0):
+        """``k``: drafts asked per row (the most, with a ``controller``); ``kv_bytes_per_token``: the
+        target's and the drafter's, for the KV budget that ``limit`` sets."""
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        check_num_scheduler_steps(num_scheduler_steps)
         self.max_num_seqs = max_num_seqs
-        self.waiting: deque[Sequence] = deque()  # aborted ones stay until admission skips them
+        self.k, self.controller, self.num_scheduler_steps = k, controller, num_scheduler_steps
+        self.kv_bytes_per_token, self.max_model_len = kv_bytes_per_token, max_model_len
+        self.max_num_batched_tokens: int | None = None  # None: no bound (LLM.generate)
+        self.kv: KvBudget | None = None  # None: no bound (LLM.generate)
+        self.waiting: deque[list[Sequence]] = deque()  # requests; aborted ones stay until admission skips them
         self.running: list[Sequence] = []
+        self.plain_only: set[int] = set()  # sequences that decode plainly since the drafter failed on them
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def limit(self, kv_cache_memory: int | None = None, max_num_batched_tokens: int | None = None) -> KvBudget | None:
+        """Bound admission by KV memory (bytes) and prompt tokens a round (a server's limits)."""
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv = None if kv_cache_memory is None else KvBudget(
+            kv_cache_memory, self.kv_bytes_per_token, self.max_num_seqs, self.max_model_len, self.k)
+        return self.kv
+
+    # -- the queue ----------------------------------------------------------------------------------
+
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queue one request: its sequences are admitted together."""
+        if len(seqs) > self.max_num_seqs:
+            raise ValueError(f"a request of {len(seqs)} sequences never fits a batch of max_num_seqs="
+                             f"{self.max_num_seqs}; lower n or send fewer prompts")
+        self.waiting.append(list(seqs))
 
     def abort(self, seq: Sequence) -> None:
         """Mark a sequence finished; a waiting one is skipped at admission, a running one retires."""
@@ -34,19 +140,64 @@ class Scheduler:
             seq.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        while self.waiting and self.waiting[0].finished:
+        while self.waiting and all(s.finished for s in self.waiting[0]):
             self.waiting.popleft()
         return bool(self.running or self.waiting)
 
-    def admit(self) -> list[Sequence]:
-        """Move waiting requests into the batch while there is room; returns the newcomers (at its end)."""
-        new = []
-        while self.waiting and len(self.running) + len(new) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            if not seq.finished:
-                new.append(seq)
+    def waiting_seqs(self) -> list[Sequence]:
+        return [s for group in self.waiting for s in group]
+
+    def next_in_line(self) -> list[Sequence]:
+        """The waiting sequences the next admission may take: the first ones, up to the free seats."""
+        free = max(self.max_num_seqs - len(self.running), 0)
+        return list(islice((s for group in self.waiting for s in group if not s.finished), free))
+
+    # -- admission and retirement -------------------------------------------------------------------
+
+    def admit(self) -> Admitted | None:
+        """Move waiting requests into the batch while they fit (see the module docstring); None when none
+        joins. While others decode, small prompts ride in the next verify pass, which costs far less
+        than a pass of their own that reads every weight once more (vLLM's chunked prefill does the
+        same); a prompt that asks for prompt_logprobs needs a pass of its own (a verify pass has no
+        prompt logits)."""
+        decoding = bool(self.running)
+        new: list[Sequence] = []
+        tokens, release = 0, False
+        while self.waiting:
+            group = [s for s in self.waiting[0] if not s.finished]
+            if not group:
+                self.waiting.popleft()
+                continue
+            if len(self.running) + len(new) + len(group) > self.max_num_seqs:
+                break
+            cost = self._prompt_tokens(group)  # a prompt alone always fits the round
+            if tokens and self.max_num_batched_tokens is not None and tokens + cost > self.max_num_batched_tokens:
+                break
+            if self.kv is not None and not self.kv.fits(len(self.running) + len(new) + len(group),
+                                                        self._kv_length(group)):
+                if not self.running and not new and self.kv.peak_rows:
+                    self.kv.released()  # the caches are held at an old peak that nothing uses
+                    release = True
+                    continue
+                break  # wait for running sequences to finish: admitting now would over-commit memory
+            self.waiting.popleft()
+            new += group
+            tokens += cost
+        if not new:
+            return None
         self.running += new
-        return new
+        if self.kv is not None:
+            self.kv.grow(len(self.running), self._kv_length(new))
+        merged = (decoding and sum(s.num_prompt_tokens for s in new) <= MERGED_PREFILL_TOKENS
+                  and all(s.params.prompt_logprobs is None for s in new))
+        return Admitted(new, merged, release)
+
+    def _prompt_tokens(self, group: list[Sequence]) -> int:
+        """The prompt tokens a request's prefill computes: choices of one prompt share it."""
+        return sum(s.num_prompt_tokens for s in group if s.prefill_group in (None, s.seq_id))
+
+    def _kv_length(self, seqs: list[Sequence]) -> int:
+        return max(self.kv.positions(s.num_prompt_tokens, s.params.max_tokens) for s in seqs)
 
     def retire(self) -> list[Sequence]:
         """Drop finished sequences from the batch; returns them."""
@@ -57,12 +208,70 @@ class Scheduler:
             movers = iter(s for s in self.running[n:] if not s.finished)
             # survivors keep their places; those past the new end move into the holes
             self.running = [s if not s.finished else next(movers) for s in kept]
+            if self.controller is not None:
+                self.controller.release([s.seq_id for s in done])
+            self.plain_only.difference_update(s.seq_id for s in done)
         return done
+
+    def memory_released(self) -> None:
+        """The engine freed the caches (nothing runs)."""
+        if self.kv is not None:
+            self.kv.released()
+
+    @contextmanager
+    def alone(self, seqs: list[Sequence]) -> Iterator[None]:
+        """Within it only ``seqs`` run or join (a server retrying a failed step over part of the batch).
+        The others come back after, at the batch's end; they lose their cache rows to the group's, so
+        they recompute their history in their next step (num_computed = 0)."""
+        ids = {s.seq_id for s in seqs}
+        aside = [s for s in self.running if s.seq_id not in ids]
+        waiting = self.waiting
+        self.running = [s for s in self.running if s.seq_id in ids]
+        self.waiting = deque(g for g in ([s for s in group if s.seq_id in ids] for group in waiting) if g)
+        try:
+            yield
+        finally:
+            for s in aside:
+                s.num_computed = 0
+            joined = {s.seq_id for s in self.running}
+            self.running += aside
+            self.waiting = deque(g for g in ([s for s in group if s.seq_id not in joined] for group in waiting) if g)
+
+    # -- what the round asks of the drafter ---------------------------------------------------------
+
+    def num_wanted(self) -> list[int]:
+        """Drafts to ask for per running row. A sequence's first token comes from a plain pass, as
+        vLLM's comes from its prefill (drafting would add the draft's prompt catch-up to the time to
+        first token); drafts beyond the room left are wasted."""
+        seqs = self.running
+        ks = [self.k] * len(seqs)
+        if self.controller is not None:
+            # A seeded sampled request keeps k fixed: its random draws depend on k, and the
+            # controller's choices depend on timings, so only a fixed k makes the seed reproducible.
+            chosen = self.controller.choose([s.seq_id for s in seqs])
+            ks = [self.k if s.params.seed is not None and not s.params.greedy else c for s, c in zip(seqs, chosen)]
+        return [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0 else max(0, min(k, s.room - 1))
+                for k, s in zip(ks, seqs)]
+
+    def num_plain_steps(self, batch: RoundBatch) -> int:
+        """How many plain steps this round may take in one runner call: several only when it drafts
+        nothing and every row is greedy with nothing that reads its logits (processors, logprobs),
+        each row past its first output token (which streams at once), no request waiting for a place
+        (it joins only between rounds), and not while the adaptive controller times plain steps before
+        it may speculate (a plain stretch of several steps a round would delay speculation)."""
+        if (self.num_scheduler_steps == 1 or max(batch.num_wanted) > 0 or batch.carries_prompt
+                or not batch.sampling.all_greedy or (self.waiting and len(self.running) < self.max_num_seqs)
+                or (self.controller is not None and self.controller.measuring_plain(len(batch.seqs)))):
+            return 1
+        for s in batch.seqs:
+            if s.processor is not None or s.params.logprobs is not None or s.num_output_tokens == 0:
+                return 1
+        return min(self.num_scheduler_steps, min(s.room for s in batch.seqs))
 
 
 @dataclass
 class RoundBatch:
-    """One round's state, for the B running sequences in cache-row order (ALGORITHM.md's notation:
+    """One round's state, for the B running sequences in cache-row order (docs/algorithm.md's notation:
     the drafter proposes x_1..x_k from q, the target's verify pass gives p_1..p_{k+1})."""
 
     seqs: list[Sequence]  # [B]

@@ -136,7 +136,7 @@ def test_a_grammar_the_engine_process_cannot_compile_fails_its_request_and_frees
     ours, theirs = multiprocessing.Pipe()
     loop = _PipedEngine(LLM(**llm_kwargs(models)).engine, theirs, ServerLimits(kv_cache_memory=2**26), True)
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="("))
-    loop.add(7, [Prompt([5, 6], params)], [64], time.perf_counter())
+    loop.add(7, [Prompt([5, 6], params)], time.perf_counter())
     kind, events, _, dequeued, snapshot = ours.recv()
     assert kind == "round" and dequeued == 1 and [rid for rid, _ in events] == [7]
     assert events[0][1].error.status == 400 and "could not be compiled" in events[0][1].error.message

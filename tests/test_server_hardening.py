@@ -25,8 +25,8 @@ from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.server import ServerThread, build_app
-from specdec.server.async_engine import AsyncEngine, Prompt, RequestError, RequestHandle, _Queued
-from specdec.server.limits import KvBudget, ServerLimits
+from specdec.server.async_engine import AsyncEngine, Prompt, RequestError
+from specdec.server.limits import ServerLimits
 from test_server import one_thread  # noqa: F401 (a fixture: one torch thread, the machine is shared)
 from test_server_outputs import byte_models  # noqa: F401 (a fixture: tiny models with a byte-level tokenizer)
 from tiny_models import make_model, perturbed_copy
@@ -403,55 +403,26 @@ def test_stop_lists_are_bounded_by_the_servers_limits(models):
 
 
 def test_admission_takes_at_most_max_num_batched_tokens_of_prompts_a_round(models):
-    """Queued prompts enter the engine in order while their tokens fit the round's max_num_batched_tokens
-    (a prompt alone always does), so one burst of long prompts cannot make a single round's prefill
-    stall the streams already decoding."""
+    """The server's max_num_batched_tokens bounds the scheduler's rounds: queued prompts enter the batch
+    in order while their tokens fit the round (a prompt alone always does), so one burst of long prompts
+    cannot make a single round's prefill stall the streams already decoding."""
     llm = LLM(models[0], max_num_seqs=8)
-    loop = asyncio.new_event_loop()
-    try:
-        eng = AsyncEngine(llm.engine, limits=ServerLimits(max_num_batched_tokens=100, kv_cache_memory=64 * 2**20))
-        sp = SamplingParams(temperature=0, max_tokens=4)
-        sizes = [60, 30, 20, 90, 150]
-        handles = [RequestHandle(eng, loop, 1) for _ in sizes]
-        eng._queue.extend(_Queued(h, [Prompt([3 + i % 100 for i in range(n)], sp)], 0.0, [eng.kv_length(n, sp)])
-                          for h, n in zip(handles, sizes))
-        eng._num_queued = len(sizes)
-        rounds = []
-        while eng._queue:
-            before = len(llm.engine.waiting)
-            eng._admit()
-            rounds.append([len(s.prompt_token_ids) for s in list(llm.engine.waiting)[before:]])
-        assert rounds == [[60, 30], [20], [90], [150]]
-        assert all(h.state == "running" for h in handles)
-    finally:
-        loop.close()
-
-
-def test_the_kv_budget_counts_the_caches_peak_shape_and_rows_until_retired():
-    b = KvBudget(budget=4 * 256 * 10, bytes_per_token=10, max_rows=8)  # 4 rows of 256 positions
-    b.admit(1, 256)
-    b.admit(2, 256)
-    assert b.fits([256, 256]) and not b.fits([256, 256, 256])
-    assert not b.fits([512])  # 3 rows of 512: the caches grow to the longest row
-    b.finish(1)
-    assert not b.fits([256, 256, 256])  # row 1 is still in the batch until the next step retires it
-    b.step_done()
-    assert b.fits([256, 256, 256]) and b.reserved == 2 * 256 * 10
-    b.admit(3, 256)
-    b.finish(2)
-    b.finish(3)
-    b.step_done()
-    assert not b.fits([1024])  # the caches keep their peak rows (3) until released
-    b.released()
-    assert b.fits([1024]) and b.reserved == 0
-    assert not KvBudget(10**9, 10, max_rows=2).fits([256] * 3)  # max_num_seqs
+    AsyncEngine(llm.engine, limits=ServerLimits(max_num_batched_tokens=100, kv_cache_memory=64 * 2**20))
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    sizes = [60, 30, 20, 90, 150]
+    for n in sizes:
+        llm.engine.add_group([Prompt([3 + i % 100 for i in range(n)], sp)])
+    rounds = []
+    while llm.engine.waiting:
+        rounds.append([s.num_prompt_tokens for s in llm.engine.scheduler.admit().seqs])
+    assert rounds == [[60, 30], [20], [90], [150]]
 
 
 def assert_idle(server) -> None:
     """Memory back to baseline: no sequence, queue entry or KV cache left once the server is idle."""
     deadline = time.monotonic() + 5
     runners = [server.llm.engine.target, server.llm.engine.drafter.runner]
-    while any(r.cache is not None for r in runners) or server.loop.num_queued or server.loop.budget.active:
+    while any(r.cache is not None for r in runners) or server.loop.num_queued or server.loop.budget.reserved:
         assert time.monotonic() < deadline, "the server kept memory after going idle"
         time.sleep(0.02)
     assert not server.llm.engine.has_unfinished()

@@ -1,18 +1,21 @@
 """One engine loop for the server: a thread owns the ``Engine``; requests join between rounds.
 
 The asyncio side tokenizes (off this thread, app.py) and hands over prompt token ids; it never
-touches the engine or a ``Sequence``. Commands (add, abort) go through a thread-safe inbox. The
-engine thread, between two rounds:
-  1. applies the commands: new requests join its queue (``submit`` refuses past
-     ``max_queued_requests``), aborted ones leave it or the batch;
-  2. admits queued requests in arrival order while the batch has room and their KV cache fits the
-     memory budget (``KvBudget``), with at most ``max_num_batched_tokens`` prompt tokens a round;
-  3. runs one ``engine.step()``. If it raises, it finds the request that made it fail and fails
-     that request alone: first by checking each row's sampling parameters and prompt, then by
-     re-running the step over halves of the batch (the others held aside) down to one request.
+touches the engine or a ``Sequence``. Before a request is queued, ``Admission`` refuses one that
+can never run (its KV cache alone exceeds the scheduler's ``KvBudget``: a 4xx) and one past
+``max_queued_requests`` (``QueueFull``: a 429). Commands (add, abort) go through a thread-safe
+inbox. The engine thread, between two rounds:
+  1. applies the commands: new requests join the scheduler's queue (``Engine.add_group``), aborted
+     ones leave it or the batch;
+  2. runs one ``engine.step()``, whose scheduler admits queued requests in arrival order while the
+     batch has seats, the round has prompt tokens left (``max_num_batched_tokens``) and their KV
+     cache fits the memory budget (scheduler.py). If the step raises, it finds the request that made
+     it fail and fails that request alone: first by checking each row's sampling parameters and
+     prompt, then by re-running the step over halves of the batch (the others held aside) down to
+     one request.
      A failed step changes nothing the retry depends on: KV past a sequence's ``num_computed`` is
      overwritten, drafters reconcile their own state, and seeded generators are restored;
-  4. turns each sequence's new tokens into a text delta (``TextStreamer``) and posts it to the
+  3. turns each sequence's new tokens into a text delta (``TextStreamer``) and posts it to the
      request's asyncio queue with ``loop.call_soon_threadsafe``.
 Nothing raised inside the loop ends it: an unexpected error fails the requests in flight, is
 counted (``LoopHooks.on_loop_error``) and the loop goes on. When no sequence is left it releases
@@ -40,7 +43,8 @@ from specdec.detokenizer import TextStreamer
 from specdec.outputs import PositionLogprobs
 from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.sequence import Sequence
-from specdec.server.limits import KvBudget, ServerLimits, available_memory, round_up
+from specdec.scheduler import KvBudget
+from specdec.server.limits import ServerLimits, available_memory
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +156,6 @@ class _Queued:
     handle: RequestHandle
     prompts: list[Prompt]
     arrival: float
-    kv_lengths: list[int]  # KV positions each choice may reach
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
 
 
 @dataclass
@@ -240,12 +239,13 @@ class _Attempt:
 
 
 class Admission:
-    """What the HTTP side checks before a request joins the engine's queue, shared by the engine loop in
-    a thread (``AsyncEngine``) and in a process (``EngineProcess``): the request's worst-case KV cache
-    against the budget, and the queue's bound."""
+    """What the HTTP side checks before a request joins the scheduler's queue, shared by the engine loop
+    in a thread (``AsyncEngine``) and in a process (``EngineProcess``): the request's worst-case KV
+    cache against the scheduler's budget (``KvBudget.check``; the engine process sends a copy), and
+    the queue's bound."""
 
-    def __init__(self, k: int, max_model_len: int, budget: KvBudget, limits: ServerLimits):
-        self.k, self.max_model_len, self.budget, self.limits = k, max_model_len, budget, limits
+    def __init__(self, budget: KvBudget, limits: ServerLimits):
+        self.budget, self.limits = budget, limits
         self._num_queued = 0  # requests submitted, not yet admitted or dropped (guarded by _lock)
         self._lock = threading.Lock()
 
@@ -253,28 +253,17 @@ class Admission:
     def num_queued(self) -> int:
         return self._num_queued
 
-    def kv_length(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        """KV positions a sequence may reach: prompt + output (within the context) + a verify pass."""
-        end = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-        return round_up(end + self.k + 1)
-
-    def check(self, prompts: list[Prompt | tuple]) -> tuple[list[Prompt], list[int]]:
-        """The prompts and the KV positions each of their choices may reach; ValueError for a request the
-        server can never run (its KV cache alone exceeds the budget), QueueFull when the queue is full
-        (then the caller owns one queue slot)."""
+    def check(self, prompts: list[Prompt | tuple]) -> list[Prompt]:
+        """The prompts; ValueError for a request the server can never run (its KV cache alone exceeds the
+        budget), QueueFull when the queue is full (then the caller owns one queue slot)."""
         prompts = [Prompt(*p) for p in prompts]
-        lengths = [self.kv_length(len(p.token_ids), p.params) for p in prompts for _ in range(p.params.n)]
-        need = self.budget.bytes_for(len(lengths), max(lengths))
-        if len(lengths) > self.budget.max_rows or need > self.budget.budget:
-            raise ValueError(
-                f"this request needs {len(lengths)} sequence(s) and {need / 2**20:.0f} MiB of KV cache; the server "
-                f"runs at most {self.budget.max_rows} sequences in {self.budget.budget / 2**20:.0f} MiB. Lower "
-                "max_tokens or n, or send fewer prompts")
+        self.budget.check([self.budget.positions(len(p.token_ids), p.params.max_tokens)
+                           for p in prompts for _ in range(p.params.n)])
         with self._lock:
             if self._num_queued >= self.limits.max_queued_requests:
                 raise QueueFull(f"{self._num_queued} requests are waiting")
             self._num_queued += 1
-        return prompts, lengths
+        return prompts
 
     def _joined_queue(self) -> None:  # a request checked elsewhere (the engine process's HTTP side)
         with self._lock:
@@ -292,17 +281,16 @@ class AsyncEngine(Admission):
         self.hooks = hooks or LoopHooks()
         self.release_when_idle = release_when_idle
         limits = limits or ServerLimits()
-        target = engine.target
-        per_token = target.kv_bytes_per_token() + (engine.drafter.kv_bytes_per_token() if engine.drafter else 0)
-        budget = limits.kv_cache_memory
-        if budget is None:
-            budget = int(limits.kv_cache_memory_fraction * available_memory(target.device))
-        super().__init__(engine.k, target.max_model_len, KvBudget(budget, per_token, engine.max_num_seqs), limits)
+        memory = limits.kv_cache_memory
+        if memory is None:
+            memory = int(limits.kv_cache_memory_fraction * available_memory(engine.target.device))
+        super().__init__(engine.scheduler.limit(memory, limits.max_num_batched_tokens), limits)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._queue: deque[_Queued] = deque()  # engine thread only
-        self._tracks: dict[int, _Track] = {}  # seq_id -> track (engine thread only)
+        self._queue: deque[_Queued] = deque()  # requests in the scheduler's queue, in order (engine thread only)
+        self._tracks: dict[int, _Track] = {}  # seq_id -> track, queued or running (engine thread only)
         self._thread: threading.Thread | None = None
         self._busy = False
+        self._stalled = False  # the last step ran nothing although requests wait
         self.error: BaseException | None = None  # set if the loop itself died
 
     # -- asyncio side ---------------------------------------------------------------------------
@@ -326,15 +314,14 @@ class AsyncEngine(Admission):
         """Queue one request (its choices: ``n`` per prompt, each a sequence); see ``Admission.check``."""
         if not self.alive:
             raise RuntimeError("the engine loop is not running")
-        prompts, lengths = self.check(prompts)
-        handle = RequestHandle(self, asyncio.get_running_loop(), len(lengths))
-        self.enqueue(handle, prompts, lengths, arrival)
+        prompts = self.check(prompts)
+        handle = RequestHandle(self, asyncio.get_running_loop(), sum(p.params.n for p in prompts))
+        self.enqueue(handle, prompts, arrival)
         return handle
 
-    def enqueue(self, handle: RequestHandle, prompts: list[Prompt], lengths: list[int],
-                arrival: float | None = None) -> None:
+    def enqueue(self, handle: RequestHandle, prompts: list[Prompt], arrival: float | None = None) -> None:
         """Hand a checked request (it holds a queue slot) to the engine thread (thread-safe)."""
-        self._inbox.put(("add", _Queued(handle, prompts, arrival or time.perf_counter(), lengths)))
+        self._inbox.put(("add", _Queued(handle, prompts, arrival or time.perf_counter())))
 
     def abort(self, handle: RequestHandle) -> None:
         """Drop a request (thread-safe): it leaves the queue, or the batch within one round."""
@@ -343,7 +330,7 @@ class AsyncEngine(Admission):
     def snapshot(self) -> Snapshot:
         s, e = self.engine.stats, self.engine
         return Snapshot(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_emitted_tokens,
-                        list(s.num_accepted_tokens_per_pos), len(e.running), len(e.waiting) + self.num_queued,
+                        list(s.num_accepted_tokens_per_pos), len(e.running), self.num_queued,
                         self.budget.budget, self.budget.reserved)
 
     # -- engine thread: the loop ------------------------------------------------------------------
@@ -366,19 +353,19 @@ class AsyncEngine(Admission):
             self._fail_all(RequestError(503, "the server is shutting down"), include_queue=True)
 
     def _iterate(self) -> bool:
-        """One pass: commands, admission, one step. Returns True when told to stop."""
-        idle = not self.engine.has_unfinished() and not self._queue
+        """One pass: commands, then one step (which admits). Returns True when told to stop."""
+        idle = not self.engine.has_unfinished()
         if idle and self._busy:
             self._busy = False
             self._idle()
-        # nothing runs and the queue's head could not be admitted (never expected): wait, do not spin
-        stalled = not self.engine.has_unfinished() and bool(self._queue)
+        # nothing ran and the queue's head could not be admitted (never expected): wait, do not spin
+        stalled = self._stalled and not idle
         for cmd, arg in self._commands(block=idle, timeout=0.05 if stalled else None):
             if cmd == "stop":
                 self._fail_all(RequestError(503, "the server is shutting down"), include_queue=True)
                 return True
             getattr(self, f"_{cmd}")(arg)
-        self._admit()
+        self._stalled = False
         if self.engine.has_unfinished():
             self._busy = True
             self._step()
@@ -398,83 +385,66 @@ class AsyncEngine(Admission):
                 return cmds
 
     def _add(self, q: _Queued) -> None:
-        self._queue.append(q)
-
-    def _abort(self, handle: RequestHandle) -> None:
-        if handle.state == "queued":
-            handle.state = "done"  # _admit drops it when it reaches the head: no O(n) removal
-            return
-        for s in handle.seqs:
-            track = self._tracks.pop(s.seq_id, None)
-            if track is not None and not s.finished:
-                self.engine.abort(s)
-                self.budget.finish(s.seq_id)
-                self._hook(self.hooks.on_finish, Finished.of(s, track))
-        handle.state = "done"
-
-    def _dequeue(self) -> _Queued:
-        self._left_queue()
-        return self._queue.popleft()
-
-    def _admit(self) -> None:
-        """Move queued requests into the engine, in order, while they fit (see the module docstring)."""
-        tokens = 0
-        while self._queue:
-            q = self._queue[0]
-            if q.handle.state != "queued":
-                self._dequeue()
-                continue
-            if tokens and tokens + q.prompt_tokens > self.limits.max_num_batched_tokens:
-                return
-            if not self.budget.fits(q.kv_lengths):
-                if not self.budget.active and not self.engine.has_unfinished() and self.budget.peak_rows:
-                    self._release()  # the caches are held at an old peak that nothing uses: shrink them
-                    continue
-                return  # wait for running sequences to finish: admitting now would over-commit memory
-            self._dequeue()
-            tokens += q.prompt_tokens
-            self._start(q)
-
-    def _start(self, q: _Queued) -> None:
+        """A request joins the scheduler's queue; its choices are admitted together."""
         handle = q.handle
-        try:
-            for p in q.prompts:  # choice i of a request is handle.seqs[i]: prompt-major, n per prompt
-                handle.seqs += self.engine.add_choices(p.token_ids, p.params, p.grammars)
+        try:  # choice i of a request is handle.seqs[i]: prompt-major, n per prompt
+            handle.seqs = self.engine.add_group(q.prompts)
         except Exception as e:  # the asyncio side checked the prompts; this is a last line of defence
             log.warning("add_request refused a prompt: %s", e)
-            for s in handle.seqs:
-                self.engine.abort(s)
             handle.state = "done"
+            self._left_queue()
             handle._post(Event(0, "", [], error=RequestError(400, str(e)[:500]) if isinstance(e, ValueError)
                                else RequestError(500, "the engine could not take this request")))
             return
-        handle.state = "running"
         for i, s in enumerate(handle.seqs):
-            self.budget.admit(s.seq_id, q.kv_lengths[i])
             self._tracks[s.seq_id] = _Track(handle, i, s, TextStreamer(self.engine.detokenizer, s), q.arrival)
+        self._queue.append(q)
+
+    def _abort(self, handle: RequestHandle) -> None:
+        queued = handle.state == "queued"
+        for s in handle.seqs:
+            track = self._tracks.pop(s.seq_id, None)
+            if not s.finished:
+                self.engine.abort(s)  # a queued one is skipped at admission, a running one retires
+                if track is not None and not queued:
+                    self._hook(self.hooks.on_finish, Finished.of(s, track))
+        handle.state = "done"
+        if queued:
+            self._admitted()  # it leaves the queue's count once it reaches the head: no O(n) removal
+
+    def _admitted(self) -> None:
+        """Requests at the head of the queue that the scheduler admitted (or that were dropped) leave it."""
+        running = None
+        while self._queue:
+            handle = self._queue[0].handle
+            if handle.state == "queued":
+                running = running or {s.seq_id for s in self.engine.running}
+                seq = handle.seqs[0]
+                if seq.seq_id not in running and not seq.finished:
+                    return  # still waiting, and so is everyone behind it
+                handle.state = "running"
+            self._queue.popleft()
+            self._left_queue()
 
     def _idle(self) -> None:
         """No sequence left: give the KV caches' memory back (the engine keeps them at their peak size)."""
         if self.release_when_idle:
-            self._release()
-
-    def _release(self) -> None:
-        self.engine.release_memory()  # and trims the heap (host_memory.py)
-        self.budget.released()
+            self.engine.release_memory()  # and trims the heap (host_memory.py); the budget counts nothing
 
     # -- engine thread: a step and its failures -----------------------------------------------------
 
     def _step(self) -> None:
-        seqs = [t.seq for t in self._tracks.values() if not t.seq.finished]
+        # the step's rows: those running and those it may admit
+        seqs = [s for s in self.engine.running if not s.finished] + self.engine.scheduler.next_in_line()
         attempt = _Attempt.of(seqs)
         try:
-            self.engine.step()
+            self._stalled = not self.engine.step() and self.engine.has_unfinished()
         except Exception as e:
             log.exception("engine step failed; looking for the request that caused it")
             self._hook(self.hooks.on_error, e)
             attempt.rewind(seqs)
             self._isolate([s for s in seqs if not s.finished])
-        self.budget.step_done()
+        self._admitted()
         self._publish()
 
     def _isolate(self, suspects: list[Sequence]) -> None:
@@ -506,30 +476,18 @@ class AsyncEngine(Admission):
                 self._bisect(part, retry_whole=True)
 
     def _try_step(self, group: list[Sequence]) -> bool:
-        """One step of ``group`` alone. The other sequences are held aside: they lose their cache rows
-        to the group's, so they recompute their history in their next step (num_computed = 0)."""
-        ids = {s.seq_id for s in group}
-        running, waiting = self.engine.running, self.engine.waiting
-        aside = [s for s in running if s.seq_id not in ids]
-        waiting_aside = [s for s in waiting if s.seq_id not in ids]
-        running[:] = [s for s in running if s.seq_id in ids]
-        kept = [s for s in waiting if s.seq_id in ids]
-        waiting.clear()
-        waiting.extend(kept)
+        """One step of ``group`` alone (``Scheduler.alone``: the others are held aside and recompute
+        their history in their next step)."""
         attempt = _Attempt.of(group)
-        try:
-            self.engine.step()
-            return True
-        except Exception as e:
-            log.warning("a step over %d of the sequences failed too", len(group), exc_info=True)
-            self._hook(self.hooks.on_error, e)
-            attempt.rewind(group)
-            return False
-        finally:
-            for s in aside:
-                s.num_computed = 0
-            self.engine.running.extend(aside)
-            self.engine.waiting.extend(waiting_aside)
+        with self.engine.scheduler.alone(group):
+            try:
+                self.engine.step()
+                return True
+            except Exception as e:
+                log.warning("a step over %d of the sequences failed too", len(group), exc_info=True)
+                self._hook(self.hooks.on_error, e)
+                attempt.rewind(group)
+                return False
 
     def _row_fault(self, seq: Sequence) -> str | None:
         """Why this sequence alone would break a step, if a per-row check can tell."""
@@ -576,7 +534,6 @@ class AsyncEngine(Admission):
                         ev.prompt_logprobs = seq.prompt_logprobs
                 if seq.finished:
                     del self._tracks[seq.seq_id]
-                    self.budget.finish(seq.seq_id)
                     ev.prompt_tokens, ev.completion_tokens = seq.num_prompt_tokens, seq.num_output_tokens
                     self._hook(self.hooks.on_finish, Finished.of(seq, track))
                 track.handle._post(ev)
@@ -590,24 +547,20 @@ class AsyncEngine(Admission):
         if handle.state == "done":
             return
         for s in handle.seqs:
-            if self._tracks.pop(s.seq_id, None) is not None and not s.finished:
+            self._tracks.pop(s.seq_id, None)
+            if not s.finished:
                 self.engine.abort(s)
-            self.budget.finish(s.seq_id)
         handle.state = "done"
         handle._post(Event(0, "", [], error=error))
 
     def _fail_all(self, error: RequestError, include_queue: bool) -> None:
-        for h in {id(t.handle): t.handle for t in self._tracks.values()}.values():
+        handles = [t.handle for t in self._tracks.values() if include_queue or t.handle.state != "queued"]
+        for h in {id(h): h for h in handles}.values():
             try:
                 self._fail(h, error)
             except Exception:
                 log.exception("failing a request failed")
-        self._tracks.clear()
-        while include_queue and self._queue:
-            q = self._dequeue()
-            if q.handle.state == "queued":
-                q.handle.state = "done"
-                q.handle._post(Event(0, "", [], error=error))
+        self._admitted()  # the failed ones leave the queue
 
     def _hook(self, fn: Callable, *args) -> None:
         try:

@@ -6,9 +6,11 @@ every request the HTTP side handles, a hostile client's flood of bad ones includ
 the rounds of everyone else's; in its own process it cannot. The two talk over one pipe
 (``multiprocessing.Pipe``, pickled tuples):
 
-    HTTP -> engine   ("add", rid, prompts, kv_lengths, arrival)   a request checked by ``Admission``
+    HTTP -> engine   ("add", rid, prompts, arrival)              a request checked by ``Admission``
                      ("abort", rid), ("stop",)
-    engine -> HTTP   ("ready", EngineInfo) | ("failed", message)  once, when the model is loaded (or not)
+    engine -> HTTP   ("ready", EngineInfo, KvBudget)              once, when the model is loaded, with a
+                                                                   copy of the scheduler's budget for
+                                                                   ``Admission``; or ("failed", message)
                      ("round", events, hooks, dequeued, Snapshot)  after each pass of the loop that did
                                                                    something: the requests' Events, the
                                                                    metrics hooks fired, requests that left
@@ -31,8 +33,8 @@ import time
 from typing import Any
 
 from specdec.server.async_engine import (
-    Admission, AsyncEngine, EngineInfo, Event, LoopHooks, Prompt, RequestError, RequestHandle, Snapshot, _Queued)
-from specdec.server.limits import KvBudget, ServerLimits
+    Admission, AsyncEngine, EngineInfo, Event, LoopHooks, Prompt, RequestError, RequestHandle, Snapshot)
+from specdec.server.limits import ServerLimits
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +68,8 @@ class EngineProcess(Admission):
             self._proc.join(10)
             raise ValueError(msg[1])
         self.info: EngineInfo = msg[1]
-        budget, per_token, max_rows, k = msg[2]
-        super().__init__(k, self.info.max_model_len, KvBudget(budget, per_token, max_rows), limits)
-        self._snapshot = Snapshot(kv_budget_bytes=budget)
+        super().__init__(msg[2], limits)
+        self._snapshot = Snapshot(kv_budget_bytes=self.budget.budget)
         self._handles: dict[int, list] = {}  # rid -> [handle, choices not finished]
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
@@ -100,12 +101,12 @@ class EngineProcess(Admission):
         """Queue one request in the engine process; see ``Admission.check``."""
         if not self.alive:
             raise RuntimeError("the engine process is not running")
-        prompts, lengths = self.check(prompts)
-        handle = RequestHandle(self, asyncio.get_running_loop(), len(lengths))
+        prompts = self.check(prompts)
+        handle = RequestHandle(self, asyncio.get_running_loop(), sum(p.params.n for p in prompts))
         self._handles[handle.rid] = [handle, handle.num_choices]
         # matchers stay here (they do not pickle): the engine process compiles the request's grammar again
         sent = [Prompt(p.token_ids, p.params) for p in prompts]
-        if not self._send(("add", handle.rid, sent, lengths, arrival or time.perf_counter())):
+        if not self._send(("add", handle.rid, sent, arrival or time.perf_counter())):
             self._handles.pop(handle.rid, None)
             self._left_queue()
             raise RuntimeError("the engine process is not running")
@@ -217,9 +218,9 @@ class _PipedEngine(AsyncEngine):
         except OSError:
             pass
 
-    def _dequeue(self) -> _Queued:
-        self.dequeued += 1
-        return super()._dequeue()
+    def _left_queue(self) -> None:
+        self.dequeued += 1  # the HTTP side's count of queued requests follows
+        super()._left_queue()
 
     def flush(self) -> None:
         snapshot = self.snapshot()
@@ -234,7 +235,7 @@ class _PipedEngine(AsyncEngine):
         except OSError:  # the HTTP process is gone; the main thread sees it too and stops the loop
             pass
 
-    def add(self, rid: int, prompts: list[Prompt], lengths: list[int], arrival: float) -> None:
+    def add(self, rid: int, prompts: list[Prompt], arrival: float) -> None:
         """A request from the HTTP side (main thread): its grammars compiled here, then into the queue."""
         try:
             prompts = [Prompt(p.token_ids, p.params, self._matchers(p)) for p in prompts]
@@ -244,8 +245,8 @@ class _PipedEngine(AsyncEngine):
             self.send(("round", [(rid, error)], [], 1, self.snapshot()))  # 1: it leaves the HTTP side's queue count
             return
         self._joined_queue()  # the HTTP side checked the queue's bound
-        handle = self.handles[rid] = _RemoteHandle(self, rid, len(lengths))
-        self.enqueue(handle, prompts, lengths, arrival)
+        handle = self.handles[rid] = _RemoteHandle(self, rid, sum(p.params.n for p in prompts))
+        self.enqueue(handle, prompts, arrival)
 
     def _matchers(self, p: Prompt) -> list | None:
         so = p.params.structured_outputs
@@ -277,8 +278,7 @@ def _engine_main(conn, llm_kwargs: dict[str, Any], limits: ServerLimits, release
         log.exception("the engine could not load the model")
         conn.send(("failed", str(e) if isinstance(e, ValueError) else f"the model could not be loaded ({type(e).__name__})"))
         return
-    b = loop.budget
-    conn.send(("ready", EngineInfo.of(llm), (b.budget, b.bytes_per_token, b.max_rows, loop.k)))
+    conn.send(("ready", EngineInfo.of(llm), loop.budget))
     loop.start()
     try:
         while True:

@@ -1,8 +1,9 @@
-"""The server's bounds, in one validated dataclass, and the KV memory arithmetic they rest on.
+"""The server's bounds, in one validated dataclass, and the memory they are measured against.
 
 Every resource a client can ask for is bounded: request body bytes, prompts per request, queued
 requests (429 past it), sequences and prompt tokens per round, KV cache bytes (requests wait
-until theirs fit), and the time a connection may take to send its headers and its body.
+until theirs fit), and the time a connection may take to send its headers and its body. The
+scheduler enforces the round's bounds and the KV budget (scheduler.py, ``Scheduler.limit``).
 Names follow vLLM's where it has the setting (``max_num_seqs``, ``max_num_batched_tokens``).
 """
 
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from specdec.config import MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
-from specdec.models.llama import CACHE_LEN_STEP
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -75,11 +75,6 @@ class ServerLimits:
         return None
 
 
-def round_up(n: int, step: int = CACHE_LEN_STEP) -> int:
-    """n rounded up to the steps the torch runner grows its KV cache in."""
-    return -(-n // step) * step
-
-
 def available_memory(device: torch.device) -> int:
     """Bytes free now: the accelerator's free memory, or the host's MemAvailable."""
     if device.type == "cuda":
@@ -115,50 +110,3 @@ def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
 
-
-class KvBudget:
-    """Admission that never over-commits the KV cache memory.
-
-    The runners keep their caches at the most rows and the longest length reached since they were
-    last released (rows x length x bytes per position), so a request may join only while
-    max(peak rows, rows with it) x max(peak length, its length) still fits the budget. Rows of
-    sequences that ended count until the next step has retired them from the batch.
-    """
-
-    def __init__(self, budget: int, bytes_per_token: int, max_rows: int):
-        self.budget, self.bytes_per_token, self.max_rows = budget, bytes_per_token, max_rows
-        self.active: dict[int, int] = {}  # seq_id -> KV positions it may reach
-        self.leaving: set[int] = set()  # ended since the last step
-        self.peak_rows = self.peak_len = 0
-
-    def bytes_for(self, rows: int, length: int) -> int:
-        return rows * length * self.bytes_per_token
-
-    @property
-    def reserved(self) -> int:
-        """Bytes the caches may hold now (their peak shape)."""
-        return self.bytes_for(self.peak_rows, self.peak_len)
-
-    def fits(self, lengths: list[int]) -> bool:
-        if len(self.active) + len(lengths) > self.max_rows:
-            return False
-        rows = max(self.peak_rows, len(self.active) + len(self.leaving) + len(lengths))
-        return self.bytes_for(rows, max(self.peak_len, *lengths)) <= self.budget
-
-    def admit(self, seq_id: int, length: int) -> None:
-        self.active[seq_id] = length
-        self.peak_rows = max(self.peak_rows, len(self.active) + len(self.leaving))
-        self.peak_len = max(self.peak_len, length)
-
-    def finish(self, seq_id: int) -> None:
-        if self.active.pop(seq_id, None) is not None:
-            self.leaving.add(seq_id)
-
-    def step_done(self) -> None:
-        self.leaving.clear()
-
-    def released(self) -> None:
-        """The caches were freed: only what still runs counts."""
-        self.peak_rows = len(self.active)
-        self.peak_len = max(self.active.values(), default=0)
-        self.leaving.clear()
