@@ -4,7 +4,7 @@ The baseline and the speculative ``LLM`` are both warmed up, then every prompt r
 each, alternating which goes first, so that machine noise (another job, frequency scaling) hits
 both alike. Tokens/s is end-to-end: every generated token over the wall time of the
 ``generate`` calls, prefill included. With greedy settings the two outputs must match token for
-token (ALGORITHM.md); the result says how many prompts did. Peers (other implementations, such as
+token (docs/algorithm.md); the result says how many prompts did. Peers (other implementations, such as
 transformers' ``generate`` for ``specdec bench --peer hf``) join the same rotation, so every side
 takes every slot in turn.
 """

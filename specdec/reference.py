@@ -1,4 +1,4 @@
-"""Speculative decoding for one sequence with a draft model, written to be read (ALGORITHM.md).
+"""Speculative decoding for one sequence with a draft model, written to be read (docs/algorithm.md).
 
 The batched engine (engine.py) does the same for many sequences at once, with any drafter,
 adaptive k and requests that come and go. This loop is its oracle in the tests: the engine's

@@ -9,7 +9,7 @@ greedy settings, stop tokens and token budget, in the same process:
   counterpart.
 Outputs must agree token for token with specdec's plain greedy output; a divergence counts as
 agreement only at a near-tie, where the target's top-2 logit gap (computed with the HF model) at the
-first differing position is below 1e-3 (ALGORITHM.md).
+first differing position is below 1e-3 (docs/algorithm.md).
 """
 
 from __future__ import annotations
