@@ -174,13 +174,14 @@ class Engine:
         if self.running:
             raise RuntimeError("release_memory() while sequences are running would lose their caches")
         self._free_caches()
+        self.scheduler.memory_released()
 
     def _free_caches(self) -> None:
+        """Free the runners' and the drafter's caches; the KV budget is the scheduler's to update."""
         self.target.release()
         if self.drafter is not None:
             self.drafter.release_memory()
         trim_heap()
-        self.scheduler.memory_released()
 
     # -- the round --------------------------------------------------------------------------------
 
@@ -315,7 +316,7 @@ class Engine:
             return
         t0 = time.perf_counter()
         if admitted.release_caches:
-            self._free_caches()  # the newcomers have no cache yet; nothing else runs
+            self._free_caches()  # the newcomers have no cache yet; nothing else runs (the budget already knows)
         running, new = self.running, admitted.seqs
         # room for the prompts now; the cache grows in steps as the outputs do
         self.target.reserve(len(running), max(s.num_prompt_tokens for s in running) + self.k + 1)

@@ -167,3 +167,20 @@ def test_a_group_runs_alone_and_the_others_come_back_to_recompute():
     with sched.alone([b, c]):  # a waiting one of the group may join
         assert sched.admit().seqs == [c]
     assert sched.running == [b, c, a] and not sched.waiting
+
+
+def test_caches_freed_at_admission_leave_the_newcomers_reserved(models):
+    """When admission frees caches held at an old peak, the KV budget still counts what it admits
+    after them: the engine frees the memory, the budget keeps the newcomers' reservation."""
+    target, _ = models
+    llm = LLM(target)
+    bytes_per_token = llm.engine.target.kv_bytes_per_token()
+    kv = llm.engine.scheduler.limit(kv_cache_memory=2 * 256 * bytes_per_token)
+    sp = SamplingParams(temperature=0, max_tokens=100)
+    llm.generate([list(range(3, 13)), list(range(13, 23))], sp)  # the caches' peak: 2 rows of 256 positions
+    assert kv.reserved == 2 * 256 * bytes_per_token
+    # 10 + 400 tokens: 512 positions, which fit alone but not beside the old peak's 2 rows
+    seq = llm.engine.add_request(list(range(3, 13)), SamplingParams(temperature=0, max_tokens=400))
+    llm.engine.step()
+    assert llm.engine.running == [seq]
+    assert kv.reserved == 512 * bytes_per_token
