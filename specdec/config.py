@@ -210,6 +210,7 @@ class SamplingParams:
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "layer_skip")
+DRAFT_TOKENIZER_MAPPINGS = ("auto", "string", "intersection")
 
 
 @dataclass
@@ -217,13 +218,19 @@ class SpeculativeConfig:
     """What drafts and how many tokens it proposes per round (vLLM's ``speculative_config``).
 
     Option names follow vLLM where vLLM has the option; each method reads only its own fields.
+    ``method`` may list several methods (e.g. ``["suffix", "draft_model", "ngram"]``): the engine then
+    picks, per request and round, the one whose measured acceptance and cost pay most (drafters/choice.py).
     """
 
-    method: str = "draft_model"
+    method: str | list[str] = "draft_model"
     num_speculative_tokens: int = 4  # the most drafts per round (the adaptive controller may use fewer)
     adaptive: bool = True  # choose one k per round for the batch from measured acceptance and costs; False: fixed
     # draft_model
     model: str | None = None
+    # a draft whose tokenizer differs from the target's (drafters/other_vocab.py): "string" maps its
+    # draft text to the target's tokens, "intersection" drafts over the tokens both vocabularies share,
+    # "auto" measures both on the first rounds and keeps the better
+    draft_tokenizer_mapping: str = "auto"
     draft_p_min: float = 0.0  # model drafters stop drafting when their top probability falls below this
     # ngram (prompt lookup)
     prompt_lookup_max: int = 4
@@ -242,15 +249,24 @@ class SpeculativeConfig:
     suffix_decoding_min_score: float = 2.0
 
     def __post_init__(self) -> None:
-        _check(self.method in SPECULATIVE_METHODS,
-               f"speculative_config method {self.method!r} is not supported; choose one of {SPECULATIVE_METHODS}")
+        if isinstance(self.method, (list, tuple)):
+            _check(len(self.method) >= 1 and all(isinstance(m, str) for m in self.method),
+                   f"speculative_config method must be a method name or a non-empty list of them, "
+                   f"got {short_repr(self.method)}")
+            _check(len(set(self.method)) == len(self.method),
+                   f"speculative_config method lists {short_repr(self.method)}: name each method once")
+            self.method = self.method[0] if len(self.method) == 1 else list(self.method)
+        for m in self.methods:
+            _check(m in SPECULATIVE_METHODS,
+                   f"speculative_config method {m!r} is not supported; choose one of {SPECULATIVE_METHODS} "
+                   "(or a list of them)")
         _check(_is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                f"num_speculative_tokens must be an integer in 0..{MAX_SPECULATIVE_TOKENS}, "
                f"got {self.num_speculative_tokens!r}")
         _check(isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}")
         _check(_is_number(self.draft_p_min) and 0 <= self.draft_p_min < 1,
                f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
-        if self.method == "draft_model" and self.num_speculative_tokens > 0:
+        if "draft_model" in self.methods and self.num_speculative_tokens > 0:
             _check(isinstance(self.model, str) and self.model,
                    "speculative_config with method 'draft_model' needs 'model': a folder or hub id of the draft")
         _check(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
@@ -268,13 +284,24 @@ class SpeculativeConfig:
                f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob!r}")
         _check(isinstance(self.enable_suffix_decoding, bool),
                f"enable_suffix_decoding must be true or false, got {self.enable_suffix_decoding!r}")
+        _check(not (self.enable_suffix_decoding and len(self.methods) > 1),
+               "enable_suffix_decoding with a list of methods: list 'suffix' among the methods instead "
+               f"(got method {short_repr(self.method)})")
         _check(not self.enable_suffix_decoding or self.method in ("draft_model", "layer_skip"),
                f"enable_suffix_decoding puts suffix decoding in front of a model drafter (draft_model or "
                f"layer_skip); for suffix decoding alone use method 'suffix' (got method {self.method!r})")
         _check(_is_number(self.suffix_decoding_min_score) and self.suffix_decoding_min_score >= 0,
                f"suffix_decoding_min_score must be a number >= 0, got {self.suffix_decoding_min_score!r}")
+        _check(self.draft_tokenizer_mapping in DRAFT_TOKENIZER_MAPPINGS,
+               f"draft_tokenizer_mapping must be one of {DRAFT_TOKENIZER_MAPPINGS}, "
+               f"got {short_repr(self.draft_tokenizer_mapping)}")
         _check(self.num_draft_layers is None or (_is_int(self.num_draft_layers) and self.num_draft_layers >= 1),
                f"num_draft_layers must be an integer >= 1, got {self.num_draft_layers!r}")
+
+    @property
+    def methods(self) -> list[str]:
+        """The configured methods as a list (one, or several to choose from per request)."""
+        return list(self.method) if isinstance(self.method, list) else [self.method]
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -51,11 +51,13 @@ class LLM:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         check_num_scheduler_steps(num_scheduler_steps)  # before the model loads
         spec = self.speculative_config
-        method, k = (spec.method, spec.num_speculative_tokens) if spec else (None, 0)
+        methods, k = (spec.methods, spec.num_speculative_tokens) if spec else ([], 0)
         # the models, in three steps (specdec/models/): resolve the names to files, choose each model's
         # backend and dtype ("torch" or "llama.cpp", and why: auto times both on CPU), load the runners
         target_source = resolve(model)
-        draft_source = resolve(spec.model) if k > 0 and method == "draft_model" else None
+        draft_source = resolve(spec.model) if k > 0 and "draft_model" in methods else None
+        # layer_skip among the methods needs a backend that runs the first layers alone
+        method = "layer_skip" if "layer_skip" in methods else (methods[0] if methods else None)
         target_choice = choose(target_source, backend, dtype, device, method, k)
         draft_choice = choose_draft(draft_source, target_choice, dtype, device) if draft_source else None
         self.backend, self.backend_reason = target_choice.backend, target_choice.reason

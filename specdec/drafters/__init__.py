@@ -11,12 +11,21 @@ __all__ = ["DraftProposal", "Drafter", "build_drafter"]
 
 def build_drafter(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | None = None) -> Drafter:
     """The drafter ``spec`` names, beside ``target``. ``draft``: the draft model's runner for method
-    draft_model, loaded by the caller (``LLM`` resolves, chooses and loads it with the target)."""
+    draft_model, loaded by the caller (``LLM`` resolves, chooses and loads it with the target).
+    Several methods: a ChoosingDrafter over one drafter each, picked per request and round."""
+    if len(spec.methods) > 1:
+        from dataclasses import replace
+
+        from specdec.drafters.choice import ChoosingDrafter
+
+        return ChoosingDrafter({m: build_drafter(replace(spec, method=m), target, draft) for m in spec.methods})
     drafter = _build(spec, target, draft)
+    drafter.method = spec.method
     if spec.enable_suffix_decoding:
         from specdec.drafters.hybrid import HybridDrafter
 
-        return HybridDrafter(_suffix(spec), drafter, spec.suffix_decoding_min_score)
+        drafter = HybridDrafter(_suffix(spec), drafter, spec.suffix_decoding_min_score)
+        drafter.method = spec.method
     return drafter
 
 

@@ -25,6 +25,8 @@ class DraftProposal:
     draft_probs: torch.Tensor | None  # [B, k_max, V]: q_i each draft was sampled from; None when drafts
     #                                    are deterministic (q = one-hot), as for greedy or lookup drafters
     num_draft_tokens: list[int]  # [B] drafts per row, 0..k_max; a row may propose fewer than asked
+    sources: list[str] | None = None  # [B] the method that drafted each row (a drafter that picks among
+    #                                   several says which); None: every row's is the drafter's ``method``
 
     @classmethod
     def from_rows(cls, rows: list[list[int]], device: torch.device | str) -> DraftProposal:
@@ -33,6 +35,8 @@ class DraftProposal:
 
 
 class Drafter(ABC):
+    method: str = ""  # the speculative method this drafter carries out (build_drafter sets it)
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         """Propose up to ``num_draft[b]`` tokens continuing ``seqs[b].token_ids``."""
