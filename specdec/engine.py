@@ -49,6 +49,8 @@ class Engine:
         kv_bytes = target.kv_bytes_per_token() + (drafter.kv_bytes_per_token() if drafter is not None else 0)
         self.scheduler = Scheduler(max_num_seqs, self.k, controller, num_scheduler_steps, kv_bytes,
                                    target.max_model_len)
+        if drafter is not None:
+            drafter.bind(controller)
         # A failing drafter degrades its sequences to plain decoding; strict (tests): it raises.
         self.strict_drafter = (os.environ.get("SPECDEC_STRICT_DRAFTER", "0") not in ("0", "")
                                if strict_drafter is None else strict_drafter)

@@ -50,6 +50,10 @@ class Drafter(ABC):
     def release_memory(self) -> None:
         """No sequence is running: free buffers that the next proposal can rebuild (a KV cache)."""
 
+    def bind(self, controller) -> None:
+        """Receive the engine's adaptive controller (AdaptiveK, or None when k is fixed): its measured
+        verify-pass costs, for a drafter that weighs several methods against each other (choice.py)."""
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache of its own that one position of one sequence takes (0: it keeps none), for
         the scheduler's KV budget beside the target's."""
