@@ -6,6 +6,7 @@ deliberate change, and review the diff.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -21,7 +22,8 @@ from specdec import LLM  # noqa: E402
 from specdec.cli import app  # noqa: E402
 from specdec.cost_model import expected_tokens  # noqa: E402
 from specdec.sampling import sample  # noqa: E402
-from specdec.workbench.export import ENGINES, export_config  # noqa: E402
+from specdec.workbench.categories import ALL, recommend  # noqa: E402
+from specdec.workbench.export import ENGINES, export_by_category, export_config  # noqa: E402
 from specdec.workbench.lossless import chi_square, verify_lossless  # noqa: E402
 from specdec.workbench.profile import acceptance_from_rounds  # noqa: E402
 from tiny_models import make_model, perturbed_copy  # noqa: E402
@@ -99,7 +101,8 @@ def profiled(models, prompts_file, tmp_path_factory) -> tuple[Path, dict]:
     result = cli("profile", "--model", models["target"], "--prompts", prompts_file, "--max-tokens", 16,
                  "--k-max", 3, "--out", out, "--json", "--sweep",
                  "--speculative-config", json.dumps({"method": "draft_model", "model": models["near"]}),
-                 "--speculative-config", json.dumps({"method": "layer_skip", "num_draft_layers": 1}))
+                 "--speculative-config", json.dumps({"method": "layer_skip", "num_draft_layers": 1}),
+                 "--speculative-config", json.dumps({"method": ["ngram", "suffix"]}))  # a list: each profiled
     summary = json_out(result)
     assert summary["profile"] == str(out / "profile.json")
     return out, json.loads((out / "profile.json").read_text())
@@ -110,7 +113,10 @@ def test_profile_writes_measurements_and_predictions(profiled):
     assert p["k_max"] == 3 and p["num_prompts"] == 4 and p["categories"] == ["chat", "code"]
     v = p["verify_cost"]["v"]
     assert p["verify_cost"]["k"] == [0, 1, 2, 3] and v[0] == 1.0 and all(x > 0 for x in v)
-    assert [c["method"] for c in p["configs"]] == ["draft_model", "layer_skip"]
+    assert [c["method"] for c in p["configs"]] == ["draft_model", "layer_skip", "ngram", "suffix"]
+    assert p["method_lists"] == [{"methods": ["ngram", "suffix"], "config_indices": [2, 3],
+                                  "speculative_config": p["method_lists"][0]["speculative_config"]}]
+    assert p["method_lists"][0]["speculative_config"]["method"] == ["ngram", "suffix"]
     for c in p["configs"]:
         assert c["draft_cost_ratio"] > 0
         assert c["greedy_match"] == {"matched": 4, "total": 4}
@@ -119,12 +125,14 @@ def test_profile_writes_measurements_and_predictions(profiled):
             assert len(e["alpha_conditional"]) == 3
             assert all(0.0 <= a <= 1.0 for a in e["alpha_conditional"] + e["acceptance_rate_per_pos"])
             assert 1.0 <= e["mean_acceptance_length"] <= 4.0
-            assert sum(e["tau_histogram"]) == e["num_rounds"] == len(e["accepted_per_round"]) > 0
+            assert sum(e["tau_histogram"]) == e["num_rounds"] == len(e["accepted_per_round"])
+            assert e["num_rounds"] > 0 or c["method"] in ("ngram", "suffix")  # these find no match in random text
             assert e["plain_tokens_per_s"] > 0 and e["spec_tokens_per_s"] > 0
             # the prediction is exactly S(k) = E(k) / (k c + v(k)) with the measured alphas, the cost averaged
             # over the measured proposal lengths (the room left at a sequence's end asks for fewer drafts)
             lengths = e["draft_length_histogram"]
-            assert lengths[3] >= sum(lengths[:3])  # mostly full proposals
+            if c["method"] in ("draft_model", "layer_skip"):  # lookup drafters propose what they find
+                assert lengths[3] >= sum(lengths[:3])  # mostly full proposals
             expect = [expected_tokens(e["alpha_conditional"], k)
                       / (sum(n * (min(i, k) * c["draft_cost_ratio"] + v[min(i, k)]) for i, n in enumerate(lengths))
                          / sum(lengths)) for k in range(4)]
@@ -136,6 +144,7 @@ def test_profile_writes_measurements_and_predictions(profiled):
     rec = p["recommendation"]
     best = max(p["configs"], key=lambda c: c["overall"]["best_speedup"])
     assert rec["method"] == best["method"] and rec["k"] == best["overall"]["best_k"]
+    assert rec["label"] == best["label"] and rec["runner_up"]["config_index"] != rec["config_index"]
     assert rec["speculative_config"]["adaptive"] is False
     val = p["validation"]
     assert 1 <= val["k"] <= 3 and val["measured_speedup"] > 0
@@ -145,28 +154,82 @@ def test_profile_writes_measurements_and_predictions(profiled):
     assert [r["k"] for r in p["sweep"]] == [1, 2, 3] and all(r["measured_speedup"] > 0 for r in p["sweep"])
 
 
+def test_profile_per_category_rows_picks_and_checks(profiled):
+    _, p = profiled
+    assert set(p["by_category"]) == {"chat", "code"}
+    for cat, entry in p["by_category"].items():
+        assert entry["num_prompts"] == 2
+        rows = entry["drafters"]
+        assert [r["label"] for r in rows] == [c["label"] for c in p["configs"]]
+        assert [r["label"] for r in rows] == ["draft_model (near)", "layer_skip", "ngram", "suffix"]
+        for r, c in zip(rows, p["configs"]):  # the rows are the per-config measurements of this category
+            e = c["categories"][cat]
+            assert r["acceptance_rate"] == e["acceptance_rate"] and r["best_k"] == e["best_k"]
+            assert r["mean_acceptance_length"] == e["mean_acceptance_length"]
+            assert r["predicted_speedup_at_k_max"] == e["predicted_speedup"][3]
+            assert r["measured_speedup_at_k_max"] == e["measured_speedup_at_k_max"] > 0
+        rec = entry["recommendation"]
+        top = max(range(4), key=lambda i: (p["configs"][i]["categories"][cat]["best_speedup"], -i))
+        e = p["configs"][top]["categories"][cat]
+        assert (rec["config_index"], rec["k"], rec["plain"]) == (top, e["best_k"], e["best_k"] == 0)
+        assert rec["predicted_speedup"] == e["best_speedup"]
+        assert rec["speculative_config"] == {**p["configs"][top]["speculative_config"],
+                                             "num_speculative_tokens": e["best_k"], "adaptive": False}
+        val = entry["validation"]
+        if rec["plain"]:
+            assert val is None
+            continue
+        assert val["k"] == rec["k"] and val["measured_speedup"] > 0 and val["label"] == rec["label"]
+        assert val["predicted_speedup"] == pytest.approx(e["predicted_speedup"][rec["k"]])
+        assert val["all_prompts_setting_measured_speedup"] == p["validation"]["by_category"][cat]["measured_speedup"]
+        if val["run"] == "its own run":
+            assert val["greedy_match"]["matched"] == val["greedy_match"]["total"] == 2
+
+
 def test_report_writes_html_png_and_markdown(profiled):
-    out, _ = profiled
+    out, p = profiled
     summary = json_out(cli("report", out, "--json"))
     files = summary["files"]
-    for name in ("acceptance_by_position.png", "speedup_vs_k.png", "tau_histogram.png", "time_split.png"):
+    for name in ("acceptance_by_position.png", "speedup_vs_k.png", "tau_histogram.png", "time_split.png",
+                 "by_category.png"):
         assert Path(files[name]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = Path(files["report.html"]).read_text()
-    assert page.count("data:image/png;base64,") == 4 and "<table>" in page
+    assert page.count("data:image/png;base64,") == 5 and "<table>" in page
     md = Path(files["report.md"]).read_text()
     assert "| config |" in md and "speedup_vs_k.png" in md and "τ" in md and "| k | predicted S(k) |" in md
-    assert summary["summary"]["recommendation"]["method"] in ("draft_model", "layer_skip")
+    assert "## Per category: which drafter" in md and "one deployment per category" in md
+    for cat in ("chat", "code"):  # a row per drafter and category
+        rows = [line for line in md.splitlines() if line.startswith(f"| {cat} | 2 | ") and line[len(cat) + 9].isalpha()]
+        assert [r.split(" | ")[2].rstrip(" ★") for r in rows] == [c["label"] for c in p["configs"]]
+    stars = sum(not e["recommendation"]["plain"] for e in p["by_category"].values())
+    assert md.count("★") == stars + 1  # and one in the legend sentence
+    assert summary["summary"]["recommendation"]["method"] in ("draft_model", "layer_skip", "ngram", "suffix")
+    by_cat = summary["summary"]["by_category"]
+    assert set(by_cat) == {"chat", "code"}
+    for cat, e in by_cat.items():
+        assert e["recommended"] == (None if e["plain"] else p["by_category"][cat]["recommendation"]["label"])
+        assert set(e["drafters"]) == {"draft_model (near)", "layer_skip", "ngram", "suffix"}
 
 
 def test_profile_and_report_on_spec_bench(models, shared_data, tmp_path):
-    result = cli("profile", "--model", models["target"], "--prompts", shared_data / "spec_bench" / "question.jsonl",
-                 "--num-prompts", 2, "--max-tokens", 8, "--k-max", 2, "--no-validate", "--out", tmp_path,
-                 "--speculative-config", '{"method": "layer_skip", "num_draft_layers": 1}')
+    lines = (shared_data / "spec_bench" / "question.jsonl").read_text().splitlines()
+    picked = [next(line for line in lines if json.loads(line)["category"] == cat) for cat in ("writing", "coding")]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(picked) + "\n")
+    result = cli("profile", "--model", models["target"], "--prompts", tmp_path / "mixed.jsonl",
+                 "--max-tokens", 8, "--k-max", 2, "--no-validate", "--out", tmp_path,
+                 "--speculative-config", '{"method": "layer_skip", "num_draft_layers": 1}',
+                 "--speculative-config", '{"method": "ngram"}')
     assert result.exit_code == 0, result.output
-    assert "recommendation:" in result.stdout and "α_1..α_2" in result.stdout
+    out = result.stdout
+    assert "recommendation:" in out and "α_1..α_2" in out
+    # a table per category, then all prompts, each with a row per drafter
+    assert out.index("category coding (1 prompt)") < out.index("category writing") < out.index("all prompts (2 prompts)")
+    assert out.count("layer_skip") >= 3 and "per category (one deployment per category" in out
     p = json.loads((tmp_path / "profile.json").read_text())
-    assert p["categories"] == ["writing"] and "validation" not in p
-    assert json_out(cli("report", tmp_path, "--json"))["summary"]["validation"] is None
+    assert p["categories"] == ["coding", "writing"] and "validation" not in p
+    assert all(e.get("validation") is None for e in p["by_category"].values())
+    summary = json_out(cli("report", tmp_path, "--json"))["summary"]
+    assert summary["validation"] is None and set(summary["by_category"]) == {"coding", "writing"}
 
 
 def test_profile_and_report_bad_input(models, prompts_file, tmp_path):
@@ -330,9 +393,86 @@ def test_export_cli_from_profile_and_bad_input(profiled, tmp_path):
     text = cli("export", "--engine", "trtllm", "--speculative-config", json.dumps(EXPORT_CONFIGS["draft_model"]))
     assert text.exit_code == 0 and "decoding_type: DraftTarget" in text.stdout
     fails_with(cli("export", "--engine", "tgi", "--speculative-config", "{}"), "unknown engine")
-    fails_with(cli("export", "--engine", "vllm"), "exactly one of")
+    fails_with(cli("export", "--engine", "vllm"), "pass --profile profile.json or --speculative-config")
+    fails_with(cli("export", "--engine", "vllm", "--profile", tmp_path / "profile.json",
+                   "--speculative-config", json.dumps(EXPORT_CONFIGS["ngram"])), "ranks the methods of a list")
+    fails_with(cli("export", "--engine", "vllm", "--by-category", "--speculative-config", "{}"), "--by-category")
+    fails_with(cli("export", "--engine", "vllm", "--speculative-config", "{}", "--out", tmp_path), "--by-category")
     fails_with(cli("export", "--engine", "vllm", "--profile", tmp_path / "none.json"), "does not exist")
     fails_with(cli("export", "--engine", "vllm", "--speculative-config", '{"method": "medusa"}'), "not supported")
+
+
+def with_picks(p: dict, speedups: dict[str, list[tuple[int, float]]]) -> dict:
+    """``p`` with each drafter's best k and predicted S(best k) per category set to ``speedups[cat]``
+    (one (k, S) per config), its per-category section dropped: the picks follow from the rule again."""
+    q = copy.deepcopy(p)
+    del q["by_category"]
+    for cat, per_config in speedups.items():
+        for c, (k, speedup) in zip(q["configs"], per_config):
+            e = c["categories"][cat]
+            e["best_k"], e["best_speedup"] = k, speedup
+            e["predicted_speedup"] = [1.0] * len(e["predicted_speedup"])
+            e["predicted_speedup"][k] = speedup
+    q["recommendation"] = recommend(q["configs"], ALL)
+    return q
+
+
+PICKS = {  # configs: draft_model, layer_skip, ngram, suffix
+    "code": [(1, 1.2), (0, 1.0), (3, 1.5), (2, 1.8)],  # suffix, which SGLang lacks: then ngram
+    "chat": [(0, 1.0), (0, 1.0), (0, 1.0), (0, 1.0)],  # nothing pays: plain decoding
+    "all": [(2, 1.4), (0, 1.0), (3, 1.3), (1, 1.1)],
+}
+
+
+def test_export_by_category_one_deployment_per_category(profiled, tmp_path):
+    _, p = profiled
+    q = with_picks(p, PICKS)
+    (tmp_path / "profile.json").write_text(json.dumps(q))
+    assert recommend(q["configs"], "code")["label"] == "suffix"
+    vllm = export_by_category("vllm", tmp_path / "profile.json")
+    assert "one speculative method per deployment" in vllm.text and "one deployment per category" in vllm.text
+    code = vllm.categories["code"]
+    assert code["recommended"] == "suffix" and code["k"] == 2 and not code["plain"]
+    assert code["export"].options["speculative_config"]["method"] == "suffix"
+    assert code["export"].options["speculative_config"]["num_speculative_tokens"] == 2
+    chat = vllm.categories["chat"]
+    assert chat["plain"] and chat["export"] is None and "serve without speculative decoding" in chat["text"]
+    assert vllm.text.index("=== chat ===") < vllm.text.index("=== code ===")
+    sglang = export_by_category("sglang", tmp_path / "profile.json").categories["code"]
+    assert sglang["exported_method"] == "ngram" and sglang["export"].options["--speculative-num-draft-tokens"] == 4
+    assert "has no equivalent on SGLang, so this is the best it has: ngram at k=3" in sglang["text"]
+    # the CLI: one file per category (TensorRT-LLM: YAML), the paths in the JSON
+    result = json_out(cli("export", "--engine", "trtllm", "--profile", tmp_path / "profile.json", "--by-category",
+                          "--out", tmp_path / "trt", "--json"))
+    assert result["files"] == {"chat": str(tmp_path / "trt" / "trtllm-chat.yml"),
+                               "code": str(tmp_path / "trt" / "trtllm-code.yml")}
+    code_yml = Path(result["files"]["code"]).read_text()
+    assert "decoding_type: NGram" in code_yml and "max_draft_len: 3" in code_yml
+    assert result["categories"]["code"]["export"]["method"] == "ngram"
+    text = cli("export", "--engine", "llamacpp", "--profile", tmp_path / "profile.json", "--by-category")
+    assert text.exit_code == 0 and "--spec-type ngram-simple" in text.stdout and "=== chat ===" in text.stdout
+
+
+def test_export_a_method_list_takes_one_method(profiled, tmp_path):
+    _, p = profiled
+    listed = {"method": ["suffix", "ngram", "draft_model"], "model": "org/draft", "num_speculative_tokens": 4}
+    first = export_config("sglang", listed)  # no profile: the first listed that SGLang has
+    assert first.method == "ngram" and first.options["--speculative-num-draft-tokens"] == 5
+    assert any("per request and round" in n for n in first.notes) and "first listed" in first.text
+    q = with_picks(p, PICKS)
+    ranked = export_config("sglang", listed, "org/target", q)  # the profile ranks them: draft_model 1.4x at k=2
+    assert ranked.method == "draft_model" and ranked.options["--speculative-num-steps"] == 2
+    assert "best single method of the list" in ranked.text
+    none = export_config("llamacpp", {"method": ["suffix", "layer_skip"]})
+    assert not none.supported and "no equivalent" in none.text
+    # the profile's own recommendation: draft_model at k=2 on all prompts, and a note on the profiled list
+    (tmp_path / "profile.json").write_text(json.dumps(q))
+    rec = json_out(cli("export", "--engine", "llamacpp", "--profile", tmp_path / "profile.json", "--json"))
+    assert rec["options"]["--draft-max"] == 2 and rec["method"] == "draft_model"
+    assert any("picks among ngram, suffix" in n for n in rec["notes"])
+    cli_list = json_out(cli("export", "--engine", "vllm", "--profile", tmp_path / "profile.json", "--json",
+                            "--speculative-config", json.dumps({"method": ["ngram", "suffix"]})))
+    assert cli_list["method"] == "ngram" and cli_list["options"]["speculative_config"]["num_speculative_tokens"] == 3
 
 
 # -- bench --peer hf ------------------------------------------------------------------------------

@@ -148,25 +148,51 @@ def verify_lossless(
 def export(
     engine: Annotated[str, typer.Option("--engine", help="vllm, sglang, trtllm or llamacpp.")],
     profile_path: Annotated[str | None, typer.Option(
-        "--profile", help="profile.json from `specdec profile`: export its recommendation.")] = None,
+        "--profile", help="profile.json from `specdec profile`: export its recommendation (with a "
+                          "--speculative-config that lists methods: rank them).")] = None,
     speculative_config: base.SpecOpt = None,
+    by_category: Annotated[bool, typer.Option(
+        "--by-category", help="With --profile: one setting per prompt category (these engines take one method "
+                              "per deployment: one deployment per category).")] = False,
+    out: Annotated[str | None, typer.Option(
+        "--out", help="With --by-category: write one file per category into this folder.")] = None,
     model: Annotated[str | None, typer.Option("--model", help="Target model (used in the launch command).")] = None,
     as_json: base.JsonOpt = False,
 ) -> None:
     """Print the equivalent speculative-decoding settings for vLLM, SGLang, TensorRT-LLM or llama.cpp."""
     with base.errors_exit_2():
-        from specdec.workbench.export import export_config, export_from_profile
+        from specdec.workbench.export import export_by_category, export_config, export_from_profile, load_profile_json
 
-        if (profile_path is None) == (speculative_config is None):
-            raise base.CliError("pass exactly one of --profile profile.json or --speculative-config JSON")
-        if profile_path is not None:
+        if profile_path is None and speculative_config is None:
+            raise base.CliError("pass --profile profile.json or --speculative-config JSON")
+        if by_category and (profile_path is None or speculative_config is not None):
+            raise base.CliError("--by-category exports a profile's per-category picks: pass --profile profile.json "
+                                "and no --speculative-config")
+        if out is not None and not by_category:
+            raise base.CliError("--out writes one file per category: use it with --by-category")
+        files = None
+        if by_category:
+            result = export_by_category(engine, profile_path)
+            if out is not None:
+                files = result.write(out)
+        elif speculative_config is None:
             result = export_from_profile(engine, profile_path)
         else:
-            result = export_config(engine, json_object(speculative_config, "--speculative-config"), model)
+            cfg = json_object(speculative_config, "--speculative-config")
+            profile = None
+            if profile_path is not None:
+                if not isinstance(cfg.get("method"), list):
+                    raise base.CliError("--profile with --speculative-config ranks the methods of a list "
+                                        '(e.g. {"method": ["suffix", "ngram"]}); for one method pass only one '
+                                        "of them")
+                profile = load_profile_json(profile_path)
+            result = export_config(engine, cfg, model or (profile or {}).get("model"), profile)
     if as_json:
-        base.print_json(result.as_dict())
+        base.print_json({**result.as_dict(), **({"files": files} if files else {})})
     else:
         typer.echo(result.text, nl=False)
+        for cat, path in (files or {}).items():
+            typer.echo(f"# wrote {path} ({cat})")
 
 
 def register(app: typer.Typer) -> None:
@@ -180,25 +206,26 @@ def register(app: typer.Typer) -> None:
 
 
 def _print_profile(p: dict, path: str, console: Console) -> None:
+    from specdec.workbench.categories import ALL, drafter_rows
+
     console.print(f"{p['num_prompts']} prompts, max {p['max_tokens']} tokens, k measured up to {p['k_max']}; "
                   f"v(k) = " + " ".join(f"{x:.2f}" for x in p["verify_cost"]["v"])
                   + f" (1-token forward {p['verify_cost']['t1_s'] * 1e3:.2f} ms)", markup=False, soft_wrap=True)
     for c in p["configs"]:
-        table = Table(title=f"{c['method']}: c = {c['draft_cost_ratio']:.3f} (draft step ÷ target step)",
-                      title_style="bold")
-        for col in ("category", "prompts", "accept", "τ", "plain tok/s", f"spec tok/s k={c['k_measured']}",
-                    "best k", "S(best k)"):
-            table.add_column(col, justify="left" if col == "category" else "right")
-        for cat, e in c["categories"].items():
-            table.add_row(cat, str(e["num_prompts"]), f"{e['acceptance_rate']:.0%}",
-                          f"{e['mean_acceptance_length']:.2f}", f"{e['plain_tokens_per_s']:.1f}",
-                          f"{e['spec_tokens_per_s']:.1f}", str(e["best_k"]), f"{e['best_speedup']:.2f}x")
-        console.print(table)
-        for cat, e in c["categories"].items():
-            console.print(f"  {cat}: α_1..α_{c['k_measured']} (conditional acceptance) = "
-                          + " ".join(f"{a:.2f}" for a in e["alpha_conditional"]), markup=False, soft_wrap=True)
-        console.print("  predicted S(k), all prompts: " + ", ".join(
-            f"k={k}: {s:.2f}" for k, s in enumerate(c["overall"]["predicted_speedup"])), markup=False, soft_wrap=True)
+        console.print(f"{c.get('label', c['method'])}: c = {c['draft_cost_ratio']:.3f} (draft step ÷ target step); "
+                      "predicted S(k), all prompts: " + ", ".join(
+                          f"k={k}: {s:.2f}" for k, s in enumerate(c["overall"]["predicted_speedup"])),
+                      markup=False, soft_wrap=True)
+    by_cat = p.get("by_category", {})
+    tables = [(cat, e["num_prompts"], e["drafters"], e["recommendation"], e.get("validation"))
+              for cat, e in by_cat.items()]
+    if len(by_cat) != 1:  # one category: its table is the all-prompts one
+        tables.append((ALL, p["num_prompts"], drafter_rows(p["configs"], ALL), p["recommendation"], None))
+    for cat, num_prompts, rows, rec, val in tables:
+        console.print(_category_table(p, cat, num_prompts, rows, rec, val))
+        for r in rows:
+            console.print(f"  {r['label']}: α_1..α_{p['k_max']} (conditional acceptance) = "
+                          + " ".join(f"{a:.2f}" for a in r["alpha_conditional"]), markup=False, soft_wrap=True)
     console.print(f"{base.TAU}", style="dim", markup=False)
     rec = p["recommendation"]
     console.print(f"recommendation: {rec['reason']} -> {json.dumps(rec['speculative_config'])}", markup=False,
@@ -212,4 +239,34 @@ def _print_profile(p: dict, path: str, console: Console) -> None:
     for row in p.get("sweep", []):
         console.print(f"  k={row['k']}: measured {row['measured_speedup']:.2f}x, predicted {row['predicted_speedup']:.2f}x "
                       f"({row['predicted_speedup_end_to_end']:.2f}x end to end)", markup=False, soft_wrap=True)
-    console.print(f"wrote {path}; `specdec report {Path(path).parent}` draws it", markup=False, soft_wrap=True)
+    if by_cat:
+        console.print("per category (one deployment per category on engines that take one method): " + "; ".join(
+            f"{cat}: {_pick(e['recommendation'])}" for cat, e in by_cat.items()), markup=False, soft_wrap=True)
+    console.print(f"wrote {path}; `specdec report {Path(path).parent}` draws it; "
+                  f"`specdec export --engine vllm --profile {path} --by-category` writes a setting per category",
+                  markup=False, soft_wrap=True)
+
+
+def _pick(rec: dict) -> str:
+    return "plain decoding" if rec["plain"] else f"{rec['label']} k={rec['k']} ({rec['predicted_speedup']:.2f}x)"
+
+
+def _category_table(p: dict, cat: str, num_prompts: int, rows: list[dict], rec: dict, val: dict | None) -> Table:
+    """One category: a row per drafter (acceptance and τ at k = K, predicted and measured speedup at K,
+    best k), the recommended one starred."""
+    from specdec.workbench.categories import ALL
+
+    K = p["k_max"]
+    name = "all prompts" if cat == ALL else f"category {cat}"
+    title = f"{name} ({num_prompts} prompt{'s' if num_prompts != 1 else ''}): recommended {_pick(rec)}"
+    if val and val.get("measured_speedup") is not None:
+        title += f", measured {val['measured_speedup']:.2f}x"
+    table = Table(title=title, title_style="bold", title_justify="left")
+    for col in ("drafter", "accept", f"τ k={K}", f"S(k={K}) pred", f"S(k={K}) meas", "best k", "S(best k)"):
+        table.add_column(col, justify="left" if col == "drafter" else "right", no_wrap=True)
+    for r in rows:
+        star = " ★" if r["config_index"] == rec["config_index"] and not rec["plain"] else ""
+        table.add_row(r["label"] + star, f"{r['acceptance_rate']:.0%}", f"{r['mean_acceptance_length']:.2f}",
+                      f"{r['predicted_speedup_at_k_max']:.2f}x", f"{r['measured_speedup_at_k_max']:.2f}x",
+                      str(r["best_k"]), f"{r['best_speedup']:.2f}x")
+    return table

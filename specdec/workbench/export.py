@@ -14,6 +14,11 @@ Names checked against each engine's documentation:
 
 Where an engine has no equivalent of a setting the export says so in a note (a ``#`` comment in the
 text) instead of emitting an option that would mean something else.
+
+These four engines take one speculative method per deployment. So a ``speculative_config`` whose
+method lists several (specdec picks one per request and round) exports the best single method the
+engine has (by a profile, else the first listed), and a profile's per-category picks export as one
+setting per category: one deployment per category, with requests routed to their category's.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specdec.config import SpeculativeConfig
 from specdec.json_input import json_object
+from specdec.workbench.categories import ALL, drafter_rows, with_categories
 
 ENGINES = ("vllm", "sglang", "trtllm", "llamacpp")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM", "llamacpp": "llama.cpp"}
@@ -58,13 +64,23 @@ class Export:
                 "options": self.options, "command": self.command, "notes": self.notes, "text": self.text}
 
 
-def export_config(engine: str, speculative_config: dict | SpeculativeConfig, model: str | None = None) -> Export:
-    """The equivalent of ``speculative_config`` (for target ``model``) on ``engine``."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+def one_method_note(engine: str) -> str:
+    return (f"{ENGINE_NAMES[engine]} takes one speculative method per deployment (one speculative config per "
+            "server): a different drafter per category means one deployment per category, with each request "
+            "routed to its category's deployment")
+
+
+def export_config(engine: str, speculative_config: dict | SpeculativeConfig, model: str | None = None,
+                  profile: dict | None = None) -> Export:
+    """The equivalent of ``speculative_config`` (for target ``model``) on ``engine``. A config whose
+    method lists several exports one of them: the best the engine has by ``profile`` (a profile.json
+    dict) when given, else the first listed that the engine has."""
+    _check_engine(engine)
     spec = SpeculativeConfig.from_dict(speculative_config)
     if spec is None or spec.num_speculative_tokens == 0:
         raise ValueError("the speculative config drafts no tokens (num_speculative_tokens is 0); nothing to export")
+    if len(spec.methods) > 1:
+        return _export_method_list(engine, spec, model, profile)
     target = model or "TARGET_MODEL"
     notes = _common_notes(spec) + ENGINE_NOTES.get(engine, [])
     if spec.method in MISSING[engine]:
@@ -77,19 +93,182 @@ def export_config(engine: str, speculative_config: dict | SpeculativeConfig, mod
     return exp
 
 
-def export_from_profile(engine: str, profile_path: str | Path) -> Export:
-    """Export the setting a ``specdec profile`` run recommended."""
+def load_profile_json(profile_path: str | Path) -> dict:
+    """profile.json of ``specdec profile``, with its per-category section."""
     path = Path(profile_path)
     if not path.is_file():
         raise ValueError(f"profile {str(path)!r} does not exist; run `specdec profile ... --out DIR` first")
     profile = json_object(path.read_text(), f"profile {str(path)!r}")
     rec = profile.get("recommendation")
-    if not isinstance(rec, dict) or "speculative_config" not in rec:
+    if not isinstance(rec, dict) or "speculative_config" not in rec or not isinstance(profile.get("configs"), list):
         raise ValueError(f"profile {str(path)!r} has no recommendation; is it a specdec profile.json?")
-    if rec.get("plain"):
+    return with_categories(profile)
+
+
+def export_from_profile(engine: str, profile_path: str | Path) -> Export:
+    """Export the setting a ``specdec profile`` run recommended on all its prompts (the best the engine
+    has by the profile, with a note, when the engine lacks the recommended method)."""
+    _check_engine(engine)
+    profile = load_profile_json(profile_path)
+    if profile["recommendation"].get("plain"):
         raise ValueError("the profile recommends plain decoding (no k paid off on this workload); "
                          "export a setting explicitly with --speculative-config if you want one anyway")
-    return export_config(engine, rec["speculative_config"], profile.get("model"))
+    exp = _export_pick(engine, profile, ALL)
+    if exp is None:
+        raise ValueError(f"none of the profiled drafters that pay on this workload has an equivalent on "
+                         f"{ENGINE_NAMES[engine]}; see `specdec export --engine {engine} --speculative-config ...`")
+    if profile.get("method_lists"):
+        exp.notes.insert(0, _choice_note(engine, profile["method_lists"][0]["methods"]))
+        exp.text = _render(exp)
+    return exp
+
+
+@dataclass
+class CategoryExports:
+    """One setting per prompt category for an engine that takes one method per deployment."""
+
+    engine: str
+    profile: str
+    notes: list[str]
+    categories: dict[str, dict]  # category -> {"plain", "recommended", "predicted_speedup", ..., "export"}
+    text: str = ""
+
+    def as_dict(self) -> dict:
+        return {"engine": self.engine, "profile": self.profile, "notes": self.notes, "text": self.text,
+                "categories": {cat: {**e, "export": e["export"].as_dict() if e["export"] else None}
+                               for cat, e in self.categories.items()}}
+
+    def write(self, folder: str | Path) -> dict[str, str]:
+        """One file per category (a shell script with the launch command; TensorRT-LLM: its YAML), the
+        notes as comments; returns category -> path."""
+        folder = Path(folder)
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"--out {str(folder)!r} exists and is not a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        ext = "yml" if self.engine == "trtllm" else "sh"
+        paths = {}
+        for cat, e in self.categories.items():
+            path = folder / f"{self.engine}-{_slug(cat)}.{ext}"
+            path.write_text(e["text"])
+            paths[cat] = str(path)
+        return paths
+
+
+def export_by_category(engine: str, profile_path: str | Path) -> CategoryExports:
+    """A setting per category of a profile: each category's recommended drafter and k, or the best the
+    engine has by the profile when it lacks that one, or plain decoding when none pays."""
+    _check_engine(engine)
+    profile = load_profile_json(profile_path)
+    by_cat = profile["by_category"]
+    if not by_cat:
+        raise ValueError(f"profile {str(profile_path)!r} has no categories")
+    name = ENGINE_NAMES[engine]
+    notes = [one_method_note(engine)]
+    if profile.get("method_lists"):
+        notes.append(_choice_note(engine, profile["method_lists"][0]["methods"]))
+    cats: dict[str, dict] = {}
+    for cat, entry in by_cat.items():
+        rec = entry["recommendation"]
+        exp = None if rec["plain"] else _export_pick(engine, profile, cat)
+        head = f"category {cat!r} ({entry['num_prompts']} prompts)"
+        if exp is None:
+            why = ("no drafter predicts a gain over plain decoding here" if rec["plain"] else
+                   f"none of the drafters that pay here has an equivalent on {name}")
+            text = f"# {name}, {head}: serve without speculative decoding ({why})\n"
+        else:
+            text = f"# {name}, {head}\n" + exp.text
+        val = entry.get("validation") or {}
+        cats[cat] = {"plain": exp is None, "recommended": None if rec["plain"] else rec["label"],
+                     "k": rec["k"], "predicted_speedup": rec["predicted_speedup"],
+                     "measured_speedup": val.get("measured_speedup"),
+                     "exported_method": exp.method if exp else None, "export": exp, "text": text}
+    header = [f"# {name}: speculative settings per prompt category, from {profile_path} (exported by specdec)"]
+    header += [f"# note: {n}" for n in notes]
+    body = []
+    for cat, e in cats.items():
+        body += ["", f"# === {cat} ===", e["text"].rstrip("\n")]
+    return CategoryExports(engine, str(profile_path), notes, cats, "\n".join(header + body) + "\n")
+
+
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+
+
+def _has(engine: str, method: str) -> bool:
+    return method not in MISSING[engine]
+
+
+def _choice_note(engine: str, methods: list[str]) -> str:
+    return (f"specdec picks among {', '.join(methods)} per request and round (speculative_config method as a "
+            f"list); {ENGINE_NAMES[engine]} takes one method per deployment, so this is one of them")
+
+
+def _export_pick(engine: str, profile: dict, cat: str) -> Export | None:
+    """Category ``cat``'s recommendation on ``engine`` or, when the engine lacks its method, the drafter
+    with the next best predicted speedup that the engine has (with a note). None: nothing that pays."""
+    rec = profile["recommendation"] if cat == ALL else profile["by_category"][cat]["recommendation"]
+    if rec.get("plain"):
+        return None
+    where = "on all prompts" if cat == ALL else f"in category {cat!r}"
+    label = rec.get("label") or rec["method"]
+    if _has(engine, rec["method"]):
+        exp = export_config(engine, rec["speculative_config"], profile.get("model"))
+        why = f"the profile's pick {where}: {label} at k={rec['k']}, predicted {rec['predicted_speedup']:.2f}x"
+    else:
+        rows = sorted(drafter_rows(profile["configs"], cat), key=lambda r: -r["best_speedup"])
+        usable = [r for r in rows if r["best_k"] > 0 and _has(engine, r["method"])]
+        if not usable:
+            return None
+        pick = usable[0]
+        c = profile["configs"][pick["config_index"]]
+        cfg = {**c["speculative_config"], "num_speculative_tokens": pick["best_k"], "adaptive": False}
+        exp = export_config(engine, cfg, profile.get("model"))
+        why = (f"the profile's pick {where}, {label} ({rec['predicted_speedup']:.2f}x), has no equivalent on "
+               f"{ENGINE_NAMES[engine]}, so this is the best it has: {pick['label']} at k={pick['best_k']}, "
+               f"predicted {pick['best_speedup']:.2f}x")
+    exp.notes.insert(0, why)
+    exp.text = _render(exp)
+    return exp
+
+
+def _export_method_list(engine: str, spec: SpeculativeConfig, model: str | None, profile: dict | None) -> Export:
+    """A config that lists methods: the one the engine can take (by ``profile``, else the first it has)."""
+    name = ENGINE_NAMES[engine]
+    lacking = [m for m in spec.methods if not _has(engine, m)]
+    notes = [_choice_note(engine, spec.methods)]
+    if lacking:
+        notes.append(f"{name} has no " + ", ".join(METHOD_NAMES.get(m, m) for m in lacking))
+    chosen, k = None, spec.num_speculative_tokens
+    if profile is not None:
+        rows = sorted(drafter_rows(profile["configs"], ALL), key=lambda r: -r["best_speedup"])
+        ranked = [r for r in rows if r["method"] in spec.methods and _has(engine, r["method"]) and r["best_k"] > 0]
+        if ranked:
+            chosen, k = ranked[0]["method"], ranked[0]["best_k"]
+            notes.append(f"{chosen} is the best single method of the list that {name} has, by the profile: "
+                         f"predicted {ranked[0]['best_speedup']:.2f}x at k={k} on all its prompts")
+        else:
+            notes.append(f"the profile has no method of the list that {name} has and that pays; "
+                         "this exports the first listed that it has, at the config's k")
+    if chosen is None:
+        chosen = next((m for m in spec.methods if _has(engine, m)), None)
+        if chosen is not None and profile is None:
+            notes.append(f"{chosen} is the first listed method that {name} has; `specdec profile` with this config "
+                         "measures each, and `specdec export --profile profile.json` picks the best by measurement")
+    if chosen is None:
+        exp = Export(engine, "+".join(spec.methods), False, {}, None, notes)
+        exp.text = _render(exp)
+        return exp
+    single = replace(spec, method=chosen, num_speculative_tokens=k)
+    exp = export_config(engine, single, model)
+    exp.notes[:0] = notes
+    exp.text = _render(exp)
+    return exp
+
+
+def _slug(cat: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9_.]+", "_", cat).strip("_.")
+    return slug or "uncategorized"
 
 
 # -- per engine -----------------------------------------------------------------------------------

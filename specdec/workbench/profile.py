@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,8 +41,8 @@ from specdec.cost_model import best_k, mean_expected_tokens, mean_round_cost, pr
 from specdec.llm import LLM
 from specdec.metrics import SpecDecodingStats
 from specdec.models.base import ForwardBatch
+from specdec.workbench.categories import ALL, drafter_rows, labels, recommend
 
-ALL = "all"  # the category that pools every prompt
 TAU_NOTE = "τ = tokens emitted per target verify pass, the recovered or bonus token included (1..k+1)"
 PROFILE_VERSION = 1
 
@@ -175,7 +175,7 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
         raise ValueError("profile needs at least one --speculative-config")
     if not prompts:
         raise ValueError("profile needs at least one prompt")
-    specs = [_parse_config(c) for c in speculative_configs]
+    specs, method_lists = _expand_configs(speculative_configs)
     K = k_max if k_max is not None else max(s.num_speculative_tokens for s in specs)
     if not (isinstance(K, int) and 1 <= K <= 32):
         raise ValueError(f"--k-max must be an integer in 1..32, got {K!r}")
@@ -195,6 +195,8 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
                       "measured proposal lengths when a drafter proposes fewer than k",
         "tau_definition": TAU_NOTE,
     }
+    if method_lists:
+        profile["method_lists"] = method_lists
 
     # 1. the verify cost curve v(k), straight from the target runner on real prompt prefixes
     prefixes = [ar_llm._tokenize(p) for p, _ in records[:3]]
@@ -211,24 +213,23 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
         profile["configs"].append(_profile_config(ar_llm, model, spec, K, records, categories, params, t1, v,
                                                   load, tick))
 
-    # 3. recommend: the config and k with the highest predicted S(k)
-    best_i = max(range(len(specs)), key=lambda i: profile["configs"][i]["overall"]["best_speedup"])
+    for c, label in zip(profile["configs"], labels(profile["configs"])):
+        c["label"] = label
+
+    # 3. recommend: the config and k with the highest predicted S(k), on all prompts and per category
+    profile["recommendation"] = recommend(profile["configs"], ALL)
+    best_i = profile["recommendation"]["config_index"]
     best = profile["configs"][best_i]
     k_best = best["overall"]["best_k"]
-    rec_cfg = {**best["speculative_config"], "num_speculative_tokens": k_best, "adaptive": False}
-    profile["recommendation"] = {
-        "config_index": best_i, "method": best["method"], "k": k_best, "plain": k_best == 0,
-        "predicted_speedup": best["overall"]["best_speedup"],
-        "speculative_config": rec_cfg if k_best > 0 else {**rec_cfg, "num_speculative_tokens": 0},
-        "reason": ("no k predicts a gain over plain decoding on this workload" if k_best == 0 else
-                   f"{best['method']} with k={k_best} has the highest predicted speedup of the "
-                   f"{len(specs)} config(s) and k = 0..{K}"),
-    }
+    profile["by_category"] = {cat: {"num_prompts": best["categories"][cat]["num_prompts"],
+                                    "drafters": drafter_rows(profile["configs"], cat),
+                                    "recommendation": recommend(profile["configs"], cat)} for cat in categories}
 
     # 4. run the recommended setting (the best k >= 1 when plain wins, to check the model anyway)
     if validate:
         k_run = k_best if k_best > 0 else max(range(1, K + 1), key=lambda k: best["overall"]["predicted_speedup"][k])
         profile["validation"] = _validate(ar_llm, model, best, k_run, records, params, load, tick)
+        _validate_categories(profile, ar_llm, model, records, params, load, tick)
     if sweep:
         profile["sweep"] = []
         for k in range(1, K + 1):
@@ -327,22 +328,28 @@ def _end_to_end(entry: dict, ar: _Side, sp: _Side, t_step: float) -> list[float]
 
 
 def _validate(ar_llm: LLM, model: str, best: dict, k: int, records: list, params: SamplingParams, load: dict,
-              tick) -> dict:
+              tick, cat: str = ALL) -> dict:
+    """Run ``best`` at k against plain decoding on ``records`` (those of category ``cat`` unless ALL)."""
     cfg = {**best["speculative_config"], "num_speculative_tokens": k, "adaptive": False}
     spec_llm = LLM(model, **load, speculative_config=cfg)
-    advance = tick(f"run {best['method']} at k={k} vs plain", 1)
-    prompts = [{"prompt": p, "category": cat} if isinstance(p, str) else p for p, cat in records]
-    result = run_bench(ar_llm, spec_llm, prompts, params).as_dict()
+    where = "" if cat == ALL else f" on {cat}"
+    advance = tick(f"run {best.get('label', best['method'])} at k={k} vs plain{where}", 1)
+    prompts = [{"prompt": p, "category": c_} if isinstance(p, str) else {"prompt": p, "category": c_}
+               for p, c_ in records if cat == ALL or c_ == cat]
+    _warm(spec_llm, prompts[0]["prompt"], params)
+    _warm(ar_llm, prompts[0]["prompt"], params)
+    result = run_bench(ar_llm, spec_llm, prompts, params, warmup=0).as_dict()  # warmed off the set, above
     advance()
-    predicted = best["overall"]["predicted_speedup"][k]
-    predicted_e2e = best["overall"]["predicted_speedup_end_to_end"][k]
+    predicted = best["categories"][cat]["predicted_speedup"][k]
+    predicted_e2e = best["categories"][cat]["predicted_speedup_end_to_end"][k]
     measured = result["speedup"]
     m = result["spec"]["metrics"]
     by_cat = {}
     for cat, r in result["by_category"].items():
         pc = best["categories"].get(cat)
         by_cat[cat] = {"measured_speedup": r["speedup"],
-                       "predicted_speedup": pc["predicted_speedup"][k] if pc else None}
+                       "predicted_speedup": pc["predicted_speedup"][k] if pc else None,
+                       "plain_tokens_per_s": r["ar_tokens_per_s"], "spec_tokens_per_s": r["spec_tokens_per_s"]}
     return {
         "speculative_config": cfg, "k": k, "predicted_speedup": predicted,
         "predicted_speedup_end_to_end": predicted_e2e, "measured_speedup": measured,
@@ -355,6 +362,55 @@ def _validate(ar_llm: LLM, model: str, best: dict, k: int, records: list, params
                        "overhead_s": m["overhead_time_s"], "prefill_s": m["prefill_time_s"]},
         "greedy_match": result["greedy_match"], "by_category": by_cat,
     }
+
+
+def _validate_categories(profile: dict, ar_llm: LLM, model: str, records: list, params: SamplingParams,
+                         load: dict, tick) -> None:
+    """Measure each category's recommendation on that category's prompts. A category whose pick is the
+    all-prompts setting reads its figure from that run; one whose pick is plain decoding has none to run.
+    Beside it: the all-prompts setting's measured speedup in the category (one deployment for all)."""
+    overall = profile["validation"]
+    for cat, entry in profile["by_category"].items():
+        rec = entry["recommendation"]
+        single = overall["by_category"].get(cat, {})
+        if rec["plain"]:
+            entry["validation"] = None
+            continue
+        c = profile["configs"][rec["config_index"]]
+        if (rec["config_index"], rec["k"]) == (profile["recommendation"]["config_index"], overall["k"]):
+            run = {"k": rec["k"], "predicted_speedup": c["categories"][cat]["predicted_speedup"][rec["k"]],
+                   "predicted_speedup_end_to_end": c["categories"][cat]["predicted_speedup_end_to_end"][rec["k"]],
+                   "measured_speedup": single.get("measured_speedup"),
+                   "plain_tokens_per_s": single.get("plain_tokens_per_s"),
+                   "spec_tokens_per_s": single.get("spec_tokens_per_s"),
+                   "greedy_match": None, "run": "the all-prompts run"}
+        else:
+            full = _validate(ar_llm, model, c, rec["k"], records, params, load, tick, cat)
+            run = {key: full[key] for key in ("k", "predicted_speedup", "predicted_speedup_end_to_end",
+                                              "measured_speedup", "plain_tokens_per_s", "spec_tokens_per_s",
+                                              "greedy_match")}
+            run["run"] = "its own run"
+        run["label"] = rec["label"]
+        run["all_prompts_setting_measured_speedup"] = single.get("measured_speedup")
+        entry["validation"] = run
+
+
+def _expand_configs(raw_configs: list) -> tuple[list[SpeculativeConfig], list[dict]]:
+    """One SpeculativeConfig per drafter: a config whose method lists several (per-request choice in
+    specdec) is profiled as each of its methods. Returns the configs and, per such list, which
+    config numbers came from it."""
+    specs: list[SpeculativeConfig] = []
+    lists: list[dict] = []
+    for raw in raw_configs:
+        spec = _parse_config(raw)
+        if len(spec.methods) == 1:
+            specs.append(spec)
+            continue
+        first = len(specs)
+        specs += [replace(spec, method=m) for m in spec.methods]
+        lists.append({"methods": spec.methods, "config_indices": list(range(first, len(specs))),
+                      "speculative_config": {**_config_dict(spec), "method": spec.methods}})
+    return specs, lists
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -371,8 +427,11 @@ def _config_dict(spec: SpeculativeConfig) -> dict:
     """Only the fields that matter for the method (so exports and reports stay readable)."""
     suffix = {f for f in vars(spec) if f.startswith("suffix_decoding_")}
     keep = {"method", "num_speculative_tokens", "adaptive", "draft_p_min"}
-    keep |= {"draft_model": {"model"}, "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
-             "suffix": suffix, "layer_skip": {"num_draft_layers"}}[spec.method]
+    for method in spec.methods:
+        keep |= {"draft_model": {"model"}, "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
+                 "suffix": suffix, "layer_skip": {"num_draft_layers"}}[method]
+    if spec.draft_tokenizer_mapping != "auto":  # a draft with another tokenizer, mapped as the user chose
+        keep.add("draft_tokenizer_mapping")
     if spec.enable_suffix_decoding:  # suffix drafts in front of the model's
         keep |= suffix | {"enable_suffix_decoding"}
     return {k: v for k, v in vars(spec).items() if k in keep}
@@ -385,8 +444,11 @@ def _record(p) -> tuple:
 
 
 def _warm(llm: LLM, prompt, params: SamplingParams) -> None:
-    llm.generate([prompt], SamplingParams(temperature=params.temperature, max_tokens=min(8, params.max_tokens),
-                                          seed=params.seed))
+    """A short run on the prompt's tokens reversed: not a prompt of the set, so a drafter that caches
+    responses (suffix decoding) learns nothing about the measured ones from it."""
+    ids = llm._tokenize(prompt)[::-1]
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(
+        temperature=params.temperature, max_tokens=min(8, params.max_tokens), seed=params.seed))
 
 
 def _snapshot(stats: SpecDecodingStats) -> SpecDecodingStats:

@@ -1,8 +1,9 @@
 """``specdec report DIR``: figures, a self-contained HTML page and a Markdown summary from profile.json.
 
 Figures (PNG, matplotlib's Agg backend): acceptance by draft position per category, predicted and
-measured speedup against k, the histogram of tokens per verify pass (τ), and the split of the
-speculative run's time between drafting, verifying, loop overhead and prefill. The HTML page embeds
+measured speedup against k, the histogram of tokens per verify pass (τ), the split of the
+speculative run's time between drafting, verifying, loop overhead and prefill, and the drafters
+side by side per category (acceptance and τ, the recommended one per category marked). The HTML page embeds
 the PNGs as base64, so it can be mailed or attached on its own.
 """
 
@@ -14,9 +15,11 @@ import json
 import re
 from pathlib import Path
 
-from specdec.workbench.profile import ALL, TAU_NOTE
+from specdec.workbench.categories import ALL, config_label, with_categories
+from specdec.workbench.profile import TAU_NOTE
 
-FIGURES = ("acceptance_by_position.png", "speedup_vs_k.png", "tau_histogram.png", "time_split.png")
+FIGURES = ("acceptance_by_position.png", "speedup_vs_k.png", "tau_histogram.png", "time_split.png",
+           "by_category.png")
 
 
 def load_profile(folder: str | Path) -> tuple[Path, dict]:
@@ -30,7 +33,8 @@ def load_profile(folder: str | Path) -> tuple[Path, dict]:
         raise ValueError(f"{str(path)!r} is not valid JSON: {e.msg} (line {e.lineno})") from None
     if not isinstance(profile, dict) or "configs" not in profile or "verify_cost" not in profile:
         raise ValueError(f"{str(path)!r} is not a specdec profile (no 'configs' / 'verify_cost')")
-    return path.parent, profile
+    return path.parent, with_categories(profile)
+
 
 
 def write_report(folder: str | Path) -> dict:
@@ -46,6 +50,7 @@ def write_report(folder: str | Path) -> dict:
         "speedup_vs_k.png": _plot_speedup(plt, profile),
         "tau_histogram.png": _plot_tau(plt, profile),
         "time_split.png": _plot_time_split(plt, profile),
+        "by_category.png": _plot_by_category(plt, profile),
     }
     files = {}
     for name, fig in paths.items():
@@ -69,9 +74,22 @@ def summarize(profile: dict) -> dict:
                         "acceptance_rate": o["acceptance_rate"], "mean_acceptance_length": o["mean_acceptance_length"],
                         "best_k": o["best_k"], "predicted_speedup": o["best_speedup"],
                         "measured_speedup_at_k_max": o["measured_speedup_at_k_max"]})
+    by_cat = {}
+    for cat, e in profile.get("by_category", {}).items():
+        rec, val = e["recommendation"], e.get("validation")
+        by_cat[cat] = {"num_prompts": e["num_prompts"], "recommended": None if rec["plain"] else rec["label"],
+                       "method": rec["method"],
+                       "k": rec["k"], "plain": rec["plain"], "predicted_speedup": rec["predicted_speedup"],
+                       "measured_speedup": val["measured_speedup"] if val else None,
+                       "drafters": {r["label"]: {"acceptance_rate": r["acceptance_rate"],
+                                                 "mean_acceptance_length": r["mean_acceptance_length"],
+                                                 "best_k": r["best_k"], "predicted_speedup": r["best_speedup"],
+                                                 "measured_speedup_at_k_max": r["measured_speedup_at_k_max"]}
+                                    for r in e["drafters"]}}
     return {"model": profile["model"], "k_max": profile["k_max"], "num_prompts": profile["num_prompts"],
             "verify_cost": profile["verify_cost"]["v"], "configs": configs,
-            "recommendation": profile.get("recommendation"), "validation": _validation_summary(profile)}
+            "recommendation": profile.get("recommendation"), "validation": _validation_summary(profile),
+            "by_category": by_cat}
 
 
 def _validation_summary(profile: dict) -> dict | None:
@@ -87,10 +105,7 @@ def _validation_summary(profile: dict) -> dict | None:
 
 
 def _label(c: dict) -> str:
-    cfg = c["speculative_config"]
-    if c["method"] == "draft_model":
-        return f"draft_model ({Path(str(cfg.get('model'))).name})"
-    return c["method"]
+    return c.get("label") or config_label(c)
 
 
 def _plot_acceptance(plt, profile: dict):
@@ -189,6 +204,46 @@ def _plot_time_split(plt, profile: dict):
     return fig
 
 
+def _plot_by_category(plt, profile: dict):
+    """Per category, the drafters side by side: acceptance rate (top) and τ at k = K (bottom); the
+    recommended drafter per category has a black edge and a star with its k."""
+    by_cat = profile["by_category"]
+    cats = list(by_cat)
+    labels = [_label(c) for c in profile["configs"]]
+    n = len(labels)
+    width = 0.8 / n
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, (ax_acc, ax_tau) = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * len(cats) * max(n, 2) / 2 + 2), 6.5),
+                                         sharex=True)
+    for i, label in enumerate(labels):
+        xs = [j + (i - (n - 1) / 2) * width for j in range(len(cats))]
+        rows = [by_cat[cat]["drafters"][i] for cat in cats]
+        ax_acc.bar(xs, [r["acceptance_rate"] for r in rows], width=width, color=colors[i % len(colors)], label=label)
+        ax_tau.bar(xs, [r["mean_acceptance_length"] for r in rows], width=width, color=colors[i % len(colors)])
+        for x, cat, r in zip(xs, cats, rows):
+            rec = by_cat[cat]["recommendation"]
+            if rec["plain"] or rec["config_index"] != i:
+                continue
+            for ax, key in ((ax_acc, "acceptance_rate"), (ax_tau, "mean_acceptance_length")):
+                ax.bar([x], [r[key]], width=width, fill=False, edgecolor="black", linewidth=2)
+                ax.annotate(f"★ k={rec['k']}\n{rec['predicted_speedup']:.2f}x", (x, r[key]), ha="center",
+                            va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+    ax_acc.set_ylabel(f"acceptance rate (k={profile['k_max']})")
+    ax_acc.set_ylim(0, 1.2)
+    ax_acc.set_title("drafters per category: ★ the recommended one, its best k and predicted speedup "
+                     "(no ★: plain decoding)", fontsize=10)
+    ax_acc.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax_tau.set_ylabel(f"τ at k={profile['k_max']}")
+    ax_tau.axhline(1.0, color="gray", linewidth=1)
+    ax_tau.set_ylim(0, profile["k_max"] + 1.6)
+    ax_tau.set_xticks(range(len(cats)))
+    ax_tau.set_xticklabels(cats, rotation=30 if len(cats) > 4 else 0, ha="right" if len(cats) > 4 else "center",
+                           fontsize=8)
+    for ax in (ax_acc, ax_tau):
+        ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
 # -- text -----------------------------------------------------------------------------------------
 
 
@@ -220,6 +275,7 @@ def _markdown(profile: dict, summary: dict) -> str:
             lines.append(f"| {cat} | {e['num_prompts']} | {alphas} | {e['mean_acceptance_length']:.2f} | "
                          f"{e['plain_tokens_per_s']:.1f} | {e['spec_tokens_per_s']:.1f} | {e['best_k']} | "
                          f"{e['best_speedup']:.2f}x |")
+    lines += _markdown_by_category(profile)
     rec = summary["recommendation"]
     if rec:
         lines += ["", "## Recommendation", "",
@@ -241,6 +297,36 @@ def _markdown(profile: dict, summary: dict) -> str:
                          f"{r['measured_speedup']:.2f}x | {err:+.0%} |")
     lines += [""] + [f"![{name}]({name})" for name in FIGURES] + [""]
     return "\n".join(lines)
+
+
+def _markdown_by_category(profile: dict) -> list[str]:
+    by_cat = profile["by_category"]
+    if not by_cat:
+        return []
+    K = profile["k_max"]
+    lines = ["", "## Per category: which drafter", "",
+             "Engines that take one speculative method per deployment (vLLM, SGLang, TensorRT-LLM, llama.cpp) "
+             "need one deployment per category (or a router in front) to use a different drafter per category; "
+             "`specdec export --by-category` writes those settings. ★ marks the recommended drafter.", "",
+             f"| category | prompts | drafter | acceptance | τ (k={K}) | S(k={K}) predicted / measured | best k "
+             "| S(best k) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for cat, e in by_cat.items():
+        rec = e["recommendation"]
+        for r in e["drafters"]:
+            star = " ★" if not rec["plain"] and r["config_index"] == rec["config_index"] else ""
+            lines.append(f"| {cat} | {e['num_prompts']} | {r['label']}{star} | {r['acceptance_rate']:.1%} | "
+                         f"{r['mean_acceptance_length']:.2f} | {r['predicted_speedup_at_k_max']:.2f}x / "
+                         f"{r['measured_speedup_at_k_max']:.2f}x | {r['best_k']} | {r['best_speedup']:.2f}x |")
+    lines += ["", "| category | recommended | predicted | measured | the all-prompts setting, measured |",
+              "| --- | --- | --- | --- | --- |"]
+    for cat, e in by_cat.items():
+        rec, val = e["recommendation"], e.get("validation")
+        pick = "plain decoding" if rec["plain"] else f"{rec['label']}, k={rec['k']}"
+        measured = f"{val['measured_speedup']:.2f}x" if val and val.get("measured_speedup") is not None else "-"
+        single = val.get("all_prompts_setting_measured_speedup") if val else None
+        lines.append(f"| {cat} | {pick} | {rec['predicted_speedup']:.2f}x | {measured} | "
+                     + (f"{single:.2f}x" if single is not None else "-") + " |")
+    return lines
 
 
 def _html(profile: dict, summary: dict, folder: Path) -> str:
