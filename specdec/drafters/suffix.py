@@ -3,14 +3,21 @@
 Two kinds of suffix tries, each holding every substring of its token sequences
 up to ``max_tree_depth`` tokens with its number of occurrences:
 - one per running request, over its prompt and output, grown as tokens are committed;
-- one global trie over the outputs of the last ``max_cached_requests`` finished
-  requests (a request's output is added when it is released; the oldest is evicted).
+- one global trie over the outputs of the last ``max_cached_requests`` requests, running
+  ones included: a request's output joins when the drafter first sees the request and
+  grows token by token as it is committed (as in Arctic Inference, whose cache vLLM's
+  ``method: suffix`` uses), so a request drafts from what the other running requests
+  have written so far, and its own output's counts pool with the earlier outputs'. When
+  a request joins and the trie holds more than ``max_cached_requests`` outputs, the
+  oldest leaves (a running request's output that leaves stops joining; a released
+  request's stays until it is the oldest).
 
 Each round, per sequence, every suffix of the history that the tries hold (at most
 ``max_tree_depth - 1`` tokens) is a candidate *match*; from its node the drafter follows
-the most frequent child, token by token, while the path's empirical probability (the
-product of count(child) / count(the node's continuations) along it) stays at or above
-``min_token_prob``, for at most min(k, floor(max_spec_factor * match length),
+the most frequent child (of equal ones, the one first seen last: in the replay below,
++0.5-1.1% τ over the first seen), token by token, while the path's empirical
+probability (the product of the children's estimated probabilities along it) stays at
+or above ``min_token_prob``, for at most min(k, floor(max_spec_factor * match length),
 max_tree_depth - match length) tokens. The candidate whose draft has the largest
 expected number of accepted tokens (the sum of its path probabilities) wins; ties go to
 the longer match and to the request's own trie. (The longest match alone is a poor
@@ -19,12 +26,22 @@ tokens before the end, so it could propose p tokens at most.) Candidates whose c
 cannot beat the best so far are skipped, so deep matches that draft well end the search.
 Drafts are deterministic (q = one-hot).
 
+A child's probability is its count over (``probability``):
+- ``"continuations"``: the summed counts of the node's children, i.e. the occurrences
+  that continue. Occurrences that end at the node (at the end of a sequence: always the
+  running request's own latest one) say nothing about the next token and are left out.
+- ``"occurrences"``: the node's count, every occurrence, those that end there included
+  (Arctic's estimate). It shrinks every step that has few occurrences behind it, so
+  drafts resting on one earlier occurrence score 1/2 a token rather than 1: fewer of
+  them pass ``min_token_prob`` and they lose to better-supported candidates.
+
 Memory and time: a string that occurs once is not stored node by node but as a
 *leaf*, one int naming its occurrence (its continuation is read from the tokens),
 so nodes exist only for repeated substrings, and leaves are neither Python objects
 with a header nor tracked by the garbage collector. Appending a token touches one
-node per open suffix that is still repeated (at most max_tree_depth); evicting a
-request walks its substrings once more and removes what only it contributed.
+node per open suffix that is still repeated (at most max_tree_depth), in the
+request's trie and, for an output token, in the global one; evicting a request walks
+its substrings once more and removes what only it contributed.
 """
 
 from __future__ import annotations
@@ -34,20 +51,26 @@ from specdec.drafters.ngram import TAIL_CHECK
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
+PROBABILITY_ESTIMATES = ("continuations", "occurrences")
+
 
 class SuffixDrafter(Drafter):
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1):
+                 min_token_prob: float = 0.1, probability: str = "continuations"):
         if max_tree_depth < 1 or max_cached_requests < 0 or max_spec_factor <= 0 or not 0 <= min_token_prob <= 1:
             raise ValueError("need max_tree_depth >= 1, max_cached_requests >= 0, max_spec_factor > 0 and "
                              f"0 <= min_token_prob <= 1; got {max_tree_depth}, {max_cached_requests}, "
                              f"{max_spec_factor}, {min_token_prob}")
+        if probability not in PROBABILITY_ESTIMATES:
+            raise ValueError(f"probability must be one of {PROBABILITY_ESTIMATES}, got {probability!r}")
         self.depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
+        self.count_ends = probability == "occurrences"
         self.requests: dict[int, RequestTrie] = {}  # seq_id -> trie over its prompt + output
-        self.cache = SuffixTrie(max_tree_depth)  # earlier requests' outputs (cache.seqs, oldest first)
+        self.cache = SuffixTrie(max_tree_depth)  # requests' outputs (cache.seqs, oldest first)
+        self.running: dict[int, RequestTrie] = {}  # cache slot -> the running request whose output it is
 
     # -- the Drafter interface --------------------------------------------------------------------
 
@@ -71,26 +94,66 @@ class SuffixDrafter(Drafter):
             self.sync(s)
 
     def release(self, seqs: list[Sequence]) -> None:
+        """The request's trie goes; its output stays in the global trie, completed with the tokens of the
+        last round (which the drafter may not have been shown), until it is the oldest."""
         for s in seqs:
             req = self.requests.pop(s.seq_id, None)
-            if req is None or self.max_cached_requests == 0:
+            if req is None:  # never drafted for (it finished in its first round): its output joins now
+                if s.output_token_ids and self.max_cached_requests:
+                    self._evict(self.cache.insert(s.output_token_ids))
                 continue
-            # Read the sequence itself, not the trie's copy: the last round's tokens may not have been shown.
-            output = s.output_token_ids
-            if output:
-                self.cache.insert(output)
-                while len(self.cache.seqs) > self.max_cached_requests:
-                    self.cache.remove(next(iter(self.cache.seqs)))  # the oldest
+            if req.slot is None:  # evicted while running, or no global trie
+                continue
+            del self.running[req.slot]
+            if req.is_prefix_of(s.token_ids):
+                self._grow_output(req, s.token_ids)
+                self.cache.finish(req.slot)
+            else:  # the history was replaced since the last round: its output joins afresh
+                self.cache.remove(req.slot)
+                if s.output_token_ids:
+                    self._evict(self.cache.insert(s.output_token_ids))
+                continue
+            if not req.output:  # nothing to draft from; don't let it push out another output
+                self.cache.remove(req.slot)
 
-    # -- drafting ---------------------------------------------------------------------------------
+    # -- the tries --------------------------------------------------------------------------------
 
     def sync(self, seq: Sequence) -> RequestTrie:
-        """The sequence's trie, grown to its committed history."""
+        """The sequence's trie, grown to its committed history, and its output in the global trie."""
         req = self.requests.get(seq.seq_id)
         if req is None or not req.is_prefix_of(seq.token_ids):
+            if req is not None and req.slot is not None:  # its old output leaves with its old history
+                self.cache.remove(req.slot)
+                del self.running[req.slot]
             req = self.requests[seq.seq_id] = RequestTrie(self.depth, seq)
+            if self.max_cached_requests:
+                req.slot = self.cache.add([])  # req.output, empty until its first output token
+                req.output = self.cache.seqs[req.slot]
+                self.running[req.slot] = req
+                self._evict(req.slot)
         req.extend(seq.token_ids[len(req.tokens):])
+        if req.slot is not None:
+            self._grow_output(req, req.tokens)
         return req
+
+    def _grow_output(self, req: RequestTrie, history: list[int]) -> None:
+        """Append the output tokens of ``history`` that the global trie lacks (one trie step each)."""
+        cache, output = self.cache, req.output
+        for t in history[req.num_prompt + len(output):]:
+            output.append(t)
+            cache.append(req.slot, len(output) - 1)
+
+    def _evict(self, keep: int) -> None:
+        """Hold at most max_cached_requests outputs: the oldest leave (never ``keep``, the newest)."""
+        while len(self.cache.seqs) > self.max_cached_requests:
+            slot = next(iter(self.cache.seqs))
+            assert slot != keep
+            self.cache.remove(slot)
+            req = self.running.pop(slot, None)
+            if req is not None:  # a running request: its output stops joining
+                req.slot, req.output = None, []
+
+    # -- drafting ---------------------------------------------------------------------------------
 
     def _draft(self, req: RequestTrie, want: int) -> tuple[list[int], float]:
         history = req.tokens
@@ -98,17 +161,27 @@ class SuffixDrafter(Drafter):
         for node, m in req.open:  # the request's own repeated suffixes, longest first
             limit = self._limit(want, m)
             if limit > best_score:
-                draft, score = req.follow(node, limit, self.min_token_prob)
+                draft, score = req.follow(node, limit, self.min_token_prob, self.count_ends)
                 if score > best_score:
                     best, best_score = draft, score
-        if self.cache.seqs:
-            for m in range(self.cache.longest_match(history, self.depth - 1), 0, -1):
-                limit = self._limit(want, m)
-                if limit > best_score:
+        if req.slot is not None and len(req.output) >= self.depth - 1:
+            # Every suffix that can match lies in the output, which is in the global trie: the repeated
+            # ones are its open suffixes there (one held once is the request's own occurrence, which
+            # has no continuation).
+            candidates = self.cache.growing[req.slot]
+        elif self.cache.seqs:
+            longest = self.cache.longest_match(history, self.depth - 1)
+            candidates = ((None, m) for m in range(longest, 0, -1))  # walked to when worth following
+        else:
+            candidates = ()
+        for at, m in candidates:  # longest first
+            limit = self._limit(want, m)
+            if limit > best_score:
+                if at is None:
                     at = self.cache.walk(history, len(history) - m, len(history))
-                    draft, score = self.cache.follow(at, limit, self.min_token_prob)
-                    if score > best_score:
-                        best, best_score = draft, score
+                draft, score = self.cache.follow(at, limit, self.min_token_prob, self.count_ends)
+                if score > best_score:
+                    best, best_score = draft, score
         return best, best_score
 
     def _limit(self, want: int, m: int) -> int:
@@ -137,44 +210,67 @@ OpenSuffix = tuple[Node, int]  # (node of a repeated suffix of the tokens insert
 class SuffixTrie:
     """All substrings of up to ``depth`` tokens of the inserted sequences, with their occurrence counts.
 
-    A sequence is inserted token by token; the open suffixes (those of the tokens so
-    far that are repeated and shorter than ``depth``) each move one node down per
-    token, so appending costs O(depth) at worst and usually much less."""
+    A sequence is inserted token by token and may still grow while others are inserted
+    (it is *growing* until ``finish``); its open suffixes (those of its tokens so far that
+    are repeated and shorter than ``depth``) each move one node down per token, so
+    appending costs O(depth) at worst and usually much less."""
 
     def __init__(self, depth: int):
         self.depth = depth
         self.root = Node(0)
         self.seqs: dict[int, list[int]] = {}  # slot -> an inserted sequence, in insertion order
+        self.growing: dict[int, list[OpenSuffix]] = {}  # slot -> its open suffixes, deepest first
         self._next_slot = 0
 
-    def append(self, slot: int, j: int, open_suffixes: list[OpenSuffix]) -> list[OpenSuffix]:
-        """Insert the occurrences that end at ``seqs[slot][j]`` (already in the sequence), given the open
-        suffixes of ``seqs[slot][:j]``, deepest first; returns those of ``seqs[slot][:j + 1]``."""
-        t, D = self.seqs[slot][j], self.depth
+    def add(self, tokens: list[int]) -> int:
+        """A new growing slot holding ``tokens`` (kept by reference) and nothing inserted yet: ``append``
+        inserts its tokens one by one. The sequence may grow at its end, but must not change otherwise."""
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self.seqs[slot] = tokens
+        self.growing[slot] = []
+        return slot
+
+    def append(self, slot: int, j: int) -> None:
+        """Insert the occurrences that end at ``seqs[slot][j]`` (already in the sequence; ``seqs[slot][:j]``
+        inserted before)."""
+        seq, D = self.seqs[slot], self.depth
+        t = seq[j]
         still_open = []
-        for node, d in open_suffixes + [(self.root, 0)]:
+        for node, d in self.growing[slot] + [(self.root, 0)]:
             child = node.children.get(t)
             if child is None:  # a new string: one occurrence, kept as a leaf
                 node.children[t] = (slot << SLOT_SHIFT) | j
                 continue
             if type(child) is int:  # a second occurrence: store the string as a node
-                first_seq, e = self.seqs[child >> SLOT_SHIFT], (child & END_MASK) + 1
-                repeated = Node(1)
-                if d + 1 < D and e < len(first_seq):  # the first occurrence's extension, if it has one
-                    repeated.children[first_seq[e]] = child + 1
-                child = node.children[t] = repeated
+                child = node.children[t] = self._repeat(child, d + 1)
             child.count += 1
             if d + 1 < D:
                 still_open.append((child, d + 1))
-        return still_open
+        self.growing[slot] = still_open
+
+    def _repeat(self, leaf: int, d: int) -> Node:
+        """The node for a string of d tokens held as a leaf until its second occurrence (not counted yet)."""
+        first, e = leaf >> SLOT_SHIFT, (leaf & END_MASK) + 1
+        repeated = Node(1)
+        if d < self.depth:
+            if e < len(self.seqs[first]):  # the first occurrence's extension, if it has one
+                repeated.children[self.seqs[first][e]] = leaf + 1
+            elif first in self.growing:  # it ends a sequence that grows: now an open suffix of it
+                suffixes = self.growing[first]
+                at = next((i for i, (_, depth) in enumerate(suffixes) if depth < d), len(suffixes))
+                suffixes.insert(at, (repeated, d))
+        return repeated
+
+    def finish(self, slot: int) -> None:
+        """The sequence in ``slot`` will not grow any more."""
+        self.growing.pop(slot, None)
 
     def insert(self, tokens: list[int]) -> int:
         """Add a whole sequence (kept by reference: it must not change while it is in the trie); its slot."""
-        slot, self._next_slot = self._next_slot, self._next_slot + 1
-        self.seqs[slot] = tokens
-        open_suffixes: list[OpenSuffix] = []
+        slot = self.add(tokens)
         for j in range(len(tokens)):
-            open_suffixes = self.append(slot, j, open_suffixes)
+            self.append(slot, j)
+        self.finish(slot)
         return slot
 
     def remove(self, slot: int) -> None:
@@ -191,6 +287,7 @@ class SuffixTrie:
                 child.count -= 1
                 node = child
         del self.seqs[slot]
+        self.growing.pop(slot, None)
 
     def walk(self, tokens: list[int], start: int, stop: int) -> Node | int | None:
         """The trie position of ``tokens[start:stop]`` (a node or a leaf code), or None if it is not held."""
@@ -220,10 +317,14 @@ class SuffixTrie:
                 lo = mid
         return lo
 
-    def follow(self, at: Node | int, limit: int, min_prob: float) -> tuple[list[int], float]:
-        """The greedy most-frequent path of at most ``limit`` tokens from a trie position, stopping before
+    def follow(self, at: Node | int, limit: int, min_prob: float, count_ends: bool = False
+               ) -> tuple[list[int], float]:
+        """The greedy most-frequent path of at most ``limit`` tokens from a trie position (of equally frequent
+        continuations, the one first seen last: a recent pattern beats an old one), stopping before
         its probability falls below ``min_prob``; returns the drafts and their summed path probabilities
-        (the expected number of accepted drafts, were the counts the truth)."""
+        (the expected number of accepted drafts, were the counts the truth). A child's probability is its
+        count over its siblings' summed counts, or with ``count_ends`` over the node's count (the
+        occurrences that end at the node included)."""
         draft: list[int] = []
         prob, score = 1.0, 0.0
         while len(draft) < limit:
@@ -237,11 +338,11 @@ class SuffixTrie:
                 for t, c in at.children.items():
                     n = 1 if type(c) is int else c.count
                     total += n
-                    if n > top:
+                    if n >= top:  # ties: the newest (children are in the order they were first seen)
                         token, child, top = t, c, n
                 if child is None:
                     break
-                prob *= top / total
+                prob *= top / (at.count if count_ends else total)
                 at = child
             if prob < min_prob:
                 break
@@ -251,13 +352,21 @@ class SuffixTrie:
 
 
 class RequestTrie(SuffixTrie):
-    """A running request's trie over its history (slot 0), and the open suffixes that grow with each token."""
+    """A running request's trie over its history (slot 0), and the open suffixes that grow with each token;
+    also where its output stands in the drafter's global trie."""
 
     def __init__(self, depth: int, seq: Sequence):
         super().__init__(depth)
         self.tokens: list[int] = []  # the history inserted so far (a copy: leaves point into it)
-        self.seqs[0] = self.tokens
-        self.open: list[OpenSuffix] = []
+        self.add(self.tokens)  # slot 0
+        self.num_prompt = seq.num_prompt_tokens
+        self.slot: int | None = None  # its output's slot in the drafter's global trie (None: not there)
+        self.output: list[int] = []  # the output tokens inserted there so far
+
+    @property
+    def open(self) -> list[OpenSuffix]:
+        """The repeated suffixes of the history (shorter than depth), deepest first."""
+        return self.growing[0]
 
     def is_prefix_of(self, history: list[int]) -> bool:
         """Whether ``history`` grew from the inserted tokens."""
@@ -267,4 +376,4 @@ class RequestTrie(SuffixTrie):
         start = len(self.tokens)
         self.tokens.extend(new_tokens)
         for j in range(start, len(self.tokens)):
-            self.open = self.append(0, j, self.open)
+            self.append(0, j)
