@@ -99,6 +99,7 @@ def test_global_trie_holds_exactly_the_kept_outputs(bound):
         assert len(d.cache.seqs) <= bound
         assert list(d.cache.seqs.values()) == expected
         assert trie_counts(d.cache) == substring_counts(expected, depth)
+        assert all(len(suffixes) < depth for suffixes in d.cache.growing.values())  # one step each per token
 
 
 def test_the_bound_pushes_out_the_oldest_running_output_which_stops_joining():
@@ -178,10 +179,10 @@ def test_an_unknown_estimate_is_refused():
 # -- end to end -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_output_equals_plain_decoding_with_running_outputs_shared(target, batch, caplog):
+@pytest.mark.parametrize("batch, probability", [(1, "continuations"), (4, "continuations"), (4, "occurrences")])
+def test_greedy_output_equals_plain_decoding_with_running_outputs_shared(target, batch, probability, caplog):
     """Requests that repeat each other's text, several in flight: drafts come from the others' running
-    outputs, and the outputs stay those of plain decoding."""
+    outputs, and the outputs stay those of plain decoding, with either estimate."""
     path, hf = target
     prompts = repetitive_prompts(4, seed=4)
     prompts = prompts + [p[:-1] for p in prompts]  # each prompt twice, the second a token shorter
@@ -189,6 +190,9 @@ def test_greedy_output_equals_plain_decoding_with_running_outputs_shared(target,
     requests = [{"prompt_token_ids": p} for p in prompts]
     expected = [o.outputs[0].token_ids for o in LLM(path).generate(requests, sp)]
     llm = LLM(path, speculative_config=METHODS["suffix"], max_num_seqs=batch)
+    # the engine's drafter, with the estimate under test (the same as build_drafter makes for the config)
+    llm.engine.drafter = SuffixDrafter(max_spec_factor=2.0, probability=probability)
+    llm.engine.drafter.method = "suffix"
     for p, e, o in zip(prompts, expected, llm.generate(requests, sp)):
         assert_greedy_equal(hf, p, e, o.outputs[0].token_ids)
     m = llm.get_metrics()

@@ -14,8 +14,8 @@ up to ``max_tree_depth`` tokens with its number of occurrences:
 
 Each round, per sequence, every suffix of the history that the tries hold (at most
 ``max_tree_depth - 1`` tokens) is a candidate *match*; from its node the drafter follows
-the most frequent child (of equal ones, the one first seen last: in the replay below,
-+0.5-1.1% τ over the first seen), token by token, while the path's empirical
+the most frequent child (of equal ones, the one first seen last: +0.1-0.9% τ over the
+first seen in benchmarks/suffix_replay.py), token by token, while the path's empirical
 probability (the product of the children's estimated probabilities along it) stays at
 or above ``min_token_prob``, for at most min(k, floor(max_spec_factor * match length),
 max_tree_depth - match length) tokens. The candidate whose draft has the largest
@@ -26,7 +26,8 @@ tokens before the end, so it could propose p tokens at most.) Candidates whose c
 cannot beat the best so far are skipped, so deep matches that draft well end the search.
 Drafts are deterministic (q = one-hot).
 
-A child's probability is its count over (``probability``):
+A child's probability is its count over (``probability``, the option
+``suffix_decoding_probability``: neither wins on every workload, see the replay):
 - ``"continuations"``: the summed counts of the node's children, i.e. the occurrences
   that continue. Occurrences that end at the node (at the end of a sequence: always the
   running request's own latest one) say nothing about the next token and are left out.
