@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec.cli_common import (TAU, AdaptiveOpt, BackendOpt, CliError, DeviceOpt, DraftOpt, DtypeOpt, JsonOpt,
-                                KOpt, ModelOpt, SpecOpt, TokenizerOpt, build_speculative_config, errors_exit_2,
-                                print_json, quiet_transformers)
+                                KOpt, MethodOpt, ModelOpt, SpecOpt, TokenizerOpt, build_speculative_config,
+                                errors_exit_2, print_json, quiet_transformers)
 from specdec.workbench.cli import register as register_workbench
 
 app = typer.Typer(help="Lossless speculative decoding for Hugging Face Llama-family checkpoints.",
@@ -39,6 +39,7 @@ def generate(
     prompt_token_ids: Annotated[str | None, typer.Option(
         "--prompt-token-ids", help='Prompt as token ids instead of text, e.g. "1,2,3".')] = None,
     draft: DraftOpt = None,
+    method: MethodOpt = None,
     k: KOpt = None,
     adaptive: AdaptiveOpt = None,
     speculative_config: SpecOpt = None,
@@ -86,7 +87,7 @@ def generate(
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, min_tokens=min_tokens,
                                 structured_outputs=structured, n=n, logprobs=logprobs)
-        spec = build_speculative_config(draft, k, speculative_config, adaptive)
+        spec = build_speculative_config(draft, k, speculative_config, adaptive, method)
         quiet_transformers()
         llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
                   tokenizer=tokenizer)
@@ -120,6 +121,7 @@ def bench(
     prompts: Annotated[str, typer.Option(
         "--prompts", help="JSONL file: {\"prompt\": ...} per line, or Spec-Bench's question.jsonl.")],
     draft: DraftOpt = None,
+    method: MethodOpt = None,
     k: KOpt = None,
     adaptive: AdaptiveOpt = None,
     speculative_config: SpecOpt = None,
@@ -144,9 +146,10 @@ def bench(
 
         records = load_prompts(prompts, num_prompts)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        spec = build_speculative_config(draft, k, speculative_config, adaptive)
+        spec = build_speculative_config(draft, k, speculative_config, adaptive, method)
         if spec is None:
-            raise CliError("bench compares plain and speculative decoding: pass --draft D or --speculative-config")
+            raise CliError("bench compares plain and speculative decoding: pass --draft D, --method M or "
+                           "--speculative-config")
         quiet_transformers()
         if peer not in (None, "hf"):
             raise CliError(f"--peer must be 'hf', got {peer!r}")
@@ -231,6 +234,7 @@ def serve(
     model: ModelOpt,
     speculative_config: SpecOpt = None,
     draft: DraftOpt = None,
+    method: MethodOpt = None,
     k: KOpt = None,
     adaptive: AdaptiveOpt = None,
     host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the server local.")] = "127.0.0.1",
@@ -309,7 +313,7 @@ def serve(
         if threads is not None:
             torch.set_num_threads(threads)
 
-        spec = build_speculative_config(draft, k, speculative_config, adaptive)
+        spec = build_speculative_config(draft, k, speculative_config, adaptive, method)
         quiet_transformers()
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,

@@ -12,6 +12,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from specdec.config import short_repr
 from specdec.json_input import json_object
 
 TAU = "τ (mean acceptance length: tokens per verify pass, incl. bonus)"
@@ -20,6 +21,10 @@ ModelOpt = Annotated[str, typer.Option(
     "--model", help="Target: a checkpoint folder, a hub id, a .gguf file or a folder holding one.")]
 DraftOpt = Annotated[str | None, typer.Option(
     "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
+MethodOpt = Annotated[str | None, typer.Option(
+    "--method", help="Speculative method: draft_model (the model from --draft), ngram, suffix or layer_skip; or "
+                     "several separated by commas (e.g. suffix,draft_model,ngram): each request then drafts, "
+                     "round by round, with the one that pays most on its text.")]
 AdaptiveOpt = Annotated[bool | None, typer.Option(
     "--adaptive/--no-adaptive", help="Choose one k per round for the batch from measured acceptance and costs (the "
                                      "default), or keep k fixed.")]
@@ -56,15 +61,37 @@ def fail(message: str) -> NoReturn:
 
 
 def build_speculative_config(draft: str | None, k: int | None, raw: str | None,
-                        adaptive: bool | None = None) -> dict[str, Any] | None:
-    """The speculative_config dict from --draft / -k / --speculative-config / --[no-]adaptive
+                             adaptive: bool | None = None, method: str | None = None) -> dict[str, Any] | None:
+    """The speculative_config dict from --draft / -k / --speculative-config / --[no-]adaptive / --method
     (validated by the library)."""
     cfg = _speculative_config_base(draft, k, raw)
+    if method is not None:
+        methods = parse_methods(method)
+        if cfg is None:
+            cfg = {"method": methods, "num_speculative_tokens": 4 if k is None else k}
+        elif raw is not None and cfg.get("method", methods) != methods:
+            raise CliError(f"--method {method} disagrees with method {short_repr(cfg['method'])} in "
+                           "--speculative-config; pass one of them")
+        else:
+            cfg["method"] = methods
+    if cfg is None and k is not None:
+        raise CliError("-k/--num-speculative-tokens needs a drafter: pass --draft D, --method M or "
+                       "--speculative-config")
     if adaptive is not None:
         if cfg is None:
-            raise CliError("--adaptive/--no-adaptive needs a drafter: pass --draft D or --speculative-config")
+            raise CliError("--adaptive/--no-adaptive needs a drafter: pass --draft D, --method M or "
+                           "--speculative-config")
         cfg["adaptive"] = adaptive
     return cfg
+
+
+def parse_methods(value: str) -> str | list[str]:
+    """--method's value: one method name, or several separated by commas (a list: chosen per request)."""
+    names = [m.strip() for m in value.split(",")]
+    if not all(names):
+        raise CliError(f"--method {value!r} has an empty name; separate method names with single commas, "
+                       "e.g. suffix,draft_model,ngram")
+    return names[0] if len(names) == 1 else names
 
 
 def _speculative_config_base(draft: str | None, k: int | None, raw: str | None) -> dict[str, Any] | None:
@@ -80,8 +107,6 @@ def _speculative_config_base(draft: str | None, k: int | None, raw: str | None) 
         return cfg
     if draft is not None:
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": 4 if k is None else k}
-    if k is not None:
-        raise CliError("-k/--num-speculative-tokens needs a drafter: pass --draft D or --speculative-config")
     return None
 
 

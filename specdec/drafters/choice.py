@@ -1,0 +1,311 @@
+"""Several methods (``"method": ["suffix", "draft_model", "ngram"]``): each round, each sequence drafts
+with the method whose measured acceptance and cost give the most expected tokens per unit of time.
+
+Acceptance depends on the text: suffix decoding wins on code and repeated answers, a draft model on
+prose, nothing on random text. One method per server leaves the rest on the table; this drafter
+keeps one drafter per method and picks per request and round, with the controller's cost model
+(specdec/cost_model.py, docs/algorithm.md).
+
+Measured, per method:
+- acceptance: conditional per-position rates alpha_i per sequence from decayed counts
+  (adaptive.PositionStats), smoothed towards the method's rates over all sequences, which start at
+  adaptive.PRIOR_ALPHA;
+- cost: the wall time of its own propose calls, per drafted position for a model (timed only when
+  it also drafted the round before: the first round after a pause catches up on what it missed), per
+  call for a lookup; in the seconds of the controller's measured verify passes (AdaptiveK, handed
+  over by ``bind``). With no controller, or before a verify pass is timed at this batch size, the
+  priors of adaptive.py (verify slope, c = PRIOR_DRAFT_COST for a model, 0 for a lookup).
+
+The choice. Lookups (ngram, suffix) run no model, so they propose for every row first and what they
+found counts: a lookup that finds nothing offers nothing, one that finds n tokens offers E(n) from
+its rates. A model method offers E(k) for the k the scheduler asked. A model's cost is the batch's:
+it runs over every row once one row needs it. So for each set of model methods that could run
+(2^models sets, usually 2 or 4), each row takes its best offer among that set and the lookups, and
+the set with the highest S = mean_b E_b * t_1 / (lookups + sum_m k_m * c_m + v(T)) wins
+(``cost_model.speedup``, ``round_cost``). At batch 1 that is the request's own best tokens per time.
+
+Exploration: each method drafts each request for its first TRY_ROUNDS rounds where it can (a lookup
+needs a draft); later, every probe interval of the request's rounds, the method it has gone longest
+without drafts for one round (the interval doubles while the choice holds and resets when it
+changes), so a request whose text shifts finds the method that now pays.
+
+Seeded sampled requests draft only with the listed lookups (their one-hot drafts race plain
+decoding's own draws, verify._exact_match, so the output is the seed's plain output whatever the
+batch and the timings); with no lookup listed, only with the first method listed. Timings must not
+steer a seeded request's random draws, as the scheduler keeps their k fixed for the same reason.
+
+Sub-drafters that do not draft a row still see it: a model is called with num_draft 0 for the rows
+that are not its own and catches up on them (and on rounds it skipped) the next time it runs; a
+lookup reconciles its index with the history (drafters.base.grew_from).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from itertools import combinations
+
+from specdec.adaptive import (DECAY, PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIOR_WEIGHT, PositionStats,
+                              Timing)
+from specdec.cost_model import expected_tokens, round_cost, speedup
+from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.merge import merge_proposals
+from specdec.sampling import SamplingBatch
+from specdec.sequence import Sequence
+
+LOOKUP_METHODS = frozenset({"ngram", "suffix"})  # run no model: cost ~0, their drafts are seen before choosing
+TRY_ROUNDS = 1  # rounds each method drafts a request before measurements decide
+PROBE_INTERVAL = 16  # rounds of a request between probes of the method it has gone longest without
+MAX_PROBE_INTERVAL = 256
+NO_DRAFT = "none"  # the source of a row no method drafted (metrics.NO_DRAFT)
+
+
+@dataclass
+class MethodState:
+    """What is measured about one method over all sequences."""
+
+    drafter: Drafter
+    lookup: bool
+    stats: PositionStats = field(default_factory=PositionStats)  # acceptance over all sequences
+    time: dict[int, Timing] = field(default_factory=dict)  # B -> seconds per drafted position (lookup: per call)
+    ran_last: bool = False  # drafted the previous round too (a model's timing then holds no catch-up)
+
+
+@dataclass
+class RequestState:
+    """What is measured about one sequence."""
+
+    stats: dict[str, PositionStats] = field(default_factory=dict)  # method -> its acceptance here
+    served: dict[str, int] = field(default_factory=dict)  # method -> rounds it drafted this sequence
+    last_served: dict[str, int] = field(default_factory=dict)  # method -> the round it last did
+    rounds: int = 0  # rounds this sequence asked for drafts
+    since_probe: int = 0
+    probe_interval: int = PROBE_INTERVAL
+    choice: str | None = None  # the last choice made by measurement (not forced)
+
+
+@dataclass
+class Offer:
+    tokens: float  # E: expected tokens of the round for this row, the recovered or bonus token included
+    length: int  # drafts it would propose
+
+
+class ChoosingDrafter(Drafter):
+    def __init__(self, drafters: dict[str, Drafter]):
+        if len(drafters) < 2:
+            raise ValueError(f"ChoosingDrafter picks among several methods; got {list(drafters)}")
+        self.methods = list(drafters)
+        self.method = ",".join(self.methods)
+        self.parts = {m: MethodState(d, m in LOOKUP_METHODS) for m, d in drafters.items()}
+        self.lookups = [m for m in self.methods if m in LOOKUP_METHODS]
+        self.models = [m for m in self.methods if m not in LOOKUP_METHODS]
+        self.controller = None  # AdaptiveK: measured verify-pass times
+        self.requests: dict[int, RequestState] = {}
+        self.rounds_per_method = {m: 0 for m in self.methods}  # (sequence, round) pairs each method drafted
+        self._last: dict[int, tuple[str, int]] = {}  # seq_id -> (method, drafts) of the last proposal
+        self._priors: dict[tuple[str, int], list[float]] = {}  # _method_alphas of the current round
+
+    # -- the Drafter interface --------------------------------------------------------------------
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        B = len(seqs)
+        # 1. the lookups draft for every row: what each finds is known before choosing
+        parts: dict[str, DraftProposal] = {}
+        for m in self.lookups:
+            parts[m] = self._timed(m, seqs, num_draft, sb, B)
+
+        # 2. what each method offers each row, and the rows whose method is forced (exploration, probes)
+        line, t1, costs = self._costs(B)
+        self._priors = {}  # (method, k) -> its rates over all sequences, this round
+        offers: list[dict[str, Offer]] = []
+        forced: list[str | None] = []
+        for b, (s, want) in enumerate(zip(seqs, num_draft)):
+            req = self.requests.setdefault(s.seq_id, RequestState())
+            offers.append(self._offers(b, s, want, req, parts) if want > 0 else {})
+            if self._seeded(s) and not self.lookups:  # whatever it costs: its draws must not follow timings
+                forced.append(self.methods[0] if offers[-1] else None)
+            else:
+                forced.append(self._forced(req, offers[-1]))
+
+        # 3. the set of model methods to run, and each row's method under it
+        chosen = self._choose(offers, forced, line, t1, costs, B)
+
+        # 4. the chosen models draft their own rows (num_draft 0 for the others)
+        for m in self.models:
+            want = [w if c == m else 0 for c, w in zip(chosen, num_draft)]
+            if any(want):
+                parts[m] = self._timed(m, seqs, want, sb, B)
+            else:
+                self.parts[m].ran_last = False
+        parts[NO_DRAFT] = DraftProposal.from_rows([[]] * B, sb.device)
+        owner = [c if c is not None else NO_DRAFT for c in chosen]
+        proposal = merge_proposals(parts, owner, sb.device)
+
+        # 5. bookkeeping: what each row drafted with, for observe
+        self._last = {}
+        for b, (s, m) in enumerate(zip(seqs, chosen)):
+            if m is None:
+                continue
+            req = self.requests[s.seq_id]
+            if forced[b] is None:
+                if req.choice is not None and m != req.choice:
+                    req.probe_interval = PROBE_INTERVAL  # the choice moved: keep checking often
+                req.choice = m
+            req.served[m] = req.served.get(m, 0) + 1
+            req.last_served[m] = req.rounds
+            req.rounds += 1
+            req.since_probe += 1
+            n = proposal.num_draft_tokens[b]
+            if n:
+                self._last[s.seq_id] = (m, n)
+                self.rounds_per_method[m] += 1
+        return proposal
+
+    def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        B = len(seqs)
+        for s, a in zip(seqs, num_accepted):
+            got = self._last.get(s.seq_id)
+            if got is None:
+                continue
+            m, n = got
+            req = self.requests.setdefault(s.seq_id, RequestState())
+            req.stats.setdefault(m, PositionStats()).update(n, a, DECAY)
+            self.parts[m].stats.update(n, a, DECAY ** (1.0 / max(B, 1)))
+        self._last = {}
+        for part in self.parts.values():
+            part.drafter.observe(seqs, num_accepted)
+
+    def release(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.requests.pop(s.seq_id, None)
+            self._last.pop(s.seq_id, None)
+        for part in self.parts.values():
+            part.drafter.release(seqs)
+
+    def release_memory(self) -> None:
+        for part in self.parts.values():
+            part.drafter.release_memory()
+            part.ran_last = False
+
+    def bind(self, controller) -> None:
+        self.controller = controller
+        for part in self.parts.values():
+            part.drafter.bind(controller)
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(part.drafter.kv_bytes_per_token() for part in self.parts.values())
+
+    # -- the choice -------------------------------------------------------------------------------
+
+    def _offers(self, b: int, s: Sequence, want: int, req: RequestState,
+                parts: dict[str, DraftProposal]) -> dict[str, Offer]:
+        """method -> what it offers row b: lookups that found a draft, and the model methods."""
+        allowed = self.methods
+        if self._seeded(s):  # no timing may steer its draws
+            allowed = self.lookups or self.methods[:1]
+        out = {}
+        for m in allowed:
+            length = parts[m].num_draft_tokens[b] if self.parts[m].lookup else want
+            if length:
+                alphas = req.stats.setdefault(m, PositionStats()).alphas(length, self._method_alphas(m, length),
+                                                                        PRIOR_WEIGHT)
+                out[m] = Offer(expected_tokens(alphas, length), length)
+        return out
+
+    @staticmethod
+    def _seeded(s: Sequence) -> bool:
+        """A seeded sampled request: its output must not depend on the batch or on timings."""
+        return s.params.seed is not None and not s.params.greedy
+
+    def _forced(self, req: RequestState, offers: dict[str, Offer]) -> str | None:
+        """The method that must draft this row now: one not yet tried on the request, or a probe."""
+        if len(offers) < 2:
+            return None
+        for m in offers:
+            if req.served.get(m, 0) < TRY_ROUNDS:
+                return m
+        if req.since_probe < req.probe_interval:
+            return None
+        others = [m for m in offers if m != req.choice]
+        req.since_probe = 0
+        req.probe_interval = min(2 * req.probe_interval, MAX_PROBE_INTERVAL)
+        return min(others, key=lambda m: req.last_served.get(m, -1))
+
+    def _choose(self, offers: list[dict[str, Offer]], forced: list[str | None], line, t1: float,
+                costs: dict[str, float], B: int) -> list[str | None]:
+        """Each row's method under the best set of model methods to run (the highest predicted speedup
+        for the batch); rows with no offer draft nothing."""
+        must = {m for m in forced if m in self.models}
+        optional = [m for m in self.models if m not in must]
+        lookup_cost = sum(costs[m] for m in self.lookups)
+        best, best_value = None, float("-inf")
+        for size in range(len(optional) + 1):
+            for extra in combinations(optional, size):
+                run = must | set(extra)
+                chosen, tokens, width, k = [], 0.0, 0, dict.fromkeys(run, 0)
+                for row, f in zip(offers, forced):
+                    m = f if f is not None else max((m for m in row if m in run or self.parts[m].lookup),
+                                                    key=lambda m: row[m].tokens, default=None)
+                    chosen.append(m)
+                    if m is None:
+                        tokens += 1.0
+                        continue
+                    tokens += row[m].tokens
+                    width = max(width, row[m].length)
+                    if m in k:
+                        k[m] = max(k[m], row[m].length)
+                cost = lookup_cost + line(width + 1)
+                for m, km in k.items():
+                    cost = round_cost(km, costs[m], cost)  # k_m drafts of c_m on top of the rest
+                value = speedup(tokens / B, cost, t1)
+                if value > best_value:  # ties: the fewest models (smaller sets come first)
+                    best, best_value = chosen, value
+        return best
+
+    def _costs(self, B: int):
+        """(T -> seconds of a verify pass of T tokens per row, t_1, method -> c): the controller's
+        measured verify line and each method's measured draft time at batch size B, or the priors
+        (in units of t_1) until both are measured."""
+        c = self.controller
+        measured = c is not None and any(b == B and t.value is not None for (b, _), t in c.verify_time.items())
+        if measured:
+            line = c._verify_line(B)
+        else:
+            def line(T: int) -> float:
+                return 1.0 + PRIOR_VERIFY_SLOPE * (T - 1)
+        t1 = line(1)
+        costs = {}
+        for m, part in self.parts.items():
+            timing = part.time.get(B)
+            if measured and timing is not None and timing.value is not None:
+                costs[m] = timing.value
+            else:
+                costs[m] = 0.0 if part.lookup else PRIOR_DRAFT_COST * t1
+        return line, t1, costs
+
+    def _method_alphas(self, m: str, k: int) -> list[float]:
+        """The method's conditional acceptance over all sequences, alpha_1..alpha_k (the prior a
+        sequence's own counts are smoothed towards); positions never reached keep the last measured rate."""
+        got = self._priors.get((m, k))
+        if got is None:
+            stats = self.parts[m].stats
+            got = self._priors[(m, k)] = stats.alphas(k, [PRIOR_ALPHA], 1.0)
+            for i in range(1, k):
+                if i >= len(stats.reached) or stats.reached[i] < 1e-3:
+                    got[i] = got[i - 1]
+        return got
+
+    def _timed(self, m: str, seqs: list[Sequence], want: list[int], sb: SamplingBatch, B: int) -> DraftProposal:
+        """Method m's proposal, its time recorded: per drafted position for a model in steady drafting,
+        per call for a lookup."""
+        part = self.parts[m]
+        t0 = time.perf_counter()
+        proposal = part.drafter.propose(seqs, want, sb)
+        dt = time.perf_counter() - t0
+        if part.lookup:
+            part.time.setdefault(B, Timing()).update(dt)
+        else:
+            if part.ran_last:
+                part.time.setdefault(B, Timing()).update(dt / max(want))
+            part.ran_last = True
+        return proposal
