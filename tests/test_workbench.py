@@ -238,6 +238,8 @@ def test_profile_and_report_bad_input(models, prompts_file, tmp_path):
                    "--speculative-config", "{nope"), "not valid JSON")
     fails_with(cli("profile", "--model", models["target"], "--prompts", prompts_file, "--k-max", 0,
                    "--speculative-config", '{"method": "layer_skip"}'), "--k-max")
+    fails_with(cli("profile", "--model", models["target"], "--prompts", prompts_file, "--threads", 0,
+                   "--speculative-config", '{"method": "layer_skip"}'), "--threads")
     fails_with(cli("profile", "--model", models["target"], "--prompts", tmp_path / "missing.jsonl",
                    "--speculative-config", '{"method": "layer_skip"}'), "does not exist")
     fails_with(cli("report", tmp_path), "no profile.json")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -58,10 +59,19 @@ def profile(
     dtype: base.DtypeOpt = "auto",
     device: base.DeviceOpt = "cpu",
     backend: base.BackendOpt = "auto",
+    threads: Annotated[int | None, typer.Option(
+        help="Torch threads (default: torch's). Fewer than the cores keeps timings steadier on a shared machine.")] = None,
     as_json: base.JsonOpt = False,
 ) -> None:
-    """Measure acceptance per position, c and v(k) per category; predict S(k); recommend k (and method); check it."""
+    """Measure acceptance per position, c and v(k) per category for every drafter; predict S(k); recommend
+    a drafter and k on all prompts and per category; check them."""
     with base.errors_exit_2():
+        if threads is not None:
+            if threads < 1:
+                raise base.CliError(f"--threads must be >= 1, got {threads}")
+            import torch
+
+            torch.set_num_threads(threads)
         from specdec.prompts import load_prompts
         from specdec.workbench.profile import run_profile
         from specdec.workbench.report import summarize
@@ -261,8 +271,11 @@ def _category_table(p: dict, cat: str, num_prompts: int, rows: list[dict], rec: 
     title = f"{name} ({num_prompts} prompt{'s' if num_prompts != 1 else ''}): recommended {_pick(rec)}"
     if val and val.get("measured_speedup") is not None:
         title += f", measured {val['measured_speedup']:.2f}x"
-    table = Table(title=title, title_style="bold", title_justify="left")
-    for col in ("drafter", "accept", f"τ k={K}", f"S(k={K}) pred", f"S(k={K}) meas", "best k", "S(best k)"):
+    table = Table(title=title, title_style="bold", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False,
+                  caption=f"at k={K}: accept, τ, S pred(icted), S meas(ured); S(best k): predicted",
+                  caption_justify="left")
+    for col in ("drafter", "accept", "τ", "S pred", "S meas", "best k", "S(best k)"):
         table.add_column(col, justify="left" if col == "drafter" else "right", no_wrap=True)
     for r in rows:
         star = " ★" if r["config_index"] == rec["config_index"] and not rec["plain"] else ""

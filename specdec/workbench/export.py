@@ -248,8 +248,9 @@ def _export_method_list(engine: str, spec: SpeculativeConfig, model: str | None,
             notes.append(f"{chosen} is the best single method of the list that {name} has, by the profile: "
                          f"predicted {ranked[0]['best_speedup']:.2f}x at k={k} on all its prompts")
         else:
-            notes.append(f"the profile has no method of the list that {name} has and that pays; "
-                         "this exports the first listed that it has, at the config's k")
+            notes.append(f"by the profile no method of the list that {name} has predicts a gain on all its prompts "
+                         "(plain decoding pays most there; `--by-category` shows where one does); this exports the "
+                         "first listed that it has, at the config's k, if you want one anyway")
     if chosen is None:
         chosen = next((m for m in spec.methods if _has(engine, m)), None)
         if chosen is not None and profile is None:

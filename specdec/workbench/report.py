@@ -317,8 +317,10 @@ def _markdown_by_category(profile: dict) -> list[str]:
             lines.append(f"| {cat} | {e['num_prompts']} | {r['label']}{star} | {r['acceptance_rate']:.1%} | "
                          f"{r['mean_acceptance_length']:.2f} | {r['predicted_speedup_at_k_max']:.2f}x / "
                          f"{r['measured_speedup_at_k_max']:.2f}x | {r['best_k']} | {r['best_speedup']:.2f}x |")
-    lines += ["", "| category | recommended | predicted | measured | the all-prompts setting, measured |",
-              "| --- | --- | --- | --- | --- |"]
+    v = profile.get("validation")
+    single = (f"{profile['configs'][profile['recommendation']['config_index']].get('label', '')}, k={v['k']} "
+              "for all, measured" if v else "one setting for all, measured")
+    lines += ["", f"| category | recommended | predicted | measured | {single} |", "| --- | --- | --- | --- | --- |"]
     for cat, e in by_cat.items():
         rec, val = e["recommendation"], e.get("validation")
         pick = "plain decoding" if rec["plain"] else f"{rec['label']}, k={rec['k']}"
