@@ -1,0 +1,133 @@
+"""Continue training a saved causal LM on new text, e.g. a draft taught on its target's outputs.
+
+A draft whose tokenizer differs from the target's cannot be distilled from the target's logits
+(``distill`` needs one vocabulary), but it can learn from the target's *text*: sequence-level
+distillation (Kim & Rush 2016), the target's own continuations written as files and read in the
+draft's tokenizer. This starts from a Hugging Face folder's weights and tokenizer (``--init-model``)
+and runs ``train``'s loop (next-token cross-entropy, the same options) on ``--data``; it writes a
+Hugging Face folder with a model card.
+
+    python -m specdec.training.finetune --init-model runs/draft --data target_texts/ --out OUT [options]
+
+Steps: 1. set up processes; 2. the starting folder's tokenizer; 3. tokenize ``--data``; 4. load
+the starting weights; 5. resume if asked and 6. train, both in ``loop.run_loop``; 7. save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.training import distributed
+from specdec.training.data import TokenWindows, describe_sources, held_out_windows, read_split, tokenize_documents
+from specdec.training.loop import RunConfig, add_loop_args, launch_command, loop_config_from_args, run_loop, start_run
+from specdec.training.model_card import write_model_card
+from specdec.training.tokenizer import load_tokenizer
+from specdec.training.train import export_hf_folder, lm_loss
+
+
+@dataclass(kw_only=True)
+class FinetuneConfig(RunConfig):
+    """Where to start from (see :class:`RunConfig` for data, output and the loop)."""
+
+    init_model: str  # a Hugging Face folder: its weights and its tokenizer
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (Path(self.init_model) / "config.json").exists():
+            raise ValueError(f"init_model {self.init_model!r} is not a Hugging Face model folder (no config.json)")
+
+
+def finetune(cfg: FinetuneConfig) -> dict:
+    """Train ``cfg.init_model`` further on ``cfg.data``; returns a summary dict (losses, tokens, wall time)."""
+    # 1. Processes.
+    d, log, bf16 = start_run(cfg, "finetune.log")
+    log(f"world_size={d.world_size} device={d.device} threads={torch.get_num_threads()} bf16={bf16}")
+
+    # 2. The starting folder's tokenizer, and 3. the new text in it.
+    tokenizer = load_tokenizer(cfg.init_model)
+    (train_files, val_files), (train_texts, val_texts) = read_split(cfg.data, cfg.val_fraction)
+    train_tokens = tokenize_documents(train_texts, tokenizer)
+    val_tokens = tokenize_documents(val_texts, tokenizer)
+    del train_texts, val_texts
+    log(f"data: {len(train_files)} train files ({len(train_tokens):,} tokens), "
+        f"{len(val_files)} held-out files ({len(val_tokens):,} tokens)")
+    sampler = TokenWindows(train_tokens, cfg.seq_len, seed=cfg.seed, rank=d.rank)
+    val_windows = held_out_windows(val_tokens, cfg.seq_len, cfg.eval_windows)  # [n, seq_len + 1] or None
+
+    # 4. The starting weights, in fp32 (the loop's master weights).
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_pretrained(cfg.init_model, dtype=torch.float32).to(d.device)
+    if model.config.vocab_size < len(tokenizer):
+        raise ValueError(f"{cfg.init_model}: the model has {model.config.vocab_size} token rows but its tokenizer "
+                         f"{len(tokenizer)} tokens; save them together")
+    if cfg.seq_len > model.config.max_position_embeddings:
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds {cfg.init_model}'s max_position_embeddings "
+                         f"{model.config.max_position_embeddings}")
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params / 1e6:.2f}M parameters from {cfg.init_model}, vocab {len(tokenizer)}")
+
+    # 5. Resume if asked, and 6. train with periodic eval and checkpoints.
+    def batch(step: int, micro: int) -> torch.Tensor:
+        return sampler.batch(cfg.batch_size, step, micro).to(d.device)  # [batch, seq_len + 1]
+
+    r = run_loop(cfg, d, log, model, sampler, batch, lambda m, windows: lm_loss(m, windows, bf16), val_windows)
+    summary = r.summary("loss", parameters=n_params, vocab=len(tokenizer), train_tokens=len(train_tokens),
+                        held_out_tokens=len(val_tokens), train_files=len(train_files),
+                        held_out_files=len(val_files), bf16=bf16)
+
+    # 7. Hugging Face folder.
+    if d.is_main:
+        out = export_hf_folder(model, tokenizer, Path(cfg.out), cfg.save_dtype)
+        write_finetune_card(out, cfg, summary)
+        log(f"saved {cfg.save_dtype} model to {out}")
+    d.barrier()
+    distributed.teardown(d)
+    return summary
+
+
+def write_finetune_card(out: Path, cfg: FinetuneConfig, summary: dict) -> Path:
+    facts = {
+        "architecture": "LlamaForCausalLM",
+        "initialised from": f"`{cfg.init_model}` (its card says how it was made)",
+        "parameters": summary["parameters"],
+        "vocab": summary["vocab"],
+        "data": describe_sources(cfg.data),
+        "train documents / tokens": f"{summary['train_files']:,} / {summary['train_tokens']:,}",
+        "held-out documents / tokens": f"{summary['held_out_files']:,} / {summary['held_out_tokens']:,}",
+        "steps (done / planned)": f"{summary['steps']:,} / {cfg.max_steps:,}",
+        "tokens seen": summary["tokens_seen"],
+        "optimizer": f"AdamW lr {cfg.optim.lr:g}, warmup {cfg.optim.warmup_steps}, "
+        f"cosine to {cfg.optim.min_lr_ratio:g}x, wd {cfg.optim.weight_decay}, clip {cfg.optim.grad_clip}",
+        "precision": ("bf16 autocast" if summary["bf16"] else "fp32") + f", saved as {cfg.save_dtype}",
+        "wall time (training)": f"{summary['wall_time_s']:.0f} s ({summary['wall_time_s'] / 60:.1f} min)",
+        "initial / final train loss": f"{summary['first_loss']:.4f} / {summary['train_loss']:.4f}",
+        "final held-out loss": summary["held_out_loss"],
+    }
+    summary_text = f"`{cfg.init_model}` trained further with `specdec.training.finetune`."
+    return write_model_card(out, f"specdec model: {out.name}", summary_text, facts, cfg.command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specdec.training.finetune",
+                                description="Continue training a saved causal LM on new text.")
+    add_loop_args(p)
+    p.add_argument("--init-model", required=True, help="the Hugging Face folder to start from (weights and tokenizer)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    cfg = FinetuneConfig(**loop_config_from_args(args), init_model=args.init_model,
+                         command=launch_command("specdec.training.finetune", argv))
+    return finetune(cfg)
+
+
+if __name__ == "__main__":
+    main()
