@@ -130,3 +130,38 @@ def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 2) -> Path:
             p.add_(scale * torch.randn(p.shape, generator=g))
     model.save_pretrained(dst, safe_serialization=True)
     return Path(dst)
+
+
+def remapped_copy(src: Path, dst: Path, words: list[str], scale: float = 0.0, seed: int = 2) -> Path:
+    """A draft with a word-level tokenizer of its own over ``words`` (some of them ``src``'s, in another
+    order, some not): ``src``'s weights, its rows for the words both know moved to the draft's ids,
+    random rows for the others, plus Gaussian noise of std ``scale``. It agrees with ``src`` where the
+    two vocabularies meet, so a mapping that pairs the wrong tokens shows as low acceptance."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(dst, words)
+    new_vocab = AutoTokenizer.from_pretrained(dst).get_vocab()
+    old_vocab = src_tok.get_vocab()
+    g = torch.Generator().manual_seed(seed)
+    V = len(new_vocab)
+    with torch.no_grad():
+        for name in ("embed", "head"):
+            old = model.get_input_embeddings().weight if name == "embed" else model.lm_head.weight
+            new = torch.randn(V, old.shape[1], generator=g) * old.std()
+            for text, i in new_vocab.items():
+                if text in old_vocab:
+                    new[i] = old[old_vocab[text]]
+            if name == "embed":
+                model.set_input_embeddings(torch.nn.Embedding.from_pretrained(new, freeze=False))
+            else:
+                model.lm_head = torch.nn.Linear(old.shape[1], V, bias=False)
+                model.lm_head.weight.copy_(new)
+        model.config.vocab_size = V
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(dst, safe_serialization=True)
+    return dst

@@ -44,7 +44,12 @@ def _build(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | No
 
         if draft is None:
             raise ValueError("method draft_model needs the draft model's runner (LLM loads it from spec.model)")
-        _check_draft(target, draft, spec.model)
+        vocab_map = _check_draft(target, draft, spec.model)
+        if vocab_map is not None:  # another tokenizer: drafts mapped into the target's tokens
+            from specdec.drafters.other_vocab import OtherVocabDrafter
+
+            return OtherVocabDrafter(draft, target.tokenizer, vocab_map, spec.draft_tokenizer_mapping,
+                                     spec.draft_p_min, spec.model)
         draft.max_model_len = min(draft.max_model_len, target.max_model_len)
         return DraftModelDrafter(draft, spec.draft_p_min)
     if spec.method == "ngram":
@@ -63,17 +68,21 @@ def _build(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | No
     raise ValueError(f"unknown speculative method {spec.method!r}")
 
 
-def _check_draft(target: ModelRunner, draft: ModelRunner, name: str) -> None:
-    """Draft and target must map the same strings to the same ids (padded embedding rows don't
-    matter), and the draft must have a row for every token of the target's vocabulary."""
-    if target.tokenizer is not None and draft.tokenizer is not None:
+def _check_draft(target: ModelRunner, draft: ModelRunner, name: str):
+    """None when draft and target map the same strings to the same ids (padded embedding rows don't
+    matter) and the draft has a row for every token of the target's vocabulary; the map between the
+    two tokenizers (drafters/vocab_map.py) when they differ; a ValueError naming the pair when they
+    cannot be mapped. A draft without a tokenizer is taken to share the target's."""
+    from specdec.drafters.vocab_map import VocabMap, same_vocabulary
+
+    if not same_vocabulary(target.tokenizer, draft.tokenizer):
         tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-        if tv != dv:
-            only_t = len(set(tv.items()) - set(dv.items()))
-            only_d = len(set(dv.items()) - set(tv.items()))
-            raise ValueError(f"draft {name!r} and target have different vocabularies ({len(dv)} vs {len(tv)} tokens; "
-                             f"{only_t} target and {only_d} draft entries differ); speculative decoding needs a "
-                             "draft with the target's tokenizer (same model family)")
+        pair = (f"draft {name!r} and target have different vocabularies ({len(dv)} vs {len(tv)} tokens; "
+                f"{len(set(tv.items()) - set(dv.items()))} target and {len(set(dv.items()) - set(tv.items()))} "
+                "draft entries differ)")
+        return VocabMap.build(target.tokenizer, draft.tokenizer, target.vocab_size, draft.vocab_size, pair)
     if draft.vocab_size < target.vocab_size:
         raise ValueError(f"draft {name!r} has {draft.vocab_size} vocabulary rows but the target's vocabulary has "
-                         f"{target.vocab_size} tokens; use a draft from the target's model family")
+                         f"{target.vocab_size} tokens; use a draft from the target's model family, or give the "
+                         "draft folder its own tokenizer files if its vocabulary is another one")
+    return None
