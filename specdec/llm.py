@@ -10,6 +10,7 @@ import torch
 from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.detokenizer import TextStreamer
 from specdec.drafters import build_drafter
+from specdec.drafters.vocab_map import same_vocabulary
 from specdec.engine import PLAIN_STEPS, Engine, check_num_scheduler_steps
 from specdec.logprobs import check_logprobs_mode
 from specdec.metrics import SpecDecodingStats
@@ -64,9 +65,11 @@ class LLM:
         self.target, eos = load(target_source, target_choice.backend, target_choice.dtype, device, max_model_len,
                                 trust_remote_code, tokenizer=tokenizer)
         draft = None
-        if draft_source:
-            draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device,
-                            vocab_size=self.target.vocab_size)
+        if draft_source:  # its own vocabulary; with the target's tokenizer, the target's rows (padding cut)
+            draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device)
+            if same_vocabulary(self.target.tokenizer, draft.tokenizer) and draft.vocab_size > self.target.vocab_size:
+                draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device,
+                                vocab_size=self.target.vocab_size)
         self.tokenizer = self.target.tokenizer
         drafter = build_drafter(spec, self.target, draft) if k > 0 else None
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
