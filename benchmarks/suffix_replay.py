@@ -2,7 +2,7 @@
 
 The traces are the shipped target's plain greedy outputs (``specdec/assets/demo-target``) for a few
 Spec-Bench prompts per category (first turns; ``--spec-bench`` or $SPEC_BENCH, default
-../shared/data/spec_bench/question.jsonl) and for benchmarks/prompts' code sets; they are generated
+../shared/data/spec_bench/question.jsonl) and for benchmarks/prompts' sets (code by default); they are generated
 once and kept in ``--traces``. Each cache is then shown the same requests, ``--in-flight`` at a time,
 in rounds as the engine runs them: every running request drafts up to k tokens from its history, the
 drafts are accepted while they equal the trace (greedy verification), and the accepted tokens plus
@@ -18,7 +18,11 @@ Caches:
   as vLLM drives it, in the Python given by ``--arctic-python`` (a venv with ``arctic-inference``;
   its replay runs there as ``--replay-arctic``, since it needs neither torch nor specdec).
 
+    python3 -m venv /tmp/arctic && /tmp/arctic/bin/pip install arctic-inference numpy
     python benchmarks/suffix_replay.py --arctic-python /tmp/arctic/bin/python [--in-flight 1 8] [--k 8]
+    # a second trace set: the next 4 Spec-Bench prompts per category and the JSON records
+    python benchmarks/suffix_replay.py --traces /tmp/suffix_traces_heldout.jsonl --skip-per-category 4 \
+        --sets json_records --arctic-python /tmp/arctic/bin/python
 """
 
 from __future__ import annotations
@@ -157,8 +161,11 @@ def baseline_module(rev: str) -> types.ModuleType:
 # -- traces ----------------------------------------------------------------------------------------
 
 
-def make_traces(path: Path, spec_bench: Path, per_category: int, per_code_set: int, max_tokens: int) -> None:
-    """The shipped target's plain greedy outputs for the prompts, written to ``path`` (JSONL)."""
+def make_traces(path: Path, spec_bench: Path, per_category: int, skip: int, sets: list[str], per_set: int,
+                max_tokens: int) -> None:
+    """The shipped target's plain greedy outputs, written to ``path`` (JSONL), for Spec-Bench's first turns
+    (``per_category`` of each category after its first ``skip``) and the first ``per_set`` prompts of each
+    of benchmarks/prompts' ``sets``."""
     import torch
 
     from specdec import LLM, SamplingParams
@@ -168,11 +175,11 @@ def make_traces(path: Path, spec_bench: Path, per_category: int, per_code_set: i
     seen: dict[str, int] = defaultdict(int)
     for line in spec_bench.read_text().splitlines():
         q = json.loads(line)
-        if seen[q["category"]] < per_category:
-            seen[q["category"]] += 1
+        seen[q["category"]] += 1
+        if skip < seen[q["category"]] <= skip + per_category:
             prompts.append(("spec_bench", q["turns"][0]))
-    for name in ("code_heldout", "code_copy"):
-        for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines()[:per_code_set]:
+    for name in sets:
+        for line in (PROMPTS / f"{name}.jsonl").read_text().splitlines()[:per_set]:
             prompts.append((name, json.loads(line)["prompt"]))
     llm = LLM(str(ROOT / "specdec" / "assets" / "demo-target"), backend="torch")
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -199,7 +206,9 @@ def main() -> None:
     ap.add_argument("--spec-bench", type=Path, default=Path(os.environ.get(
         "SPEC_BENCH", ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl")))
     ap.add_argument("--per-category", type=int, default=4, help="Spec-Bench prompts per category")
-    ap.add_argument("--per-code-set", type=int, default=24, help="prompts of each benchmarks/prompts code set")
+    ap.add_argument("--skip-per-category", type=int, default=0, help="Spec-Bench prompts per category to skip")
+    ap.add_argument("--sets", nargs="*", default=["code_heldout", "code_copy"], help="benchmarks/prompts sets")
+    ap.add_argument("--per-set", type=int, default=24, help="prompts of each of those sets")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=8, help="the most drafts per round")
     ap.add_argument("--in-flight", type=int, nargs="+", default=[1, 8])
@@ -216,7 +225,8 @@ def main() -> None:
                           for b in args.in_flight}))
         return
     if not args.traces.exists():
-        make_traces(args.traces, args.spec_bench, args.per_category, args.per_code_set, args.max_tokens)
+        make_traces(args.traces, args.spec_bench, args.per_category, args.skip_per_category, args.sets,
+                    args.per_set, args.max_tokens)
     from specdec.drafters.suffix import SuffixDrafter
 
     old = baseline_module(args.baseline_rev).SuffixDrafter

@@ -12,8 +12,8 @@ import pytest
 from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.drafters.suffix import SuffixDrafter
-from test_drafters_lookup import (METHODS, make_seq, propose, repetitive_prompts, substring_counts, target,  # noqa: F401
-                                  trie_counts)
+from test_drafters_lookup import target  # noqa: F401 (the fixture: a tiny model whose greedy output loops)
+from test_drafters_lookup import METHODS, make_seq, propose, repetitive_prompts, substring_counts, trie_counts
 
 
 def test_a_request_drafts_from_another_requests_output_as_it_grows():

@@ -14,7 +14,7 @@ up to ``max_tree_depth`` tokens with its number of occurrences:
 
 Each round, per sequence, every suffix of the history that the tries hold (at most
 ``max_tree_depth - 1`` tokens) is a candidate *match*; from its node the drafter follows
-the most frequent child (of equal ones, the one first seen last: +0.1-0.9% τ over the
+the most frequent child (of equal ones, the one first seen last: +0.1-1.0% τ over the
 first seen in benchmarks/suffix_replay.py), token by token, while the path's empirical
 probability (the product of the children's estimated probabilities along it) stays at
 or above ``min_token_prob``, for at most min(k, floor(max_spec_factor * match length),
