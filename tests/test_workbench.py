@@ -113,8 +113,9 @@ def test_profile_writes_measurements_and_predictions(profiled):
     assert p["k_max"] == 3 and p["num_prompts"] == 4 and p["categories"] == ["chat", "code"]
     v = p["verify_cost"]["v"]
     assert p["verify_cost"]["k"] == [0, 1, 2, 3] and v[0] == 1.0 and all(x > 0 for x in v)
-    assert [c["method"] for c in p["configs"]] == ["draft_model", "layer_skip", "ngram", "suffix"]
-    assert p["method_lists"] == [{"methods": ["ngram", "suffix"], "config_indices": [2, 3],
+    # a method list: each of its methods, then the list itself (per-request choice)
+    assert [c["method"] for c in p["configs"]] == ["draft_model", "layer_skip", "ngram", "suffix", ["ngram", "suffix"]]
+    assert p["method_lists"] == [{"methods": ["ngram", "suffix"], "config_indices": [2, 3], "choice_config_index": 4,
                                   "speculative_config": p["method_lists"][0]["speculative_config"]}]
     assert p["method_lists"][0]["speculative_config"]["method"] == ["ngram", "suffix"]
     for c in p["configs"]:
@@ -126,12 +127,12 @@ def test_profile_writes_measurements_and_predictions(profiled):
             assert all(0.0 <= a <= 1.0 for a in e["alpha_conditional"] + e["acceptance_rate_per_pos"])
             assert 1.0 <= e["mean_acceptance_length"] <= 4.0
             assert sum(e["tau_histogram"]) == e["num_rounds"] == len(e["accepted_per_round"])
-            assert e["num_rounds"] > 0 or c["method"] in ("ngram", "suffix")  # these find no match in random text
+            assert e["num_rounds"] > 0 or c["method"] not in ("draft_model", "layer_skip")  # lookups may find none
             assert e["plain_tokens_per_s"] > 0 and e["spec_tokens_per_s"] > 0
             # the prediction is exactly S(k) = E(k) / (k c + v(k)) with the measured alphas, the cost averaged
             # over the measured proposal lengths (the room left at a sequence's end asks for fewer drafts)
             lengths = e["draft_length_histogram"]
-            if c["method"] in ("draft_model", "layer_skip"):  # lookup drafters propose what they find
+            if c["method"] in ("draft_model", "layer_skip"):  # lookups (and the choice) propose what they find
                 assert lengths[3] >= sum(lengths[:3])  # mostly full proposals
             expect = [expected_tokens(e["alpha_conditional"], k)
                       / (sum(n * (min(i, k) * c["draft_cost_ratio"] + v[min(i, k)]) for i, n in enumerate(lengths))
@@ -142,7 +143,7 @@ def test_profile_writes_measurements_and_predictions(profiled):
     near = p["configs"][0]["overall"]
     assert 0 < near["acceptance_rate"] < 1  # the near draft partly agrees: every position is measured
     rec = p["recommendation"]
-    best = max(p["configs"], key=lambda c: c["overall"]["best_speedup"])
+    best = max(p["configs"][:4], key=lambda c: c["overall"]["best_speedup"])  # one method: not the list
     assert rec["method"] == best["method"] and rec["k"] == best["overall"]["best_k"]
     assert rec["label"] == best["label"] and rec["runner_up"]["config_index"] != rec["config_index"]
     assert rec["speculative_config"]["adaptive"] is False
@@ -161,15 +162,18 @@ def test_profile_per_category_rows_picks_and_checks(profiled):
         assert entry["num_prompts"] == 2
         rows = entry["drafters"]
         assert [r["label"] for r in rows] == [c["label"] for c in p["configs"]]
-        assert [r["label"] for r in rows] == ["draft_model (near)", "layer_skip", "ngram", "suffix"]
+        assert [r["label"] for r in rows] == ["draft_model (near)", "layer_skip", "ngram", "suffix",
+                                              "choice (ngram, suffix)"]
+        assert [r["choice"] for r in rows] == [False] * 4 + [True]
         for r, c in zip(rows, p["configs"]):  # the rows are the per-config measurements of this category
             e = c["categories"][cat]
             assert r["acceptance_rate"] == e["acceptance_rate"] and r["best_k"] == e["best_k"]
             assert r["mean_acceptance_length"] == e["mean_acceptance_length"]
             assert r["predicted_speedup_at_k_max"] == e["predicted_speedup"][3]
+            assert r["choice"] == isinstance(c["method"], list)
             assert r["measured_speedup_at_k_max"] == e["measured_speedup_at_k_max"] > 0
         rec = entry["recommendation"]
-        top = max(range(4), key=lambda i: (p["configs"][i]["categories"][cat]["best_speedup"], -i))
+        top = max(range(4), key=lambda i: (p["configs"][i]["categories"][cat]["best_speedup"], -i))  # not the list
         e = p["configs"][top]["categories"][cat]
         assert (rec["config_index"], rec["k"], rec["plain"]) == (top, e["best_k"], e["best_k"] == 0)
         assert rec["predicted_speedup"] == e["best_speedup"]
@@ -208,7 +212,7 @@ def test_report_writes_html_png_and_markdown(profiled):
     assert set(by_cat) == {"chat", "code"}
     for cat, e in by_cat.items():
         assert e["recommended"] == (None if e["plain"] else p["by_category"][cat]["recommendation"]["label"])
-        assert set(e["drafters"]) == {"draft_model (near)", "layer_skip", "ngram", "suffix"}
+        assert set(e["drafters"]) == {"draft_model (near)", "layer_skip", "ngram", "suffix", "choice (ngram, suffix)"}
 
 
 def test_profile_and_report_on_spec_bench(models, shared_data, tmp_path):
@@ -223,7 +227,9 @@ def test_profile_and_report_on_spec_bench(models, shared_data, tmp_path):
     out = result.stdout
     assert "recommendation:" in out and "α_1..α_2" in out
     # a table per category, then all prompts, each with a row per drafter
-    assert out.index("category coding (1 prompt)") < out.index("category writing") < out.index("all prompts (2 prompts)")
+    titles = ("category coding (1 prompt)", "category writing", "all prompts (2 prompts)")
+    order = [out.index(title) for title in titles]
+    assert order == sorted(order)
     assert out.count("layer_skip") >= 3 and "per category (one deployment per category" in out
     p = json.loads((tmp_path / "profile.json").read_text())
     assert p["categories"] == ["coding", "writing"] and "validation" not in p
@@ -384,10 +390,21 @@ def test_export_cli_from_profile_and_bad_input(profiled, tmp_path):
     result = cli("export", "--engine", "vllm", "--profile", out / "profile.json", "--json")
     if rec["plain"]:  # random tiny models rarely pay off; then there is nothing to export
         fails_with(result, "recommends plain decoding")
+    elif rec["method"] == "layer_skip":  # vLLM has none: the best single drafter it has that pays, if any
+        others = [c for c in p["configs"] if c["method"] in ("draft_model", "ngram", "suffix")
+                  and c["overall"]["best_k"] > 0]
+        if not others:
+            fails_with(result, "has an equivalent on vLLM")
+        else:
+            best = max(others, key=lambda c: c["overall"]["best_speedup"])
+            exported = json_out(result)
+            assert exported["method"] == best["method"] and "has no equivalent on vLLM" in exported["text"]
+            assert exported["options"]["speculative_config"]["num_speculative_tokens"] == best["overall"]["best_k"]
     else:
         assert json_out(result)["options"]["speculative_config"]["num_speculative_tokens"] == rec["k"]
     draft = p["configs"][0]["speculative_config"]  # the draft_model config
-    p["recommendation"] = {**rec, "plain": False, "k": 2, "speculative_config": {**draft, "num_speculative_tokens": 2}}
+    p["recommendation"] = {**rec, "plain": False, "k": 2, "method": "draft_model", "label": "draft_model (near)",
+                           "speculative_config": {**draft, "num_speculative_tokens": 2}}
     (tmp_path / "profile.json").write_text(json.dumps(p))
     exported = json_out(cli("export", "--engine", "sglang", "--profile", tmp_path / "profile.json", "--json"))
     assert exported["method"] == "draft_model" and p["model"] in exported["command"]
@@ -419,10 +436,10 @@ def with_picks(p: dict, speedups: dict[str, list[tuple[int, float]]]) -> dict:
     return q
 
 
-PICKS = {  # configs: draft_model, layer_skip, ngram, suffix
-    "code": [(1, 1.2), (0, 1.0), (3, 1.5), (2, 1.8)],  # suffix, which SGLang lacks: then ngram
-    "chat": [(0, 1.0), (0, 1.0), (0, 1.0), (0, 1.0)],  # nothing pays: plain decoding
-    "all": [(2, 1.4), (0, 1.0), (3, 1.3), (1, 1.1)],
+PICKS = {  # configs: draft_model, layer_skip, ngram, suffix, the list [ngram, suffix] (never the pick)
+    "code": [(1, 1.2), (0, 1.0), (3, 1.5), (2, 1.8), (3, 2.5)],  # suffix, which SGLang lacks: then ngram
+    "chat": [(0, 1.0), (0, 1.0), (0, 1.0), (0, 1.0), (2, 1.3)],  # no single method pays: plain decoding
+    "all": [(2, 1.4), (0, 1.0), (3, 1.3), (1, 1.1), (3, 1.6)],
 }
 
 

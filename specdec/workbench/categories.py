@@ -22,6 +22,7 @@ def drafter_rows(configs: list[dict], cat: str) -> list[dict]:
         e, K = c["categories"][cat], c["k_measured"]
         rows.append({
             "config_index": i, "label": c.get("label") or config_label(c), "method": c["method"],
+            "choice": is_choice(c),
             "acceptance_rate": e["acceptance_rate"], "mean_acceptance_length": e["mean_acceptance_length"],
             "alpha_conditional": e["alpha_conditional"], "acceptance_rate_per_pos": e["acceptance_rate_per_pos"],
             "predicted_speedup_at_k_max": e["predicted_speedup"][K],
@@ -35,8 +36,10 @@ def drafter_rows(configs: list[dict], cat: str) -> list[dict]:
 
 def recommend(configs: list[dict], cat: str = ALL) -> dict:
     """The drafter and k with the highest predicted S(k) in category ``cat`` (ALL: every prompt);
-    plain decoding (k = 0) when no drafter's best k predicts a gain. Ties go to the config listed first."""
-    rows = drafter_rows(configs, cat)
+    plain decoding (k = 0) when no drafter's best k predicts a gain. Ties go to the config listed first.
+    A method list (per-request choice) is measured beside its methods but not picked: the pick is one
+    method, what an engine with one method per deployment can take."""
+    rows = [r for r in drafter_rows(configs, cat) if not r["choice"]]
     ranked = sorted(rows, key=lambda r: -r["best_speedup"])  # stable: the first listed wins a tie
     best = ranked[0]
     c, k = configs[best["config_index"]], best["best_k"]
@@ -50,7 +53,7 @@ def recommend(configs: list[dict], cat: str = ALL) -> dict:
         "speculative_config": rec_cfg,
         "reason": (f"no drafter and k predicts a gain over plain decoding {where}" if k == 0 else
                    f"{best['label']} with k={k} has the highest predicted speedup {where} of the "
-                   f"{len(configs)} config(s) and k = 0..{K}"),
+                   f"{len(rows)} drafter(s) and k = 0..{K}"),
     }
     if len(ranked) > 1:
         r = ranked[1]
@@ -59,9 +62,16 @@ def recommend(configs: list[dict], cat: str = ALL) -> dict:
     return rec
 
 
+def is_choice(c: dict) -> bool:
+    """Whether a profiled config lists several methods (specdec picks one per request and round)."""
+    return isinstance(c["method"], list)
+
+
 def config_label(c: dict) -> str:
     """A short name for a profiled config: its method, and the draft's folder name for draft_model."""
     cfg = c["speculative_config"]
+    if is_choice(c):
+        return f"choice ({', '.join(c['method'])})"
     if c["method"] == "draft_model":
         return f"draft_model ({Path(str(cfg.get('model'))).name})"
     return c["method"]

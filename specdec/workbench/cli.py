@@ -60,7 +60,8 @@ def profile(
     device: base.DeviceOpt = "cpu",
     backend: base.BackendOpt = "auto",
     threads: Annotated[int | None, typer.Option(
-        help="Torch threads (default: torch's). Fewer than the cores keeps timings steadier on a shared machine.")] = None,
+        help="Torch threads (default: torch's); fewer than the cores keeps timings steadier on a shared "
+             "machine.")] = None,
     as_json: base.JsonOpt = False,
 ) -> None:
     """Measure acceptance per position, c and v(k) per category for every drafter; predict S(k); recommend

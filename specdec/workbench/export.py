@@ -211,13 +211,14 @@ def _export_pick(engine: str, profile: dict, cat: str) -> Export | None:
     if rec.get("plain"):
         return None
     where = "on all prompts" if cat == ALL else f"in category {cat!r}"
-    label = rec.get("label") or rec["method"]
-    if _has(engine, rec["method"]):
+    method = rec["speculative_config"].get("method", "draft_model")  # what will be exported
+    label = rec.get("label") or method
+    if not isinstance(method, list) and _has(engine, method):
         exp = export_config(engine, rec["speculative_config"], profile.get("model"))
         why = f"the profile's pick {where}: {label} at k={rec['k']}, predicted {rec['predicted_speedup']:.2f}x"
     else:
         rows = sorted(drafter_rows(profile["configs"], cat), key=lambda r: -r["best_speedup"])
-        usable = [r for r in rows if r["best_k"] > 0 and _has(engine, r["method"])]
+        usable = [r for r in rows if r["best_k"] > 0 and not r["choice"] and _has(engine, r["method"])]
         if not usable:
             return None
         pick = usable[0]
@@ -242,7 +243,8 @@ def _export_method_list(engine: str, spec: SpeculativeConfig, model: str | None,
     chosen, k = None, spec.num_speculative_tokens
     if profile is not None:
         rows = sorted(drafter_rows(profile["configs"], ALL), key=lambda r: -r["best_speedup"])
-        ranked = [r for r in rows if r["method"] in spec.methods and _has(engine, r["method"]) and r["best_k"] > 0]
+        ranked = [r for r in rows if not r["choice"] and r["method"] in spec.methods and _has(engine, r["method"])
+                  and r["best_k"] > 0]
         if ranked:
             chosen, k = ranked[0]["method"], ranked[0]["best_k"]
             notes.append(f"{chosen} is the best single method of the list that {name} has, by the profile: "

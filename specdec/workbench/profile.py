@@ -252,7 +252,7 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
     spec_llm.engine.stats = stats
     sides = {cat: {"ar": _Side(), "spec": _Side()} for cat in categories}
     matched = 0
-    advance = tick(f"{spec.method} at k={K}", len(records))
+    advance = tick(f"{'+'.join(spec.methods)} at k={K}", len(records))
     for i, (prompt, cat) in enumerate(records):
         stats.tag = cat
         outs = {}
@@ -396,9 +396,9 @@ def _validate_categories(profile: dict, ar_llm: LLM, model: str, records: list, 
 
 
 def _expand_configs(raw_configs: list) -> tuple[list[SpeculativeConfig], list[dict]]:
-    """One SpeculativeConfig per drafter: a config whose method lists several (per-request choice in
-    specdec) is profiled as each of its methods. Returns the configs and, per such list, which
-    config numbers came from it."""
+    """The configs to measure: a config whose method lists several is profiled as each of its methods,
+    then as the list itself (specdec's per-request choice, drafters/choice.py) to compare with them.
+    Returns the configs and, per list, the config numbers of its methods and of the list."""
     specs: list[SpeculativeConfig] = []
     lists: list[dict] = []
     for raw in raw_configs:
@@ -409,7 +409,8 @@ def _expand_configs(raw_configs: list) -> tuple[list[SpeculativeConfig], list[di
         first = len(specs)
         specs += [replace(spec, method=m) for m in spec.methods]
         lists.append({"methods": spec.methods, "config_indices": list(range(first, len(specs))),
-                      "speculative_config": {**_config_dict(spec), "method": spec.methods}})
+                      "choice_config_index": len(specs), "speculative_config": _config_dict(spec)})
+        specs.append(spec)
     return specs, lists
 
 

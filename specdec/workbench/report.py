@@ -206,7 +206,8 @@ def _plot_time_split(plt, profile: dict):
 
 def _plot_by_category(plt, profile: dict):
     """Per category, the drafters side by side: acceptance rate (top) and τ at k = K (bottom); the
-    recommended drafter per category has a black edge and a star with its k."""
+    recommended drafter per category has a black edge and a star with its k; a method list measured as
+    itself (per-request choice) is hatched."""
     by_cat = profile["by_category"]
     cats = list(by_cat)
     labels = [_label(c) for c in profile["configs"]]
@@ -218,8 +219,9 @@ def _plot_by_category(plt, profile: dict):
     for i, label in enumerate(labels):
         xs = [j + (i - (n - 1) / 2) * width for j in range(len(cats))]
         rows = [by_cat[cat]["drafters"][i] for cat in cats]
-        ax_acc.bar(xs, [r["acceptance_rate"] for r in rows], width=width, color=colors[i % len(colors)], label=label)
-        ax_tau.bar(xs, [r["mean_acceptance_length"] for r in rows], width=width, color=colors[i % len(colors)])
+        style = {"color": colors[i % len(colors)], "hatch": "//" if rows and rows[0]["choice"] else None}
+        ax_acc.bar(xs, [r["acceptance_rate"] for r in rows], width=width, label=label, **style)
+        ax_tau.bar(xs, [r["mean_acceptance_length"] for r in rows], width=width, **style)
         for x, cat, r in zip(xs, cats, rows):
             rec = by_cat[cat]["recommendation"]
             if rec["plain"] or rec["config_index"] != i:
