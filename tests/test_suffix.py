@@ -11,7 +11,7 @@ import pytest
 
 from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
-from specdec.drafters.suffix import SuffixDrafter
+from specdec.drafters.suffix import END_MASK, SLOT_SHIFT, SuffixDrafter
 from test_drafters_lookup import target  # noqa: F401 (the fixture: a tiny model whose greedy output loops)
 from test_drafters_lookup import METHODS, make_seq, propose, repetitive_prompts, substring_counts, trie_counts
 
@@ -100,6 +100,24 @@ def test_global_trie_holds_exactly_the_kept_outputs(bound):
         assert list(d.cache.seqs.values()) == expected
         assert trie_counts(d.cache) == substring_counts(expected, depth)
         assert all(len(suffixes) < depth for suffixes in d.cache.growing.values())  # one step each per token
+        for s in running:  # drafting reads a running output's open suffixes instead of walking the trie
+            req = d.requests.get(s.seq_id)
+            if req is not None and req.slot is not None:
+                assert_open_suffixes_are_the_matches(d.cache, req.slot)
+
+
+def assert_open_suffixes_are_the_matches(trie, slot):
+    """The open suffixes of a growing sequence are the nodes of its suffixes shorter than the depth; those
+    held as leaves are its own occurrence, with no continuation to draft."""
+    seq = trie.seqs[slot]
+    nodes = []
+    for m in range(min(trie.depth - 1, len(seq)), 0, -1):
+        at = trie.walk(seq, len(seq) - m, len(seq))
+        if type(at) is int:
+            assert at >> SLOT_SHIFT == slot and (at & END_MASK) == len(seq) - 1
+        else:
+            nodes.append((id(at), m))
+    assert [(id(node), m) for node, m in trie.growing[slot]] == nodes
 
 
 def test_the_bound_pushes_out_the_oldest_running_output_which_stops_joining():
