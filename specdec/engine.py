@@ -23,7 +23,7 @@ from specdec.detokenizer import Detokenizer
 from specdec.drafters.base import Drafter
 from specdec.host_memory import trim_heap
 from specdec.logprobs import TokenText, check_logprobs_mode, prompt_logprobs, record_emitted
-from specdec.metrics import SpecDecodingStats
+from specdec.metrics import NO_DRAFT, SpecDecodingStats
 from specdec.models.base import ForwardBatch, ModelRunner, pad_rows
 from specdec.processing import RowProcessor, bad_words_token_ids, constrain_drafts, process_verify_logits
 from specdec.sampling import make_generator
@@ -200,7 +200,7 @@ class Engine:
 
         # 1. draft: up to num_wanted[b] tokens x_1..x_k per row (and q_1..q_k when it samples)
         t_draft = time.perf_counter()
-        self._draft(batch)
+        sources = self._draft(batch)  # [B] the method that drafted each row
         t1 = time.perf_counter()
         steps = self.scheduler.num_plain_steps(batch)
         if steps > 1:  # nothing drafted and every row greedy: several plain steps in one call
@@ -225,10 +225,14 @@ class Engine:
             gained.append((s, self._commit(s, d[:n] + [nxt])))
         record_emitted(gained, raw_logits, target_logits, batch.sampling, self.logprobs_mode, self.token_text)
 
-        # 5. update: the drafter learns what was accepted; counters, costs; finished sequences leave
+        # 5. update: the drafter learns what was accepted; counters (the engine's, and each sequence's,
+        #    charged the round's whole draft and verify time), costs; finished sequences leave
         if batch.draft_token_ids.shape[1] > 0:
             self.drafter.observe(batch.seqs, result.num_accepted)
         self.stats.record_round(batch.num_draft, result.num_accepted, batch.num_wanted)
+        self.stats.record_sources(batch.num_draft, result.num_accepted, sources)
+        for s, k, n, asked, method in zip(batch.seqs, batch.num_draft, result.num_accepted, batch.num_wanted, sources):
+            s.stats.record(k, n, asked, method, t1 - t_draft, t2 - t1)
         if self.controller is not None:  # a pass that carried a prompt times no verify pass
             self.controller.record([s.seq_id for s in batch.seqs], batch.num_draft, result.num_accepted,
                                    t1 - t_draft, None if batch.carries_prompt else t2 - t1)
@@ -261,6 +265,8 @@ class Engine:
             gained.append((s, self._commit(s, row)))
         n = len(tokens[0])
         self.stats.record_plain_steps(len(seqs), n)
+        for s in seqs:
+            s.stats.record_plain(n, t2 - t1)
         if self.controller is not None:
             self.controller.record([s.seq_id for s in seqs], [0] * len(seqs), [0] * len(seqs), 0.0, (t2 - t1) / n)
         self.stats.verify_time_s += t2 - t1
@@ -282,11 +288,14 @@ class Engine:
                 s.finish_reason, s.stop_reason = "stop", None
         return kept
 
-    def _draft(self, batch: RoundBatch) -> None:
-        """Step 1. A drafter that fails degrades its sequences to plain decoding (strict: it raises)."""
+    def _draft(self, batch: RoundBatch) -> list[str]:
+        """Step 1. Returns the method that drafted each row  [B] (the proposal's ``sources``, else the
+        drafter's ``method``; the counters file a row without drafts under "none"). A drafter that fails
+        degrades its sequences to plain decoding (strict: it raises)."""
+        plain = [NO_DRAFT] * len(batch.seqs)
         if max(batch.num_wanted) == 0:
             batch.set_drafts(None, None, None)
-            return
+            return plain
         try:
             proposal = self.drafter.propose(batch.seqs, batch.num_wanted, batch.sampling)
         except Exception:
@@ -300,14 +309,15 @@ class Engine:
             except Exception:
                 log.exception("drafter failed to release its state")
             batch.set_drafts(None, None, None)
-            return
+            return plain
         if proposal.draft_token_ids.shape[1] == 0:
             batch.set_drafts(None, None, None)
-            return
+            return plain
         # 1b. a one-hot draft ends where the row's grammar forbids it (processing.constrain_drafts)
         deterministic = [proposal.draft_probs is None or g for g in batch.sampling.greedy.tolist()]
         num_draft = constrain_drafts(batch.seqs, proposal.draft_token_ids, proposal.num_draft_tokens, deterministic)
         batch.set_drafts(proposal.draft_token_ids, proposal.draft_probs, num_draft)
+        return proposal.sources or [self.drafter.method or type(self.drafter).__name__] * len(batch.seqs)
 
     def _admit(self) -> None:
         """Carry out the scheduler's admission (``Scheduler.admit``). A merged newcomer feeds its whole
@@ -328,7 +338,10 @@ class Engine:
                 s.num_computed = 0
             return
         self._prefill(new, len(running) - len(new))
-        self.stats.prefill_time_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.prefill_time_s += elapsed
+        for s in new:  # each newcomer waited for the whole prefill
+            s.stats.prefill_time_s += elapsed
 
     def _prefill(self, new: list[Sequence], first: int) -> None:
         """Prefill each new sequence (cache rows first, first + 1, ...) but its last prompt token, in

@@ -13,7 +13,7 @@ from specdec.drafters import build_drafter
 from specdec.drafters.vocab_map import same_vocabulary
 from specdec.engine import PLAIN_STEPS, Engine, check_num_scheduler_steps
 from specdec.logprobs import check_logprobs_mode
-from specdec.metrics import SpecDecodingStats
+from specdec.metrics import RequestSpecStats, SpecDecodingStats
 from specdec.models.choose import choose, choose_draft
 from specdec.models.load import load
 from specdec.models.resolve import resolve
@@ -109,6 +109,8 @@ class LLM:
                         i, streamer = streamers[s.seq_id]
                         delta = streamer.delta(tokens)
                         delta.index = i
+                        if s.finished:
+                            delta.metrics = s.stats.as_dict()
                         yield delta
         finally:
             if not all(s.finished for s in seqs):
@@ -169,8 +171,13 @@ class LLM:
                                  cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs)
                 for i, s in enumerate(seqs)]
         first = seqs[0]
+        total = RequestSpecStats()  # the choices' counters summed; their times too (each choice's rounds)
+        for s in seqs:
+            total.merge(s.stats)
+        metrics = {"spec_decoding": total.as_dict(), "spec_decoding_per_choice": [s.stats.as_dict() for s in seqs]}
         return RequestOutput(request_id=str(first.seq_id), prompt=text_prompt, prompt_token_ids=first.prompt_token_ids,
-                             outputs=outs, finished=all(s.finished for s in seqs), prompt_logprobs=first.prompt_logprobs)
+                             outputs=outs, finished=all(s.finished for s in seqs), metrics=metrics,
+                             prompt_logprobs=first.prompt_logprobs)
 
 
 def _check_device(device: str) -> None:

@@ -35,6 +35,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # "spec_decoding": the speculative counters of the request's choices summed, and
+    # "spec_decoding_per_choice": one per choice (RequestSpecStats.as_dict(), metrics.py)
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token; the first is None
 
@@ -48,3 +50,4 @@ class StreamDelta:
     finish_reason: str | None = None
     logprobs: list[PositionLogprobs] | None = None  # one dict per token in token_ids, when asked
     index: int = 0  # which of the request's n choices
+    metrics: dict | None = None  # on a choice's last delta: its speculative counters (RequestSpecStats.as_dict())

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SamplingParams
+from specdec.metrics import RequestSpecStats
 from specdec.outputs import PositionLogprobs
 
 _ids = itertools.count()
@@ -34,6 +35,8 @@ class Sequence:
     logprobs: list[PositionLogprobs] | None = field(init=False)
     cumulative_logprob: float | None = field(init=False)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # its speculative counters (metrics.py), recorded by the engine each round: RequestOutput.metrics
+    stats: RequestSpecStats = field(init=False, default_factory=RequestSpecStats)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -44,7 +44,9 @@ class HybridDrafter(Drafter):
         self.suffix_rows += sum(1 for r in rows if r)
         self.model_rows += sum(1 for w in model_want if w)
         if not any(model_want):
-            return DraftProposal.from_rows(rows, sb.device)
+            proposal = DraftProposal.from_rows(rows, sb.device)
+            proposal.sources = ["suffix"] * len(seqs)
+            return proposal
 
         # 2. the model drafts the other rows (and skips the suffix rows: they ask for 0)
         proposal = self.model.propose(seqs, model_want, sb)
@@ -57,6 +59,7 @@ class HybridDrafter(Drafter):
             probs = proposal.draft_probs.new_zeros(len(seqs), width, V)
             probs[:, : proposal.draft_probs.shape[1]] = proposal.draft_probs
         num = list(proposal.num_draft_tokens)
+        sources = list(proposal.sources or [self.model.method] * len(seqs))  # [B] which drafted each row
         for b, r in enumerate(rows):
             if r:
                 ids[b, : len(r)] = torch.tensor(r, device=sb.device)
@@ -64,7 +67,8 @@ class HybridDrafter(Drafter):
                     probs[b] = 0.0
                     probs[b, torch.arange(len(r), device=sb.device), ids[b, : len(r)]] = 1.0
                 num[b] = len(r)
-        return DraftProposal(ids, probs, num)
+                sources[b] = "suffix"
+        return DraftProposal(ids, probs, num, sources)
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         self.suffix.observe(seqs, num_accepted)
