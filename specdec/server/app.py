@@ -43,6 +43,7 @@ from specdec.llm import LLM
 from specdec.server import protocol as P
 from specdec.grammar import GrammarCompiler
 from specdec.logprobs import TokenText
+from specdec.metrics import RequestSpecStats
 from specdec.server.async_engine import AsyncEngine, EngineInfo, LoopHooks, Prompt, QueueFull, RequestError
 from specdec.server.engine_process import EngineProcess
 from specdec.server.chat import render_chat
@@ -390,13 +391,12 @@ async def _generate(server: OpenAIServer, reply: _Reply, prompts: list[Prompt], 
     if reply.body.stream:
         return StreamingResponse(_stream(server, reply, choices, handle, rid), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    use = [0, 0]
+    use = _Usage(reply)
 
     async def consume() -> None:
         async for ev in handle.events():
             choices[ev.index].add(ev)
-            if ev.finish_reason is not None:
-                _count(use, ev, reply.n)
+            use.add(ev)
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_client_gone(request))
@@ -420,7 +420,7 @@ async def _generate(server: OpenAIServer, reply: _Reply, prompts: list[Prompt], 
         out.append(P.choice(reply.kind, i, c.echo_text() + c.text, c.reason,
                             c.token_ids if reply.body.return_token_ids else None, logprobs,
                             c.prompt_logprobs_json() if reply.kind == "completion" else None))
-    body = P.response(reply.kind, rid, P.now(), server.model_name, out, P.usage(*use))
+    body = P.response(reply.kind, rid, P.now(), server.model_name, out, use.json())
     if reply.kind == "chat" and reply.body.prompt_logprobs is not None:
         body["prompt_logprobs"] = choices[0].prompt_logprobs_json()  # vLLM: one list for the response
     return JSONResponse(body)
@@ -443,10 +443,25 @@ def _joined(first: dict | None, second: dict) -> dict:
     return second if first is None else {key: first[key] + second[key] for key in first}
 
 
-def _count(use: list[int], ev, n: int) -> None:
-    """Usage: a prompt counts once however many choices it has (OpenAI's and vLLM's rule)."""
-    use[0] += ev.prompt_tokens if ev.index % n == 0 else 0
-    use[1] += ev.completion_tokens
+class _Usage:
+    """Usage, added up as the choices finish: a prompt counts once however many choices it has (OpenAI's
+    and vLLM's rule); with ``return_spec_metrics``, every choice's speculative counters, summed."""
+
+    def __init__(self, reply: _Reply):
+        self.n = reply.n
+        self.prompt_tokens = self.completion_tokens = 0
+        self.spec = RequestSpecStats() if reply.body.return_spec_metrics else None
+
+    def add(self, ev) -> None:
+        if ev.finish_reason is None:
+            return
+        self.prompt_tokens += ev.prompt_tokens if ev.index % self.n == 0 else 0
+        self.completion_tokens += ev.completion_tokens
+        if self.spec is not None and ev.spec_stats is not None:
+            self.spec.merge(ev.spec_stats)
+
+    def json(self) -> dict:
+        return P.usage(self.prompt_tokens, self.completion_tokens, self.spec)
 
 
 def _request_failed(e: BaseException, rid: str) -> P.ApiError:
@@ -464,7 +479,7 @@ async def _stream(server: OpenAIServer, reply: _Reply, choices: list[_Choice], h
     away cancels this generator (Starlette listens for the disconnect); ``finally`` aborts its sequences."""
     kind, created, model = reply.kind, P.now(), server.model_name
     ids = reply.body.return_token_ids
-    use = [0, 0]
+    use = _Usage(reply)
     started = [False] * len(choices)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -477,8 +492,7 @@ async def _stream(server: OpenAIServer, reply: _Reply, choices: list[_Choice], h
         async for ev in handle.events():
             c = choices[ev.index]
             c.add(ev)
-            if ev.finish_reason is not None:
-                _count(use, ev, reply.n)
+            use.add(ev)
             if not started[ev.index] and reply.echo is not None:  # the echoed prompt comes first
                 started[ev.index] = True
                 yield chunk([P.chunk_choice(kind, c.index, c.echo_text(), None, None,
@@ -492,7 +506,7 @@ async def _stream(server: OpenAIServer, reply: _Reply, choices: list[_Choice], h
             yield chunk([P.chunk_choice(kind, ev.index, text, ev.finish_reason, ev.token_ids if ids else None,
                                         logprobs=logprobs, prompt_logprobs=prompt_logprobs)])
         if reply.body.include_usage:
-            yield chunk([], P.usage(*use))
+            yield chunk([], use.json())
     except asyncio.CancelledError:
         raise
     except Exception as e:  # the engine failed mid-stream: the status line is long gone, say it in the stream

@@ -40,6 +40,7 @@ import torch
 from specdec.config import SamplingParams
 from specdec.engine import Engine
 from specdec.detokenizer import TextStreamer
+from specdec.metrics import RequestSpecStats
 from specdec.outputs import PositionLogprobs
 from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.sequence import Sequence
@@ -104,6 +105,7 @@ class Event:
     error: BaseException | None = None
     logprobs: list[PositionLogprobs] | None = None  # one per token of token_ids, when the params ask for them
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # on a choice's first event, when asked for
+    spec_stats: RequestSpecStats | None = None  # on a choice's last event: its speculative counters
 
 
 _request_ids = itertools.count()
@@ -198,6 +200,9 @@ class Snapshot:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_rounds_per_method: dict[str, int] = field(default_factory=dict)  # "none": rows without drafts
+    num_draft_tokens_per_method: dict[str, int] = field(default_factory=dict)
+    num_accepted_tokens_per_method: dict[str, int] = field(default_factory=dict)
     running: int = 0
     waiting: int = 0
     kv_budget_bytes: int = 0
@@ -330,8 +335,9 @@ class AsyncEngine(Admission):
     def snapshot(self) -> Snapshot:
         s, e = self.engine.stats, self.engine
         return Snapshot(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_emitted_tokens,
-                        list(s.num_accepted_tokens_per_pos), len(e.running), self.num_queued,
-                        self.budget.budget, self.budget.reserved)
+                        list(s.num_accepted_tokens_per_pos), dict(s.num_rounds_per_method),
+                        dict(s.num_draft_tokens_per_method), dict(s.num_accepted_tokens_per_method),
+                        len(e.running), self.num_queued, self.budget.budget, self.budget.reserved)
 
     # -- engine thread: the loop ------------------------------------------------------------------
 
@@ -535,6 +541,7 @@ class AsyncEngine(Admission):
                 if seq.finished:
                     del self._tracks[seq.seq_id]
                     ev.prompt_tokens, ev.completion_tokens = seq.num_prompt_tokens, seq.num_output_tokens
+                    ev.spec_stats = seq.stats  # final: a finished sequence runs no more rounds
                     self._hook(self.hooks.on_finish, Finished.of(seq, track))
                 track.handle._post(ev)
             except Exception as e:

@@ -46,6 +46,19 @@ class _EngineCollector:
         for i, v in enumerate(list(s.num_accepted_tokens_per_pos)):
             per_pos.add_metric([str(i)], v)
         yield per_pos
+        # vLLM has no per-method counters: these carry the method as a label ("none": rows without drafts)
+        for name, values, doc in (
+            ("spec_decode_num_rounds_per_method", s.num_rounds_per_method,
+             "(sequence, round) pairs by the method that drafted them; none: verified without drafts."),
+            ("spec_decode_num_draft_tokens_per_method", s.num_draft_tokens_per_method,
+             "Draft tokens proposed, by method."),
+            ("spec_decode_num_accepted_tokens_per_method", s.num_accepted_tokens_per_method,
+             "Draft tokens accepted, by method."),
+        ):
+            family = CounterMetricFamily(f"specdec:{name}", doc, labels=["method"])
+            for method, v in sorted(values.items()):
+                family.add_metric([method], v)
+            yield family
         yield GaugeMetricFamily("specdec:num_requests_running", "Sequences in the running batch.",
                                 value=s.running)
         yield GaugeMetricFamily("specdec:num_requests_waiting", "Requests waiting for a batch slot or KV memory.",

@@ -8,7 +8,8 @@ and ``best_of`` (run best_of, answer the n likeliest). vLLM's extra fields come
 in the body too (the openai client sends them with ``extra_body``): ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``, ``prompt_logprobs``,
 ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``return_token_ids``,
-``return_tokens_as_token_ids``, ``structured_outputs`` ({json | json_object | regex | choice |
+``return_tokens_as_token_ids``, ``return_spec_metrics`` (specdec's: ``usage["spec_decoding"]``, the
+request's speculative counters, ``spec_usage``), ``structured_outputs`` ({json | json_object | regex | choice |
 grammar}) and its older names ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
 ``guided_grammar``. What cannot work is refused with a 400 that names the field and says why
 (``suffix``, ``tools``, a streamed ``best_of``), never silently ignored. Unknown fields are ignored,
@@ -26,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.config import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, short_repr
+from specdec.metrics import RequestSpecStats
 from specdec.outputs import PositionLogprobs
 
 
@@ -93,6 +95,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # add "token_ids" to each choice (and chunk), as vLLM does
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>", as vLLM does
+    return_spec_metrics: bool = False  # specdec's: usage gains "spec_decoding", the request's speculative counters
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -104,6 +107,9 @@ class _SamplingFields(BaseModel):
         ``SamplingParams`` (``sampling_params``)."""
         if self.n is not None and self.n < 1:
             raise ApiError(400, f"n must be an integer >= 1, got {self.n}", "n")
+        if self.return_spec_metrics and self.stream and not self.include_usage:
+            raise ApiError(400, "return_spec_metrics adds to usage, which a stream sends only when asked: send "
+                           'stream_options {"include_usage": true} too', "return_spec_metrics")
 
     @property
     def num_choices(self) -> int:
@@ -365,9 +371,22 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, spec: RequestSpecStats | None = None) -> dict:
+    """OpenAI's usage; with ``spec`` (``return_spec_metrics``), plus ``spec_decoding``: ``spec_usage(spec)``."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if spec is not None:
+        out["spec_decoding"] = spec_usage(spec)
+    return out
+
+
+def spec_usage(spec: RequestSpecStats) -> dict:
+    """A request's speculative counters, summed over its choices (every sequence it generated, as
+    ``completion_tokens`` counts them), with the fields and names of ``LLM``'s
+    ``RequestOutput.metrics["spec_decoding"]`` (metrics.py): drafts, draft and accepted tokens (per
+    position too), verify passes, tau (``mean_acceptance_length``), rounds per drafting method, and
+    the wall time of its rounds."""
+    return spec.as_dict()
 
 
 def finish_reason(reason: str | None) -> str | None:
