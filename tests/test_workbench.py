@@ -163,7 +163,7 @@ def test_profile_per_category_rows_picks_and_checks(profiled):
         rows = entry["drafters"]
         assert [r["label"] for r in rows] == [c["label"] for c in p["configs"]]
         assert [r["label"] for r in rows] == ["draft_model (near)", "layer_skip", "ngram", "suffix",
-                                              "choice (ngram, suffix)"]
+                                              "choice"]
         assert [r["choice"] for r in rows] == [False] * 4 + [True]
         for r, c in zip(rows, p["configs"]):  # the rows are the per-config measurements of this category
             e = c["categories"][cat]
@@ -205,6 +205,7 @@ def test_report_writes_html_png_and_markdown(profiled):
     for cat in ("chat", "code"):  # a row per drafter and category
         rows = [line for line in md.splitlines() if line.startswith(f"| {cat} | 2 | ") and line[len(cat) + 9].isalpha()]
         assert [r.split(" | ")[2].rstrip(" ★") for r in rows] == [c["label"] for c in p["configs"]]
+        assert " | - / " in rows[-1] and " | - / " not in "".join(rows[:-1])  # the choice: measured only
     stars = sum(not e["recommendation"]["plain"] for e in p["by_category"].values())
     assert md.count("★") == stars + 1  # and one in the legend sentence
     assert summary["summary"]["recommendation"]["method"] in ("draft_model", "layer_skip", "ngram", "suffix")
@@ -212,7 +213,7 @@ def test_report_writes_html_png_and_markdown(profiled):
     assert set(by_cat) == {"chat", "code"}
     for cat, e in by_cat.items():
         assert e["recommended"] == (None if e["plain"] else p["by_category"][cat]["recommendation"]["label"])
-        assert set(e["drafters"]) == {"draft_model (near)", "layer_skip", "ngram", "suffix", "choice (ngram, suffix)"}
+        assert set(e["drafters"]) == {"draft_model (near)", "layer_skip", "ngram", "suffix", "choice"}
 
 
 def test_profile_and_report_on_spec_bench(models, shared_data, tmp_path):

@@ -71,7 +71,7 @@ def config_label(c: dict) -> str:
     """A short name for a profiled config: its method, and the draft's folder name for draft_model."""
     cfg = c["speculative_config"]
     if is_choice(c):
-        return f"choice ({', '.join(c['method'])})"
+        return "choice"  # its methods: speculative_config["method"]
     if c["method"] == "draft_model":
         return f"draft_model ({Path(str(cfg.get('model'))).name})"
     return c["method"]

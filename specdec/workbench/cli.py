@@ -274,13 +274,16 @@ def _category_table(p: dict, cat: str, num_prompts: int, rows: list[dict], rec: 
         title += f", measured {val['measured_speedup']:.2f}x"
     table = Table(title=title, title_style="bold", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
                   pad_edge=False,
-                  caption=f"at k={K}: accept, τ, S pred(icted), S meas(ured); S(best k): predicted",
+                  caption=f"at k={K}: accept, τ, S pred(icted), S meas(ured); S(best k): predicted"
+                          + ("; choice: per-request choice among a method list, measured only"
+                             if any(r["choice"] for r in rows) else ""),
                   caption_justify="left")
     for col in ("drafter", "accept", "τ", "S pred", "S meas", "best k", "S(best k)"):
         table.add_column(col, justify="left" if col == "drafter" else "right", no_wrap=True)
     for r in rows:
         star = " ★" if r["config_index"] == rec["config_index"] and not rec["plain"] else ""
+        pred = ("-", "-", "-") if r["choice"] else (  # a choice's cost per drafted token mixes its methods'
+            f"{r['predicted_speedup_at_k_max']:.2f}x", str(r["best_k"]), f"{r['best_speedup']:.2f}x")
         table.add_row(r["label"] + star, f"{r['acceptance_rate']:.0%}", f"{r['mean_acceptance_length']:.2f}",
-                      f"{r['predicted_speedup_at_k_max']:.2f}x", f"{r['measured_speedup_at_k_max']:.2f}x",
-                      str(r["best_k"]), f"{r['best_speedup']:.2f}x")
+                      pred[0], f"{r['measured_speedup_at_k_max']:.2f}x", *pred[1:])
     return table

@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from specdec.workbench.categories import ALL, config_label, with_categories
+from specdec.workbench.categories import ALL, config_label, is_choice, with_categories
 from specdec.workbench.profile import TAU_NOTE
 
 FIGURES = ("acceptance_by_position.png", "speedup_vs_k.png", "tau_histogram.png", "time_split.png",
@@ -134,6 +134,10 @@ def _plot_speedup(plt, profile: dict):
     ks = profile["verify_cost"]["k"]
     for i, c in enumerate(profile["configs"]):
         o = c["overall"]
+        if is_choice(c):  # measured only: one c per drafted token does not describe a mix of methods
+            ax.scatter([c["k_measured"]], [o["measured_speedup_at_k_max"]], marker="D", s=50, color="gray",
+                       label=f"{_label(c)} (per-request choice): measured at k={c['k_measured']}", zorder=3)
+            continue
         line, = ax.plot(ks, o["predicted_speedup"], marker="o", label=f"{_label(c)}: predicted S(k)")
         ax.plot(ks, o["predicted_speedup_end_to_end"], linestyle=":", color=line.get_color(),
                 label=f"{_label(c)}: predicted end to end (prefill, loop overhead)")
@@ -309,16 +313,20 @@ def _markdown_by_category(profile: dict) -> list[str]:
     lines = ["", "## Per category: which drafter", "",
              "Engines that take one speculative method per deployment (vLLM, SGLang, TensorRT-LLM, llama.cpp) "
              "need one deployment per category (or a router in front) to use a different drafter per category; "
-             "`specdec export --by-category` writes those settings. ★ marks the recommended drafter.", "",
+             "`specdec export --by-category` writes those settings. ★ marks the recommended drafter. A method "
+             "list is also measured as itself (choice: specdec's per-request choice among its methods), measured "
+             "only: the cost model's one c per drafted token does not describe a mix of methods.", "",
              f"| category | prompts | drafter | acceptance | τ (k={K}) | S(k={K}) predicted / measured | best k "
              "| S(best k) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for cat, e in by_cat.items():
         rec = e["recommendation"]
         for r in e["drafters"]:
             star = " ★" if not rec["plain"] and r["config_index"] == rec["config_index"] else ""
+            pred = ("-", "-", "-") if r["choice"] else (  # a choice's cost per drafted token mixes its methods'
+                f"{r['predicted_speedup_at_k_max']:.2f}x", str(r["best_k"]), f"{r['best_speedup']:.2f}x")
             lines.append(f"| {cat} | {e['num_prompts']} | {r['label']}{star} | {r['acceptance_rate']:.1%} | "
-                         f"{r['mean_acceptance_length']:.2f} | {r['predicted_speedup_at_k_max']:.2f}x / "
-                         f"{r['measured_speedup_at_k_max']:.2f}x | {r['best_k']} | {r['best_speedup']:.2f}x |")
+                         f"{r['mean_acceptance_length']:.2f} | {pred[0]} / {r['measured_speedup_at_k_max']:.2f}x | "
+                         f"{pred[1]} | {pred[2]} |")
     v = profile.get("validation")
     single = (f"{profile['configs'][profile['recommendation']['config_index']].get('label', '')}, k={v['k']} "
               "for all, measured" if v else "one setting for all, measured")
