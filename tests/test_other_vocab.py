@@ -139,7 +139,7 @@ SAMPLED = [("string", dict(temperature=1.0)), ("string", dict(temperature=1.0, t
 def test_sampled_outputs_follow_the_target_distribution(small_pair, mapping, params):
     target, draft, hf = small_pair
     prompt = [5, 9, 3]
-    N = 3000
+    N = 2000
     llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 2,
                                           "draft_tokenizer_mapping": mapping})
     sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
@@ -242,3 +242,25 @@ def test_intersection_samples_follow_the_target_distribution_on_llamacpp(small_p
     assert_first_tokens_follow_target(hf, prompt, np.array([o.outputs[0].token_ids for o in outs]), sps[0],
                                       len(SMALL_WORDS) + 3)
     assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+def test_the_intersection_pairs_tokens_of_the_same_text(tmp_path):
+    """The shipped target's byte-level BPE against a copy with fewer merges and every id renumbered:
+    each draft token pairs with the target token of the same string (bytes of a character included)."""
+    import json
+
+    from specdec.drafters.vocab_map import VocabMap
+
+    spec = json.loads((ASSETS / "demo-target" / "tokenizer.json").read_text())
+    keep = len(spec["model"]["vocab"]) - 3000
+    ids = shuffled(list(range(1, keep)), 3)
+    spec["model"]["vocab"] = {s: ([0] + ids)[i] for s, i in spec["model"]["vocab"].items() if i < keep}
+    spec["model"]["merges"] = spec["model"]["merges"][:-3000]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    shutil.copy(ASSETS / "demo-target" / "tokenizer_config.json", tmp_path)
+    target_tok, draft_tok = AutoTokenizer.from_pretrained(ASSETS / "demo-target"), AutoTokenizer.from_pretrained(tmp_path)
+    vm = VocabMap.build(target_tok, draft_tok, len(target_tok), len(draft_tok), "pair")
+    tv = target_tok.get_vocab()
+    assert vm.num_shared == len(draft_tok) and vm.coverage == 1.0
+    assert all(int(vm.draft_to_target[d]) == tv[s] for s, d in draft_tok.get_vocab().items())
+    assert int((vm.target_to_draft >= 0).sum()) == len(draft_tok)

@@ -5,9 +5,10 @@ Two tokenizers meet in text. Each token has a *text*: what it adds when it conti
 decoding it after a plain anchor token, so every tokenizer's spacing rules are applied by the
 tokenizer itself. Tokens whose texts are identical in both vocabularies map 1:1 (the token-level
 intersection); text moves whole between them by decoding with one tokenizer and encoding with the
-other (the string-level match). Special tokens map by their
-string (both spell "</s>" or "<|im_start|>"), and end-of-sequence maps to end-of-sequence; a
-special token the other tokenizer lacks is left out of the text.
+other (the string-level match). Two byte-level vocabularies (GPT-2's byte alphabet) also pair the
+tokens that are bytes of a character, by those bytes. Special tokens map by their string (both
+spell "</s>" or "<|im_start|>"), and end-of-sequence maps to end-of-sequence; a special token the
+other tokenizer lacks is left out of the text.
 
 ``encode_continuation`` encodes text that follows other text: it encodes the context and the
 context plus the text and keeps what follows the context's tokens, provided those did not change
@@ -136,6 +137,14 @@ class VocabMap:
             t = of_text.get(text) if text is not None else None
             if t is not None and t2d[t] < 0:
                 d2t[d], t2d[t] = t, d
+        if _byte_level(target_tok) and _byte_level(draft_tok):  # bytes of a character: by their byte
+            t_raw = dict(zip(target_tok.convert_ids_to_tokens(list(range(target_size))), range(target_size)))
+            d_special = set(draft_tok.all_special_ids)
+            for d, raw in enumerate(draft_tok.convert_ids_to_tokens(list(range(draft_size)))):
+                t = t_raw.get(raw)
+                if d_texts[d] is None and d not in d_special and t is not None and t_texts[t] is None \
+                        and t not in target_tok.all_special_ids and t2d[t] < 0:
+                    d2t[d], t2d[t] = t, d
         num_text = int((d2t >= 0).sum())
         t_special = _specials(target_tok, target_size)
         d_special = _specials(draft_tok, draft_size)
@@ -161,6 +170,14 @@ class VocabMap:
         return cls(d2t, t2d, num_shared, num_text, coverage, draft_eos, target_eos,
                    frozenset(t for x, t in t_special.items() if x not in d_special),
                    frozenset(d for x, d in d_special.items() if x not in t_special))
+
+
+def _byte_level(tok) -> bool:
+    """Whether ``tok`` spells tokens in GPT-2's byte alphabet (its decoder is byte-level): two such
+    vocabularies share a token's bytes when they share its string, whole characters or not."""
+    from tokenizers import decoders
+
+    return isinstance(getattr(getattr(tok, "backend_tokenizer", None), "decoder", None), decoders.ByteLevel)
 
 
 def _specials(tok, size: int) -> dict[str, int]:
