@@ -24,6 +24,11 @@ step and o the speculative loop's overhead per round.
 
 Acceptance is measured with adaptive k off and k = K, so that every position 1..K is drafted.
 Tokens/s is measured with plain and speculative runs of every prompt alternating in one process.
+
+Every round is tagged with its prompt's category, so all of the above also holds per category: each
+configured drafter gets its α_i, S(k) and measured speedup per category, and each category its own
+pick (workbench/categories.py), checked by a run on that category's prompts. A config whose method
+lists several is profiled as each method and as the list itself (specdec's per-request choice).
 """
 
 from __future__ import annotations
@@ -167,7 +172,8 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
                 k_max: int | None = None, temperature: float = 0.0, seed: int | None = 0, dtype: str = "auto",
                 device: str = "cpu", backend: str = "auto", validate: bool = True, sweep: bool = False,
                 verify_repeats: int = 9, progress: Progress | None = None) -> dict:
-    """Measure, predict, recommend and (``validate``) check the recommendation; returns the profile dict.
+    """Measure, predict, recommend (on all prompts and per category) and (``validate``) check the
+    recommendations; returns the profile dict.
     ``sweep``: also measure the recommended method at every k = 1..K against its prediction.
 
     ``prompts``: ``load_prompts`` records ({"prompt": ..., "category": ...}) or token-id dicts."""
