@@ -72,15 +72,16 @@ class Tally:
         self.rounds: dict[str, int] = {}
         self.per_set: dict[str, list[float]] = {}  # set -> [tokens, seconds]
         self.outputs: list[list[int]] = []
+        self.prompt_ids: list[list[int]] = []
 
-    def add(self, llm, run) -> None:
-        """``run()`` -> token ids per prompt; counts its tokens, time and the engine's counters."""
+    def add(self, llm, run) -> list:
+        """``run()`` -> RequestOutputs; counts their tokens, time and the engine's counters."""
         before = llm.get_metrics()
         rounds_before = dict(getattr(llm.engine.drafter, "rounds_per_method", {}) or {})
         t0 = time.perf_counter()
         outs = run()
         self.seconds += time.perf_counter() - t0
-        self.tokens += sum(len(o) for o in outs)
+        self.tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         after = llm.get_metrics()
         self.drafts += after["num_drafts"] - before["num_drafts"]
         self.accepted += after["num_accepted_tokens"] - before["num_accepted_tokens"]
@@ -117,6 +118,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from specdec import LLM, SamplingParams
     from specdec.bench import compute_paths
+    from specdec.near_tie import first_divergence
 
     prompts = workload(args.per_set, spec_bench_path(args.spec_bench))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -137,23 +139,28 @@ def main() -> None:
                     for n in names[shift:] + names[:shift]:
                         t = tally[n]
                         s0, t0 = t.seconds, t.tokens
-                        out = t.add(llms[n], lambda: [llms[n].generate([p["prompt"]], params)[0].outputs[0].token_ids])
+                        out = t.add(llms[n], lambda: llms[n].generate([p["prompt"]], params))
                         acc = t.per_set.setdefault(p["set"].split("/")[0], [0, 0.0])
                         acc[0] += t.tokens - t0
                         acc[1] += t.seconds - s0
                         if rep == 0:
-                            t.outputs += out
+                            t.outputs += [o.outputs[0].token_ids for o in out]
+                            t.prompt_ids += [o.prompt_token_ids for o in out]
             else:
                 shift = rep % len(names)
                 for n in names[shift:] + names[:shift]:
                     llms[n].engine.scheduler.max_num_seqs = batch
-                    out = tally[n].add(llms[n], lambda: [o.outputs[0].token_ids for o in llms[n].generate(
-                        [p["prompt"] for p in prompts], params)])
+                    out = tally[n].add(llms[n], lambda: llms[n].generate([p["prompt"] for p in prompts], params))
                     if rep == 0:
-                        tally[n].outputs = out
+                        tally[n].outputs = [o.outputs[0].token_ids for o in out]
+                        tally[n].prompt_ids = [o.prompt_token_ids for o in out]
         rows = {n: tally[n].row() for n in names}
-        for n in names:
-            rows[n]["differ_from_plain"] = sum(a != b for a, b in zip(tally[n].outputs, tally["plain"].outputs))
+        base = tally["plain"]
+        for n in names:  # greedy outputs that differ from plain decoding, and whether each parts at a near-tie
+            parts = [first_divergence(llms["plain"].engine.target, ids, a, b)
+                     for ids, a, b in zip(base.prompt_ids, base.outputs, tally[n].outputs) if a != b]
+            rows[n]["differ_from_plain"] = len(parts)
+            rows[n]["differ_not_near_tie"] = sum(not d["near_tie"] for d in parts)
         singles = [rows[m]["tokens_per_s"] for m in args.methods]
         choice = rows["choice"]["tokens_per_s"]
         results[batch] = {"configs": rows, "choice_over_best_single": choice / max(singles),
@@ -173,10 +180,12 @@ def main() -> None:
     for batch, r in results.items():
         print(f"\nbatch {batch}: choice / best single {r['choice_over_best_single']:.2f}x, / median single "
               f"{r['choice_over_median_single']:.2f}x, / plain {r['choice_over_plain']:.2f}x")
-        print(f"{'config':<12} {'tok/s':>8} {'tau':>5} {'differ':>6}  rounds per method; tok/s per set (batch 1)")
+        print(f"{'config':<12} {'tok/s':>8} {'tau':>5} {'differ':>6}  rounds per method; tok/s per set (batch 1)"
+              "  (differ: outputs not plain decoding's, all at near-ties unless '!' says how many not)")
         for n, row in r["configs"].items():
             per_set = ", ".join(f"{s} {v:.1f}" for s, v in row["per_set_tokens_per_s"].items())
-            print(f"{n:<12} {row['tokens_per_s']:8.1f} {row['tau']:5.2f} {row['differ_from_plain']:6d}  "
+            bad = f"!{row['differ_not_near_tie']}" if row["differ_not_near_tie"] else ""
+            print(f"{n:<12} {row['tokens_per_s']:8.1f} {row['tau']:5.2f} {row['differ_from_plain']:6d}{bad}  "
                   f"{row['rounds_per_method'] or ''} {per_set}")
 
 

@@ -24,10 +24,13 @@ it runs over every row once one row needs it. So for each set of model methods t
 the set with the highest S = mean_b E_b * t_1 / (lookups + sum_m k_m * c_m + v(T)) wins
 (``cost_model.speedup``, ``round_cost``). At batch 1 that is the request's own best tokens per time.
 
-Exploration: each method drafts each request for its first TRY_ROUNDS rounds where it can (a lookup
-needs a draft); later, every probe interval of the request's rounds, the method it has gone longest
-without drafts for one round (the interval doubles while the choice holds and resets when it
-changes), so a request whose text shifts finds the method that now pays.
+Exploration is optimism for what a request has measured little: each alpha_i is raised by
+EXPLORE * sqrt(alpha_i (1 - alpha_i) / (1 + n_i)), n_i the request's own decayed count of rounds
+that reached position i with that method, which fades further (DECAY per round) while the method
+does not draft for it. A request thus tries each method early unless its rates over all sequences
+rule it out even optimistically (a model's cost counts: trying it for one row runs it for the
+batch), and re-checks the others as its own evidence about them fades, so a request whose text
+shifts finds the method that now pays.
 
 Seeded sampled requests draft only with the listed lookups (their one-hot drafts race plain
 decoding's own draws, verify._exact_match, so the output is the seed's plain output whatever the
@@ -41,6 +44,7 @@ lookup reconciles its index with the history (drafters.base.grew_from).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from itertools import combinations
@@ -54,9 +58,7 @@ from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
 LOOKUP_METHODS = frozenset({"ngram", "suffix"})  # run no model: cost ~0, their drafts are seen before choosing
-TRY_ROUNDS = 1  # rounds each method drafts a request before measurements decide
-PROBE_INTERVAL = 16  # rounds of a request between probes of the method it has gone longest without
-MAX_PROBE_INTERVAL = 256
+EXPLORE = 1.0  # optimism: standard errors of a request's own acceptance estimate added to it
 NO_DRAFT = "none"  # the source of a row no method drafted (metrics.NO_DRAFT)
 
 
@@ -76,17 +78,13 @@ class RequestState:
     """What is measured about one sequence."""
 
     stats: dict[str, PositionStats] = field(default_factory=dict)  # method -> its acceptance here
-    served: dict[str, int] = field(default_factory=dict)  # method -> rounds it drafted this sequence
-    last_served: dict[str, int] = field(default_factory=dict)  # method -> the round it last did
+    last_served: dict[str, int] = field(default_factory=dict)  # method -> the round it last drafted this sequence
     rounds: int = 0  # rounds this sequence asked for drafts
-    since_probe: int = 0
-    probe_interval: int = PROBE_INTERVAL
-    choice: str | None = None  # the last choice made by measurement (not forced)
 
 
 @dataclass
 class Offer:
-    tokens: float  # E: expected tokens of the round for this row, the recovered or bonus token included
+    tokens: float  # E: expected tokens of the round for this row (bonus included), optimistic (EXPLORE)
     length: int  # drafts it would propose
 
 
@@ -114,7 +112,7 @@ class ChoosingDrafter(Drafter):
         for m in self.lookups:
             parts[m] = self._timed(m, seqs, num_draft, sb, B)
 
-        # 2. what each method offers each row, and the rows whose method is forced (exploration, probes)
+        # 2. what each method offers each row (a seeded request without lookups: the first method, always)
         line, t1, costs = self._costs(B)
         self._priors = {}  # (method, k) -> its rates over all sequences, this round
         offers: list[dict[str, Offer]] = []
@@ -122,10 +120,8 @@ class ChoosingDrafter(Drafter):
         for b, (s, want) in enumerate(zip(seqs, num_draft)):
             req = self.requests.setdefault(s.seq_id, RequestState())
             offers.append(self._offers(b, s, want, req, parts) if want > 0 else {})
-            if self._seeded(s) and not self.lookups:  # whatever it costs: its draws must not follow timings
-                forced.append(self.methods[0] if offers[-1] else None)
-            else:
-                forced.append(self._forced(req, offers[-1]))
+            fixed = self._seeded(s) and not self.lookups  # whatever it costs: its draws must not follow timings
+            forced.append(self.methods[0] if fixed and offers[-1] else None)
 
         # 3. the set of model methods to run, and each row's method under it
         chosen = self._choose(offers, forced, line, t1, costs, B)
@@ -147,14 +143,8 @@ class ChoosingDrafter(Drafter):
             if m is None:
                 continue
             req = self.requests[s.seq_id]
-            if forced[b] is None:
-                if req.choice is not None and m != req.choice:
-                    req.probe_interval = PROBE_INTERVAL  # the choice moved: keep checking often
-                req.choice = m
-            req.served[m] = req.served.get(m, 0) + 1
             req.last_served[m] = req.rounds
             req.rounds += 1
-            req.since_probe += 1
             n = proposal.num_draft_tokens[b]
             if n:
                 self._last[s.seq_id] = (m, n)
@@ -207,8 +197,12 @@ class ChoosingDrafter(Drafter):
         for m in allowed:
             length = parts[m].num_draft_tokens[b] if self.parts[m].lookup else want
             if length:
-                alphas = req.stats.setdefault(m, PositionStats()).alphas(length, self._method_alphas(m, length),
-                                                                        PRIOR_WEIGHT)
+                own = req.stats.setdefault(m, PositionStats())
+                alphas = own.alphas(length, self._method_alphas(m, length), PRIOR_WEIGHT)
+                fade = DECAY ** (req.rounds - req.last_served.get(m, req.rounds))  # evidence ages unused
+                for i, a in enumerate(alphas):
+                    n = own.reached[i] * fade if i < len(own.reached) else 0.0
+                    alphas[i] = min(1.0, a + EXPLORE * math.sqrt(a * (1.0 - a) / (1.0 + n)))
                 out[m] = Offer(expected_tokens(alphas, length), length)
         return out
 
@@ -216,20 +210,6 @@ class ChoosingDrafter(Drafter):
     def _seeded(s: Sequence) -> bool:
         """A seeded sampled request: its output must not depend on the batch or on timings."""
         return s.params.seed is not None and not s.params.greedy
-
-    def _forced(self, req: RequestState, offers: dict[str, Offer]) -> str | None:
-        """The method that must draft this row now: one not yet tried on the request, or a probe."""
-        if len(offers) < 2:
-            return None
-        for m in offers:
-            if req.served.get(m, 0) < TRY_ROUNDS:
-                return m
-        if req.since_probe < req.probe_interval:
-            return None
-        others = [m for m in offers if m != req.choice]
-        req.since_probe = 0
-        req.probe_interval = min(2 * req.probe_interval, MAX_PROBE_INTERVAL)
-        return min(others, key=lambda m: req.last_served.get(m, -1))
 
     def _choose(self, offers: list[dict[str, Offer]], forced: list[str | None], line, t1: float,
                 costs: dict[str, float], B: int) -> list[str | None]:
