@@ -211,6 +211,7 @@ class SamplingParams:
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "layer_skip")
 DRAFT_TOKENIZER_MAPPINGS = ("auto", "string", "intersection")
+SUFFIX_PROBABILITY_ESTIMATES = ("continuations", "occurrences")
 
 
 @dataclass
@@ -237,9 +238,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # single-token matches were right a third as often as 2-gram ones
     # suffix decoding
     suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 1000  # vLLM: 10000 in C++; ~0.1-0.4 KB per cached token here
+    suffix_decoding_max_cached_requests: int = 1000  # outputs kept, running ones included (as vLLM; its default: 10000)
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # a continuation's probability: its count over the node's continuations ("continuations"), or over all
+    # the node's occurrences, those that end there included ("occurrences": Arctic's, so vLLM's); neither
+    # wins on every workload (benchmarks/suffix_replay.py)
+    suffix_decoding_probability: str = "continuations"
     # layer_skip (self-speculation with the target's first layers)
     num_draft_layers: int | None = None  # None: a quarter of the target's layers
     # draft_model / layer_skip with suffix decoding in front (Arctic Inference's hybrid): a sequence
@@ -282,6 +287,9 @@ class SpeculativeConfig:
                f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor!r}")
         _check(_is_number(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1,
                f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob!r}")
+        _check(self.suffix_decoding_probability in SUFFIX_PROBABILITY_ESTIMATES,
+               f"suffix_decoding_probability must be one of {SUFFIX_PROBABILITY_ESTIMATES}, "
+               f"got {short_repr(self.suffix_decoding_probability)}")
         _check(isinstance(self.enable_suffix_decoding, bool),
                f"enable_suffix_decoding must be true or false, got {self.enable_suffix_decoding!r}")
         _check(not (self.enable_suffix_decoding and len(self.methods) > 1),

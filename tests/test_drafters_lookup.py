@@ -161,7 +161,7 @@ HISTORY = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 5, 6, 8, 1, 2]
 @pytest.mark.parametrize("depth, factor, min_prob, k, expected", [
     (24, 1.0, 0.1, 4, [3, 4]),  # match "1 2" (2 tokens): at most floor(1.0 * 2) drafts
     (24, 2.0, 0.1, 4, [3, 4, 1, 2]),  # path probability 2/3 all along
-    (24, 3.0, 0.1, 6, [3, 4, 1, 2, 3, 4]),  # then "1 2 3 4 1 2" -> 3 or 5: 2/3 * 1/2 = 1/3
+    (24, 3.0, 0.1, 6, [3, 4, 1, 2, 5, 6]),  # then "1 2 3 4 1 2" -> 3 or 5, a tie: the newer, 2/3 * 1/2 = 1/3
     (24, 3.0, 0.5, 6, [3, 4, 1, 2]),  # ... which min_token_prob = 0.5 refuses
     (24, 3.0, 0.7, 6, []),  # even the first step (2/3) is too unlikely
     (24, 1.0, 0.1, 1, [3]),

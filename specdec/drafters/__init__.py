@@ -35,7 +35,8 @@ def _suffix(spec: SpeculativeConfig) -> Drafter:
     return SuffixDrafter(max_tree_depth=spec.suffix_decoding_max_tree_depth,
                          max_cached_requests=spec.suffix_decoding_max_cached_requests,
                          max_spec_factor=spec.suffix_decoding_max_spec_factor,
-                         min_token_prob=spec.suffix_decoding_min_token_prob)
+                         min_token_prob=spec.suffix_decoding_min_token_prob,
+                         probability=spec.suffix_decoding_probability)
 
 
 def _build(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | None) -> Drafter:

@@ -14,9 +14,8 @@ sampled model draft, a suffix row's q is its one-hot, so the verifier's rule sta
 
 from __future__ import annotations
 
-import torch
-
 from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.merge import merge_proposals
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
@@ -43,32 +42,15 @@ class HybridDrafter(Drafter):
         model_want = [want if r is None else 0 for r, want in zip(rows, num_draft)]
         self.suffix_rows += sum(1 for r in rows if r)
         self.model_rows += sum(1 for w in model_want if w)
+        suffix = DraftProposal.from_rows([r or [] for r in rows], sb.device)
         if not any(model_want):
-            proposal = DraftProposal.from_rows(rows, sb.device)
-            proposal.sources = ["suffix"] * len(seqs)
-            return proposal
+            suffix.sources = ["suffix"] * len(seqs)
+            return suffix
 
-        # 2. the model drafts the other rows (and skips the suffix rows: they ask for 0)
-        proposal = self.model.propose(seqs, model_want, sb)
-        width = max([proposal.draft_token_ids.shape[1]] + [len(r) for r in rows if r])
-        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=sb.device)  # [B, k]
-        ids[:, : proposal.draft_token_ids.shape[1]] = proposal.draft_token_ids
-        probs = None
-        if proposal.draft_probs is not None:  # [B, k_model, V] -> [B, k, V], one-hot q for suffix rows
-            V = proposal.draft_probs.shape[-1]
-            probs = proposal.draft_probs.new_zeros(len(seqs), width, V)
-            probs[:, : proposal.draft_probs.shape[1]] = proposal.draft_probs
-        num = list(proposal.num_draft_tokens)
-        sources = list(proposal.sources or [self.model.method] * len(seqs))  # [B] which drafted each row
-        for b, r in enumerate(rows):
-            if r:
-                ids[b, : len(r)] = torch.tensor(r, device=sb.device)
-                if probs is not None:
-                    probs[b] = 0.0
-                    probs[b, torch.arange(len(r), device=sb.device), ids[b, : len(r)]] = 1.0
-                num[b] = len(r)
-                sources[b] = "suffix"
-        return DraftProposal(ids, probs, num, sources)
+        # 2. the model drafts the other rows (they ask for 0 of it otherwise); one proposal, row by row
+        parts = {"suffix": suffix, self.model.method: self.model.propose(seqs, model_want, sb)}
+        owner = ["suffix" if r else self.model.method for r in rows]
+        return merge_proposals(parts, owner, sb.device)
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         self.suffix.observe(seqs, num_accepted)
