@@ -69,6 +69,7 @@ class OtherVocabDrafter(Drafter):
         self._from = (d2t >= 0).nonzero().flatten()  # [S] draft ids of the shared tokens
         self._to = d2t[self._from]  # [S] their target ids
         self.target_vocab = len(vocab_map.target_to_draft)
+        self._all_shared = bool((d2t >= 0).all())  # every draft token has a target token of its text
 
     # -- the round --------------------------------------------------------------------------------
 
@@ -217,7 +218,15 @@ class OtherVocabDrafter(Drafter):
             return self._to_target(self.runner.forward(ForwardBatch.dense(d[:, None], [p + i for p in pos],
                                                                           logits="last")))
 
-        proposal = draft_autoregressive(self._to_target(logits), feed, seqs, num_draft, sb, self.draft_p_min)
+        greedy = None
+        if self._all_shared:  # the draft's own argmax is the restricted one: all greedy drafts in one call
+            d2t = self.map.draft_to_target
+
+            def greedy(x: list[int], n: int) -> list[list[int]]:  # target ids x [R] -> the next n [R, n]
+                out = self.runner.greedy_steps(t2d[torch.tensor(x)].tolist(), pos, n)  # [R, n] draft ids
+                return d2t[torch.tensor(out, dtype=torch.long)].tolist()
+
+        proposal = draft_autoregressive(self._to_target(logits), feed, seqs, num_draft, sb, self.draft_p_min, greedy)
         n = proposal.draft_token_ids.shape[1]
         fed = t2d[proposal.draft_token_ids[:, : max(n - 1, 0)]].clamp(min=0).tolist()  # [R, n-1] draft ids
         for s, view, f in zip(seqs, views, fed):
