@@ -194,6 +194,13 @@ def test_pairs_that_cannot_be_mapped_are_named(models, tmp_path):
     disjoint = make_model(tmp_path / "disjoint", "llama", words=[f"v{i}" for i in range(120)])
     with pytest.raises(ValueError, match=r"draft '.*disjoint' and target have different vocabularies.*share no text"):
         LLM(target, speculative_config={"model": str(disjoint), "num_speculative_tokens": 2})
+    no_text = make_model(tmp_path / "no_text", "llama", words=[f"w{i}" for i in range(100)])
+    tok = AutoTokenizer.from_pretrained(no_text)  # every word a special token: no token spells text
+    tok.add_special_tokens({"additional_special_tokens": [f"w{i}" for i in range(100)]})
+    tok.save_pretrained(no_text)
+    with pytest.raises(ValueError, match=r"draft '.*no_text' and target have different vocabularies.*cannot be "
+                                         r"mapped through text"):
+        LLM(target, speculative_config={"model": str(no_text), "num_speculative_tokens": 2})
     bare = tmp_path / "bare"  # a draft of fewer rows without its tokenizer: nothing says how its ids read
     shutil.copytree(make_model(tmp_path / "small", "llama", words=SMALL_WORDS), bare)
     for f in bare.glob("tokenizer*"):
