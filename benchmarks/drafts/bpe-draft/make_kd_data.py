@@ -6,10 +6,12 @@ training split (``specdec.training.data.read_split``, so the held-out files and 
 library's ``test/`` folders, where benchmarks/prompts/code_heldout.jsonl comes from, stay unseen),
 lets the target continue each one greedily in batches on the torch backend, and writes each
 window's text followed by its continuation to ``OUT/kd_NNNNN.py`` (the ``.py`` suffix is what
-``specdec train --data OUT`` collects). It stops after ``--minutes`` of generation.
+``specdec train --data OUT`` collects). It stops after ``--windows`` windows, or after the batch
+running when ``--minutes`` have passed. The windows depend only on ``--seed``: a run stopped early
+writes a prefix of a longer run's files.
 
-    python benchmarks/drafts/bpe-draft/make_kd_data.py --target specdec/demo-target --out /tmp/draftF/kd \
-        --minutes 15 --threads 1
+    python benchmarks/drafts/bpe-draft/make_kd_data.py --target specdec/demo-target --out runs/kd \
+        --windows 832 --threads 1
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128, help="tokens of corpus text before each continuation")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens the target writes per window")
     ap.add_argument("--batch", type=int, default=32, help="windows generated together")
-    ap.add_argument("--minutes", type=float, default=15.0, help="stop starting new batches after this")
+    ap.add_argument("--windows", type=int, default=0, help="stop after this many windows (0: no limit)")
+    ap.add_argument("--minutes", type=float, default=15.0, help="stop starting new batches after this (0: no limit)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -51,9 +54,9 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=False,
                             seed=None if args.temperature == 0 else args.seed)
     t0, n_files, n_new = time.time(), 0, 0
-    while time.time() - t0 < args.minutes * 60:
+    while (not args.minutes or time.time() - t0 < args.minutes * 60) and (not args.windows or n_files < args.windows):
         prompts = []
-        while len(prompts) < args.batch:
+        while len(prompts) < min(args.batch, args.windows - n_files if args.windows else args.batch):
             start = int(rng.integers(0, len(tokens) - args.prompt_tokens))
             window = tokens[start:start + args.prompt_tokens].astype(np.int64).tolist()
             if eos in window:  # stay inside one document
