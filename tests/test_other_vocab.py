@@ -95,7 +95,8 @@ def test_auto_measures_both_mappings_and_keeps_one(models, caplog):
     with caplog.at_level(logging.INFO, logger="specdec.drafters.other_vocab"):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert drafter.mapping in MAPPINGS
-    assert all(asked >= TRIAL_ROWS and accepted > 0 for asked, accepted in drafter.measured.values())
+    assert all(asked >= TRIAL_ROWS and accepted > 0 and seconds > 0
+               for asked, accepted, _, seconds in drafter.measured.values())
     assert f"mapping {drafter.mapping!r} kept" in caplog.text
 
 
