@@ -270,7 +270,8 @@ def test_the_intersection_pairs_tokens_of_the_same_text(tmp_path):
     spec["model"]["merges"] = spec["model"]["merges"][:-3000]
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     shutil.copy(ASSETS / "demo-target" / "tokenizer_config.json", tmp_path)
-    target_tok, draft_tok = AutoTokenizer.from_pretrained(ASSETS / "demo-target"), AutoTokenizer.from_pretrained(tmp_path)
+    target_tok = AutoTokenizer.from_pretrained(ASSETS / "demo-target")
+    draft_tok = AutoTokenizer.from_pretrained(tmp_path)
     vm = VocabMap.build(target_tok, draft_tok, len(target_tok), len(draft_tok), "pair")
     tv = target_tok.get_vocab()
     assert vm.num_shared == len(draft_tok) and vm.coverage == 1.0
