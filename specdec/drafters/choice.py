@@ -10,10 +10,10 @@ Measured, per method:
 - acceptance: conditional per-position rates alpha_i per sequence from decayed counts
   (adaptive.PositionStats), smoothed towards the method's rates over all sequences, which start at
   adaptive.PRIOR_ALPHA;
-- cost: the wall time of its own propose calls, per drafted position for a model (timed only when
-  it also drafted the round before: the first round after a pause catches up on what it missed), per
-  call for a lookup; in the seconds of the controller's measured verify passes (AdaptiveK, handed
-  over by ``bind``). With no controller, or before a verify pass is timed at this batch size, the
+- cost: the wall time of its own propose calls, per drafted position for a model when it also
+  drafted the round before, per call for a lookup; and for a model, what a call after a pause costs
+  beyond that (it first catches up on the tokens it missed), charged when it is switched on; in the
+  seconds of the controller's measured verify passes (AdaptiveK, handed over by ``bind``). With no controller, or before a verify pass is timed at this batch size, the
   priors of adaptive.py (verify slope, c = PRIOR_DRAFT_COST for a model, 0 for a lookup).
 
 The choice. Lookups (ngram, suffix) run no model, so they propose for every row first and what they
@@ -54,12 +54,12 @@ from specdec.adaptive import (DECAY, PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_VERIFY
 from specdec.cost_model import expected_tokens, round_cost, speedup
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.drafters.merge import merge_proposals
+from specdec.metrics import NO_DRAFT
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
 LOOKUP_METHODS = frozenset({"ngram", "suffix"})  # run no model: cost ~0, their drafts are seen before choosing
 EXPLORE = 1.0  # optimism: standard errors of a request's own acceptance estimate added to it
-NO_DRAFT = "none"  # the source of a row no method drafted (metrics.NO_DRAFT)
 
 
 @dataclass
@@ -70,6 +70,7 @@ class MethodState:
     lookup: bool
     stats: PositionStats = field(default_factory=PositionStats)  # acceptance over all sequences
     time: dict[int, Timing] = field(default_factory=dict)  # B -> seconds per drafted position (lookup: per call)
+    switch_on: dict[int, Timing] = field(default_factory=dict)  # B -> a model's extra seconds after a pause
     ran_last: bool = False  # drafted the previous round too (a model's timing then holds no catch-up)
 
 
@@ -79,7 +80,7 @@ class RequestState:
 
     stats: dict[str, PositionStats] = field(default_factory=dict)  # method -> its acceptance here
     last_served: dict[str, int] = field(default_factory=dict)  # method -> the round it last drafted this sequence
-    rounds: int = 0  # rounds this sequence asked for drafts
+    rounds: int = 0  # rounds some method drafted this sequence (the clock its evidence fades by)
 
 
 @dataclass
@@ -113,7 +114,7 @@ class ChoosingDrafter(Drafter):
             parts[m] = self._timed(m, seqs, num_draft, sb, B)
 
         # 2. what each method offers each row (a seeded request without lookups: the first method, always)
-        line, t1, costs = self._costs(B)
+        line, t1, costs, switch = self._costs(B)
         self._priors = {}  # (method, k) -> its rates over all sequences, this round
         offers: list[dict[str, Offer]] = []
         forced: list[str | None] = []
@@ -124,7 +125,7 @@ class ChoosingDrafter(Drafter):
             forced.append(self.methods[0] if fixed and offers[-1] else None)
 
         # 3. the set of model methods to run, and each row's method under it
-        chosen = self._choose(offers, forced, line, t1, costs, B)
+        chosen = self._choose(offers, forced, line, t1, costs, switch, B)
 
         # 4. the chosen models draft their own rows (num_draft 0 for the others)
         for m in self.models:
@@ -212,7 +213,7 @@ class ChoosingDrafter(Drafter):
         return s.params.seed is not None and not s.params.greedy
 
     def _choose(self, offers: list[dict[str, Offer]], forced: list[str | None], line, t1: float,
-                costs: dict[str, float], B: int) -> list[str | None]:
+                costs: dict[str, float], switch: dict[str, float], B: int) -> list[str | None]:
         """Each row's method under the best set of model methods to run (the highest predicted speedup
         for the batch); rows with no offer draft nothing."""
         must = {m for m in forced if m in self.models}
@@ -237,15 +238,17 @@ class ChoosingDrafter(Drafter):
                 cost = lookup_cost + line(width + 1)
                 for m, km in k.items():
                     cost = round_cost(km, costs[m], cost)  # k_m drafts of c_m on top of the rest
+                    if km and not self.parts[m].ran_last:
+                        cost += switch[m]  # it first catches up on what it missed
                 value = speedup(tokens / B, cost, t1)
                 if value > best_value:  # ties: the fewest models (smaller sets come first)
                     best, best_value = chosen, value
         return best
 
     def _costs(self, B: int):
-        """(T -> seconds of a verify pass of T tokens per row, t_1, method -> c): the controller's
-        measured verify line and each method's measured draft time at batch size B, or the priors
-        (in units of t_1) until both are measured."""
+        """(T -> seconds of a verify pass of T tokens per row, t_1, method -> c, model -> its extra time
+        after a pause): the controller's measured verify line and each method's measured draft times at
+        batch size B, or the priors (in units of t_1; no switch-on cost) until both are measured."""
         c = self.controller
         measured = c is not None and any(b == B and t.value is not None for (b, _), t in c.verify_time.items())
         if measured:
@@ -261,7 +264,11 @@ class ChoosingDrafter(Drafter):
                 costs[m] = timing.value
             else:
                 costs[m] = 0.0 if part.lookup else PRIOR_DRAFT_COST * t1
-        return line, t1, costs
+        switch = {}
+        for m in self.models:
+            timing = self.parts[m].switch_on.get(B)
+            switch[m] = timing.value if measured and timing is not None and timing.value is not None else 0.0
+        return line, t1, costs, switch
 
     def _method_alphas(self, m: str, k: int) -> list[float]:
         """The method's conditional acceptance over all sequences, alpha_1..alpha_k (the prior a
@@ -276,16 +283,18 @@ class ChoosingDrafter(Drafter):
         return got
 
     def _timed(self, m: str, seqs: list[Sequence], want: list[int], sb: SamplingBatch, B: int) -> DraftProposal:
-        """Method m's proposal, its time recorded: per drafted position for a model in steady drafting,
-        per call for a lookup."""
+        """Method m's proposal, its time recorded: per call for a lookup; for a model per drafted position
+        when it drafted the round before, else what the call took beyond that (its catch-up)."""
         part = self.parts[m]
         t0 = time.perf_counter()
         proposal = part.drafter.propose(seqs, want, sb)
         dt = time.perf_counter() - t0
+        steady = part.time.get(B)
         if part.lookup:
             part.time.setdefault(B, Timing()).update(dt)
-        else:
-            if part.ran_last:
-                part.time.setdefault(B, Timing()).update(dt / max(want))
-            part.ran_last = True
+        elif part.ran_last:
+            part.time.setdefault(B, Timing()).update(dt / max(want))
+        elif steady is not None and steady.value is not None:  # after a pause: the catch-up beyond steady drafting
+            part.switch_on.setdefault(B, Timing(skip=0)).update(max(dt - max(want) * steady.value, 0.0))
+        part.ran_last = not part.lookup
         return proposal
