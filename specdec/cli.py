@@ -148,8 +148,8 @@ def bench(
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
         spec = build_speculative_config(draft, k, speculative_config, adaptive, method)
         if spec is None:
-            raise CliError("bench compares plain and speculative decoding: pass --draft D, --method M or "
-                           "--speculative-config")
+            raise CliError("bench compares plain and speculative decoding: pass --draft D or --speculative-config "
+                           "(or --method M)")
         quiet_transformers()
         if peer not in (None, "hf"):
             raise CliError(f"--peer must be 'hf', got {peer!r}")
