@@ -154,7 +154,7 @@ class AdaptiveK:
         """S(k) for k = 0..k_max (the longest list of alphas given), the costs computed once."""
         K = max([self.k_max] + [len(a) for a in alphas_per_seq])
         tokens = mean_expected_tokens(alphas_per_seq, K)  # E(k), mean over the batch
-        line = self._verify_line(B)
+        line = self.verify_line(B)
         t1 = line(1)
         c = self._draft_cost(B, t1)
         return [1.0] + [speedup(tokens[k], round_cost(k, c, line(k + 1)), t1) for k in range(1, K + 1)]
@@ -168,7 +168,7 @@ class AdaptiveK:
                 alphas[i] = alphas[i - 1]
         return alphas
 
-    def _verify_line(self, B: int):
+    def verify_line(self, B: int):
         """T -> seconds of a verify pass with T tokens per row. T = 1: the measured plain step. T > 1:
         the least-squares line through the lengths measured at this batch size (single timings
         are noisy enough to make k = 3 look cheaper than k = 2), never below the plain step; with

@@ -252,7 +252,7 @@ class ChoosingDrafter(Drafter):
         c = self.controller
         measured = c is not None and any(b == B and t.value is not None for (b, _), t in c.verify_time.items())
         if measured:
-            line = c._verify_line(B)
+            line = c.verify_line(B)
         else:
             def line(T: int) -> float:
                 return 1.0 + PRIOR_VERIFY_SLOPE * (T - 1)

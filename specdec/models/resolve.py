@@ -16,7 +16,8 @@ from types import SimpleNamespace
 from specdec.models.gguf import GGUFInfo, read_info
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-SHIPPED = {"specdec/demo-target": ASSETS / "demo-target", "specdec/demo-draft": ASSETS / "demo-draft"}
+SHIPPED = {"specdec/demo-target": ASSETS / "demo-target", "specdec/demo-draft": ASSETS / "demo-draft",
+           "specdec/demo-draft-vocab4k": ASSETS / "demo-draft-vocab4k"}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 

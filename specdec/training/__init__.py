@@ -5,6 +5,7 @@ Modules, one concept each:
     tokenizer.py    byte-level BPE, saved for ``AutoTokenizer``
     train.py        pretrain a Llama model from scratch (``specdec train``)
     distill.py      distill a draft from a target's logits, forward KL
+    finetune.py     continue training a saved model on new text (a draft taught on its target's outputs)
     loop.py         the resumable, DDP-aware optimisation loop and shared options
     distributed.py  plain process or torchrun (DDP), one code path
     checkpoint.py   resumable checkpoints
