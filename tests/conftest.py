@@ -22,6 +22,16 @@ def shared_data() -> Path:
     return SHARED
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module's tests: on a 2-core machine with one core busy (a server's
+    engine thread, another process), two torch threads make every forward pass far slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request) -> str:
     """The device a test runs on: the CPU always, CUDA where a GPU exists (skipped, saying so, elsewhere)."""

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -30,13 +29,7 @@ SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_ben
 PROMPTS = ["w1 w2 w3", "w10 w20 w30 w40 w50", "w7"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # On a 2-core machine with one core busy, two torch threads make every forward pass far slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ drafts, accepted tokens, verify passes and rounds per method, which add up to th
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specdec import LLM, SamplingParams
 from specdec.metrics import NO_DRAFT, RequestSpecStats, SpecDecodingStats
@@ -17,12 +16,7 @@ PER_POS = ("num_draft_tokens_per_pos", "num_accepted_tokens_per_pos")
 PER_METHOD = ("num_rounds_per_method", "num_draft_tokens_per_method", "num_accepted_tokens_per_method")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lossless import assert_greedy_equal
@@ -26,12 +25,7 @@ K = 3
 PROMPTS = ["w1 w2 w3", "w7 w8", "w20 w21 w22 w23 w24", "w5", "w90 w91 w92", "w30 w40 w50 w60"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the machine is shared; several engine threads per process
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

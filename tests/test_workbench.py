@@ -34,12 +34,7 @@ SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: exact joint distributions 
 PROMPTS = [("w1 w2 w3 w4", "code"), ("w10 w20 w30 w40 w50", "code"), ("w7 w8", "chat"), ("w3 w3 w9", "chat")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
