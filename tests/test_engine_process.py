@@ -22,8 +22,10 @@ from specdec import LLM, SamplingParams
 from specdec.config import StructuredOutputsParams
 from specdec.server import ServerThread, build_app
 from specdec.server.async_engine import Prompt
-from test_server import KEY, NAME, one_thread, scrape, spec_config  # noqa: F401 (one_thread: a fixture, one torch thread)
+from test_server import KEY, NAME, scrape, spec_config
 from test_server_outputs import byte_models  # noqa: F401 (a fixture: tiny models with a byte-level tokenizer)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread, the machine is shared
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 DRAFTS, GENERATED = ("specdec:spec_decode_num_drafts_total", ()), ("specdec:generation_tokens_total", ())

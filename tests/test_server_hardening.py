@@ -27,9 +27,10 @@ from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.server import ServerThread, build_app
 from specdec.server.async_engine import AsyncEngine, Prompt, RequestError
 from specdec.server.limits import ServerLimits
-from test_server import one_thread  # noqa: F401 (a fixture: one torch thread, the machine is shared)
 from test_server_outputs import byte_models  # noqa: F401 (a fixture: tiny models with a byte-level tokenizer)
 from tiny_models import make_model, perturbed_copy
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread, the machine is shared
 
 KEY = "sk-hard"
 NAME = "tiny"

@@ -17,8 +17,10 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.config import StructuredOutputsParams
-from test_server import KEY, NAME, one_thread, scrape, serving, spec_config  # noqa: F401 (one_thread: a fixture)
+from test_server import KEY, NAME, scrape, serving, spec_config
 from tiny_models import make_byte_tokenizer, make_model, perturbed_copy
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread, the machine is shared
 
 PROMPTS = ["w1 w2 w3", "w7 w8 w7 w8", "w20 w21 w22 w23 w24"]
 

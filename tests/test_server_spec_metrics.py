@@ -15,7 +15,9 @@ from specdec.metrics import NO_DRAFT
 from specdec.server import ServerThread, build_app
 from specdec.server.chat import render_chat
 from specdec.server.protocol import ChatMessage
-from test_server import KEY, NAME, models, one_thread, scrape, serving, spec_config  # noqa: F401 (fixtures)
+from test_server import KEY, NAME, models, scrape, serving, spec_config  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one torch thread, the machine is shared
 
 PROMPT = "w1 w2 w3 w1 w2 w3 w1 w2"
 COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_draft_tokens_per_pos",
