@@ -21,7 +21,7 @@ requests in flight their per-request times add up to more than the engine's."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 NO_DRAFT = "none"  # the method name of rows that verified without drafts
 
@@ -84,20 +84,19 @@ class SpecCounters:
         self.num_rounds_per_method[NO_DRAFT] = self.num_rounds_per_method.get(NO_DRAFT, 0) + num_seqs * steps
 
     def merge(self, other: SpecCounters) -> None:
-        """Add ``other``'s counts and times to these (a request's choices summed)."""
-        for name in ("num_drafts", "num_draft_tokens", "num_asked_draft_tokens", "num_accepted_tokens",
-                     "num_emitted_tokens", "num_verify_passes", "draft_time_s", "verify_time_s", "prefill_time_s"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos),
-                             (self.num_draft_tokens_per_pos, other.num_draft_tokens_per_pos)):
-            mine += [0] * (len(theirs) - len(mine))
-            for i, v in enumerate(theirs):
-                mine[i] += v
-        for mine, theirs in ((self.num_rounds_per_method, other.num_rounds_per_method),
-                             (self.num_draft_tokens_per_method, other.num_draft_tokens_per_method),
-                             (self.num_accepted_tokens_per_method, other.num_accepted_tokens_per_method)):
-            for key, v in theirs.items():
-                mine[key] = mine.get(key, 0) + v
+        """Add ``other``'s counts and times to these (a request's choices summed), field by field:
+        numbers add, per-position lists add position by position, per-method dicts key by key."""
+        for f in fields(other):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(theirs, list):
+                mine += [0] * (len(theirs) - len(mine))
+                for i, v in enumerate(theirs):
+                    mine[i] += v
+            elif isinstance(theirs, dict):
+                for key, v in theirs.items():
+                    mine[key] = mine.get(key, 0) + v
+            else:
+                setattr(self, f.name, mine + theirs)
 
     @property
     def acceptance_rate(self) -> float:
