@@ -209,7 +209,7 @@ class SamplingParams:
                     or self.structured_outputs is not None)
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "layer_skip")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "layer_skip", "eagle3")
 DRAFT_TOKENIZER_MAPPINGS = ("auto", "string", "intersection")
 SUFFIX_PROBABILITY_ESTIMATES = ("continuations", "occurrences")
 
@@ -226,7 +226,7 @@ class SpeculativeConfig:
     method: str | list[str] = "draft_model"
     num_speculative_tokens: int = 4  # the most drafts per round (the adaptive controller may use fewer)
     adaptive: bool = True  # choose one k per round for the batch from measured acceptance and costs; False: fixed
-    # draft_model
+    # draft_model: the draft model; eagle3: the EAGLE-3 head (models/eagle3.py)
     model: str | None = None
     # a draft whose tokenizer differs from the target's (drafters/other_vocab.py): "string" maps its
     # draft text to the target's tokens, "intersection" drafts over the tokens both vocabularies share,
@@ -271,9 +271,12 @@ class SpeculativeConfig:
         _check(isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}")
         _check(_is_number(self.draft_p_min) and 0 <= self.draft_p_min < 1,
                f"draft_p_min must be in [0, 1), got {self.draft_p_min!r}")
-        if "draft_model" in self.methods and self.num_speculative_tokens > 0:
-            _check(isinstance(self.model, str) and self.model,
-                   "speculative_config with method 'draft_model' needs 'model': a folder or hub id of the draft")
+        for m, what in (("draft_model", "the draft"), ("eagle3", "the EAGLE-3 head")):
+            if m in self.methods and self.num_speculative_tokens > 0:
+                _check(isinstance(self.model, str) and self.model,
+                       f"speculative_config with method {m!r} needs 'model': a folder or hub id of {what}")
+        _check(not ("draft_model" in self.methods and "eagle3" in self.methods),
+               "speculative_config: methods draft_model and eagle3 both read 'model'; list one of them")
         _check(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min!r} "
@@ -295,9 +298,9 @@ class SpeculativeConfig:
         _check(not (self.enable_suffix_decoding and len(self.methods) > 1),
                "enable_suffix_decoding with a list of methods: list 'suffix' among the methods instead "
                f"(got method {short_repr(self.method)})")
-        _check(not self.enable_suffix_decoding or self.method in ("draft_model", "layer_skip"),
-               f"enable_suffix_decoding puts suffix decoding in front of a model drafter (draft_model or "
-               f"layer_skip); for suffix decoding alone use method 'suffix' (got method {self.method!r})")
+        _check(not self.enable_suffix_decoding or self.method in ("draft_model", "layer_skip", "eagle3"),
+               f"enable_suffix_decoding puts suffix decoding in front of a model drafter (draft_model, "
+               f"layer_skip or eagle3); for suffix decoding alone use method 'suffix' (got method {self.method!r})")
         _check(_is_number(self.suffix_decoding_min_score) and self.suffix_decoding_min_score >= 0,
                f"suffix_decoding_min_score must be a number >= 0, got {self.suffix_decoding_min_score!r}")
         _check(self.draft_tokenizer_mapping in DRAFT_TOKENIZER_MAPPINGS,

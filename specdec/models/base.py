@@ -82,6 +82,7 @@ class ModelRunner(ABC):
     backend: str  # the backend's name, for messages and reports: "torch" | "llama.cpp"
     can_run_layer_subsets: bool = False  # honours ForwardBatch.num_layers (layer_skip's self-speculation)
     casts_weights: bool = False  # True: the weights were cast at load to a dtype specdec chose (dtype_choice.py)
+    can_keep_hidden_states: bool = False  # honours keep_hidden_states (EAGLE-3 heads read the target's states)
 
     @abstractmethod
     def describe(self) -> str:
@@ -126,6 +127,23 @@ class ModelRunner(ABC):
                 if bool(stopped.all()):
                     break
         return torch.cat(out, dim=1).tolist()
+
+    def keep_hidden_states(self, layer_ids: Sequence[int]) -> None:
+        """From now on every forward (``greedy_steps`` too) also keeps, per cache row and position, the
+        inputs of layers ``layer_ids`` (Hugging Face's ``hidden_states[i]``) concatenated, [len(layer_ids) * D]:
+        a cache beside the KV that moves, copies and rolls back with it (sync_rows, copy_prefix, start).
+        A backend that cannot raises ValueError."""
+        raise ValueError(f"the {self.backend} backend cannot give the target's hidden states that EAGLE-3 heads "
+                         "read; use backend='torch'")
+
+    def hidden_states(self, row: int, start: int, end: int) -> torch.Tensor:
+        """What ``keep_hidden_states`` kept for cache row ``row`` at positions start..end-1  [end - start, n * D]
+        float32 (positions the target has computed since it was asked to keep them)."""
+        raise ValueError(f"the {self.backend} backend keeps no hidden states")
+
+    def token_embedding(self) -> torch.Tensor:
+        """The input token embedding [V_rows, D] (an EAGLE-3 head embeds its tokens with it)."""
+        raise ValueError(f"the {self.backend} backend does not expose its token embedding")
 
     @abstractmethod
     def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
