@@ -1,0 +1,516 @@
+"""Train an EAGLE-3 draft head (specdec/models/eagle3.py) on a frozen target's own hidden states and logits.
+
+The head reads the inputs of three target layers (``layer_ids``, Hugging Face's ``hidden_states[L]``),
+concatenated [3 * Dt] and fused by ``fc``, plus the target's (frozen) token embedding; its own LM head
+covers a reduced draft vocabulary: the ``--draft-vocab`` tokens that carry the most of the target's
+probability mass over the training windows (draft id i is target id ``i + d2t[i]``, as EAGLE-3 stores it).
+
+The loss is EAGLE-3's training-time test: ``--ttt-steps`` draft steps unrolled per position p, step 0
+reading (fc(features of p), token p + 1), step j reading (step j - 1's pre-norm output, token p + 1 + j)
+at position id p + j, attending to step 0's keys at positions <= p and to its own earlier steps' keys of
+the same p (exactly what a chain sees at inference). Step j's target is the target's distribution at
+position p + 1 + j restricted to the draft vocabulary and renormalised (forward KL, soft labels from the
+target's top-k log-probabilities), weighted 0.8 ** j.
+
+The target is frozen, so its features and top-k logits are computed once per window into memory, and the
+epochs run over that cache: on one CPU thread that is what makes a head for a 28M target train in under
+an hour. Steps: 1. processes; 2. target; 3. windows and the cache; 4. draft vocabulary and head (its LM
+head and final norm start from the target's); 5./6. resume and train in ``loop.run_loop`` (DDP over the
+head under torchrun); 7. save the head; 8. acceptance per position on held-out prompts.
+
+    python -m specdec.training.distill --method eagle3 --target TARGET --data stdlib --out HEAD
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids, save_head
+from specdec.training import distributed
+from specdec.training.data import describe_sources, read_split, tokenize_documents
+from specdec.training.loop import (LoopResult, RunConfig, add_loop_args, fields_from_args, launch_command,
+                                   loop_config_from_args, run_loop, start_run)
+from specdec.training.model_card import write_model_card
+from specdec.training.tokenizer import load_tokenizer
+
+MODULE = "specdec.training.distill"  # launched as `distill --method eagle3`
+
+
+@dataclass(kw_only=True)
+class Eagle3TrainConfig(RunConfig):
+    """What head to train for which target (see :class:`RunConfig` for data, output and the loop)."""
+
+    target: str
+    draft_vocab: int = 0  # rows of the head's LM head; 0: the target's whole vocabulary
+    layer_ids: list[int] | None = None  # None: default_layer_ids(target layers)
+    intermediate_size: int = 0  # the head's MLP width; 0: the target's
+    ttt_steps: int = 7  # draft steps unrolled per position (training-time test)
+    step_decay: float = 0.8  # loss weight of step j: step_decay ** j
+    topk: int = 32  # target log-probabilities kept per position (soft labels)
+    max_windows: int = 1024  # training windows cached (0: all; each costs seq_len * 3 * Dt * 2 bytes)
+    cache_batch: int = 8  # windows per target forward while caching
+    init_from_target: bool = True  # the head's LM head rows and final norm start as the target's
+    accept_prompts: int = 8  # held-out prompts for the final acceptance report (0: skip)
+    accept_prompts_file: str | None = None  # a .jsonl of {"prompt": ...} instead of held-out windows
+    accept_k: int = 4
+    accept_max_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        steps, self.max_steps = self.max_steps, max(self.max_steps, 1)  # 0 is allowed here: an untrained head
+        super().__post_init__()
+        self.max_steps = steps
+        if steps < 0:
+            raise ValueError(f"max_steps must be >= 0 (0 writes an untrained head), got {steps}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 for an EAGLE-3 head, got {self.seq_len}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"--draft-vocab must be >= 1 (or 0 for the target's whole vocabulary), got {self.draft_vocab}")
+        if not 1 <= self.ttt_steps <= 16:
+            raise ValueError(f"--ttt-steps must be in [1, 16], got {self.ttt_steps}")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"--step-decay must be in (0, 1], got {self.step_decay}")
+        if self.topk < 1 or self.max_windows < 0 or self.cache_batch < 1 or self.intermediate_size < 0:
+            raise ValueError("--topk and --cache-batch must be >= 1, --max-windows and --intermediate-size >= 0")
+        if self.accept_prompts < 0 or not 1 <= self.accept_k <= 16 or self.accept_max_tokens < 1:
+            raise ValueError("--accept-prompts must be >= 0, --accept-k in [1, 16], --accept-max-tokens >= 1")
+
+
+# -- the target and its cache -----------------------------------------------------------------------
+
+
+def load_target(name: str, device: torch.device):
+    """The target as a frozen transformers model (fp32 master weights) and its folder."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.resolve import find_gguf, resolve_model_path
+
+    if find_gguf(name):
+        raise ValueError(f"target {name!r} is a GGUF file: training reads the target with transformers; pass the "
+                         "Hugging Face folder it was converted from (the head then works for both)")
+    path = resolve_model_path(name)
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    return target.requires_grad_(False), path
+
+
+@dataclass
+class FeatureCache:
+    """The frozen target's view of N windows of T tokens, computed once (train windows first, then held-out)."""
+
+    tokens: torch.Tensor  # [N, T] long
+    features: torch.Tensor  # [N, T, 3 * Dt] bf16: hidden_states[L] for L in layer_ids, concatenated
+    top_ids: torch.Tensor  # [N, T, K] long: the target's K likeliest next tokens after position t
+    top_logp: torch.Tensor  # [N, T, K] float32: their log-probabilities (over the whole vocabulary)
+    n_train: int
+
+    def gather(self, idx: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
+        idx = idx.cpu()
+        return tuple(t[idx].to(device) for t in (self.tokens, self.features, self.top_ids, self.top_logp))
+
+
+@torch.no_grad()
+def build_cache(target, windows: torch.Tensor, n_train: int, layer_ids: list[int], topk: int, batch: int,
+                bf16: bool, device, log) -> FeatureCache:
+    """Run the target over ``windows`` [N, T] once: kept layer inputs and top-k log-probabilities."""
+    N, T = windows.shape
+    feats, ids, logps = [], [], []
+    t0 = time.time()
+    for i in range(0, N, batch):
+        x = windows[i:i + batch].to(device)  # [b, T]
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = target(input_ids=x, output_hidden_states=True)
+        feats.append(torch.cat([out.hidden_states[L] for L in layer_ids], dim=-1).to(torch.bfloat16).cpu())
+        v, k = F.log_softmax(out.logits.float(), dim=-1).topk(topk, dim=-1)  # [b, T, K]
+        ids.append(k.cpu())
+        logps.append(v.cpu())
+        done = min(i + batch, N)
+        if done == N or (i // batch) % 20 == 19:
+            log(f"cache: {done}/{N} windows through the target ({done * T / (time.time() - t0):,.0f} tok/s)")
+    return FeatureCache(windows.clone(), torch.cat(feats), torch.cat(ids), torch.cat(logps), n_train)
+
+
+def windows_of(tokens: np.ndarray, seq_len: int, limit: int, seed: int) -> torch.Tensor:
+    """Non-overlapping windows [n, seq_len] of a flat token array; ``limit`` > 0 keeps that many, drawn at random."""
+    n = len(tokens) // seq_len
+    w = torch.from_numpy(tokens[:n * seq_len].astype(np.int64)).view(n, seq_len)
+    if limit and n > limit:
+        keep = np.sort(np.random.default_rng([seed, 7]).choice(n, size=limit, replace=False))
+        w = w[torch.from_numpy(keep)]
+    return w
+
+
+def choose_draft_vocab(top_ids: torch.Tensor, top_logp: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor:
+    """The ``n`` target ids with the most target probability mass over the cached positions (ties: lower id),
+    sorted ascending  [n] long. Mass, not argmax counts: sampling at temperature 1 draws from all of it."""
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    mass.index_add_(0, top_ids.flatten().clamp(max=vocab_size - 1), top_logp.flatten().double().exp())
+    order = torch.sort(-mass, stable=True).indices[:n]
+    return order.sort().values
+
+
+class CacheSampler:
+    """Which cached training windows a micro-batch gets: epochs of a seeded permutation, a function of
+    (seed, step, micro, rank) only, so a resumed run replays the same batches."""
+
+    def __init__(self, n_train: int, batch_size: int, grad_accum: int, world_size: int, rank: int, seed: int):
+        if n_train < 1:
+            raise ValueError("no training windows: the corpus is shorter than one --seq-len window")
+        self.n, self.bs, self.accum, self.world, self.rank, self.seed = n_train, batch_size, grad_accum, world_size, rank, seed
+
+    def batch(self, batch_size: int, step: int, micro: int = 0) -> torch.Tensor:
+        first = ((step * self.accum + micro) * self.world + self.rank) * batch_size
+        s = np.arange(first, first + batch_size)
+        out = np.empty(batch_size, dtype=np.int64)
+        for epoch in np.unique(s // self.n):
+            perm = np.random.default_rng([self.seed, int(epoch)]).permutation(self.n)
+            sel = s // self.n == epoch
+            out[sel] = perm[s[sel] % self.n]
+        return torch.from_numpy(out)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "n_train": self.n}
+
+    def check_state(self, state: dict) -> None:
+        if state != self.state_dict():
+            raise ValueError(f"checkpoint sampler state {state} does not match this run's {self.state_dict()}: "
+                             "resume with the same data, --seq-len, --max-windows and --seed")
+
+
+# -- the training-time test -------------------------------------------------------------------------
+
+
+def ttt_mask(P: int, j: int, device) -> torch.Tensor:
+    """Attention of step j's queries [P] over step 0's keys [P] then steps 1..j's [P each]: causal over
+    step 0, the diagonal (same position) over the later steps  [P, P * (j + 1)] bool."""
+    causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(P, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * j, dim=1)
+
+
+class TTTModel(nn.Module):
+    """The head plus its training-time-test loss; the module DDP wraps (forward = the loss)."""
+
+    def __init__(self, head: Eagle3Head, ttt_steps: int, step_decay: float):
+        super().__init__()
+        self.head, self.steps, self.decay = head, ttt_steps, step_decay
+        c = head.config
+        index = torch.full((c.vocab_size,), -1, dtype=torch.long)
+        index[head.draft_to_target] = torch.arange(c.draft_vocab_size)
+        self.register_buffer("to_draft", index, persistent=False)  # target id -> draft id, -1 outside
+
+    def labels(self, top_ids: torch.Tensor, top_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Soft labels over the draft vocabulary: draft ids [..., K] (0 where outside), probabilities
+        renormalised over the ones inside [..., K], and whether any mass is inside [...]."""
+        didx = self.to_draft[top_ids.clamp(max=self.to_draft.numel() - 1)]  # [..., K]
+        p = top_logp.float().exp() * (didx >= 0)
+        z = p.sum(-1, keepdim=True)
+        return didx.clamp(min=0), p / z.clamp(min=1e-12), z.squeeze(-1) > 0
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
+                stats: bool = False):
+        """Weighted sum over steps of the mean forward KL; with ``stats`` also per-step figures.
+
+        tokens [B, T], features [B, T, 3Dt], top_ids / top_logp [B, T, K] (the target's next-token
+        distribution after each position). Step j at position p (0 <= p < P = T - 1) reads token p + 1 + j
+        and is scored against the distribution after position p + 1 + j; positions past the window are masked.
+        """
+        head = self.head
+        B, T = tokens.shape
+        P = T - 1
+        dev = tokens.device
+        pad = lambda x, j: F.pad(x[:, 1 + j:], (0, 0) * (x.dim() - 2) + (0, j))  # [B, P, ...] shifted by 1 + j
+        h = head.fuse(features[:, :P])  # [B, P, D]
+        past_k = past_v = None
+        total = tokens.new_zeros((), dtype=torch.float32)
+        figs = []
+        alive = torch.ones(B, P, dtype=torch.bool, device=dev)
+        base = torch.arange(P, device=dev)
+        for j in range(self.steps):
+            if j >= P:
+                break
+            ids = pad(tokens, j)  # [B, P]
+            logits, g, k, v = head.step(ids, h, (base + j).expand(B, P), past_k, past_v,
+                                        ttt_mask(P, j, dev).expand(B, P, P * (j + 1)))
+            past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+            past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+            didx, p, inside = self.labels(pad(top_ids, j), pad(top_logp, j))  # [B, P, K] x2, [B, P]
+            valid = inside & (base < P - j)[None]  # [B, P]
+            logq = F.log_softmax(logits, dim=-1).gather(-1, didx)  # [B, P, K]
+            kl = (p * (torch.log(p.clamp(min=1e-12)) - logq)).sum(-1)  # [B, P]
+            n = valid.sum().clamp(min=1)
+            step_loss = (kl * valid).sum() / n
+            total = total + self.decay ** j * step_loss
+            if stats:
+                with torch.no_grad():
+                    top1 = self.to_draft[pad(top_ids, j)[..., 0]]  # the target's greedy token, as a draft id
+                    hit = logits.argmax(-1) == top1
+                    in_range = (base < P - j)[None].expand(B, P)
+                    alive = alive & hit
+                    figs.append({"kl": step_loss.item(), "top1": (hit & in_range).sum().item() / in_range.sum().item(),
+                                 "chain": (alive & in_range).sum().item() / in_range.sum().item()})
+            h = g
+        return (total, figs) if stats else total
+
+
+@torch.no_grad()
+def teacher_forced_stats(model: TTTModel, cache: FeatureCache, idx: torch.Tensor, batch: int, device) -> list[dict]:
+    """Per step on windows ``idx``: KL, how often the head's top token is the target's (top1), and how often
+    steps 0..j all are (chain: the share of positions a greedy chain of j + 1 drafts survives when the text
+    is the target's own greedy output). An estimate that needs no engine; the engine's figure is the real one."""
+    was = model.training
+    model.eval()
+    sums: list[dict] = []
+    n = 0
+    for i in range(0, len(idx), batch):
+        chunk = idx[i:i + batch]
+        _, figs = model(*cache.gather(chunk, device), stats=True)
+        if not sums:
+            sums = [dict.fromkeys(f, 0.0) for f in figs]
+        for s, f in zip(sums, figs):
+            for key in f:
+                s[key] += f[key] * len(chunk)
+        n += len(chunk)
+    model.train(was)
+    return [{key: v / max(n, 1) for key, v in s.items()} for s in sums]
+
+
+def format_stats(figs: list[dict]) -> str:
+    tau = 1 + sum(f["chain"] for f in figs)
+    return ("top1 per step " + " / ".join(f"{f['top1']:.2f}" for f in figs) + "; chain " +
+            " / ".join(f"{f['chain']:.2f}" for f in figs) + f"; teacher-forced tau {tau:.2f} (k={len(figs)})")
+
+
+# -- acceptance through the engine ------------------------------------------------------------------
+
+
+def engine_acceptance(target: str, speculative_config: dict, prompts: list, max_tokens: int,
+                      temperature: float = 0.0, seed: int = 0, backend: str = "torch") -> dict:
+    """Acceptance per position and tau of one speculative configuration (k fixed: adaptive off)."""
+    from specdec import LLM, SamplingParams
+
+    llm = LLM(target, backend=backend, speculative_config={**speculative_config, "adaptive": False})
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                            seed=None if temperature == 0 else seed)
+    llm.generate([{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts], params)
+    m = llm.get_metrics()
+    return {"k": speculative_config["num_speculative_tokens"], "temperature": temperature, "prompts": len(prompts),
+            "max_tokens": max_tokens, "num_drafts": m["num_drafts"], "acceptance_rate": m["acceptance_rate"],
+            "acceptance_rate_per_pos": m["acceptance_rate_per_pos"], "mean_acceptance_length": m["mean_acceptance_length"]}
+
+
+def format_acceptance(r: dict) -> str:
+    per_pos = " / ".join(f"{a:.2f}" for a in r["acceptance_rate_per_pos"])
+    return (f"acceptance {r['acceptance_rate']:.3f}, per position {per_pos}, tau {r['mean_acceptance_length']:.2f} "
+            f"(k={r['k']} fixed, temperature {r['temperature']:g}, {r['prompts']} prompts x {r['max_tokens']} tokens)")
+
+
+def engine_has_eagle3() -> bool:
+    """Whether this specdec speculates with EAGLE-3 heads yet (the drafter module exists)."""
+    import importlib.util
+
+    return importlib.util.find_spec("specdec.drafters.eagle3") is not None
+
+
+def read_prompts_file(path: str) -> list[str]:
+    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    return [x["prompt"] if isinstance(x, dict) else x for x in lines]
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
+    # 1. Processes.
+    d, log, bf16 = start_run(cfg, "eagle3.log")
+    t_start = time.time()
+
+    # 2. Target, frozen, and its tokenizer.
+    target, target_path = load_target(cfg.target, d.device)
+    tc = target.config
+    vocab, n_layers = tc.vocab_size, tc.num_hidden_layers
+    layer_ids = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(n_layers)
+    if len(layer_ids) != 3 or not all(0 <= L < n_layers for L in layer_ids):
+        raise ValueError(f"--layer-ids must be 3 target layers in 0..{n_layers - 1}, got {layer_ids}")
+    draft_vocab = cfg.draft_vocab or vocab
+    if draft_vocab > vocab:
+        raise ValueError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary ({vocab} tokens); "
+                         f"pass at most {vocab}, or 0 for all of it")
+    tokenizer = load_tokenizer(target_path)
+    log(f"target {cfg.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters, {n_layers} "
+        f"layers, vocabulary {vocab}; features from layers {layer_ids}; bf16={bf16}")
+
+    # 3. Windows (non-overlapping, train then held-out) and the target's view of them, once.
+    _, (train_texts, val_texts) = read_split(cfg.data, cfg.val_fraction)
+    train_tokens = tokenize_documents(train_texts, tokenizer)
+    val_tokens = tokenize_documents(val_texts, tokenizer)
+    train_w = windows_of(train_tokens, cfg.seq_len, cfg.max_windows, cfg.seed)
+    val_w = windows_of(val_tokens, cfg.seq_len, cfg.eval_windows, cfg.seed)
+    if len(train_w) == 0:
+        raise ValueError(f"the training data has {len(train_tokens)} tokens, fewer than one --seq-len window "
+                         f"({cfg.seq_len}); pass more text or a smaller --seq-len")
+    log(f"data: {len(train_tokens):,} train tokens -> {len(train_w)} windows of {cfg.seq_len}; "
+        f"{len(val_tokens):,} held-out tokens -> {len(val_w)} windows")
+    t0 = time.time()
+    cache = build_cache(target, torch.cat([train_w, val_w]), len(train_w), layer_ids, cfg.topk, cfg.cache_batch,
+                        bf16, d.device, log)
+    cache_s = time.time() - t0
+    val_idx = torch.arange(len(train_w), len(train_w) + len(val_w)) if len(val_w) else None
+
+    # 4. Draft vocabulary and head.
+    n_tr = cache.n_train
+    draft_ids = choose_draft_vocab(cache.top_ids[:n_tr], cache.top_logp[:n_tr], vocab, draft_vocab)  # [Vd]
+    mass = torch.zeros(vocab, dtype=torch.float64)
+    mass.index_add_(0, cache.top_ids[:n_tr].flatten(), cache.top_logp[:n_tr].flatten().double().exp())
+    coverage = (mass[draft_ids].sum() / mass.sum()).item()
+    log(f"draft vocabulary: {draft_vocab} of {vocab} tokens, covering {coverage:.1%} of the target's top-{cfg.topk} "
+        "probability mass on the training windows")
+    torch.manual_seed(cfg.seed)
+    hc = Eagle3Config.for_target(tc, draft_vocab_size=draft_vocab, layer_ids=layer_ids,
+                                 intermediate_size=cfg.intermediate_size or None)
+    head = Eagle3Head(hc)
+    head.d2t.copy_(draft_ids - torch.arange(draft_vocab))
+    head.t2d.zero_()
+    head.t2d[draft_ids] = True
+    if cfg.init_from_target:
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float().cpu())
+            norm = getattr(target.get_decoder(), "norm", None)
+            if norm is not None and norm.weight.shape == head.norm.weight.shape:
+                head.norm.weight.copy_(norm.weight.float().cpu())
+    head.set_embedding(target.get_input_embeddings().weight.detach().float().cpu())
+    n_params = sum(p.numel() for p in head.parameters())
+    model = TTTModel(head, cfg.ttt_steps, cfg.step_decay).to(d.device)
+    log(f"head: {n_params / 1e6:.2f}M trained parameters (hidden {hc.hidden_size}, MLP {hc.intermediate_size}, "
+        f"draft vocabulary {draft_vocab}); training-time test over {cfg.ttt_steps} steps")
+    del target
+
+    # 5./6. Resume if asked, and train over the cache.
+    sampler = CacheSampler(n_tr, cfg.batch_size, cfg.grad_accum, d.world_size, d.rank, cfg.seed)
+
+    def batch(step: int, micro: int) -> torch.Tensor:
+        return sampler.batch(cfg.batch_size, step, micro)  # [batch] cache indices
+
+    def loss(m, idx: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
+            return m(*cache.gather(idx, d.device))
+
+    if cfg.max_steps:
+        r = run_loop(cfg, d, log, model, sampler, batch, loss, val_idx, "loss")
+    else:
+        log("max_steps 0: writing the untrained head")
+        r = LoopResult(0, 0, float("nan"), float("nan"), float("nan"), 0.0, True, d.world_size)
+    summary = r.summary("loss", parameters=n_params, bf16=bf16, draft_vocab=draft_vocab, vocab=vocab,
+                        layer_ids=layer_ids, coverage=coverage, train_windows=n_tr, cache_s=cache_s,
+                        train_tokens_cached=n_tr * cfg.seq_len)
+
+    # 7. Save the head; 8. how well it drafts on held-out text.
+    if d.is_main:
+        out = save_head(head, cfg.out, dtype=getattr(torch, cfg.save_dtype))
+        size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+        log(f"saved head to {out} ({size / 1e6:.1f} MB)")
+        summary["size_mb"] = size / 1e6
+        if val_idx is not None:
+            with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
+                figs = teacher_forced_stats(model, cache, val_idx, cfg.batch_size, d.device)
+            summary["held_out_steps"] = figs
+            log(f"held-out (teacher-forced) {format_stats(figs)}")
+        prompts: list = []
+        if cfg.accept_prompts and cfg.accept_prompts_file:
+            prompts = read_prompts_file(cfg.accept_prompts_file)[: cfg.accept_prompts]
+        elif cfg.accept_prompts and len(val_w):
+            plen = min(128, cfg.seq_len // 2)
+            prompts = [w[:plen].tolist() for w in val_w[: cfg.accept_prompts]]
+        if prompts and engine_has_eagle3():
+            spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": cfg.accept_k}
+            summary["held_out_acceptance"] = engine_acceptance(cfg.target, spec, prompts, cfg.accept_max_tokens)
+            log(f"held-out, through the engine: {format_acceptance(summary['held_out_acceptance'])}")
+        elif prompts:
+            log("held-out acceptance through the engine skipped: this specdec has no EAGLE-3 drafter "
+                "(specdec/drafters/eagle3.py); the teacher-forced figures above estimate it")
+        summary["total_wall_s"] = time.time() - t_start
+        write_eagle3_card(out, cfg, summary)
+    d.barrier()
+    distributed.teardown(d)
+    return summary
+
+
+def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "") -> Path:
+    facts = {
+        "architecture": "LlamaForCausalLMEagle3 (EAGLE-3 head: one decoder layer over fused target states)",
+        "target": cfg.target,
+        "target layers read (inputs of)": ", ".join(map(str, s["layer_ids"])),
+        "draft vocabulary": f"{s['draft_vocab']:,} of {s['vocab']:,} tokens ({s['coverage']:.1%} of the target's "
+                            "probability mass on the training windows)",
+        "trained parameters": s["parameters"],
+        "objective": f"training-time test over {cfg.ttt_steps} steps, forward KL to the target's top-{cfg.topk} "
+                     f"distribution on the draft vocabulary, step j weighted {cfg.step_decay:g}^j",
+        "data": describe_sources(cfg.data),
+        "windows cached": f"{s['train_windows']:,} x {cfg.seq_len} tokens ({s['train_tokens_cached']:,} tokens)",
+        "steps (done / planned)": f"{s['steps']:,} / {cfg.max_steps:,}",
+        "tokens seen": s["tokens_seen"],
+        "precision": ("bf16 autocast" if s["bf16"] else "fp32") + f", saved as {cfg.save_dtype}",
+        "wall time": f"{s.get('total_wall_s', 0):.0f} s in all (target cache {s['cache_s']:.0f} s, training "
+                     f"{s['wall_time_s']:.0f} s)",
+        "first / final train loss": f"{s['first_loss']:.4f} / {s['train_loss']:.4f}",
+        "final held-out loss": s["held_out_loss"],
+        "files": f"{s.get('size_mb', 0):.1f} MB",
+    }
+    if "held_out_steps" in s:
+        facts["held-out, teacher-forced"] = format_stats(s["held_out_steps"])
+    if "held_out_acceptance" in s:
+        facts["held-out acceptance (engine, greedy)"] = format_acceptance(s["held_out_acceptance"])
+    text = ("An EAGLE-3 draft head trained with `specdec distill --method eagle3` on the target's own hidden "
+            "states and logits. Use it with `speculative_config={\"method\": \"eagle3\", \"model\": ..., "
+            "\"num_speculative_tokens\": k}`; the token embedding is the target's and is not stored here.")
+    return write_model_card(out, f"specdec EAGLE-3 head: {out.name}", text, facts, cfg.command, notes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec distill --method eagle3",
+                                description="Train an EAGLE-3 draft head on a target's hidden states and logits.")
+    p.add_argument("--target", required=True)
+    add_loop_args(p)
+    p.add_argument("--draft-vocab", type=int, default=0, help="rows of the head's LM head (0: the whole vocabulary)")
+    p.add_argument("--layer-ids", default=None, help="3 target layers whose inputs the head reads, e.g. 2,4,5 "
+                   "(default: 2, N/2, N-3)")
+    p.add_argument("--intermediate-size", type=int, default=0, help="the head's MLP width (0: the target's)")
+    p.add_argument("--ttt-steps", type=int, default=7, help="draft steps unrolled per position (training-time test)")
+    p.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step j: DECAY ** j")
+    p.add_argument("--topk", type=int, default=32, help="target log-probabilities cached per position")
+    p.add_argument("--max-windows", type=int, default=1024, help="training windows cached (0: all)")
+    p.add_argument("--cache-batch", type=int, default=8, help="windows per target forward while caching")
+    p.add_argument("--no-init-from-target", dest="init_from_target", action="store_false",
+                   help="start the LM head and final norm at random instead of from the target's")
+    p.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for the acceptance report (0: skip)")
+    p.add_argument("--accept-prompts-file", default=None, help='a .jsonl of {"prompt": ...} for that report')
+    p.add_argument("--accept-k", type=int, default=4)
+    p.add_argument("--accept-max-tokens", type=int, default=64)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    own = fields_from_args(a, "target draft_vocab intermediate_size ttt_steps step_decay topk max_windows cache_batch "
+                              "init_from_target accept_prompts accept_prompts_file accept_k accept_max_tokens")
+    if a.layer_ids:
+        try:
+            own["layer_ids"] = [int(x) for x in a.layer_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--layer-ids takes 3 comma-separated integers, got {a.layer_ids!r}") from None
+    return train_eagle3(Eagle3TrainConfig(**loop_config_from_args(a), **own,
+                                          command=launch_command(MODULE, ["--method", "eagle3", *argv])))
+
+
+if __name__ == "__main__":
+    main()

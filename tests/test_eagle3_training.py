@@ -1,0 +1,126 @@
+"""specdec distill --method eagle3 (specdec/training/eagle3.py) on a tiny random target: the head it
+writes, the training-time test's attention against a chain run step by step, and bad input."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import WORDS, make_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    """A 4-layer random target and a folder of word documents."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = make_model(root / "target", layers=4, hidden=64, seed=3)
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    for i in range(10):
+        (data / f"doc{i}.py").write_text(" ".join(rng.choice(WORDS[:40]) for _ in range(200)))
+    return target, data
+
+
+def run(tiny, out: Path, *extra: str) -> dict:
+    from specdec.training.distill import main
+
+    target, data = tiny
+    return main(["--method", "eagle3", "--target", str(target), "--data", str(data), "--out", str(out),
+                 "--seq-len", "32", "--batch-size", "4", "--warmup-steps", "2", "--eval-windows", "2",
+                 "--val-fraction", "0.2", "--threads", "1", "--accept-prompts", "0", "--ttt-steps", "3",
+                 "--log-every", "5", *extra])
+
+
+def load(tiny, out: Path):
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.eagle3 import load_head
+
+    t = AutoModelForCausalLM.from_pretrained(tiny[0])
+    return load_head(out, t.get_input_embeddings().weight.detach(), t.config.num_hidden_layers,
+                     t.config.vocab_size), t
+
+
+def test_max_steps_zero_writes_an_untrained_head_that_loads(tiny, tmp_path):
+    s = run(tiny, tmp_path / "h", "--max-steps", "0", "--draft-vocab", "50", "--layer-ids", "1,2,3")
+    assert s["steps"] == 0 and s["draft_vocab"] == 50
+    head, target = load(tiny, tmp_path / "h")
+    c = head.config
+    assert c.layer_ids == [1, 2, 3] and c.draft_vocab_size == 50 and c.vocab_size == target.config.vocab_size
+    ids = head.draft_to_target
+    assert torch.equal(ids, ids.sort().values) and len(set(ids.tolist())) == 50  # ascending, distinct target ids
+    assert int(head.t2d.sum()) == 50 and bool(head.t2d[ids].all())  # t2d marks exactly the draft vocabulary
+    assert torch.equal(head.embed_tokens, target.get_input_embeddings().weight[: c.vocab_size])
+    assert "python -m specdec.training.distill --method eagle3 --target" in (tmp_path / "h" / "README.md").read_text()
+
+
+def test_a_few_steps_lower_the_loss_and_resume_replays_them(tiny, tmp_path):
+    s = run(tiny, tmp_path / "a", "--max-steps", "12", "--lr", "3e-3")
+    assert s["train_loss"] < s["first_loss"] and s["held_out_loss"] == s["held_out_loss"]  # not nan
+    head, _ = load(tiny, tmp_path / "a")
+    assert head.config.layer_ids == [2, 2, 1] and head.config.draft_vocab_size == head.config.vocab_size
+    # stopped at step 6 and resumed: the same weights as the uninterrupted run
+    run(tiny, tmp_path / "b", "--max-steps", "12", "--lr", "3e-3", "--stop-at-step", "6")
+    run(tiny, tmp_path / "b", "--max-steps", "12", "--lr", "3e-3", "--resume")
+    other, _ = load(tiny, tmp_path / "b")
+    for (name, p), q in zip(head.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_the_training_time_test_sees_what_a_chain_sees(tiny):
+    """Step j at position p of the unrolled training pass gives the logits a chain computes at inference:
+    step 0 over positions 0..p from the target's features, then steps 1..j one at a time, each reading
+    the previous step's output and appending its key to the head's own cache."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.training.eagle3 import TTTModel, ttt_mask
+
+    t = AutoModelForCausalLM.from_pretrained(tiny[0])
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(t.config, layer_ids=[1, 2, 3]), t.get_input_embeddings().weight.detach())
+    for p_ in head.parameters():
+        p_.data.normal_(0, 0.3)
+    T, steps = 12, 3
+    tokens = torch.randint(3, 100, (1, T))
+    feats = torch.randn(1, T, 3 * 64)
+    model = TTTModel(head, steps, 0.8)
+    P = T - 1
+    h = head.fuse(feats[:, :P])
+    ks, vs, outs = None, None, []
+    for j in range(steps):  # the unrolled pass, as TTTModel.forward runs it
+        ids = torch.nn.functional.pad(tokens[:, 1 + j:], (0, j))
+        logits, g, k, v = head.step(ids, h, (torch.arange(P) + j)[None], ks, vs, ttt_mask(P, j, "cpu")[None])
+        ks = k if ks is None else torch.cat([ks, k], 2)
+        vs = v if vs is None else torch.cat([vs, v], 2)
+        outs.append(logits)
+        h = g
+    for p in (0, 4, P - steps):
+        logits, g, k, v = head.step(tokens[:, 1:p + 2], head.fuse(feats[:, :p + 1]), torch.arange(p + 1)[None])
+        torch.testing.assert_close(logits[:, -1], outs[0][:, p], rtol=1e-4, atol=1e-4)
+        g = g[:, -1:]
+        for j in range(1, steps):  # chain step j at position p + j reads token p + 1 + j
+            logits, g, k2, v2 = head.step(tokens[:, p + 1 + j:p + 2 + j], g, torch.tensor([[p + j]]), k, v)
+            k, v = torch.cat([k, k2], 2), torch.cat([v, v2], 2)
+            torch.testing.assert_close(logits[:, -1], outs[j][:, p], rtol=1e-4, atol=1e-4)
+    assert model.to_draft.numel() == head.config.vocab_size
+
+
+def test_bad_input_says_what_is_wrong(tiny, tmp_path):
+    from specdec.training.distill import main
+
+    with pytest.raises(ValueError, match="draft-vocab 500 is larger than the target's vocabulary"):
+        run(tiny, tmp_path / "x", "--max-steps", "0", "--draft-vocab", "500")
+    with pytest.raises(ValueError, match="does not exist"):
+        main(["--method", "eagle3", "--target", str(tmp_path / "nope"), "--data", str(tiny[1]), "--out",
+              str(tmp_path / "y"), "--max-steps", "0"])
+    with pytest.raises(ValueError, match="layer-ids must be 3 target layers"):
+        run(tiny, tmp_path / "z", "--max-steps", "0", "--layer-ids", "1,2,9")
+    with pytest.raises(ValueError, match="is not one distill trains"):
+        main(["--method", "medusa", "--target", str(tiny[0]), "--data", str(tiny[1]), "--out", str(tmp_path / "w")])
