@@ -157,7 +157,7 @@ def verify_lossless(
 
 
 def export(
-    engine: Annotated[str, typer.Option("--engine", help="vllm, sglang, trtllm or llamacpp.")],
+    engine: Annotated[str | None, typer.Option("--engine", help="vllm, sglang, trtllm or llamacpp.")] = None,
     profile_path: Annotated[str | None, typer.Option(
         "--profile", help="profile.json from `specdec profile`: export its recommendation (with a "
                           "--speculative-config that lists methods: rank them).")] = None,
@@ -166,23 +166,44 @@ def export(
         "--by-category", help="With --profile: one setting per prompt category (these engines take one method "
                               "per deployment: one deployment per category).")] = False,
     out: Annotated[str | None, typer.Option(
-        "--out", help="With --by-category: write one file per category into this folder.")] = None,
-    model: Annotated[str | None, typer.Option("--model", help="Target model (used in the launch command).")] = None,
+        "--out", help="With --by-category: write one file per category into this folder; with --eagle3-head: "
+                      "the folder for the head's files.")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", "--target", help="Target model (used in the launch command; with --eagle3-head its Hugging "
+                                    "Face folder).")] = None,
+    eagle3_head: Annotated[str | None, typer.Option(
+        "--eagle3-head", help="Write this EAGLE-3 head's files for the engines (vLLM's speculators layout, "
+                              "SGLang's SpecForge layout, a GGUF for llama-server) into --out.")] = None,
+    head_format: Annotated[str, typer.Option(
+        "--format", help="With --eagle3-head: vllm, sglang, gguf, both (vllm and gguf) or all.")] = "all",
+    target_gguf: Annotated[str | None, typer.Option(
+        "--target-gguf", help="With --eagle3-head: the target's GGUF that llama-server loads (the head's GGUF "
+                              "copies its vocabulary; default: specdec's conversion of --model).")] = None,
+    gguf_outtype: Annotated[str, typer.Option(
+        "--gguf-outtype", help="With --eagle3-head: the head GGUF's weight type (f32, bf16, f16, q8_0).")] = "bf16",
+    k: base.KOpt = None,
     as_json: base.JsonOpt = False,
 ) -> None:
-    """Print the equivalent speculative-decoding settings for vLLM, SGLang, TensorRT-LLM or llama.cpp."""
+    """Print the equivalent speculative-decoding settings for vLLM, SGLang, TensorRT-LLM or llama.cpp, or
+    (--eagle3-head) write an EAGLE-3 head's files in each engine's layout with the commands that run them."""
     with base.errors_exit_2():
         from specdec.workbench.export import export_by_category, export_config, export_from_profile, load_profile_json
 
-        if profile_path is None and speculative_config is None:
+        files = None
+        if eagle3_head is not None:
+            result = _export_head(eagle3_head, model, out, head_format, target_gguf, gguf_outtype, k,
+                                  engine or profile_path or speculative_config or by_category)
+        elif engine is None:
+            raise base.CliError("pass --engine vllm|sglang|trtllm|llamacpp (or --eagle3-head HEAD to write a head's "
+                                "files)")
+        elif profile_path is None and speculative_config is None:
             raise base.CliError("pass --profile profile.json or --speculative-config JSON")
-        if by_category and (profile_path is None or speculative_config is not None):
+        elif by_category and (profile_path is None or speculative_config is not None):
             raise base.CliError("--by-category exports a profile's per-category picks: pass --profile profile.json "
                                 "and no --speculative-config")
-        if out is not None and not by_category:
+        elif out is not None and not by_category:
             raise base.CliError("--out writes one file per category: use it with --by-category")
-        files = None
-        if by_category:
+        elif by_category:
             result = export_by_category(engine, profile_path)
             if out is not None:
                 files = result.write(out)
@@ -204,6 +225,28 @@ def export(
         typer.echo(result.text, nl=False)
         for cat, path in (files or {}).items():
             typer.echo(f"# wrote {path} ({cat})")
+
+
+HEAD_FORMATS = {"vllm": ("vllm",), "sglang": ("sglang",), "gguf": ("gguf",), "both": ("vllm", "gguf"),
+                "all": ("vllm", "sglang", "gguf")}
+
+
+def _export_head(head: str, target: str | None, out: str | None, fmt: str, target_gguf: str | None,
+                 outtype: str, k: int | None, other):
+    """``specdec export --eagle3-head``: the head's files for each engine."""
+    from specdec.workbench.export_head import export_head
+
+    if other:
+        raise base.CliError("--eagle3-head writes a head's files; it takes no --engine, --profile, "
+                            "--speculative-config or --by-category")
+    if target is None or out is None:
+        raise base.CliError("--eagle3-head needs --model TARGET (the Hugging Face folder the head was trained for) "
+                            "and --out DIR")
+    if fmt not in HEAD_FORMATS:
+        raise base.CliError(f"--format must be one of {', '.join(HEAD_FORMATS)}, got {fmt!r}")
+    base.quiet_transformers()
+    return export_head(head, target, out, HEAD_FORMATS[fmt], k=4 if k is None else k, target_gguf=target_gguf,
+                       gguf_outtype=outtype)
 
 
 def register(app: typer.Typer) -> None:

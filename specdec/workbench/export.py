@@ -1,16 +1,21 @@
 """The same speculative setting for the engine one deploys on, with that engine's own option names.
 
 Names checked against each engine's documentation:
-- vLLM: ``speculative_config`` keys ``method`` (``draft_model``, ``ngram``, ``suffix``), ``model``,
+- vLLM: ``speculative_config`` keys ``method`` (``draft_model``, ``ngram``, ``suffix``, ``eagle3``), ``model``,
   ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``, ``suffix_decoding_*``.
-- SGLang: ``--speculative-algorithm STANDALONE|NGRAM``, ``--speculative-draft-model-path``,
+- SGLang: ``--speculative-algorithm STANDALONE|NGRAM|EAGLE3``, ``--speculative-draft-model-path``,
   ``--speculative-num-steps``, ``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``
   (the verified tokens: the drafts plus the last committed token, so k + 1 for a chain of k),
   ``--speculative-ngram-min/max-match-window-size``, ``--speculative-ngram-max-bfs-breadth``.
 - TensorRT-LLM (LLM API / ``trtllm-serve --extra_llm_api_options``): ``speculative_config`` with
-  ``decoding_type: DraftTarget|NGram``, ``max_draft_len``, ``speculative_model_dir``,
+  ``decoding_type: DraftTarget|NGram|Eagle3``, ``max_draft_len``, ``speculative_model_dir``,
   ``max_matching_ngram_size``, ``is_public_pool``.
-- llama.cpp ``llama-server``: ``-md``, ``--draft-max``, ``--draft-min``, ``--draft-p-min``, ``--spec-type``.
+- llama.cpp ``llama-server``: ``-md``, ``--draft-max``, ``--draft-min``, ``--draft-p-min``, ``--spec-type``
+  (``draft-eagle3`` with ``--spec-draft-n-max``: the builds that have it renamed the ``--draft-*`` options).
+
+An EAGLE-3 head (method ``eagle3``) exports as each engine's EAGLE-3 setting; its files in each
+engine's own layout (speculators for vLLM, SpecForge for SGLang, GGUF for llama.cpp) are written by
+``specdec export --eagle3-head`` (workbench/export_head.py).
 
 Where an engine has no equivalent of a setting the export says so in a note (a ``#`` comment in the
 text) instead of emitting an option that would mean something else.
@@ -295,6 +300,9 @@ def _vllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         if spec.draft_p_min > 0:
             notes.append(f"draft_p_min={spec.draft_p_min} (stop drafting below this draft probability) has no "
                          "vLLM option; vLLM always drafts num_speculative_tokens")
+    elif spec.method == "eagle3":
+        cfg = {"method": "eagle3", "model": spec.model, "num_speculative_tokens": k}
+        notes.append(_head_note("vllm", spec.model))
     elif spec.method == "ngram":
         cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.prompt_lookup_max,
                "prompt_lookup_min": spec.prompt_lookup_min}
@@ -319,6 +327,12 @@ def _sglang(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         if spec.draft_p_min > 0:
             notes.append(f"draft_p_min={spec.draft_p_min} has no SGLang option; SGLang always drafts "
                          "--speculative-num-steps tokens")
+    elif spec.method == "eagle3":
+        flags = {"--speculative-algorithm": "EAGLE3", "--speculative-draft-model-path": spec.model,
+                 "--speculative-num-steps": k, "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": k + 1}
+        notes.append("--speculative-num-draft-tokens counts the last committed token too: k drafts -> k + 1; "
+                     "--speculative-eagle-topk 1 makes it a chain like specdec's, not a tree")
+        notes.append(_head_note("sglang", spec.model))
     else:  # ngram
         flags = {"--speculative-algorithm": "NGRAM", "--speculative-num-draft-tokens": k + 1,
                  "--speculative-ngram-min-match-window-size": spec.prompt_lookup_min,
@@ -342,6 +356,10 @@ def _trtllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         extra = {"disable_overlap_scheduler": True}  # as TensorRT-LLM's own draft/target example sets it
         if spec.draft_p_min > 0:
             notes.append(f"draft_p_min={spec.draft_p_min} has no TensorRT-LLM option; it always drafts max_draft_len")
+    elif spec.method == "eagle3":
+        cfg = {"decoding_type": "Eagle3", "max_draft_len": k, "speculative_model_dir": spec.model}
+        notes.append("TensorRT-LLM reads the head folder as specdec writes it (SpecForge layout: midlayer.*); newer "
+                     "releases name the folder option speculative_model")
     else:  # ngram
         cfg = {"decoding_type": "NGram", "max_draft_len": k, "max_matching_ngram_size": spec.prompt_lookup_max,
                "is_public_pool": False}
@@ -359,6 +377,9 @@ def _llamacpp(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         flags = {"-md": _gguf(spec.model), "--draft-max": k, "--draft-min": 0, "--draft-p-min": spec.draft_p_min}
         notes.append("--draft-p-min is set explicitly: llama.cpp's default (0.75) stops drafting early, specdec's "
                      f"draft_p_min is {spec.draft_p_min}")
+    elif spec.method == "eagle3":
+        flags = {"-md": _gguf(spec.model), "--spec-type": "draft-eagle3", "--spec-draft-n-max": k}
+        notes.append(_head_note("llamacpp", spec.model))
     else:  # ngram
         flags = {"--spec-type": "ngram-simple", "--draft-max": k}
         notes.append("model-free drafting (--spec-type) exists only in recent llama-server builds; its n-gram "
@@ -371,6 +392,19 @@ def _llamacpp(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
 
 def _gguf(model: str) -> str:
     return model.rstrip("/") + ".gguf"
+
+
+def _head_note(engine: str, head: str) -> str:
+    """Where an EAGLE-3 head's files for ``engine`` come from."""
+    def write(fmt: str) -> str:
+        return f"`specdec export --eagle3-head {head} --model TARGET --out DIR --format {fmt}`"
+
+    return {"vllm": f"vLLM loads the head folder as specdec writes it (SpecForge layout); {write('vllm')} also writes "
+                    "the speculators layout vLLM's own tools write (DIR/vllm, naming its target and k)",
+            "sglang": "SGLang counts layer ids as layer outputs, specdec as layer inputs: pass DIR/sglang of "
+                      f"{write('sglang')}, whose ids are written one lower",
+            "llamacpp": f"llama-server reads the head as GGUF: {write('gguf')} writes it with llama.cpp's own "
+                        "converter (its vocabulary copied from the target's GGUF)"}[engine]
 
 
 # -- text -----------------------------------------------------------------------------------------
