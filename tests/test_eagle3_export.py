@@ -294,3 +294,36 @@ def test_llama_server_loads_the_pair_and_drafts_with_it(gguf_pair):
             proc.wait(30)
     assert outs["eagle3"][1].get("draft_n", 0) > 0  # it drafted with our head
     assert outs["eagle3"][0] == outs["plain"][0]  # greedy: the same tokens as plain decoding
+
+
+def _profiled_config(method: str, cfg: dict, speedups: list[float]) -> dict:
+    """One profiled config as profile.json holds it, measured at k = 3 on one category."""
+    K, best = len(speedups) - 1, max(range(len(speedups)), key=lambda k: speedups[k])
+    entry = {"acceptance_rate": 0.8, "mean_acceptance_length": 3.0, "alpha_conditional": [0.9, 0.8, 0.7],
+             "acceptance_rate_per_pos": [0.9, 0.72, 0.5], "predicted_speedup": speedups,
+             "predicted_speedup_end_to_end": speedups, "measured_speedup_at_k_max": speedups[-1], "best_k": best,
+             "best_speedup": speedups[best], "num_prompts": 2}
+    return {"method": method, "speculative_config": cfg, "k_measured": K, "draft_cost_ratio": 0.1,
+            "categories": {"code": entry, "all": entry}}
+
+
+def test_a_profile_that_picks_eagle3_exports_the_eagle3_setting(pair, tmp_path):
+    from specdec.config import SpeculativeConfig
+    from specdec.workbench.categories import recommend
+    from specdec.workbench.export import export_from_profile
+    from specdec.workbench.profile import _config_dict
+
+    _, target, head, _ = pair
+    cfg = _config_dict(SpeculativeConfig.from_dict({"method": "eagle3", "model": str(head),
+                                                    "num_speculative_tokens": 3}))
+    assert cfg["method"] == "eagle3" and cfg["model"] == str(head)  # the head survives into profile.json
+    configs = [_profiled_config("ngram", {"method": "ngram", "num_speculative_tokens": 3}, [1.0, 1.1, 1.15, 1.1]),
+               _profiled_config("eagle3", cfg, [1.0, 1.4, 1.7, 1.9])]
+    profile = {"model": str(target), "categories": ["code"], "configs": configs, "recommendation": recommend(configs)}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    vllm = export_from_profile("vllm", path)
+    assert vllm.options["speculative_config"] == {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    assert export_from_profile("sglang", path).options["--speculative-algorithm"] == "EAGLE3"
+    assert export_from_profile("llamacpp", path).options["--spec-type"] == "draft-eagle3"
+    assert export_from_profile("trtllm", path).options["speculative_config"]["decoding_type"] == "Eagle3"

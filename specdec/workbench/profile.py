@@ -435,7 +435,7 @@ def _config_dict(spec: SpeculativeConfig) -> dict:
     suffix = {f for f in vars(spec) if f.startswith("suffix_decoding_")}
     keep = {"method", "num_speculative_tokens", "adaptive", "draft_p_min"}
     for method in spec.methods:
-        keep |= {"draft_model": {"model"}, "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
+        keep |= {"draft_model": {"model"}, "eagle3": {"model"}, "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
                  "suffix": suffix, "layer_skip": {"num_draft_layers"}}[method]
     if spec.draft_tokenizer_mapping != "auto":  # a draft with another tokenizer, mapped as the user chose
         keep.add("draft_tokenizer_mapping")
