@@ -3,7 +3,10 @@ prompts, greedy, batch 1, alternating in one run.
 
 llama-server runs plain, with the draft (``-md``, ``--spec-draft-n-max`` 2..8, the best reported) and
 with its draft-free types (ngram-mod, ngram-simple, ngram-map-k); specdec runs plain, the draft
-(adaptive k), suffix, ngram and the draft with suffix in front. Prompts go to the server as token ids
+(adaptive k), suffix, ngram and the draft with suffix in front. With ``--eagle3-head H`` both also run
+the EAGLE-3 head: llama-server as ``-md H.gguf --spec-type draft-eagle3`` (the GGUF written by
+``specdec export --eagle3-head``, i.e. llama.cpp's own converter, vocabulary from the target's GGUF)
+at each k, specdec with method eagle3 (adaptive k, and with suffix in front). Prompts go to the server as token ids
 and both sides generate exactly ``--max-tokens`` tokens (EOS ignored), so the outputs compare token for
 token. End to end is the client's wall time per request (prefill included); decode-only leaves out
 the prompt's prefill (the server's ``prompt_ms``, specdec's ``prefill_time_s``).
@@ -13,6 +16,7 @@ source distribution, cached outside the repository (~/.cache/specdec/llama.cpp-b
 
     python benchmarks/peer_llamacpp.py                       # the shipped pair, bf16 target, f32 draft
     python benchmarks/peer_llamacpp.py --target X.gguf --draft-free-only
+    python benchmarks/peer_llamacpp.py --eagle3-head specdec/demo-eagle3 --ks 2,4,6
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import json
 import os
 import socket
 import subprocess
-import tarfile
 import time
 import urllib.request
 from pathlib import Path
@@ -34,20 +37,12 @@ FREE_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k")
 
 def build_tools(build: Path = BUILD) -> Path:
     """llama-server and llama-bench from the llama.cpp tree of the installed llama-cpp-python's sdist."""
-    from importlib.metadata import version
+    from specdec.workbench.export_head import llama_cpp_tree
 
     bin_dir = build / "build" / "bin"
     if (bin_dir / "llama-server").exists() and (bin_dir / "llama-bench").exists():
         return bin_dir
-    ver = version("llama-cpp-python")
-    src = build / f"llama_cpp_python-{ver}"
-    if not src.exists():
-        build.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["pip", "download", "--no-binary", ":all:", "--no-deps", f"llama-cpp-python=={ver}",
-                        "-d", str(build)], check=True)
-        with tarfile.open(build / f"llama_cpp_python-{ver}.tar.gz") as tar:
-            tar.extractall(build, filter="data")
-    tree = src / "vendor" / "llama.cpp"
+    tree = llama_cpp_tree()  # fetched with pip into specdec's cache once
     t0 = time.time()
     subprocess.run(["cmake", "-S", str(tree), "-B", str(build / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                     "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -70,6 +65,23 @@ def gguf_of(name: str, outtype: str) -> str:
     out = BUILD.parent / "peer" / f"{Path(resolve_model_path(name)).name}-{outtype}.gguf"
     if not out.exists():
         convert(resolve_model_path(name), str(out), outtype, progress=print)
+    return str(out)
+
+
+def eagle3_gguf(head: str, target: str, target_gguf: str, outtype: str) -> str:
+    """The EAGLE-3 head ``head`` as GGUF for llama-server (llama.cpp's converter, via specdec export),
+    written once into ~/.cache/specdec/peer per head contents, target file and weight type."""
+    import hashlib
+
+    from specdec.models.gguf import checkpoint_digest
+    from specdec.models.resolve import resolve_model_path
+    from specdec.workbench.export_head import write_gguf
+
+    head_dir = resolve_model_path(head) if head.startswith("specdec/") else head
+    key = hashlib.sha256(f"{checkpoint_digest(head_dir)} {Path(target_gguf).resolve()}".encode()).hexdigest()[:12]
+    out = BUILD.parent / "peer" / f"{Path(head_dir).name}-{key}-eagle3-{outtype}.gguf"
+    if not out.exists():
+        write_gguf(head_dir, resolve_model_path(target), out, vocab_gguf=target_gguf, outtype=outtype)
     return str(out)
 
 
@@ -174,6 +186,10 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target-outtype", default="bf16")
     ap.add_argument("--draft", default="specdec/demo-draft")
     ap.add_argument("--draft-outtype", default="f32")
+    ap.add_argument("--eagle3-head", default=None,
+                    help="also run this EAGLE-3 head (e.g. specdec/demo-eagle3): llama-server draft-eagle3 and "
+                         "specdec method eagle3; --target must then be the Hugging Face checkpoint it was trained for")
+    ap.add_argument("--eagle3-outtype", default="f32", help="the head GGUF's weight type for llama-server")
 
 
 def main() -> None:
@@ -218,6 +234,16 @@ def main() -> None:
                                              "suffix_decoding_max_spec_factor": 3.0},
                     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4}}
     server_cfgs = {"plain": [], **{t: ["--spec-type", t] for t in FREE_TYPES}}
+    if args.eagle3_head:
+        head_gguf = eagle3_gguf(args.eagle3_head, args.target, target, args.eagle3_outtype)
+        print(f"EAGLE-3 head for llama-server: {head_gguf}", flush=True)
+        specdec_cfgs |= {"eagle3 k=8 adaptive": {"method": "eagle3", "model": args.eagle3_head,
+                                                 "num_speculative_tokens": 8},
+                         "eagle3+suffix": {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": 8,
+                                           "enable_suffix_decoding": True}}
+        server_cfgs |= {f"draft-eagle3 k={k}": ["-md", head_gguf, "--spec-type", "draft-eagle3", "--spec-draft-n-max",
+                                                str(k), "-tbd", str(args.threads), "-td", str(args.threads)]
+                        for k in map(int, args.ks.split(","))}
     if quantized(target):
         # as specdec's runner loads quantized files: llama.cpp's repacked q8_0 kernels crash on AMX CPUs
         server_cfgs = {k: ["--no-repack", *v] for k, v in server_cfgs.items()}
@@ -254,7 +280,11 @@ def main() -> None:
         batch = prompts[r * args.num_prompts : (r + 1) * args.num_prompts]
         for side, name in (mixed if r % 2 == 0 else mixed[::-1]):
             if side == "specdec":
-                llms[name] = build(name)
+                try:
+                    llms[name] = build(name)
+                except ValueError as e:  # e.g. a method this backend cannot run: said, not hidden
+                    print(f"{side:12s} {name:20s} skipped: {e}", flush=True)
+                    continue
             res = run_specdec(llms[name], batch, args.max_tokens) if side == "specdec" else \
                 run_server(bin_dir, target, args.threads, server_cfgs[name], batch, args.max_tokens)
             results.setdefault(f"{side} {name}", []).append(res)
@@ -283,9 +313,9 @@ def main() -> None:
     for k, v in sorted(mean.items(), key=lambda kv: -kv[1]["e2e"]):
         print(f"  {k:34s} {v['e2e']:7.1f} / {v['decode']:7.1f}")
 
-    def best(prefix: str, names, without: str = "\0", torch_too: bool = False) -> tuple[str, float]:
+    def best(prefix: str, names, without: tuple[str, ...] = (), torch_too: bool = False) -> tuple[str, float]:
         cands = [(k, mean[k]["e2e"]) for k in mean if k.startswith(prefix) and any(n in k for n in names)
-                 and without not in k and (torch_too or "torch" not in k)]
+                 and not any(w in k for w in without) and (torch_too or "torch" not in k)]
         return max(cands, key=lambda x: x[1]) if cands else ("-", float("nan"))
 
     if args.torch:
@@ -300,15 +330,19 @@ def main() -> None:
         md, md_v = best("llama-server", ["-md"])
         print(f"specdec draft (adaptive) / llama-server best -md ({md}): "
               f"{mean['specdec draft k=8 adaptive']['e2e'] / md_v:.2f}x")
-    any_spec, any_v = best("llama-server", ["-md", *FREE_TYPES])
+    if args.eagle3_head:
+        e3, e3_v = best("llama-server", ["draft-eagle3"])
+        sd_e3, sd_e3_v = best("specdec", ["eagle3"])
+        print(f"specdec eagle3 ({sd_e3}) / llama-server best draft-eagle3 ({e3}), same head: {sd_e3_v / e3_v:.2f}x")
+    any_spec, any_v = best("llama-server", ["-md", "draft-eagle3", *FREE_TYPES])
     free, free_v = best("llama-server", FREE_TYPES)
-    sd_best, sd_v = best("specdec", ["suffix", "ngram", "draft"])
+    sd_best, sd_v = best("specdec", ["suffix", "ngram", "draft", "eagle3"])
     print(f"specdec best ({sd_best}) / llama-server best speculative ({any_spec}): {sd_v / any_v:.2f}x")
     if args.torch:
-        sd_any, sd_any_v = best("specdec", ["suffix", "ngram", "draft"], torch_too=True)
+        sd_any, sd_any_v = best("specdec", ["suffix", "ngram", "draft", "eagle3"], torch_too=True)
         print(f"specdec best on either backend ({sd_any}) / llama-server best speculative ({any_spec}): "
               f"{sd_any_v / any_v:.2f}x")
-    sd_free, sd_free_v = best("specdec", ["suffix", "ngram"], without="draft")
+    sd_free, sd_free_v = best("specdec", ["suffix", "ngram"], without=("draft", "eagle3"))
     print(f"specdec best draft-free ({sd_free}) / llama-server best draft-free ({free}): {sd_free_v / free_v:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"mean": mean, "runs": {k: [{m: x[m] for m in x if m != "outputs"}
