@@ -85,6 +85,38 @@ def eagle3_gguf(head: str, target: str, target_gguf: str, outtype: str) -> str:
     return str(out)
 
 
+def check_eagle3_gguf(bin_dir: Path, head: str, target: str, target_gguf: str, head_gguf: str,
+                      prompts: list[list[int]], n: int, threads: int) -> None:
+    """Does llama-server run the converted head as specdec runs it? The head's teacher-forced step-0
+    top-1 on the target's greedy continuations (torch, the head's own files) against llama-server's
+    draft-eagle3 acceptance at k = 1 on the same prompts: equal up to float rounding and the few
+    tokens where the two backends' greedy paths part."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.eagle3 import load_head
+    from specdec.models.resolve import resolve_model_path
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(target), dtype=torch.float32).eval()
+    head_dir = resolve_model_path(head) if head.startswith("specdec/") else head
+    h = load_head(head_dir, hf.get_input_embeddings().weight, hf.config.num_hidden_layers)
+    hits = total = 0
+    with torch.no_grad():
+        for ids in prompts:
+            full = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)  # [1, T]
+            hs = hf(full, output_hidden_states=True).hidden_states  # hs[i]: the input of layer i
+            feats = torch.cat([hs[i] for i in h.config.layer_ids], -1)[:, :-1]  # [1, T-1, 3D]: f_0..f_{T-2}
+            logits, *_ = h.step(full[:, 1:], h.fuse(feats), torch.arange(full.shape[1] - 1)[None])
+            pred = h.draft_to_target[logits[0].argmax(-1)]  # position p predicts token p + 2
+            for p in range(len(ids) - 2, full.shape[1] - 2):
+                hits += int(pred[p] == full[0, p + 2])
+                total += 1
+    res = run_server(bin_dir, target_gguf, threads, ["-md", head_gguf, "--spec-type", "draft-eagle3",
+                                                     "--spec-draft-n-max", "1"], prompts, n)
+    print(f"EAGLE-3 head check: specdec (torch, teacher-forced) step-0 top-1 {hits / total:.3f} over {total} "
+          f"positions; llama-server draft-eagle3 k=1 acceptance {res['accept'] or 0:.3f}", flush=True)
+
+
 def quantized(gguf: str) -> bool:
     from specdec.models.gguf import read_info
 
@@ -190,6 +222,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help="also run this EAGLE-3 head (e.g. specdec/demo-eagle3): llama-server draft-eagle3 and "
                          "specdec method eagle3; --target must then be the Hugging Face checkpoint it was trained for")
     ap.add_argument("--eagle3-outtype", default="f32", help="the head GGUF's weight type for llama-server")
+    ap.add_argument("--eagle3-check", action="store_true",
+                    help="only check that llama-server runs the converted head as specdec does (k = 1 acceptance "
+                         "against the head's teacher-forced top-1 on the same prompts), then stop")
 
 
 def main() -> None:
@@ -237,6 +272,10 @@ def main() -> None:
     if args.eagle3_head:
         head_gguf = eagle3_gguf(args.eagle3_head, args.target, target, args.eagle3_outtype)
         print(f"EAGLE-3 head for llama-server: {head_gguf}", flush=True)
+        if args.eagle3_check:
+            check_eagle3_gguf(bin_dir, args.eagle3_head, args.target, target, head_gguf,
+                              prompts[: args.num_prompts], args.max_tokens, args.threads)
+            return
         specdec_cfgs |= {"eagle3 k=8 adaptive": {"method": "eagle3", "model": args.eagle3_head,
                                                  "num_speculative_tokens": 8},
                          "eagle3+suffix": {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": 8,
