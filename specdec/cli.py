@@ -11,18 +11,21 @@ import time
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from specdec.cli_common import (TAU, AdaptiveOpt, BackendOpt, CliError, DeviceOpt, DraftOpt, DtypeOpt, JsonOpt,
-                                KOpt, MethodOpt, ModelOpt, SpecOpt, TokenizerOpt, build_speculative_config,
-                                errors_exit_2, print_json, quiet_transformers)
+                                KOpt, MethodOpt, ModelOpt, SpecOpt, SuffixInFrontOpt, TokenizerOpt,
+                                build_speculative_config, errors_exit_2, parse_methods, print_json,
+                                quiet_transformers)
+from specdec.demo import PROBE_ROUNDS
 from specdec.workbench.cli import register as register_workbench
 
 app = typer.Typer(help="Lossless speculative decoding for Hugging Face Llama-family checkpoints.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False)
 
-DEMO_TARGET, DEMO_DRAFT = "specdec/demo-target", "specdec/demo-draft"
+DEMO_TARGET, DEMO_DRAFT, DEMO_HEAD = "specdec/demo-target", "specdec/demo-draft", "specdec/demo-eagle3"
 # Each ends where the tokenizer ends a token in running text: a prompt ending in a bare newline
 # leaves a token that training text merges with the next line's indentation, and the model then
 # starts a top-level line instead of the function body.
@@ -42,6 +45,7 @@ def generate(
     method: MethodOpt = None,
     k: KOpt = None,
     adaptive: AdaptiveOpt = None,
+    suffix_in_front: SuffixInFrontOpt = False,
     speculative_config: SpecOpt = None,
     temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling; 1 disables it.")] = 1.0,
@@ -87,7 +91,7 @@ def generate(
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, min_tokens=min_tokens,
                                 structured_outputs=structured, n=n, logprobs=logprobs)
-        spec = build_speculative_config(draft, k, speculative_config, adaptive, method)
+        spec = build_speculative_config(draft, k, speculative_config, adaptive, method, suffix_in_front)
         quiet_transformers()
         llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
                   tokenizer=tokenizer)
@@ -124,6 +128,7 @@ def bench(
     method: MethodOpt = None,
     k: KOpt = None,
     adaptive: AdaptiveOpt = None,
+    suffix_in_front: SuffixInFrontOpt = False,
     speculative_config: SpecOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens per prompt.")] = 128,
     num_prompts: Annotated[int | None, typer.Option(help="Use only the first N prompts.")] = None,
@@ -146,7 +151,7 @@ def bench(
 
         records = load_prompts(prompts, num_prompts)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        spec = build_speculative_config(draft, k, speculative_config, adaptive, method)
+        spec = build_speculative_config(draft, k, speculative_config, adaptive, method, suffix_in_front)
         if spec is None:
             raise CliError("bench compares plain and speculative decoding: pass --draft D or --speculative-config "
                            "(or --method M)")
@@ -173,10 +178,20 @@ def bench(
 def demo(
     max_tokens: Annotated[int, typer.Option(help="Most tokens per completion.")] = 64,
     device: DeviceOpt = "cpu",
-    backend: BackendOpt = "auto",
+    backend: Annotated[str, typer.Option(
+        "--backend", help="auto: measure every backend here (llama.cpp and torch; the one $SPECDEC_AUTO_BACKEND "
+                          "names if set) and run the fastest; torch or llama.cpp: that one only.")] = "auto",
+    method: Annotated[list[str] | None, typer.Option(
+        "--method", help="Measure only this speculative method: draft_model, suffix, eagle3 (when the head is "
+                         "installed) or a list chosen per request such as suffix,eagle3; repeat the option for "
+                         "several. Default: each of the three and suffix with the best model drafter.")] = None,
+    k: KOpt = None,
+    probe_rounds: Annotated[int, typer.Option(
+        min=1, help="Times each configuration runs the probe prompts before the choice.")] = PROBE_ROUNDS,
     as_json: JsonOpt = False,
 ) -> None:
-    """Complete three Python prompts with the shipped pair (greedy, k=4), then bench plain vs speculative."""
+    """Measure plain decoding on each backend and a few speculative configurations here, then complete
+    three Python prompts with the best one and bench it against plain decoding on the fastest backend."""
     from specdec.models.resolve import SHIPPED
 
     missing = [name for name in (DEMO_TARGET, DEMO_DRAFT) if not (SHIPPED[name] / "config.json").exists()]
@@ -185,31 +200,87 @@ def demo(
                    f"{SHIPPED[DEMO_TARGET].parent}); run `specdec generate --model FOLDER --draft FOLDER "
                    "--prompt ...` with your own checkpoints instead", err=True)
         raise typer.Exit(1)
+    head = DEMO_HEAD if DEMO_HEAD in SHIPPED and (SHIPPED[DEMO_HEAD] / "config.json").exists() else None
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
     with errors_exit_2():
-        from specdec import LLM, SamplingParams
+        from specdec import SamplingParams
         from specdec.bench import run_bench
+        from specdec.demo import PROBE_PROMPTS, PROBE_TOKENS, build, candidates, choose, explain, measure
 
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        backends = _demo_backends(backend, device)
+        methods = [m.strip() for m in method] if method else None
+        if methods is not None:
+            for entry in methods:
+                parse_methods(entry)  # the same errors as --method elsewhere
+            if any("eagle3" in entry.split(",") for entry in methods) and head is None:
+                raise CliError(f"--method eagle3: the shipped EAGLE-3 head {DEMO_HEAD} is not installed (no "
+                               f"{SHIPPED.get(DEMO_HEAD, DEMO_HEAD)}/config.json); train one with `specdec distill "
+                               "--method eagle3` or leave eagle3 out")
+        cands = candidates(backends, DEMO_DRAFT, head, methods, k)
+        probe_tokens = min(PROBE_TOKENS, max_tokens)
+        err.print(f"specdec demo: measuring {len(cands)} configurations on this machine ({len(PROBE_PROMPTS)} "
+                  f"probe prompts x {probe_rounds}, {probe_tokens} tokens each, greedy, batch 1, alternating)",
+                  style="dim", markup=False)
         quiet_transformers()
-        spec_llm = LLM(model=DEMO_TARGET, device=device, backend=backend, speculative_config={
-            "method": "draft_model", "model": DEMO_DRAFT, "num_speculative_tokens": 4})
-        ar_llm = LLM(model=DEMO_TARGET, device=device, backend=spec_llm.backend)  # the same backend
+        llms = build(cands, DEMO_TARGET, device, progress=lambda line: err.print(line, style="dim", markup=False))
+        t0 = time.perf_counter()
+        measured = measure(llms, max_tokens=probe_tokens, rounds=probe_rounds)
+        measure_s = time.perf_counter() - t0
+        choice = choose(measured)
+        why = explain(choice)
+        if choice.spec is None:
+            _print_measured(choice, why, probe_tokens, probe_rounds, Console(highlight=False))
+            raise CliError("no speculative configuration could run here (see the table)")
+        spec_c, fast_c = choice.spec.candidate, choice.plain.candidate
+        same_c = (choice.plain_on(spec_c.backend) or choice.plain).candidate
+        for c in [c for c in llms if c not in (spec_c, fast_c, same_c)]:
+            del llms[c]  # the losers' models and KV caches go before the full run
+        spec_llm, fast_llm, same_llm = llms[spec_c], llms[fast_c], llms[same_c]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
         completions = [o.outputs[0].text for o in spec_llm.generate(DEMO_PROMPTS, params)]
-        result = run_bench(ar_llm, spec_llm, DEMO_PROMPTS, params).as_dict()
-    summary = {"ar_tokens_per_s": result["ar"]["tokens_per_s"], "spec_tokens_per_s": result["spec"]["tokens_per_s"],
-               "speedup": result["speedup"], "acceptance_rate": result["spec"]["acceptance_rate"],
+        peer = f"plain {fast_c.backend}"
+        peers = {} if fast_c == same_c else {
+            peer: lambda p: fast_llm.generate([p], params)[0].outputs[0].token_ids}
+        result = run_bench(same_llm, spec_llm, DEMO_PROMPTS, params, peers=peers).as_dict()
+    baseline = result["peers"][peer]["tokens_per_s"] if peers else result["ar"]["tokens_per_s"]
+    spec_tps = result["spec"]["tokens_per_s"]
+    summary = {"ar_tokens_per_s": baseline, "spec_tokens_per_s": spec_tps,
+               "speedup": spec_tps / baseline if baseline else 0.0,
+               "plain_backend": fast_c.backend, "same_backend_speedup": result["speedup"],
+               "same_backend_ar_tokens_per_s": result["ar"]["tokens_per_s"],
+               "acceptance_rate": result["spec"]["acceptance_rate"],
                "mean_acceptance_length": result["spec"]["mean_acceptance_length"], "paths": result["paths"],
-               "backend": spec_llm.backend, "backend_reason": spec_llm.backend_reason}
+               "backend": spec_c.backend, "backend_reason": "measured by the demo: the best speculative configuration",
+               "configuration": spec_c.name, "speculative_config": spec_c.speculative_config(), "why": why,
+               "measured": [m.as_dict() for m in measured], "measure_time_s": measure_s}
     if as_json:
         print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
         return
     console = Console(highlight=False)
+    _print_measured(choice, why, probe_tokens, probe_rounds, console)
     for p, c in zip(DEMO_PROMPTS, completions):
-        console.rule(f"{DEMO_TARGET} + {DEMO_DRAFT}, k=4, greedy, backend {spec_llm.backend}", style="dim")
+        console.rule(f"{DEMO_TARGET}, {spec_c.name}, greedy", style="dim")
         console.print(p, style="bold", end="", markup=False)
         console.print(c, markup=False)
     console.rule(style="dim")
-    _print_bench(result, console)
+    _print_demo_bench(result, summary, fast_c.backend, peer if peers else None, console)
+
+
+def _demo_backends(backend: str, device: str) -> list[str]:
+    """The backends the demo measures: the one asked for, else every one that runs here."""
+    from specdec.demo import BACKENDS
+    from specdec.models import llamacpp_lib
+    from specdec.models.backend_choice import ENV
+
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise CliError(f"--backend must be auto, torch or llama.cpp, got {backend!r}")
+        return [backend]
+    if os.environ.get(ENV):  # fixed for this machine (the test suite fixes torch)
+        return [os.environ[ENV]]
+    if not str(device).startswith("cpu") or not llamacpp_lib.available():
+        return ["torch"]
+    return list(BACKENDS)
 
 
 @app.command()
@@ -237,6 +308,7 @@ def serve(
     method: MethodOpt = None,
     k: KOpt = None,
     adaptive: AdaptiveOpt = None,
+    suffix_in_front: SuffixInFrontOpt = False,
     host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the server local.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
@@ -313,7 +385,7 @@ def serve(
         if threads is not None:
             torch.set_num_threads(threads)
 
-        spec = build_speculative_config(draft, k, speculative_config, adaptive, method)
+        spec = build_speculative_config(draft, k, speculative_config, adaptive, method, suffix_in_front)
         quiet_transformers()
         server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -404,6 +476,12 @@ def _print_bench(r: dict, console: Console) -> None:
         table.add_row(name, str(side["tokens"]), f"{side['time_s']:.2f}", f"{side['tokens_per_s']:.1f}",
                       f"{side['median_tokens_per_s']:.1f}")
     console.print(table)
+    for line in _bench_lines(r):
+        console.print(line, markup=False, soft_wrap=True)
+
+
+def _bench_lines(r: dict) -> list[str]:
+    """The summary under a bench table: speedup (first), acceptance, τ, greedy equality, peers, paths."""
     s = r["spec"]
     per_pos = ", ".join(f"{a:.2f}" for a in s["acceptance_rate_per_pos"]) or "-"
     lines = [
@@ -437,6 +515,60 @@ def _print_bench(r: dict, console: Console) -> None:
         lines.append("by category: " + "; ".join(
             f"{c} {v['speedup']:.2f}x, τ {v['mean_acceptance_length']:.2f}" for c, v in cats.items()))
     lines += [f"{side} path: {path}" for side, path in (r.get("paths") or {}).items()]
+    return lines
+
+
+def _print_measured(choice, why: str, probe_tokens: int, rounds: int, console: Console) -> None:
+    """The demo's measurements: one row per configuration, against the fastest plain backend."""
+    table = Table(title=f"measured here: 3 probe prompts, best of {rounds}, {probe_tokens} tokens, greedy, batch 1",
+                  title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1))
+    for col in ("configuration", "tok/s", "x plain", TAU.split()[0], "k/round", "step ms", "v(k+1)"):
+        table.add_column(col, justify="left" if col == "configuration" else "right",
+                         no_wrap=col == "configuration")
+    base = choice.plain.tokens_per_s
+    for m in choice.measured:
+        name = m.candidate.name + (" *" if m is choice.spec or m is choice.plain else "")
+        if not m.ok:
+            table.add_row(name, "-", "", "", "", "", "")
+            continue
+        spec = not m.candidate.plain
+        table.add_row(name, f"{m.tokens_per_s:.1f}", f"{m.tokens_per_s / base:.2f}" if base else "-",
+                      f"{m.tau:.2f}" if spec else "-", f"{m.mean_k:.1f}" if spec else "-",
+                      f"{m.step_ms:.2f}" if m.step_ms else "-",
+                      f"{m.verify_steps:.2f}" if m.verify_steps is not None else "-")
+    console.print(table)
+    notes = [f"x plain: over plain decoding on {choice.plain.candidate.backend}, the fastest plain backend here; "
+             f"{TAU.split()[0]}: tokens per verify pass; step: the one-token forward; v(k+1): a verify pass of "
+             "k/round + 1 tokens, in steps; *: the baseline and the choice"]
+    notes += [f"{m.candidate.name}: not run: {m.error or 'no tokens'}" for m in choice.measured if not m.ok]
+    for line in [*notes, f"why: {why}"]:
+        console.print(line, markup=False, soft_wrap=True, style=None if line.startswith("why") else "dim")
+
+
+def _print_demo_bench(r: dict, summary: dict, fast_backend: str, peer: str | None, console: Console) -> None:
+    """The full run: plain on the fastest backend (the baseline), plain on the speculative side's own
+    backend (its exactness reference) when that differs, and the chosen configuration."""
+    table = Table(title=f"{r['num_prompts']} demo prompts, batch 1, max {r['max_tokens']} tokens, greedy",
+                  title_style="bold")
+    for col in ("", "tokens", "time (s)", "tokens/s"):
+        table.add_column(col, justify="left" if not col else "right")
+    rows = []
+    if peer is not None:
+        p = r["peers"][peer]
+        rows.append((f"plain, {fast_backend} (fastest plain)", p["tokens"], p["time_s"], p["tokens_per_s"]))
+    same = " (fastest plain)" if peer is None else " (same backend)"
+    rows.append((f"plain, {summary['backend']}{same}", r["ar"]["tokens"], r["ar"]["time_s"], r["ar"]["tokens_per_s"]))
+    rows.append((f"speculative, {summary['configuration']}", r["spec"]["tokens"], r["spec"]["time_s"],
+                 r["spec"]["tokens_per_s"]))
+    for name, tokens, seconds, tps in rows:
+        table.add_row(name, str(tokens), f"{seconds:.2f}", f"{tps:.1f}")
+    console.print(table)
+    lines = _bench_lines(r)
+    lines[0] = (f"speedup: {summary['speedup']:.2f}x over plain decoding on {fast_backend}, the fastest plain "
+                "backend here (speculative tokens/s ÷ its tokens/s, prompt prefill included)")
+    if peer is not None:
+        lines.insert(1, f"over plain decoding on {summary['backend']}, the same backend: {r['speedup']:.2f}x "
+                        f"(decoding alone {r['decode_speedup']:.2f}x); greedy equality is checked against it")
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
 

@@ -20,11 +20,17 @@ TAU = "τ (mean acceptance length: tokens per verify pass, incl. bonus)"
 ModelOpt = Annotated[str, typer.Option(
     "--model", help="Target: a checkpoint folder, a hub id, a .gguf file or a folder holding one.")]
 DraftOpt = Annotated[str | None, typer.Option(
-    "--draft", help='Draft model; shorthand for --speculative-config \'{"method": "draft_model", "model": D}\'.')]
+    "--draft", "--speculative-model",
+    help='Draft model, or with --method eagle3 the EAGLE-3 head (e.g. specdec/demo-eagle3); shorthand for '
+         '--speculative-config \'{"method": "draft_model", "model": D}\'. --speculative-model is vLLM\'s name.')]
 MethodOpt = Annotated[str | None, typer.Option(
-    "--method", help="Speculative method: draft_model (the model from --draft), ngram, suffix or layer_skip; or "
-                     "several separated by commas (e.g. suffix,draft_model,ngram): each request then drafts, "
-                     "round by round, with the one that pays most on its text.")]
+    "--method", help="Speculative method: draft_model (the model from --draft), eagle3 (the head from --draft), "
+                     "ngram, suffix or layer_skip; or several separated by commas (e.g. suffix,eagle3): each "
+                     "request then drafts, round by round, with the one that pays most on its text.")]
+SuffixInFrontOpt = Annotated[bool, typer.Option(
+    "--enable-suffix-decoding", help="Suffix decoding in front of the model drafter (draft_model, eagle3 or "
+                                     "layer_skip): a sequence takes the suffix draft when it expects enough of it "
+                                     "accepted, else the model's.")]
 AdaptiveOpt = Annotated[bool | None, typer.Option(
     "--adaptive/--no-adaptive", help="Choose one k per round for the batch from measured acceptance and costs (the "
                                      "default), or keep k fixed.")]
@@ -60,10 +66,17 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+# the methods that read speculative_config's "model", and what it is for each
+MODEL_METHODS = {"draft_model": "the draft model: pass --draft D",
+                 "eagle3": "the EAGLE-3 head: pass --draft HEAD (or --speculative-model HEAD), e.g. "
+                           "--method eagle3 --draft specdec/demo-eagle3"}
+
+
 def build_speculative_config(draft: str | None, k: int | None, raw: str | None,
-                             adaptive: bool | None = None, method: str | None = None) -> dict[str, Any] | None:
-    """The speculative_config dict from --draft / -k / --speculative-config / --[no-]adaptive / --method
-    (validated by the library)."""
+                             adaptive: bool | None = None, method: str | None = None,
+                             suffix_in_front: bool = False) -> dict[str, Any] | None:
+    """The speculative_config dict from --draft / -k / --speculative-config / --[no-]adaptive / --method /
+    --enable-suffix-decoding (validated by the library; the CLI adds what a flag-level mistake needs)."""
     cfg = _speculative_config_base(draft, k, raw)
     if method is not None:
         methods = parse_methods(method)
@@ -82,6 +95,17 @@ def build_speculative_config(draft: str | None, k: int | None, raw: str | None,
             raise CliError("--adaptive/--no-adaptive needs a drafter: pass --draft D, --method M or "
                            "--speculative-config")
         cfg["adaptive"] = adaptive
+    if suffix_in_front:
+        if cfg is None:
+            raise CliError("--enable-suffix-decoding puts suffix decoding in front of a model drafter: pass "
+                           "--draft D (or --method eagle3 --draft HEAD) too; for suffix decoding alone use "
+                           "--method suffix")
+        cfg["enable_suffix_decoding"] = True
+    if cfg is not None and not cfg.get("model") and cfg.get("num_speculative_tokens", 4) != 0:
+        listed = cfg.get("method", "draft_model")
+        for m in [listed] if isinstance(listed, str) else listed if isinstance(listed, list) else []:
+            if isinstance(m, str) and m in MODEL_METHODS:
+                raise CliError(f"method {m} needs {MODEL_METHODS[m]}")
     return cfg
 
 

@@ -359,14 +359,15 @@ def test_demo_with_a_pair_installed(monkeypatch, models):
 
     monkeypatch.setitem(SHIPPED, "specdec/demo-target", Path(models["target"]))
     monkeypatch.setitem(SHIPPED, "specdec/demo-draft", Path(models["same"]))
-    out = json_out(cli("demo", "--max-tokens", "8", "--json"))
+    # the method forced: the demo otherwise runs whichever candidate it measures fastest (test_demo_choice.py)
+    out = json_out(cli("demo", "--max-tokens", "8", "--method", "draft_model", "--json"))
     assert {"ar_tokens_per_s", "spec_tokens_per_s", "speedup", "acceptance_rate", "mean_acceptance_length"} <= set(out)
     assert out["speedup"] == pytest.approx(out["spec_tokens_per_s"] / out["ar_tokens_per_s"])
     # the draft is the target itself: whatever it drafts is accepted, though adaptive speculation
     # may stop drafting altogether since such a draft costs as much as the target
     assert out["acceptance_rate"] in (0.0, 1.0) and len(out["completions"]) == 3
     assert out["greedy_match"]["matched"] == 3
-    text = cli("demo", "--max-tokens", "8")
+    text = cli("demo", "--max-tokens", "8", "--method", "draft_model")
     assert text.exit_code == 0, text.output
     assert "def fibonacci(n):" in text.stdout and "speedup:" in text.stdout and "incl. bonus" in text.stdout
 
@@ -387,3 +388,39 @@ def test_console_script_end_to_end(models, plain_llm):
     bad = subprocess.run([exe, "generate", "--model", models["target"], "--prompt", "w1", "--top-p", "0"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: top_p") and "Traceback" not in bad.stderr
+
+
+# -- EAGLE-3 heads and the flags around them ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "eagle3"], "method eagle3 needs the EAGLE-3 head: pass --draft HEAD (or --speculative-model HEAD)"),
+    (["--method", "suffix,eagle3"], "method eagle3 needs the EAGLE-3 head"),
+    (["--method", "draft_model"], "method draft_model needs the draft model: pass --draft D"),
+    (["--speculative-config", '{"method": "eagle3"}'], "method eagle3 needs the EAGLE-3 head"),
+    (["--enable-suffix-decoding"], "--enable-suffix-decoding puts suffix decoding in front of a model drafter"),
+    (["--draft", "{other}", "--speculative-model", "{other}"], None),  # one option, two names: the last wins
+])
+def test_eagle3_flags_bad_input(models, args, message):
+    args = [a.replace("{other}", models["other"]) for a in args]
+    result = cli("generate", "--model", models["target"], "--prompt", "w1", "--max-tokens", "2", *args)
+    if message is None:
+        assert result.exit_code == 0, result.output
+        return
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_build_speculative_config_eagle3_spellings():
+    from specdec.cli_common import build_speculative_config
+
+    cfg = {"method": "eagle3", "model": "H", "num_speculative_tokens": 5}
+    assert build_speculative_config("H", 5, None, method="eagle3") == cfg
+    assert build_speculative_config(None, None, json.dumps(cfg)) == cfg
+    assert build_speculative_config(None, 5, '{"model": "H"}', method="eagle3") == cfg
+    assert build_speculative_config("H", None, None, method="suffix,eagle3") == {
+        "method": ["suffix", "eagle3"], "model": "H", "num_speculative_tokens": 4}
+    assert build_speculative_config("H", 5, None, method="eagle3", suffix_in_front=True) == {
+        **cfg, "enable_suffix_decoding": True}
+    assert build_speculative_config(None, 0, '{"method": "eagle3"}') == {"method": "eagle3", "num_speculative_tokens": 0}

@@ -1,0 +1,268 @@
+"""What ``specdec demo`` runs: the configurations it measures on this machine, which wins, and why.
+
+No configuration is fastest on every machine. On the CPUs measured so far one backend has the
+cheaper one-token step (llama.cpp) and the other the flatter verify pass (torch: oneDNN, AMX), and
+a drafter pays only where what it gets accepted per verify pass outweighs what the pass and the
+drafting cost (cost_model.py). So the demo measures instead of assuming: plain decoding on each
+backend and a few speculative configurations (method, k, backend), each on the same short probe
+prompts, one prompt at a time, rotating the order so that machine noise hits every configuration
+alike (as specdec.bench does for two). The fastest plain backend is the baseline; the speculative
+configuration with the most tokens/s is the one the demo runs. Why it wins is said from what was
+measured: each backend's step, the verify pass in steps (the adaptive controller's measured verify
+line, adaptive.py) and the tokens each method gets per pass (τ).
+
+The choice (``choose``) and its explanation (``explain``) are pure functions of ``Measured``
+records, so tests decide on injected figures; ``measure`` produces the records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec.config import SamplingParams
+
+BACKENDS = ("llama.cpp", "torch")
+# Short code prompts, not the demo's own: the configuration is chosen on other text than it is shown on.
+PROBE_PROMPTS = [
+    "def binary_search(items, target):\n    \"\"\"",
+    "def merge_sort(xs):\n    \"\"\"",
+    "class Queue:\n    def __init__(self):\n        self.",
+]
+PROBE_TOKENS = 48
+PROBE_ROUNDS = 2
+# k is the most drafts per round; the adaptive controller drafts fewer where longer drafts do not pay
+MODEL_K = 6  # draft_model, eagle3
+SUFFIX_K = 16
+# The demo runs its prompts more than once: suffix decoding's cache of earlier outputs would replay them
+# (every draft accepted), so its candidates draft from each request's own prompt and output only.
+OWN_TEXT_ONLY = {"suffix_decoding_max_cached_requests": 0}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: a backend, and a speculative method with its k (``method`` None: plain)."""
+
+    backend: str
+    method: str | tuple[str, ...] | None = None
+    k: int = 0
+    model: str | None = None  # the draft model or the EAGLE-3 head
+
+    @property
+    def plain(self) -> bool:
+        return self.method is None
+
+    @property
+    def method_name(self) -> str:
+        if self.method is None:
+            return "plain"
+        return self.method if isinstance(self.method, str) else ",".join(self.method)
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend} plain" if self.plain else f"{self.backend} + {self.method_name} k={self.k}"
+
+    def speculative_config(self) -> dict | None:
+        if self.plain:
+            return None
+        methods = [self.method] if isinstance(self.method, str) else list(self.method)
+        cfg: dict = {"method": self.method if isinstance(self.method, str) else methods,
+                     "num_speculative_tokens": self.k}
+        if self.model is not None:
+            cfg["model"] = self.model
+        if "suffix" in methods:
+            cfg.update(OWN_TEXT_ONLY)
+        return cfg
+
+
+@dataclass
+class Measured:
+    """What one candidate did on the probe: tokens and wall time (per prompt its fastest round), and
+    the quantities the explanation uses."""
+
+    candidate: Candidate
+    tokens: int = 0
+    time_s: float = 0.0
+    tau: float = 1.0  # tokens per verify pass, the recovered or bonus token included
+    mean_k: float = 0.0  # drafts per round that drafted (the controller may draft fewer than k)
+    step_ms: float | None = None  # the backend's one-token step: plain decoding's time per token
+    verify_steps: float | None = None  # the verify pass of mean_k + 1 tokens, in one-token steps (controller)
+    error: str | None = None  # why this candidate could not run here
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s if self.time_s > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.tokens > 0
+
+    def as_dict(self) -> dict:
+        c = self.candidate
+        return {"name": c.name, "backend": c.backend, "method": c.method_name, "k": c.k,
+                "tokens": self.tokens, "time_s": self.time_s, "tokens_per_s": self.tokens_per_s,
+                "mean_acceptance_length": self.tau, "mean_k": self.mean_k, "step_ms": self.step_ms,
+                "verify_steps": self.verify_steps, "error": self.error}
+
+
+@dataclass
+class DemoChoice:
+    """The fastest plain backend, the best speculative configuration, and everything measured."""
+
+    plain: Measured
+    spec: Measured | None
+    measured: list[Measured] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float:
+        """The best speculative configuration's tokens/s over plain decoding on the fastest backend."""
+        if self.spec is None or not self.plain.tokens_per_s:
+            return 0.0
+        return self.spec.tokens_per_s / self.plain.tokens_per_s
+
+    def plain_on(self, backend: str) -> Measured | None:
+        return next((m for m in self.measured if m.ok and m.candidate.plain and m.candidate.backend == backend), None)
+
+
+def candidates(backends: list[str], draft: str | None, head: str | None, methods: list[str] | None = None,
+               k: int | None = None) -> list[Candidate]:
+    """Plain decoding on each backend, then per backend: the draft model, suffix decoding, the EAGLE-3
+    head (when one is installed) and the list of suffix and the best model drafter (chosen per request).
+    ``methods``: only these speculative methods (one entry may be a list, e.g. ["suffix,eagle3"]);
+    ``k``: this k for every one."""
+    model_for = {"draft_model": draft, "eagle3": head}
+    if methods is None:
+        model = "eagle3" if head else ("draft_model" if draft else None)
+        methods = [m for m in ("draft_model", "suffix", "eagle3") if m == "suffix" or model_for[m]]
+        if model:
+            methods.append(f"suffix,{model}")
+    out = [Candidate(b) for b in backends]
+    for b in backends:
+        for entry in methods:
+            names = tuple(entry.split(","))
+            needs = [m for m in names if m in model_for]
+            if len(needs) > 1:
+                raise ValueError(f"method list {entry!r} names both draft_model and eagle3; they read one model each, "
+                                 "list one of them")
+            model = model_for[needs[0]] if needs else None
+            if needs and model is None:
+                raise ValueError(f"method {needs[0]} needs its model, and none is installed: "
+                                 + ("pass --draft D" if needs[0] == "draft_model" else "pass --draft HEAD"))
+            default_k = MODEL_K if needs else SUFFIX_K
+            out.append(Candidate(b, names[0] if len(names) == 1 else names, default_k if k is None else k, model))
+    return out
+
+
+def build(cands: list[Candidate], target: str, device: str = "cpu",
+          progress: Callable[[str], None] | None = None) -> dict[Candidate, object]:
+    """An ``LLM`` per candidate, or the reason it cannot run here (a string: llama.cpp not installed,
+    a method a backend cannot run)."""
+    from specdec import LLM
+
+    llms: dict[Candidate, object] = {}
+    for c in cands:
+        try:
+            llms[c] = LLM(model=target, device=device, backend=c.backend, speculative_config=c.speculative_config())
+        except ValueError as e:
+            llms[c] = str(e)
+            if progress:
+                progress(f"  {c.name}: not available here ({e})")
+    return llms
+
+
+def measure(llms: dict[Candidate, object], prompts: list[str] | None = None, max_tokens: int = PROBE_TOKENS,
+            rounds: int = PROBE_ROUNDS, clock: Callable[[], float] = time.perf_counter) -> list[Measured]:
+    """Every runnable candidate on every probe prompt, greedy, batch 1, ``rounds`` times: after one
+    warm-up call each (kernels; the controller's first plain steps), prompt by prompt, the order of
+    the candidates rotated from prompt to prompt and reversed every other one. A candidate's figure
+    is per prompt its fastest round (noise from other work only ever adds time), summed."""
+    prompts = prompts or PROBE_PROMPTS
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    results = {c: Measured(c, error=llm if isinstance(llm, str) else None) for c, llm in llms.items()}
+    live = [c for c, llm in llms.items() if not isinstance(llm, str)]
+    runs: dict[Candidate, dict[int, list[tuple[float, int]]]] = {c: {} for c in live}  # prompt -> [(s, tokens)]
+
+    def run(c: Candidate, prompt: str) -> int | None:
+        try:
+            return len(llms[c].generate([prompt], params)[0].outputs[0].token_ids)
+        except Exception as e:  # reported in the table, and the candidate leaves the rotation
+            results[c].error = f"{type(e).__name__}: {e}"
+            live.remove(c)
+            return None
+
+    for c in list(live):
+        if run(c, prompts[0]) is not None:
+            llms[c].reset_metrics()
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
+            turn = r * len(prompts) + i
+            order = live[turn % len(live):] + live[:turn % len(live)] if live else []
+            for c in order[::-1] if turn % 2 else order:
+                t0 = clock()
+                n = run(c, prompt)
+                if n is not None:
+                    runs[c].setdefault(i, []).append((clock() - t0, n))
+    for c in live:
+        fastest = [min(times) for times in runs[c].values()]
+        results[c].time_s = sum(t for t, _ in fastest)
+        results[c].tokens = sum(n for _, n in fastest)
+        _fill_costs(results[c], llms[c])
+    return list(results.values())
+
+
+def _fill_costs(m: Measured, llm) -> None:
+    """τ and drafts per round from the metrics; the one-token step and the verify pass of
+    mean_k + 1 tokens (in steps) from the adaptive controller's measured verify line at batch 1, or
+    for plain decoding its own forward time per step."""
+    metrics = llm.get_metrics()
+    if m.candidate.plain:
+        passes = metrics["num_verify_passes"]
+        m.step_ms = 1e3 * metrics["verify_time_s"] / passes if passes else None
+        return
+    m.tau = metrics["mean_acceptance_length"]
+    m.mean_k = metrics["num_draft_tokens"] / metrics["num_drafts"] if metrics["num_drafts"] else 0.0
+    controller = llm.engine.controller
+    if controller is not None and any(b == 1 for b, _ in controller.verify_time):
+        line = controller.verify_line(1)
+        m.step_ms = 1e3 * line(1)
+        if m.mean_k:
+            m.verify_steps = line(round(m.mean_k) + 1) / line(1)
+
+
+def choose(measured: list[Measured]) -> DemoChoice:
+    """The plain candidate with the most tokens/s (the baseline) and the speculative one with the most
+    (None if none ran). Equal figures keep the earlier candidate."""
+    plains = [m for m in measured if m.ok and m.candidate.plain]
+    if not plains:
+        errors = "; ".join(f"{m.candidate.name}: {m.error}" for m in measured if m.candidate.plain)
+        raise ValueError(f"plain decoding ran on no backend ({errors or 'none measured'})")
+    specs = [m for m in measured if m.ok and not m.candidate.plain]
+    best = lambda ms: max(ms, key=lambda m: m.tokens_per_s)  # noqa: E731 -- max keeps the first of equals
+    return DemoChoice(best(plains), best(specs) if specs else None, list(measured))
+
+
+def explain(choice: DemoChoice) -> str:
+    """One line: each backend's step and verify cost, what the winning method gets per pass, and the
+    verdict against plain decoding on the fastest backend."""
+    parts = []
+    for backend in dict.fromkeys(m.candidate.backend for m in choice.measured if m.ok):
+        plain = choice.plain_on(backend)
+        specs = [m for m in choice.measured if m.ok and not m.candidate.plain and m.candidate.backend == backend]
+        timed = max((m for m in specs if m.verify_steps is not None), key=lambda m: m.tokens_per_s, default=None)
+        text = f"{backend}: step {plain.step_ms:.2f} ms" if plain and plain.step_ms else f"{backend}:"
+        if timed is not None:
+            text += f", a verify pass of {round(timed.mean_k) + 1} tokens costs {timed.verify_steps:.2f} steps"
+        parts.append(text)
+    spec, plain = choice.spec, choice.plain
+    if spec is None:
+        return "; ".join(parts) + f" -> no speculative configuration ran; plain {plain.candidate.backend} is the fastest"
+    parts.append(f"{spec.candidate.method_name} gets {spec.tau:.2f} tokens per verify pass "
+                 f"(drafting {spec.mean_k:.1f} a round)")
+    if choice.speedup > 1.0:
+        verdict = (f"{spec.candidate.name} is {choice.speedup:.2f}x plain {plain.candidate.backend} "
+                   f"(the fastest plain backend)")
+    else:
+        verdict = (f"no speculative configuration beats plain {plain.candidate.backend} here: the best, "
+                   f"{spec.candidate.name}, runs at {choice.speedup:.2f}x it")
+    return "; ".join(parts) + " -> " + verdict

@@ -1,0 +1,239 @@
+"""``specdec demo``'s choice: the fastest plain backend and the best speculative configuration, picked by
+measurement, and the line that says why.
+
+The decision is tested on injected figures (``Measured`` records, or a fake clock that charges each
+configuration a set time per token), never on wall time: which configuration is faster on this
+machine is what the demo measures, not what a test may assume.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import specdec.demo as demo  # noqa: E402
+from specdec.cli import app  # noqa: E402
+from specdec.demo import Candidate, Measured, candidates, choose, explain, measure  # noqa: E402
+from tiny_models import make_model  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+runner = CliRunner()
+
+
+def m(backend, method=None, k=0, tps=100.0, tau=1.0, mean_k=0.0, step_ms=None, verify_steps=None, error=None):
+    c = Candidate(backend, method, k, "model" if method in ("draft_model", "eagle3") else None)
+    return Measured(c, tokens=int(tps * 10) if error is None else 0, time_s=10.0 if error is None else 0.0,
+                    tau=tau, mean_k=mean_k, step_ms=step_ms, verify_steps=verify_steps, error=error)
+
+
+# -- the decision, on injected figures ------------------------------------------------------------
+
+
+def test_choose_the_fastest_plain_and_the_best_speculative_across_backends():
+    measured = [
+        m("llama.cpp", tps=465, step_ms=2.1),
+        m("torch", tps=200, step_ms=4.8),
+        m("llama.cpp", "draft_model", 6, tps=440, tau=2.6, mean_k=2.0, verify_steps=1.54),
+        m("llama.cpp", "suffix", 16, tps=447, tau=1.8, mean_k=3.0, verify_steps=1.9),
+        m("torch", "eagle3", 6, tps=650, tau=4.4, mean_k=5.0, verify_steps=1.1),
+        m("torch", "suffix", 16, tps=389, tau=2.9, mean_k=8.0, verify_steps=1.2),
+        m("llama.cpp", "eagle3", 6, error="the llama.cpp backend cannot give the head its features"),
+    ]
+    choice = choose(measured)
+    assert choice.plain.candidate == Candidate("llama.cpp")
+    assert choice.spec.candidate.name == "torch + eagle3 k=6"
+    assert choice.speedup == pytest.approx(650 / 465)  # against plain on the FASTEST backend, not on torch
+    assert choice.plain_on("torch").tokens_per_s == 200
+    why = explain(choice)
+    assert "llama.cpp: step 2.10 ms, a verify pass of 4 tokens costs 1.90 steps" in why  # its best: suffix, 3/round
+    assert "torch: step 4.80 ms, a verify pass of 6 tokens costs 1.10 steps" in why
+    assert "eagle3 gets 4.40 tokens per verify pass" in why
+    assert why.endswith("torch + eagle3 k=6 is 1.40x plain llama.cpp (the fastest plain backend)")
+
+
+def test_choose_says_when_nothing_beats_plain():
+    choice = choose([m("llama.cpp", tps=465, step_ms=2.1), m("llama.cpp", "suffix", 16, tps=440, tau=1.5, mean_k=1)])
+    assert choice.spec.candidate.method == "suffix" and choice.speedup < 1
+    assert "no speculative configuration beats plain llama.cpp here" in explain(choice)
+
+
+def test_choose_keeps_the_first_of_equals_and_needs_a_plain_run():
+    a, b = m("torch", "suffix", 16, tps=300), m("torch", "draft_model", 6, tps=300)
+    assert choose([m("torch", tps=100), a, b]).spec is a
+    assert choose([m("torch", tps=100)]).spec is None
+    with pytest.raises(ValueError, match="plain decoding ran on no backend .*llama.cpp plain: not installed"):
+        choose([m("llama.cpp", error="not installed"), a])
+
+
+def test_candidates_default_set_and_forced_ones():
+    names = [c.name for c in candidates(["llama.cpp", "torch"], "D", None)]
+    assert names == ["llama.cpp plain", "torch plain", "llama.cpp + draft_model k=6", "llama.cpp + suffix k=16",
+                     "llama.cpp + suffix,draft_model k=6", "torch + draft_model k=6", "torch + suffix k=16",
+                     "torch + suffix,draft_model k=6"]
+    with_head = candidates(["torch"], "D", "H")
+    assert [c.name for c in with_head] == ["torch plain", "torch + draft_model k=6", "torch + suffix k=16",
+                                           "torch + eagle3 k=6", "torch + suffix,eagle3 k=6"]
+    assert with_head[3].speculative_config() == {"method": "eagle3", "num_speculative_tokens": 6, "model": "H"}
+    # suffix decoding drafts from each request's own text: the demo repeats its prompts
+    assert with_head[4].speculative_config() == {"method": ["suffix", "eagle3"], "num_speculative_tokens": 6,
+                                                 "model": "H", "suffix_decoding_max_cached_requests": 0}
+    forced = candidates(["torch"], "D", "H", ["eagle3", "suffix"], k=3)
+    assert [c.name for c in forced] == ["torch plain", "torch + eagle3 k=3", "torch + suffix k=3"]
+    with pytest.raises(ValueError, match="method eagle3 needs its model, and none is installed"):
+        candidates(["torch"], "D", None, ["eagle3"])
+    with pytest.raises(ValueError, match="names both draft_model and eagle3"):
+        candidates(["torch"], "D", "H", ["draft_model,eagle3"])
+
+
+# -- measurement on tiny models, timed by a fake clock ---------------------------------------------
+
+
+class FakeClock:
+    """Time that moves only when a wrapped LLM generates: ``ms_per_token[candidate]`` per token."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def charge(self, llms: dict, ms_per_token: dict[str, float]) -> None:
+        for c, llm in llms.items():
+            if isinstance(llm, str):
+                continue
+            real = llm.generate
+
+            def generate(prompts, params=None, real=real, cost=ms_per_token[c.name]):
+                outs = real(prompts, params)
+                self.now += cost / 1e3 * sum(len(o.outputs[0].token_ids) for o in outs)
+                return outs
+
+            llm.generate = generate
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("demo_models")
+    return {"target": make_model(root / "target", "llama", seed=0),
+            "draft": make_model(root / "draft", "llama", seed=0)}  # the target's weights: drafts all accepted
+
+
+def test_measure_picks_what_the_clock_says(pair):
+    cands = candidates(["torch"], str(pair["draft"]), None, ["draft_model", "suffix"], k=3)
+    llms = demo.build(cands, str(pair["target"]))
+    clock = FakeClock()
+    clock.charge(llms, {"torch plain": 5.0, "torch + draft_model k=3": 2.0, "torch + suffix k=3": 3.0})
+    measured = measure(llms, prompts=["w1 w2 w3", "w7 w8"], max_tokens=6, rounds=2, clock=clock)
+    assert [x.error for x in measured] == [None, None, None]
+    assert all(x.tokens == 2 * 6 for x in measured)  # per prompt its fastest round; ignore_eos: max_tokens each
+    assert [round(x.tokens_per_s) for x in measured] == [200, 500, 333]
+    draft = measured[1]
+    assert draft.tau > 1 and 0 < draft.mean_k <= 3 and draft.step_ms > 0  # from the metrics and the controller
+    choice = choose(measured)
+    assert choice.spec is draft and choice.speedup == pytest.approx(2.5)
+
+
+def test_measure_reports_a_candidate_that_fails(pair):
+    class Broken:
+        def generate(self, prompts, params):
+            raise RuntimeError("drafter exploded")
+
+    cands = candidates(["torch"], str(pair["draft"]), None, ["suffix"], k=2)
+    llms = demo.build(cands, str(pair["target"]))
+    llms[Candidate("torch", "draft_model", 2, "x")] = Broken()
+    llms[Candidate("llama.cpp", "layer_skip", 2)] = "layer_skip runs the target's first layers"
+    measured = {x.candidate.name: x for x in measure(llms, prompts=["w1 w2"], max_tokens=4, rounds=1)}
+    assert measured["torch + draft_model k=2"].error == "RuntimeError: drafter exploded"
+    assert measured["llama.cpp + layer_skip k=2"].error.startswith("layer_skip runs")
+    assert measured["torch + suffix k=2"].ok and measured["torch plain"].ok
+
+
+# -- the demo command, its choice injected ----------------------------------------------------------
+
+
+def _install(monkeypatch, pair, head: Path | None = None) -> None:
+    from specdec.models.resolve import SHIPPED
+
+    monkeypatch.setitem(SHIPPED, "specdec/demo-target", Path(pair["target"]))
+    monkeypatch.setitem(SHIPPED, "specdec/demo-draft", Path(pair["draft"]))
+    monkeypatch.setitem(SHIPPED, "specdec/demo-eagle3", head or Path(pair["target"]).parent / "no-head")
+
+
+def _inject(monkeypatch, ms_per_token: dict[str, float]) -> None:
+    """The demo's measurement runs for real, on the fake clock."""
+    clock = FakeClock()
+    real_build = demo.build
+
+    def build(cands, target, device="cpu", progress=None):
+        llms = real_build(cands, target, device, progress)
+        clock.charge(llms, {c.name: ms_per_token.get(c.name, 50.0) for c in cands})
+        return llms
+
+    monkeypatch.setattr(demo, "build", build)
+    monkeypatch.setattr(demo, "measure", functools.partial(demo.measure, clock=clock))
+
+
+def test_demo_runs_the_measured_best(monkeypatch, pair):
+    _install(monkeypatch, pair)
+    _inject(monkeypatch, {"torch plain": 5.0, "torch + suffix k=16": 2.0, "torch + draft_model k=6": 4.0})
+    result = runner.invoke(app, ["demo", "--max-tokens", "6", "--probe-rounds", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["configuration"] == "torch + suffix k=16" and out["plain_backend"] == "torch"
+    assert out["speculative_config"]["method"] == "suffix"
+    assert {x["name"] for x in out["measured"]} == {"torch plain", "torch + draft_model k=6", "torch + suffix k=16",
+                                                     "torch + suffix,draft_model k=6"}
+    assert "torch + suffix k=16 is 2.50x plain torch" in out["why"]
+    assert out["greedy_match"]["matched"] == 3  # the full run: the same backend, lossless
+    assert out["speedup"] == pytest.approx(out["spec_tokens_per_s"] / out["ar_tokens_per_s"])
+
+
+def test_demo_text_names_the_baseline(monkeypatch, pair):
+    _install(monkeypatch, pair)
+    _inject(monkeypatch, {"torch plain": 5.0, "torch + draft_model k=6": 1.0})
+    result = runner.invoke(app, ["demo", "--max-tokens", "6", "--probe-rounds", "1", "--method", "draft_model"])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert "measured here" in text and "torch + draft_model k=6 *" in text and "torch plain *" in text
+    assert "why: torch: step" in text and "is 5.00x plain torch" in text
+    assert "over plain decoding on torch, the fastest plain backend here" in text
+    assert "def fibonacci(n):" in text
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+def test_demo_across_backends_compares_with_the_fastest_plain(monkeypatch, pair):
+    monkeypatch.delenv("SPECDEC_AUTO_BACKEND", raising=False)
+    _install(monkeypatch, pair)
+    _inject(monkeypatch, {"llama.cpp plain": 2.0, "torch plain": 5.0, "torch + draft_model k=6": 1.0,
+                          "llama.cpp + draft_model k=6": 2.5})
+    result = runner.invoke(app, ["demo", "--max-tokens", "6", "--probe-rounds", "1", "--method", "draft_model",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["plain_backend"] == "llama.cpp" and out["configuration"] == "torch + draft_model k=6"
+    assert "torch + draft_model k=6 is 2.00x plain llama.cpp" in out["why"]
+    # the full run's baseline is plain llama.cpp; greedy equality is checked on the same backend (torch)
+    assert out["greedy_match"]["matched"] == 3
+    assert out["speedup"] == pytest.approx(out["spec_tokens_per_s"] / out["ar_tokens_per_s"])
+    assert out["same_backend_speedup"] == pytest.approx(out["spec_tokens_per_s"] / out["same_backend_ar_tokens_per_s"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "tpu"], "--backend must be auto, torch or llama.cpp"),
+    (["--method", "eagle3"], "the shipped EAGLE-3 head specdec/demo-eagle3 is not installed"),
+    (["--method", "suffix,,ngram"], "has an empty name"),
+    (["--method", "draft_model,eagle3"], "the shipped EAGLE-3 head"),
+])
+def test_demo_bad_input_exits_2(monkeypatch, pair, args, message):
+    _install(monkeypatch, pair)
+    result = runner.invoke(app, ["demo", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert "Traceback" not in result.output
