@@ -290,8 +290,10 @@ def main() -> None:
         specdec_cfgs |= {"draft k=8 adaptive": {"method": "draft_model", "model": draft, "num_speculative_tokens": 8},
                          "draft+suffix": {"method": "draft_model", "model": draft, "num_speculative_tokens": 8,
                                           "enable_suffix_decoding": True}}
-        server_cfgs |= {f"-md k={k}": [*server_cfgs["plain"], "-md", draft, "--spec-draft-n-max", str(k), "-tbd", str(args.threads),
-                                       "-td", str(args.threads)] for k in map(int, args.ks.split(","))}
+        # --spec-type draft-simple: this llama-server loads a -md draft without it but does not speculate with it
+        server_cfgs |= {f"-md k={k}": [*server_cfgs["plain"], "-md", draft, "--spec-type", "draft-simple",
+                                       "--spec-draft-n-max", str(k), "-tbd", str(args.threads), "-td", str(args.threads)]
+                        for k in map(int, args.ks.split(","))}
     fa_settings = args.server_fa.split(",")
     server_cfgs = {(name if fa == "auto" else f"{name} -fa {fa}"): [*extra, "-fa", fa]
                    for name, extra in server_cfgs.items() for fa in fa_settings}
