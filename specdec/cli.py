@@ -205,7 +205,8 @@ def demo(
     with errors_exit_2():
         from specdec import SamplingParams
         from specdec.bench import run_bench
-        from specdec.demo import PROBE_PROMPTS, PROBE_TOKENS, build, candidates, choose, explain, measure
+        from specdec.demo import (PROBE_PROMPTS, PROBE_TOKENS, VERIFY_K, build, candidates, choose, explain,
+                                  forward_costs, measure)
 
         backends = _demo_backends(backend, device)
         methods = [m.strip() for m in method] if method else None
@@ -222,14 +223,20 @@ def demo(
                   f"probe prompts x {probe_rounds}, {probe_tokens} tokens each, greedy, batch 1, alternating)",
                   style="dim", markup=False)
         quiet_transformers()
-        llms = build(cands, DEMO_TARGET, device, progress=lambda line: err.print(line, style="dim", markup=False))
         t0 = time.perf_counter()
+        llms = build(cands, DEMO_TARGET, device, progress=lambda line: err.print(line, style="dim", markup=False))
         measured = measure(llms, max_tokens=probe_tokens, rounds=probe_rounds)
-        measure_s = time.perf_counter() - t0
+        measure_s = time.perf_counter() - t0  # loading the candidates included
+        costs = None
+        if len(backends) > 1:  # what a step and a verify pass cost on each: the same figures backend=auto times
+            try:
+                costs = forward_costs(DEMO_TARGET)
+            except ValueError as e:
+                err.print(f"  (the forward's costs could not be timed: {e})", style="dim", markup=False)
         choice = choose(measured)
-        why = explain(choice)
+        why = explain(choice, costs)
         if choice.spec is None:
-            _print_measured(choice, why, probe_tokens, probe_rounds, Console(highlight=False))
+            _print_measured(choice, why, probe_tokens, probe_rounds, measure_s, Console(highlight=False))
             raise CliError("no speculative configuration could run here (see the table)")
         spec_c, fast_c = choice.spec.candidate, choice.plain.candidate
         same_c = (choice.plain_on(spec_c.backend) or choice.plain).candidate
@@ -252,12 +259,14 @@ def demo(
                "mean_acceptance_length": result["spec"]["mean_acceptance_length"], "paths": result["paths"],
                "backend": spec_c.backend, "backend_reason": "measured by the demo: the best speculative configuration",
                "configuration": spec_c.name, "speculative_config": spec_c.speculative_config(), "why": why,
-               "measured": [m.as_dict() for m in measured], "measure_time_s": measure_s}
+               "measured": [m.as_dict() for m in measured], "measure_time_s": measure_s,
+               "forward_ms": None if costs is None else {b: {"1": t1, str(VERIFY_K + 1): tk}
+                                                         for b, (t1, tk) in costs.items()}}
     if as_json:
         print_json({**summary, "completions": completions, "greedy_match": result["greedy_match"]})
         return
     console = Console(highlight=False)
-    _print_measured(choice, why, probe_tokens, probe_rounds, console)
+    _print_measured(choice, why, probe_tokens, probe_rounds, measure_s, console)
     for p, c in zip(DEMO_PROMPTS, completions):
         console.rule(f"{DEMO_TARGET}, {spec_c.name}, greedy", style="dim")
         console.print(p, style="bold", end="", markup=False)
@@ -518,31 +527,29 @@ def _bench_lines(r: dict) -> list[str]:
     return lines
 
 
-def _print_measured(choice, why: str, probe_tokens: int, rounds: int, console: Console) -> None:
+def _print_measured(choice, why: str, probe_tokens: int, rounds: int, seconds: float, console: Console) -> None:
     """The demo's measurements: one row per configuration, against the fastest plain backend."""
-    table = Table(title=f"measured here: 3 probe prompts, best of {rounds}, {probe_tokens} tokens, greedy, batch 1",
-                  title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1))
-    for col in ("configuration", "tok/s", "x plain", TAU.split()[0], "k/round", "step ms", "v(k+1)"):
-        table.add_column(col, justify="left" if col == "configuration" else "right",
-                         no_wrap=col == "configuration")
+    table = Table(title=f"measured here in {seconds:.0f} s: 3 probe prompts, best of {rounds}, {probe_tokens} "
+                        "tokens, greedy, batch 1", title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1))
+    tau = TAU.split()[0]
+    for col in ("configuration", "tokens/s", "x plain", tau, "drafts/round"):
+        table.add_column(col, justify="left" if col == "configuration" else "right", no_wrap=col == "configuration")
     base = choice.plain.tokens_per_s
     for m in choice.measured:
         name = m.candidate.name + (" *" if m is choice.spec or m is choice.plain else "")
         if not m.ok:
-            table.add_row(name, "-", "", "", "", "", "")
+            table.add_row(name, "-", "", "", "")
             continue
         spec = not m.candidate.plain
         table.add_row(name, f"{m.tokens_per_s:.1f}", f"{m.tokens_per_s / base:.2f}" if base else "-",
-                      f"{m.tau:.2f}" if spec else "-", f"{m.mean_k:.1f}" if spec else "-",
-                      f"{m.step_ms:.2f}" if m.step_ms else "-",
-                      f"{m.verify_steps:.2f}" if m.verify_steps is not None else "-")
+                      f"{m.tau:.2f}" if spec else "-", f"{m.mean_k:.1f}" if spec else "-")
     console.print(table)
     notes = [f"x plain: over plain decoding on {choice.plain.candidate.backend}, the fastest plain backend here; "
-             f"{TAU.split()[0]}: tokens per verify pass; step: the one-token forward; v(k+1): a verify pass of "
-             "k/round + 1 tokens, in steps; *: the baseline and the choice"]
+             f"{tau}: tokens per verify pass (incl. bonus); *: the baseline and the choice"]
     notes += [f"{m.candidate.name}: not run: {m.error or 'no tokens'}" for m in choice.measured if not m.ok]
-    for line in [*notes, f"why: {why}"]:
-        console.print(line, markup=False, soft_wrap=True, style=None if line.startswith("why") else "dim")
+    for line in notes:
+        console.print(line, markup=False, soft_wrap=True, style="dim")
+    console.print(f"why: {why}", markup=False, soft_wrap=True)
 
 
 def _print_demo_bench(r: dict, summary: dict, fast_backend: str, peer: str | None, console: Console) -> None:

@@ -31,6 +31,7 @@ PROBE_PROMPTS = [
     "class Queue:\n    def __init__(self):\n        self.",
 ]
 PROBE_TOKENS = 48
+VERIFY_K = 4  # the verify pass the explanation quotes: 5 tokens, a draft of 4 and its bonus
 PROBE_ROUNDS = 2
 # k is the most drafts per round; the adaptive controller drafts fewer where longer drafts do not pay
 MODEL_K = 6  # draft_model, eagle3
@@ -86,7 +87,7 @@ class Measured:
     time_s: float = 0.0
     tau: float = 1.0  # tokens per verify pass, the recovered or bonus token included
     mean_k: float = 0.0  # drafts per round that drafted (the controller may draft fewer than k)
-    step_ms: float | None = None  # the backend's one-token step: plain decoding's time per token
+    step_ms: float | None = None  # plain: ms per token end to end; speculative: the controller's 1-token step
     verify_steps: float | None = None  # the verify pass of mean_k + 1 tokens, in one-token steps (controller)
     error: str | None = None  # why this candidate could not run here
 
@@ -213,12 +214,11 @@ def measure(llms: dict[Candidate, object], prompts: list[str] | None = None, max
 
 def _fill_costs(m: Measured, llm) -> None:
     """τ and drafts per round from the metrics; the one-token step and the verify pass of
-    mean_k + 1 tokens (in steps) from the adaptive controller's measured verify line at batch 1, or
-    for plain decoding its own forward time per step."""
+    mean_k + 1 tokens (in steps) from the adaptive controller's measured verify line at batch 1; for
+    plain decoding, its milliseconds per token."""
     metrics = llm.get_metrics()
     if m.candidate.plain:
-        passes = metrics["num_verify_passes"]
-        m.step_ms = 1e3 * metrics["verify_time_s"] / passes if passes else None
+        m.step_ms = 1e3 / m.tokens_per_s if m.tokens_per_s else None  # end to end, prefill included
         return
     m.tau = metrics["mean_acceptance_length"]
     m.mean_k = metrics["num_draft_tokens"] / metrics["num_drafts"] if metrics["num_drafts"] else 0.0
@@ -228,6 +228,21 @@ def _fill_costs(m: Measured, llm) -> None:
         m.step_ms = 1e3 * line(1)
         if m.mean_k:
             m.verify_steps = line(round(m.mean_k) + 1) / line(1)
+
+
+def forward_costs(target: str, k: int = VERIFY_K) -> dict[str, tuple[float, float]]:
+    """Milliseconds of the target's forward of 1 and k + 1 tokens on each backend, after 256 cached
+    positions (backend_choice.time_backends, alternating the backends), from the cache backend=auto
+    keeps (~/.cache/specdec/backend.json): measured once per machine, checkpoint and thread count."""
+    from specdec.models import timings
+    from specdec.models.backend_choice import cache_path, time_backends
+    from specdec.models.gguf import checkpoint_digest
+    from specdec.models.resolve import resolve
+
+    source = resolve(target)
+    key = f"{timings.machine_key()} {checkpoint_digest(source.path)} auto k {k}"  # auto_backend's key
+    ms = timings.cached(cache_path(), key, lambda: time_backends(source, "auto", k), BACKENDS)
+    return {b: (t[0], t[1]) for b, t in ms.items()}
 
 
 def choose(measured: list[Measured]) -> DemoChoice:
@@ -242,15 +257,21 @@ def choose(measured: list[Measured]) -> DemoChoice:
     return DemoChoice(best(plains), best(specs) if specs else None, list(measured))
 
 
-def explain(choice: DemoChoice) -> str:
-    """One line: each backend's step and verify cost, what the winning method gets per pass, and the
-    verdict against plain decoding on the fastest backend."""
+def explain(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = None, k: int = VERIFY_K) -> str:
+    """One line: each backend's step and what a verify pass costs in steps (``costs``: ms of the
+    forward of 1 and k + 1 tokens per backend, ``forward_costs``; else the controller's measured
+    verify line at the k drafted), what the winning method gets per pass, and the verdict against
+    plain decoding on the fastest backend."""
     parts = []
     for backend in dict.fromkeys(m.candidate.backend for m in choice.measured if m.ok):
+        if costs and backend in costs:
+            t1, tk = costs[backend]
+            parts.append(f"{backend}: step {t1:.2f} ms, a verify pass of {k + 1} tokens costs {tk / t1:.2f} steps")
+            continue
         plain = choice.plain_on(backend)
         specs = [m for m in choice.measured if m.ok and not m.candidate.plain and m.candidate.backend == backend]
         timed = max((m for m in specs if m.verify_steps is not None), key=lambda m: m.tokens_per_s, default=None)
-        text = f"{backend}: step {plain.step_ms:.2f} ms" if plain and plain.step_ms else f"{backend}:"
+        text = f"{backend}: {plain.step_ms:.2f} ms per token plain" if plain and plain.step_ms else f"{backend}:"
         if timed is not None:
             text += f", a verify pass of {round(timed.mean_k) + 1} tokens costs {timed.verify_steps:.2f} steps"
         parts.append(text)

@@ -51,11 +51,16 @@ def test_choose_the_fastest_plain_and_the_best_speculative_across_backends():
     assert choice.spec.candidate.name == "torch + eagle3 k=6"
     assert choice.speedup == pytest.approx(650 / 465)  # against plain on the FASTEST backend, not on torch
     assert choice.plain_on("torch").tokens_per_s == 200
-    why = explain(choice)
-    assert "llama.cpp: step 2.10 ms, a verify pass of 4 tokens costs 1.90 steps" in why  # its best: suffix, 3/round
-    assert "torch: step 4.80 ms, a verify pass of 6 tokens costs 1.10 steps" in why
-    assert "eagle3 gets 4.40 tokens per verify pass" in why
+    # the forward's costs timed per backend (forward_costs) ...
+    why = explain(choice, {"llama.cpp": (2.1, 3.99), "torch": (4.8, 5.28)})
+    assert why.startswith("llama.cpp: step 2.10 ms, a verify pass of 5 tokens costs 1.90 steps; "
+                          "torch: step 4.80 ms, a verify pass of 5 tokens costs 1.10 steps; ")
+    assert "eagle3 gets 4.40 tokens per verify pass (drafting 5.0 a round)" in why
     assert why.endswith("torch + eagle3 k=6 is 1.40x plain llama.cpp (the fastest plain backend)")
+    # ... or, without them, the adaptive controller's verify line at the k each backend's best drafted
+    why = explain(choice)
+    assert "llama.cpp: 2.10 ms per token plain, a verify pass of 4 tokens costs 1.90 steps" in why  # suffix, 3/round
+    assert "torch: 4.80 ms per token plain, a verify pass of 6 tokens costs 1.10 steps" in why
 
 
 def test_choose_says_when_nothing_beats_plain():
@@ -202,7 +207,7 @@ def test_demo_text_names_the_baseline(monkeypatch, pair):
     assert result.exit_code == 0, result.output
     text = result.stdout
     assert "measured here" in text and "torch + draft_model k=6 *" in text and "torch plain *" in text
-    assert "why: torch: step" in text and "is 5.00x plain torch" in text
+    assert "why: torch: " in text and "is 5.00x plain torch" in text
     assert "over plain decoding on torch, the fastest plain backend here" in text
     assert "def fibonacci(n):" in text
 
@@ -213,12 +218,16 @@ def test_demo_across_backends_compares_with_the_fastest_plain(monkeypatch, pair)
     _install(monkeypatch, pair)
     _inject(monkeypatch, {"llama.cpp plain": 2.0, "torch plain": 5.0, "torch + draft_model k=6": 1.0,
                           "llama.cpp + draft_model k=6": 2.5})
+    monkeypatch.setattr(demo, "forward_costs", lambda target: {"llama.cpp": (2.0, 4.0), "torch": (5.0, 5.5)})
     result = runner.invoke(app, ["demo", "--max-tokens", "6", "--probe-rounds", "1", "--method", "draft_model",
                                  "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["plain_backend"] == "llama.cpp" and out["configuration"] == "torch + draft_model k=6"
-    assert "torch + draft_model k=6 is 2.00x plain llama.cpp" in out["why"]
+    assert out["why"].startswith("llama.cpp: step 2.00 ms, a verify pass of 5 tokens costs 2.00 steps; torch: step "
+                                 "5.00 ms, a verify pass of 5 tokens costs 1.10 steps; draft_model gets ")
+    assert out["why"].endswith("torch + draft_model k=6 is 2.00x plain llama.cpp (the fastest plain backend)")
+    assert out["forward_ms"] == {"llama.cpp": {"1": 2.0, "5": 4.0}, "torch": {"1": 5.0, "5": 5.5}}
     # the full run's baseline is plain llama.cpp; greedy equality is checked on the same backend (torch)
     assert out["greedy_match"]["matched"] == 3
     assert out["speedup"] == pytest.approx(out["spec_tokens_per_s"] / out["ar_tokens_per_s"])
