@@ -221,7 +221,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eagle3-head", default=None,
                     help="also run this EAGLE-3 head (e.g. specdec/demo-eagle3): llama-server draft-eagle3 and "
                          "specdec method eagle3; --target must then be the Hugging Face checkpoint it was trained for")
-    ap.add_argument("--eagle3-outtype", default="f32", help="the head GGUF's weight type for llama-server")
+    ap.add_argument("--eagle3-outtype", default="bf16",
+                    help="the head GGUF's weight type for llama-server (bf16: the trained bytes, and faster here than f32)")
     ap.add_argument("--eagle3-check", action="store_true",
                     help="only check that llama-server runs the converted head as specdec does (k = 1 acceptance "
                          "against the head's teacher-forced top-1 on the same prompts), then stop")
