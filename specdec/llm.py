@@ -70,6 +70,8 @@ class LLM:
             if same_vocabulary(self.target.tokenizer, draft.tokenizer) and draft.vocab_size > self.target.vocab_size:
                 draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device,
                                 vocab_size=self.target.vocab_size)
+        if k > 0 and "eagle3" in methods:  # a head over the target's own states, not a causal LM: no load()
+            draft = _load_eagle3_head(spec.model, self.target)
         self.tokenizer = self.target.tokenizer
         drafter = build_drafter(spec, self.target, draft) if k > 0 else None
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
@@ -178,6 +180,24 @@ class LLM:
         return RequestOutput(request_id=str(first.seq_id), prompt=text_prompt, prompt_token_ids=first.prompt_token_ids,
                              outputs=outs, finished=all(s.finished for s in seqs), metrics=metrics,
                              prompt_logprobs=first.prompt_logprobs)
+
+
+def _load_eagle3_head(name: str, target):
+    """The EAGLE-3 head ``name`` (a folder or hub id) for ``target``: its files are checked against the
+    target (hidden size, vocabulary, layers), its embedding is the target's. The target must keep
+    hidden states (the torch backend does); else the ValueError says which backend can."""
+    import os
+
+    from specdec.models.eagle3 import load_head
+    from specdec.models.resolve import resolve_model_path
+
+    if not target.can_keep_hidden_states:
+        target.keep_hidden_states([0])  # raises the backend's ValueError, naming the one that can
+    embedding = target.token_embedding()  # [V_rows, D]
+    # a folder goes straight to load_head, whose errors name the head's missing file
+    path = name if os.path.isdir(os.path.expanduser(name)) else resolve_model_path(name)
+    return load_head(os.path.expanduser(path), embedding, target.num_layers, embedding.shape[0],
+                     device=target.device)
 
 
 def _check_device(device: str) -> None:

@@ -9,9 +9,11 @@ from specdec.models.base import ModelRunner
 __all__ = ["DraftProposal", "Drafter", "build_drafter"]
 
 
-def build_drafter(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | None = None) -> Drafter:
-    """The drafter ``spec`` names, beside ``target``. ``draft``: the draft model's runner for method
-    draft_model, loaded by the caller (``LLM`` resolves, chooses and loads it with the target).
+def build_drafter(spec: SpeculativeConfig, target: ModelRunner, draft=None) -> Drafter:
+    """The drafter ``spec`` names, beside ``target``. ``draft``: what ``spec.model`` names, loaded by
+    the caller (``LLM`` resolves, chooses and loads it with the target): the draft model's runner for
+    method draft_model, the EAGLE-3 head (models/eagle3.Eagle3Head) for eagle3; config.py lets a
+    method list hold only one of the two.
     Several methods: a ChoosingDrafter over one drafter each, picked per request and round."""
     if len(spec.methods) > 1:
         from dataclasses import replace
@@ -39,7 +41,7 @@ def _suffix(spec: SpeculativeConfig) -> Drafter:
                          probability=spec.suffix_decoding_probability)
 
 
-def _build(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | None) -> Drafter:
+def _build(spec: SpeculativeConfig, target: ModelRunner, draft) -> Drafter:
     if spec.method == "draft_model":
         from specdec.drafters.draft_model import DraftModelDrafter
 
@@ -53,6 +55,13 @@ def _build(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner | No
                                      spec.draft_p_min, spec.model)
         draft.max_model_len = min(draft.max_model_len, target.max_model_len)
         return DraftModelDrafter(draft, spec.draft_p_min)
+    if spec.method == "eagle3":
+        from specdec.drafters.eagle3 import Eagle3Drafter
+        from specdec.models.eagle3 import Eagle3Head
+
+        if not isinstance(draft, Eagle3Head):
+            raise ValueError("method eagle3 needs the EAGLE-3 head (LLM loads it from spec.model)")
+        return Eagle3Drafter(draft, target, spec.draft_p_min)
     if spec.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
 

@@ -7,6 +7,10 @@ on the next forward (gpt-fast's ``KVCache.update`` with ``input_pos``).
 Rows are kept dense: the sequences of a batch of B occupy rows 0..B-1, so a
 forward reads ``cache[:, :B]`` without a gather. ``RowTable`` maps sequence ids
 to rows and moves rows only when the batch composition changes.
+
+A cache may also keep per-position states beside the KV (``state_width`` > 0: the target's layer
+inputs that an EAGLE-3 head reads); they live in the same rows and positions, so they move, copy
+and roll back with the KV.
 """
 
 from __future__ import annotations
@@ -18,10 +22,20 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, state_width: int = 0):
         shape = (num_layers, num_rows, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, rows, kv_heads, max_len, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # per-position states kept beside the KV, float32  [rows, max_len, state_width]; None: none kept
+        self.states = torch.zeros(num_rows, max_len, state_width, device=device) if state_width else None
+
+    def grown_from(self, old: KVCache) -> None:
+        """Copy what ``old`` (a smaller cache: fewer rows or positions) holds into this one."""
+        R, L = old.num_rows, old.max_len
+        self.k[:, :R, :, :L] = old.k
+        self.v[:, :R, :, :L] = old.v
+        if self.states is not None and old.states is not None and old.states.shape[2] == self.states.shape[2]:
+            self.states[:R, :L] = old.states
 
     @property
     def num_rows(self) -> int:
@@ -39,6 +53,18 @@ class KVCache:
         src = torch.tensor([s for _, s in moves], device=self.k.device)
         self.k[:, dst] = self.k[:, src]  # advanced indexing on the right copies first: no aliasing
         self.v[:, dst] = self.v[:, src]
+        if self.states is not None:
+            self.states[dst] = self.states[src]
+
+    def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
+        """Rows ``dst_rows`` take row ``src_row``'s positions 0..length-1 (KV and kept states)."""
+        if not dst_rows or length == 0:
+            return
+        dst = torch.tensor(list(dst_rows), device=self.k.device)
+        self.k[:, dst, :, :length] = self.k[:, src_row : src_row + 1, :, :length]  # broadcast over dst
+        self.v[:, dst, :, :length] = self.v[:, src_row : src_row + 1, :, :length]
+        if self.states is not None:
+            self.states[dst, :length] = self.states[src_row : src_row + 1, :length]
 
 
 class RowTable:

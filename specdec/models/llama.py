@@ -56,6 +56,7 @@ class LlamaRunner(ModelRunner):
     backend = "torch"
     can_run_layer_subsets = True
     casts_weights = True
+    can_keep_hidden_states = True
 
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None):
         cfg = loaded.config
@@ -97,6 +98,7 @@ class LlamaRunner(ModelRunner):
         self._init_rope(inner.rotary_emb, cfg)
         self.cache: KVCache | None = None
         self.rows = RowTable()
+        self.kept_layers: list[int] = []  # keep_hidden_states' layer ids, in the order they are concatenated
 
     def describe(self) -> str:
         """The compute path in one line: the ISA (or device), the weights' dtype, the product kernel."""
@@ -174,10 +176,9 @@ class LlamaRunner(ModelRunner):
         rows = max(num_rows, old.num_rows if old else 0)
         max_len = max(length, old.max_len if old else 0)
         new = KVCache(self.num_layers, rows, self.num_kv_heads, max_len, self.head_dim, self.compute_dtype,
-                      self.device)
+                      self.device, state_width=len(self.kept_layers) * self.hidden_size)
         if old is not None:
-            new.k[:, : old.num_rows, :, : old.max_len] = old.k
-            new.v[:, : old.num_rows, :, : old.max_len] = old.v
+            new.grown_from(old)
         self.cache = new
         self._grow_rope(max_len)
 
@@ -192,11 +193,40 @@ class LlamaRunner(ModelRunner):
 
     @torch.inference_mode()
     def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
-        if not dst_rows or length == 0:
+        self.cache.copy_prefix(src_row, dst_rows, length)
+
+    # -- kept hidden states (EAGLE-3) ------------------------------------------------------------
+
+    @torch.inference_mode()
+    def keep_hidden_states(self, layer_ids: Sequence[int]) -> None:
+        """Keep, per cache row and position, the inputs of layers ``layer_ids`` concatenated [n * D]
+        float32 in the KV cache's ``states`` (so they move, copy and grow with it). Positions cached
+        before this call read as zeros."""
+        ids = [int(i) for i in layer_ids]
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if not ids or bad:
+            raise ValueError(f"keep_hidden_states: layer ids {ids} must be in 0..{self.num_layers - 1} "
+                             f"(inputs of this target's {self.num_layers} layers)")
+        if ids == self.kept_layers:
             return
-        dst = torch.tensor(list(dst_rows), device=self.device)
-        self.cache.k[:, dst, :, :length] = self.cache.k[:, src_row : src_row + 1, :, :length]  # broadcast over dst
-        self.cache.v[:, dst, :, :length] = self.cache.v[:, src_row : src_row + 1, :, :length]
+        self.kept_layers = ids
+        old = self.cache
+        if old is not None:  # re-made with room for the states; the KV is kept
+            self.cache = None
+            self.reserve(old.num_rows, old.max_len)
+            self.cache.grown_from(old)
+
+    def hidden_states(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The kept layer inputs of cache row ``row`` at positions start..end-1  [end - start, n * D]
+        float32: a view into the cache, valid until the next forward or cache change."""
+        if not self.kept_layers:
+            raise ValueError("hidden_states: call keep_hidden_states(layer_ids) first")
+        if self.cache is None or end > self.cache.max_len:
+            raise ValueError(f"hidden_states: positions {start}..{end - 1} of row {row} are not cached")
+        return self.cache.states[row, start:end]
+
+    def token_embedding(self) -> torch.Tensor:
+        return self.embed  # [V_rows, D]
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -218,7 +248,10 @@ class LlamaRunner(ModelRunner):
 
         x = F.embedding(attention.tokens(batch.token_ids), self.embed).to(cd)  # [B, T, D] or [N, D]
         lead = x.shape[:-1]  # (B, T) or (N,)
+        kept: dict[int, torch.Tensor] = {}  # layer id -> its input x (x is rebound, never written in place)
         for li, w in enumerate(self.layers[: batch.num_layers or self.num_layers]):
+            if self.kept_layers and li in self.kept_layers:
+                kept[li] = x
             h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
             qkv = w.qkv(h)  # [*lead, (H + 2*KVH) * hd], in the weights' dtype
             qk = qkv[..., : (H + KVH) * hd].view(*lead, H + KVH, hd).to(cd)
@@ -235,6 +268,8 @@ class LlamaRunner(ModelRunner):
             gate, up = w.gate_up(h).chunk(2, dim=-1)  # [*lead, I] each, in the weights' dtype
             x = x + w.down(self.act(gate) * up)
 
+        if kept and len(kept) == len(set(self.kept_layers)):  # a layer subset (layer_skip) keeps nothing
+            attention.store(self.cache.states, torch.cat([kept[i] for i in self.kept_layers], dim=-1).float())
         if batch.logits_index is None:
             return None
         x = attention.select(x, batch.logits_index)  # [B, D] or [B, L, D]
@@ -280,6 +315,14 @@ class _Dense:
 
     def tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return token_ids  # [B, T]
+
+    def store(self, states: torch.Tensor, x: torch.Tensor) -> None:
+        """Write per-position states x [B, T, W] into states [rows, max_len, W] at the rows' positions
+        (ragged rows' padding lands on the scratch position, as its k and v do)."""
+        if self.rows is None:
+            states[self.r0, self.start : self.start + x.shape[1]] = x[0]
+        else:
+            states[self.rows, self.pos] = x
 
     def select(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] at index [B] or [B, L] -> [B, D] or [B, L, D]."""
@@ -372,6 +415,10 @@ class _Packed:
 
     def tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return token_ids[self.index]  # [N]
+
+    def store(self, states: torch.Tensor, x: torch.Tensor) -> None:
+        """Write per-position states x [N, W] (packed) into states [rows, max_len, W]."""
+        states[self.rows, self.pos] = x
 
     def select(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """x [N, D] (packed) at index [B] or [B, L] into each row's T -> [B, D] or [B, L, D]."""
