@@ -532,7 +532,7 @@ def _print_measured(choice, why: str, probe_tokens: int, rounds: int, seconds: f
     table = Table(title=f"measured here in {seconds:.0f} s: 3 probe prompts, best of {rounds}, {probe_tokens} "
                         "tokens, greedy, batch 1", title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1))
     tau = TAU.split()[0]
-    for col in ("configuration", "tokens/s", "x plain", tau, "drafts/round"):
+    for col in ("configuration", "tokens/s", "x plain", tau, "k/round"):
         table.add_column(col, justify="left" if col == "configuration" else "right", no_wrap=col == "configuration")
     base = choice.plain.tokens_per_s
     for m in choice.measured:
@@ -545,7 +545,8 @@ def _print_measured(choice, why: str, probe_tokens: int, rounds: int, seconds: f
                       f"{m.tau:.2f}" if spec else "-", f"{m.mean_k:.1f}" if spec else "-")
     console.print(table)
     notes = [f"x plain: over plain decoding on {choice.plain.candidate.backend}, the fastest plain backend here; "
-             f"{tau}: tokens per verify pass (incl. bonus); *: the baseline and the choice"]
+             f"{tau}: tokens per verify pass (incl. bonus); k/round: drafts per round that drafted; *: the "
+             "baseline and the choice"]
     notes += [f"{m.candidate.name}: not run: {m.error or 'no tokens'}" for m in choice.measured if not m.ok]
     for line in notes:
         console.print(line, markup=False, soft_wrap=True, style="dim")
