@@ -327,3 +327,31 @@ def test_a_profile_that_picks_eagle3_exports_the_eagle3_setting(pair, tmp_path):
     assert export_from_profile("sglang", path).options["--speculative-algorithm"] == "EAGLE3"
     assert export_from_profile("llamacpp", path).options["--spec-type"] == "draft-eagle3"
     assert export_from_profile("trtllm", path).options["speculative_config"]["decoding_type"] == "Eagle3"
+
+
+def test_profile_report_and_verify_lossless_take_an_eagle3_head(pair, tmp_path):
+    """The workbench commands go through LLM, so an eagle3 config (method + head) runs in each."""
+    from specdec.cli import app
+
+    _, target, head, _ = pair
+    runner = CliRunner()
+    cfg = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n"
+                               for p, c in (("w1 w2 w3 w4", "a"), ("w9 w8 w7", "b"))))
+    r = runner.invoke(app, ["profile", "--model", str(target), "--prompts", str(prompts), "--max-tokens", "6",
+                            "--k-max", "2", "--out", str(tmp_path / "prof"), "--no-validate", "--backend", "torch",
+                            "--speculative-config", cfg, "--json"])
+    assert r.exit_code == 0, r.output
+    p = json.loads((tmp_path / "prof" / "profile.json").read_text())
+    c = p["configs"][0]
+    assert c["method"] == "eagle3" and c["speculative_config"]["model"] == str(head)
+    assert c["greedy_match"] == {"matched": 2, "total": 2}
+    r = runner.invoke(app, ["report", str(tmp_path / "prof"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert all(Path(f).exists() for f in json.loads(r.stdout)["files"].values())
+    r = runner.invoke(app, ["verify-lossless", "--model", str(target), "--speculative-config", cfg, "--samples", "300",
+                            "--prompt", "w1 w2 w3", "--backend", "torch", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["passed"] and out["method"] == "eagle3"
