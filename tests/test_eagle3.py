@@ -169,10 +169,13 @@ def test_a_backend_that_cannot_keep_states_says_which_can(models):
 # -- the drafter against a head run from scratch ------------------------------------------------------
 
 
-def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch):
+@pytest.mark.parametrize("path", ["loop", "greedy-fast-path"])
+def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path):
     """Every round (rejected drafts roll the head's KV back; ragged rows catch up together or alone;
-    n=2 choices copy their prompt's target states), the drafter's logits for each draft equal the head
-    run over the whole history with transformers' hidden states, then chained over its own drafts."""
+    n=2 choices copy their prompt's target states), the drafter's logits for each draft equal
+    ``Eagle3Head.step`` run over the whole history with transformers' hidden states, then chained over
+    its own drafts; its drafts are their argmaxes. "loop": every draft through draft_autoregressive's
+    loop (the logits are compared); "greedy-fast-path": the drafter's own argmax loop (the drafts are)."""
     import specdec.drafters.eagle3 as eagle3
 
     calls = []
@@ -186,7 +189,8 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch):
             rec["logits"].append(out.clone())
             return out
 
-        rec["proposal"] = real(logits, fed, seqs, num_draft, sb, draft_p_min, greedy_steps)
+        rec["proposal"] = real(logits, fed, seqs, num_draft, sb, draft_p_min,
+                               greedy_steps if path == "greedy-fast-path" else None)
         calls.append(rec)
         return rec["proposal"]
 
@@ -214,11 +218,13 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch):
                 k, v = torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2)
                 want_logits.append(logits[0, -1])
             for j, w in enumerate(want_logits):
-                got = rec["logits"][j][b]
                 expected = head.to_target_logits(w, llm.target.vocab_size)
-                inside = torch.isfinite(expected)
-                assert torch.allclose(got[inside], expected[inside], atol=2e-3), (L, j)
-                assert (got[~inside] <= -1e29).all()  # outside the draft vocabulary: q = 0
+                assert int(drafts[b, j]) == int(expected.argmax()), (L, j)
+                if j < len(rec["logits"]):
+                    got = rec["logits"][j][b]
+                    inside = torch.isfinite(expected)
+                    assert torch.allclose(got[inside], expected[inside], atol=2e-3), (L, j)
+                    assert (got[~inside] <= -1e29).all()  # outside the draft vocabulary: q = 0
             rows_checked += 1
     assert rows_checked >= 10
 
@@ -226,8 +232,8 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch):
 # -- through LLM: greedy equality -----------------------------------------------------------------------
 
 
-def plain_greedy(target: str, prompts, max_tokens: int, n: int = 1):
-    llm = LLM(target, backend="torch")
+def plain_greedy(target: str, prompts, max_tokens: int, n: int = 1, dtype: str = "auto"):
+    llm = LLM(target, backend="torch", dtype=dtype)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
     return [[c.token_ids for c in o.outputs] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
@@ -252,13 +258,18 @@ def test_greedy_output_equals_plain_decoding(models, config):
         assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
-def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path, dtype):
+    """bfloat16: the head's products run in bf16 beside a bf16 target."""
     target = last_token_target(tmp_path / "target")
     head = make_copying_head(target, tmp_path / "head")
     hf = load_model(target).hf_model
+    if dtype == "bfloat16":
+        hf = hf.to(torch.bfloat16)
     prompts = random_prompts(3, [4, 9, 17], seed=2)
-    expected = plain_greedy(target, prompts, 30)
-    llm = LLM(target, backend="torch", speculative_config=spec(head, 4, adaptive=False))
+    expected = plain_greedy(target, prompts, 30, dtype=dtype)
+    llm = LLM(target, backend="torch", dtype=dtype, speculative_config=spec(head, 4, adaptive=False))
+    assert llm.engine.drafter.runner.qkv.dtype == getattr(torch, dtype)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     for p, e, o in zip(prompts, expected, outs):

@@ -15,7 +15,12 @@ long as the history t_0..t_{p+1} does; rollback is a length change: the draft st
 L-2 are overwritten by next round's catch-up. A row whose target has not computed its history yet
 (a prompt merged into this round's verify pass) proposes nothing this round.
 
-Draft-vocabulary logits map into the target's vocabulary (``Eagle3Head.to_target_logits``) and go
+The head runs here as ``HeadRunner``: its weights re-packed for the CPU kernels the target uses
+(models/linear.py: fused q/k/v and gate/up, in the target's weights' dtype, so oneDNN's bf16 inner
+product beside a bf16 target), its keys read straight from its cache. ``Eagle3Head.step`` stays the
+reference it is tested against.
+
+Draft-vocabulary logits map into the target's vocabulary (``Eagle3Head.to_target_logits``'s map) and go
 through ``draft_autoregressive``, so temperature, top-k / top-p / min-p, penalties, grammars, seeds
 and ``draft_p_min`` behave as for draft_model; q is zero outside the draft vocabulary, which keeps
 the verifier exact.
@@ -24,12 +29,14 @@ the verifier exact.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter
 from specdec.models.base import ModelRunner
 from specdec.models.eagle3 import Eagle3Head
 from specdec.models.kv_cache import KVCache, RowTable
+from specdec.models.linear import Linear
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 
@@ -39,15 +46,130 @@ OFF_VOCAB = -1e30  # logit of target tokens outside the draft vocabulary: q = 0 
 #                    whose grammar allows none of the draft vocabulary still gets a distribution
 
 
+class HeadRunner:
+    """The head's forward over its own KV cache (one layer, float32, rows like the target's): the
+    weights of ``Eagle3Head`` packed into ``Linear`` kernels of ``dtype``; norms, RoPE and attention in
+    float32. Computes what ``Eagle3Head.step`` computes (within the weights' dtype's rounding)."""
+
+    def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device):
+        c = head.config
+        self.c, self.device = c, device
+        L = head.midlayer
+
+        def lin(*weights: torch.Tensor) -> Linear:
+            return Linear(torch.cat([w.detach() for w in weights]).to(device=device, dtype=dtype).contiguous())
+
+        def vec(w: torch.Tensor) -> torch.Tensor:
+            return w.detach().to(device=device, dtype=torch.float32)
+
+        a, m = L.self_attn, L.mlp
+        self.fc = lin(head.fc.weight)  # 3 Dt -> D
+        self.qkv = lin(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)  # 2D -> (H + 2 KVH) hd
+        self.o = lin(a.o_proj.weight)  # H hd -> D
+        self.gate_up = lin(m.gate_proj.weight, m.up_proj.weight)  # D -> 2 I
+        self.down = lin(m.down_proj.weight)  # I -> D
+        self.lm_head = lin(head.lm_head.weight)  # D -> Vd
+        self.input_norm, self.hidden_norm = vec(L.input_layernorm.weight), vec(L.hidden_norm.weight)
+        self.post_norm, self.final_norm = vec(L.post_attention_layernorm.weight), vec(head.norm.weight)
+        self.embed = head.embed_tokens.detach().to(device)  # [V, D] the target's
+        self.inv_freq = head.inv_freq.detach().float().to(device)  # [hd / 2]
+        self.cos = self.sin = torch.empty(0, c.head_dim, device=device)
+        self.cache: KVCache | None = None
+        self.rows = RowTable()
+
+    def reserve(self, num_rows: int, length: int) -> None:
+        length = -(-length // CACHE_LEN_STEP) * CACHE_LEN_STEP
+        old = self.cache
+        if old is not None and old.num_rows >= num_rows and old.max_len >= length:
+            return
+        rows = max(num_rows, old.num_rows if old else 0)
+        max_len = max(length, old.max_len if old else 0)
+        new = KVCache(1, rows, self.c.num_key_value_heads, max_len, self.c.head_dim, torch.float32, self.device)
+        if old is not None:
+            new.grown_from(old)
+        self.cache = new
+        if self.cos.shape[0] < max_len:
+            freqs = torch.arange(max_len, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
+            emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, hd]
+            self.cos, self.sin = emb.cos(), emb.sin()
+
+    def release(self) -> None:
+        self.cache = None
+        self.rows = RowTable()
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's layer inputs [..., 3 Dt] -> the head's hidden state [..., D] float32."""
+        return self.fc(features).float()
+
+    def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
+             real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the decoder layer for cache rows ``rows`` [B]: ids [B, T] (token p + 1 at position
+        p), hidden [B, T, D], positions pos [B, T]; ``real`` [B, T] bool marks the tokens whose k, v are
+        written (None: all). Query (b, t) attends to the row's keys at positions <= pos[b, t]. Returns
+        draft-vocabulary logits [B, T, Vd] float32 and the pre-norm output g [B, T, D] float32."""
+        c = self.c
+        B, T = ids.shape
+        H, KVH, hd, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
+        eps = c.rms_norm_eps
+        hidden = hidden.float()
+        emb = F.embedding(ids, self.embed).float()  # [B, T, D]
+        h_normed = F.rms_norm(hidden, (D,), self.hidden_norm, eps)
+        residual = h_normed if c.norm_before_residual else hidden
+        x = torch.cat([F.rms_norm(emb, (D,), self.input_norm, eps), h_normed], dim=-1)  # [B, T, 2D]
+        qkv = self.qkv(x).float()
+        q = qkv[..., : H * hd].view(B, T, H, hd)
+        k = qkv[..., H * hd : (H + KVH) * hd].view(B, T, KVH, hd)
+        v = qkv[..., (H + KVH) * hd :].view(B, T, KVH, hd)
+        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, T, 1, hd]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        row_t = torch.tensor(rows, device=self.device)[:, None].expand(B, T)
+        if real is None:
+            self.cache.k[0][row_t, :, pos] = k  # [B, T, KVH, hd] into each row's positions
+            self.cache.v[0][row_t, :, pos] = v
+        else:
+            self.cache.k[0][row_t[real], :, pos[real]] = k[real]
+            self.cache.v[0][row_t[real], :, pos[real]] = v[real]
+        end = int(pos.max()) + 1
+        cache_rows = _rows(rows, self.device)
+        keys, values = self.cache.k[0, cache_rows, :, :end], self.cache.v[0, cache_rows, :, :end]  # [B, KVH, end, hd]
+        mask = None
+        if not (B == 1 and T == 1):
+            mask = (torch.arange(end, device=self.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, end]
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                              enable_gqa=H != KVH, scale=hd ** -0.5)  # [B, H, T, hd]
+        a = self.o(attn.transpose(1, 2).reshape(B, T, H * hd)).float() + residual  # [B, T, D]
+        gate, up = self.gate_up(F.rms_norm(a, (D,), self.post_norm, eps)).float().chunk(2, dim=-1)
+        g = self.down(F.silu(gate) * up).float() + a  # [B, T, D]: pre-norm output
+        logits = self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float()  # [B, T, Vd]
+        return logits, g
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Cache rows as a slice when contiguous (no gather), else an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
+
+
 class Eagle3Drafter(Drafter):
     def __init__(self, head: Eagle3Head, target: ModelRunner, draft_p_min: float = 0.0):
         target.keep_hidden_states(head.config.layer_ids)  # ValueError on a backend that cannot
         self.head, self.target, self.draft_p_min = head, target, draft_p_min
-        c = head.config
-        self.num_kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
         self.device = target.device
-        self.cache: KVCache | None = None  # the head's own KV: 1 layer [1, rows, KVH, max_len, hd] float32
-        self.rows = RowTable()
+        # the head's products in the target's weights' dtype: bf16 beside a bf16 target (oneDNN, half the
+        # bytes: measured 3x faster for this head's shapes at one row), float32 beside a float32 one
+        dtype = torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
+        self.runner = HeadRunner(head, dtype, self.device)
+        V = target.vocab_size
+        ids = head.draft_to_target.to(self.device)  # [Vd] target id of each draft id
+        self.keep = (ids < V).nonzero().flatten()  # draft ids the target's vocabulary has
+        self.to_target_ids = ids[self.keep]
+        self.same_vocab = len(ids) == V and bool((ids == torch.arange(V, device=self.device)).all())
         self.done: dict[int, int] = {}  # seq_id -> step-0 entries at positions 0..done-1 are in the head's KV
         self.seen: dict[int, list[int]] = {}  # seq_id -> the history those entries read (t_0..t_done)
 
@@ -56,8 +178,9 @@ class Eagle3Drafter(Drafter):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         B = len(seqs)
-        self._reserve(B, max(len(s.token_ids) for s in seqs) + max(num_draft, default=0) + 1)
-        is_new = self.rows.sync([s.seq_id for s in seqs], self.cache)
+        r = self.runner
+        r.reserve(B, max(len(s.token_ids) for s in seqs) + max(num_draft, default=0) + 1)
+        is_new = r.rows.sync([s.seq_id for s in seqs], r.cache)
         # rows that draft: asked for drafts, and the target has computed all of the history but its last token
         active = [b for b, s in enumerate(seqs) if num_draft[b] > 0 and 0 < s.num_computed == len(s.token_ids) - 1]
         if not active:
@@ -67,32 +190,53 @@ class Eagle3Drafter(Drafter):
         starts = {b: self._valid_start(seqs[b], is_new[b]) for b in active}
         together = [b for b in active if len(seqs[b].token_ids) - 1 - starts[b] <= CATCH_UP_TOGETHER]
         groups = ([together] if together else []) + [[b] for b in active if b not in together]
-        V = self.target.vocab_size
-        logits = torch.zeros(B, V, device=self.device)  # [B, V]; rows that do not draft keep zeros
-        hidden = torch.zeros(B, self.head.config.hidden_size, device=self.device, dtype=self.head.fc.weight.dtype)
+        first, hidden = {}, {}
         for group in groups:
             draft_logits, g = self._catch_up([seqs[b] for b in group], group, [starts[b] for b in group])
-            logits[group] = self._to_target(draft_logits)
-            hidden[group] = g
+            for i, b in enumerate(group):
+                first[b], hidden[b] = draft_logits[i], g[i]
         for b in active:
             s = seqs[b]
             self.done[s.seq_id] = len(s.token_ids) - 1
             self.seen[s.seq_id] = list(s.token_ids)
+        first_logits = torch.stack([first[b] for b in active])  # [A, Vd]
+        g = torch.stack([hidden[b] for b in active])  # [A, D]
 
         # 2. draft: step j (1-based) at position L-2+j reads (g of step j-1, d_j)
-        idx = torch.tensor(active, device=self.device)
         pos = torch.tensor([len(seqs[b].token_ids) - 2 for b in active], device=self.device)  # [A] p = L-2
+        state = {"g": g}
 
-        def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] draft i+1 -> logits [B, V] for draft i+2
-            draft_logits, g = self._draft_step(x[idx], hidden[idx], active, pos + i + 1)
-            hidden[idx] = g
-            out = torch.zeros(B, V, device=self.device)
-            out[idx] = self._to_target(draft_logits)
-            return out
+        def step(x: torch.Tensor, i: int) -> torch.Tensor:  # x [A] draft i+1 -> draft logits [A, Vd] for draft i+2
+            logits, g = r.step(x[:, None], state["g"][:, None], active, (pos + i + 1)[:, None])  # [A, 1, ...]
+            state["g"] = g[:, 0]
+            return logits[:, 0]
 
-        drafting = set(active)
-        want = [n if b in drafting else 0 for b, n in enumerate(num_draft)]
-        return draft_autoregressive(logits, feed, seqs, want, sb, self.draft_p_min)
+        every = len(active) == B
+        want = list(num_draft) if every else [n if b in set(active) else 0 for b, n in enumerate(num_draft)]
+        idx = torch.tensor(active, device=self.device)
+
+        def widen(draft_logits: torch.Tensor) -> torch.Tensor:  # [A, Vd] -> [B, V] (rows that do not draft: 0)
+            logits = self._to_target(draft_logits)
+            if every:
+                return logits
+            return logits.new_zeros(B, logits.shape[-1]).index_copy_(0, idx, logits)
+
+        def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
+            return widen(step(x[idx] if not every else x, i))
+
+        def greedy(x: list[int], n: int) -> list[list[int]]:  # x_1 [B] -> x_2..x_{n+1} [B, n], argmaxes
+            t = torch.tensor(x, device=self.device)[idx] if not every else torch.tensor(x, device=self.device)
+            out = []
+            for i in range(n):
+                t = self.to_target_ids[step(t, i)[:, self.keep].argmax(dim=-1)]  # [A]
+                out.append(t)
+            rows = torch.stack(out, dim=1)  # [A, n]
+            if every:
+                return rows.tolist()
+            full = rows.new_zeros(B, n).index_copy_(0, idx, rows)
+            return full.tolist()
+
+        return draft_autoregressive(widen(first_logits), feed, seqs, want, sb, self.draft_p_min, greedy)
 
     def release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
@@ -100,15 +244,14 @@ class Eagle3Drafter(Drafter):
             self.seen.pop(s.seq_id, None)
 
     def release_memory(self) -> None:
-        self.cache = None
-        self.rows = RowTable()
+        self.runner.release()
         self.done.clear()
         self.seen.clear()
 
     def kv_bytes_per_token(self) -> int:
         """The head's KV (one layer, float32) plus the target's kept layer inputs (float32), per position."""
         c = self.head.config
-        return 2 * self.num_kv_heads * self.head_dim * 4 + len(c.layer_ids) * c.target_hidden_size * 4
+        return 2 * c.num_key_value_heads * c.head_dim * 4 + len(c.layer_ids) * c.target_hidden_size * 4
 
     # -- the head's passes -----------------------------------------------------------------------
 
@@ -130,68 +273,26 @@ class Eagle3Drafter(Drafter):
         head's KV. Returns the draft-vocabulary logits [G, Vd] and pre-norm output g [G, D] at L_i-2."""
         G = len(seqs)
         n = [len(s.token_ids) - 1 - st for s, st in zip(seqs, starts)]  # [G] positions fed, >= 1
-        T, S = max(n), max(starts)
+        T = max(n)
         dev = self.device
         ids = torch.zeros(G, T, dtype=torch.long)
-        feats = torch.zeros(G, T, self.head.fc.in_features, device=dev)  # [G, T, 3 * Dt]
+        feats = torch.zeros(G, T, self.runner.fc.in_features, device=dev)  # [G, T, 3 Dt]
         for i, (s, r, st) in enumerate(zip(seqs, rows, starts)):
             ids[i, : n[i]] = torch.tensor(s.token_ids[st + 1 :])  # token p + 1 at position p
             feats[i, : n[i]] = self.target.hidden_states(r, st, st + n[i])
-        st = torch.tensor(starts, device=dev)
-        positions = st[:, None] + torch.arange(T, device=dev)  # [G, T]
-        k_rows = self._rows(rows)
-        past_k, past_v = self.cache.k[0, k_rows, :, :S], self.cache.v[0, k_rows, :, :S]  # [G, KVH, S, hd]
-        mask = None
-        if G > 1 and (min(n) < T or min(starts) < S):
-            keys = torch.arange(S + T, device=dev)
-            sees_past = keys[None, None, :] < st[:, None, None]  # [G, 1, S + T]: past keys of the row
-            t = torch.arange(T, device=dev)
-            sees_new = (keys[None, :] >= S) & (keys[None, :] - S <= t[:, None])  # [T, S + T]: causal over new
-            mask = (sees_past & (keys < S)) | sees_new[None]  # [G, T, S + T]
-        logits, g, k, v = self.head.step(ids.to(dev), self.head.fuse(feats), positions, past_k, past_v, mask)
-        for i, (r, s0) in enumerate(zip(rows, starts)):
-            self.cache.k[0, r, :, s0 : s0 + n[i]] = k[i, :, : n[i]]
-            self.cache.v[0, r, :, s0 : s0 + n[i]] = v[i, :, : n[i]]
-        last = torch.tensor(n, device=dev) - 1
+        t = torch.arange(T, device=dev)
+        lengths = torch.tensor(n, device=dev)
+        real = t[None] < lengths[:, None]  # [G, T]
+        # padding sits at its row's last real position (it reads only what that one does; its k, v are not written)
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.minimum(t[None], lengths[:, None] - 1)  # [G, T]
+        logits, g = self.runner.step(ids.to(dev), self.runner.fuse(feats), rows, pos, None if min(n) == T else real)
         a = torch.arange(G, device=dev)
-        return logits[a, last], g[a, last]  # [G, Vd], [G, D]
-
-    def _draft_step(self, x: torch.Tensor, hidden: torch.Tensor, rows: list[int],
-                    pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step for rows ``rows``: token x [A] with the previous step's output hidden [A, D] at
-        positions pos [A]; attends to the row's entries 0..pos-1. Returns logits [A, Vd], g [A, D]."""
-        A = len(rows)
-        S = int(pos.max())
-        k_rows = self._rows(rows)
-        past_k, past_v = self.cache.k[0, k_rows, :, :S], self.cache.v[0, k_rows, :, :S]  # [A, KVH, S, hd]
-        mask = None
-        if A > 1 and int(pos.min()) < S:
-            keys = torch.arange(S + 1, device=self.device)
-            mask = ((keys[None, :] < pos[:, None]) | (keys[None, :] == S))[:, None]  # [A, 1, S + 1]
-        logits, g, k, v = self.head.step(x[:, None], hidden[:, None], pos[:, None], past_k, past_v, mask)
-        rows_t = torch.tensor(rows, device=self.device)
-        self.cache.k[0, rows_t, :, pos] = k[:, :, 0]  # [A, KVH, hd] at each row's position
-        self.cache.v[0, rows_t, :, pos] = v[:, :, 0]
-        return logits[:, 0], g[:, 0]
+        return logits[a, lengths - 1], g[a, lengths - 1]  # [G, Vd], [G, D]
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """[..., Vd] -> [..., V] target vocabulary; tokens outside the draft vocabulary get OFF_VOCAB."""
-        return self.head.to_target_logits(draft_logits, self.target.vocab_size).clamp(min=OFF_VOCAB)
-
-    def _rows(self, rows: list[int]) -> slice | torch.Tensor:
-        """Cache rows as a slice when contiguous (no gather), else an index tensor."""
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            return slice(rows[0], rows[0] + len(rows))
-        return torch.tensor(rows, device=self.device)
-
-    def _reserve(self, num_rows: int, length: int) -> None:
-        length = -(-length // CACHE_LEN_STEP) * CACHE_LEN_STEP
-        old = self.cache
-        if old is not None and old.num_rows >= num_rows and old.max_len >= length:
-            return
-        rows = max(num_rows, old.num_rows if old else 0)
-        max_len = max(length, old.max_len if old else 0)
-        new = KVCache(1, rows, self.num_kv_heads, max_len, self.head_dim, torch.float32, self.device)
-        if old is not None:
-            new.grown_from(old)
-        self.cache = new
+        """[A, Vd] -> [A, V] target vocabulary; tokens outside the draft vocabulary get OFF_VOCAB."""
+        if self.same_vocab:
+            return draft_logits
+        out = draft_logits.new_full((draft_logits.shape[0], self.target.vocab_size), OFF_VOCAB)
+        out[:, self.to_target_ids] = draft_logits[:, self.keep]
+        return out
