@@ -258,6 +258,33 @@ def test_greedy_output_equals_plain_decoding(models, config):
         assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+def test_penalties_and_tokens_outside_the_draft_vocabulary(models):
+    """Greedy with penalties equals plain decoding; a request allowed only tokens the head cannot draft
+    still gets a distribution (q spreads over them, the OFF_VOCAB floor) and stays within them."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(models["head_small_vocab"]) / "model.safetensors"), framework="pt") as f:
+        d2t = f.get_tensor("d2t")
+    inside = (torch.arange(len(d2t)) + d2t).tolist()
+    outside = [t for t in range(3, 123) if t not in inside][:6]
+    prompts = random_prompts(3, [3, 8, 13], seed=7)
+    penalties = dict(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    cases = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **penalties),
+             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=outside),
+             SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, allowed_token_ids=outside)]
+    plain = LLM(models["target"], backend="torch")
+    llm = LLM(models["target"], backend="torch", speculative_config=spec(models["head_small_vocab"], 3, adaptive=False))
+    for sp in cases:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        if sp.temperature == 0:
+            expected = plain.generate([{"prompt_token_ids": p} for p in prompts], sp)
+            for p, e, o in zip(prompts, expected, outs):
+                assert_greedy_equal(models["hf"], p, e.outputs[0].token_ids, o.outputs[0].token_ids)
+        if sp.allowed_token_ids:
+            assert all(t in outside for o in outs for t in o.outputs[0].token_ids)
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path, dtype):
     """bfloat16: the head's products run in bf16 beside a bf16 target."""
