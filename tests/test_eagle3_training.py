@@ -124,3 +124,36 @@ def test_bad_input_says_what_is_wrong(tiny, tmp_path):
         run(tiny, tmp_path / "z", "--max-steps", "0", "--layer-ids", "1,2,9")
     with pytest.raises(ValueError, match="is not one distill trains"):
         main(["--method", "medusa", "--target", str(tiny[0]), "--data", str(tiny[1]), "--out", str(tmp_path / "w")])
+
+
+DDP_SCRIPT = """
+import faulthandler, json, os, sys
+from specdec.training.distill import main
+
+faulthandler.dump_traceback_later(90, exit=True)  # a hung collective fails with stacks, not silence
+s = main(sys.argv[1:])
+with open(os.path.join(os.path.dirname(sys.argv[sys.argv.index("--out") + 1]), f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump({k: s[k] for k in ("world_size", "ranks_identical", "tokens_seen", "first_loss", "train_loss")}, f)
+"""
+
+
+def test_torchrun_two_ranks_train_one_head(tiny, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    target, data = tiny
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           "--method", "eagle3", "--target", str(target), "--data", str(data), "--out", str(tmp_path / "h"),
+           "--seq-len", "32", "--batch-size", "2", "--max-steps", "6", "--warmup-steps", "2", "--eval-windows", "2",
+           "--val-fraction", "0.2", "--threads", "1", "--accept-prompts", "0", "--ttt-steps", "2", "--device", "cpu"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world_size"] == 2 and r0["ranks_identical"] and r1["ranks_identical"]
+    assert r0["tokens_seen"] == 6 * 2 * 2 * 32
+    assert (tmp_path / "h" / "model.safetensors").exists()
