@@ -6,6 +6,10 @@ A forward first removes each row's positions from its ``start`` on (rollback), t
 row's real tokens as one llama batch (ragged rows, no padding) and asks for logits at exactly
 the positions the caller indexes. When the cache is full the context is rebuilt twice as large
 and every sequence's KV is copied over.
+
+For EAGLE-3 heads (``keep_hidden_states``) llama.cpp copies the inputs of the asked-for layers out of
+every decode (for all tokens fed, logits or not: llamacpp_ext.py); the runner keeps them per llama
+sequence id and position in one float32 array beside llama.cpp's KV, read back by ``hidden_states``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
+from specdec.models import llamacpp_ext
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.models.gguf import GGUFInfo, read_info
 from specdec.models.llamacpp_lib import load_library
@@ -26,6 +31,7 @@ MIN_SEQUENCES = 4  # a context's first n_seq_max; it doubles as rows need (each 
 BATCH_TOKENS = 512  # tokens per llama_decode call; longer feeds are split
 MIN_CELLS = 1024  # KV cells of a new context
 MIN_UBATCH = 64  # fewest tokens per llama.cpp compute pass (n_ubatch)
+STATE_LEN_STEP = 256  # the kept hidden states grow in steps of this many positions
 KEEP_BYTES = 64 * 2**20  # release() clears a context whose KV cache is at most this large instead of freeing it
 # the dtype whose rounding a GGUF weight type resembles, for the near-tie threshold (specdec.near_tie):
 # llama.cpp rounds a product's activations to the weights' type (bf16, f16) or to 8-bit blocks (q8_0, k-quants)
@@ -89,6 +95,12 @@ class LlamaCppRunner(ModelRunner):
         self.cached: dict[int, int] = {}  # llama sequence id -> positions held
         self.order: list[int] = []  # llama sequence id of cache row 0, 1, ...
         self._batch = _Batch(lib, BATCH_TOKENS)
+        self.hidden_size = lib.llama_model_n_embd(model)
+        # EAGLE-3: whether this build and this model's graph give the layer inputs (llamacpp_ext.py)
+        self.can_keep_hidden_states = llamacpp_ext.supported(self.info.architecture) is None
+        self.kept_layers: list[int] = []  # keep_hidden_states' layer ids, in the order they are concatenated
+        self.states: np.ndarray | None = None  # [sequence ids, positions, len(kept_layers) * D] float32
+        self._embedding: torch.Tensor | None = None
 
     def __del__(self):
         lib = getattr(self, "lib", None)
@@ -132,6 +144,7 @@ class LlamaCppRunner(ModelRunner):
         self.cached.clear()
         self.order = []
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
+        self.states = None  # the kept hidden states go with the KV (grown again by the next forward)
 
     def sync_rows(self, ids: Sequence[Hashable]) -> list[bool]:
         if len(ids) > MAX_SEQUENCES:
@@ -166,6 +179,9 @@ class LlamaCppRunner(ModelRunner):
             self.lib.llama_memory_seq_rm(mem, s, -1, -1)
             if length:
                 self.lib.llama_memory_seq_cp(mem, src, s, 0, length)
+                if self.states is not None:
+                    states = self._states_for(s + 1, length)
+                    states[s, :length] = states[src, :length]
             self.cached[s] = length
 
     def kv_bytes_per_token(self) -> int:
@@ -207,6 +223,86 @@ class LlamaCppRunner(ModelRunner):
                     raise RuntimeError(f"llama.cpp could not move sequence {s} to a larger context")
             lib.llama_free(old)
         self.ctx, self.mem, self.cells, self.n_seq = ctx, lib.llama_get_memory(ctx), cells, n_seq
+        if self.kept_layers:
+            self._switch_layer_inputs(set(), set(self.kept_layers))
+
+    # -- kept hidden states (EAGLE-3) -------------------------------------------------------------
+
+    def keep_hidden_states(self, layer_ids: Sequence[int]) -> None:
+        """From now on every decode also copies the inputs of layers ``layer_ids`` (llama.cpp's
+        ``llama_set_embeddings_layer_inp``: Hugging Face's hidden_states[i]) of every token fed into
+        ``self.states`` [sequence id, position, n * D]. Positions cached before this call read as zeros."""
+        why = llamacpp_ext.supported(self.info.architecture)
+        if why:
+            raise ValueError(why)
+        ids = [int(i) for i in layer_ids]
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if not ids or bad:
+            raise ValueError(f"keep_hidden_states: layer ids {ids} must be in 0..{self.num_layers - 1} "
+                             f"(inputs of this target's {self.num_layers} layers)")
+        if ids == self.kept_layers:
+            return
+        if self.ctx is not None:
+            self._switch_layer_inputs(set(self.kept_layers), set(ids))
+        self.kept_layers = ids
+        self.states = None
+
+    def hidden_states(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The kept layer inputs of cache row ``row`` at positions start..end-1  [end - start, n * D]
+        float32: a view into the runner's array, valid until the next forward or cache change."""
+        if not self.kept_layers:
+            raise ValueError("hidden_states: call keep_hidden_states(layer_ids) first")
+        s = self.order[row] if 0 <= row < len(self.order) else None
+        if s is None or self.states is None or end > self.cached[s] or s >= self.states.shape[0]:
+            raise ValueError(f"hidden_states: positions {start}..{end - 1} of row {row} are not cached")
+        return torch.from_numpy(self.states[s, start:end])
+
+    def token_embedding(self) -> torch.Tensor:
+        """The model's token embedding [n_vocab, D] float32, dequantized by llama.cpp
+        (``llama_model_get_tok_embd``), read once."""
+        if self._embedding is None:
+            get = llamacpp_ext.functions()["get_tok_embd"]
+            n = get(self.model, None)  # elements
+            if n == 0 or n % self.hidden_size:
+                raise ValueError(f"llama.cpp gives no token embedding for {self.path!r}; use backend='torch'")
+            out = np.empty(n, dtype=np.float32)
+            get(self.model, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+            self._embedding = torch.from_numpy(out.reshape(-1, self.hidden_size))
+        return self._embedding
+
+    def _switch_layer_inputs(self, off: set[int], on: set[int]) -> None:
+        """Tell the context which layers' inputs to copy out of each decode."""
+        set_inp = llamacpp_ext.functions()["set_layer_inp"]
+        for lid in sorted(off - on):
+            set_inp(self.ctx, lid, False)
+        for lid in sorted(on):
+            set_inp(self.ctx, lid, True)
+
+    def _states_for(self, num_seqs: int, length: int) -> np.ndarray:
+        """``self.states`` with room for sequence ids below ``num_seqs`` and ``length`` positions (grown,
+        keeping what it holds)."""
+        old = self.states
+        if old is not None and old.shape[0] >= num_seqs and old.shape[1] >= length:
+            return old
+        old_rows, old_len = old.shape[:2] if old is not None else (0, 0)
+        rows = max(num_seqs, self.n_seq, old_rows)
+        # a long prompt grows it once; decoding doubles it now and then
+        cap = old_len if length <= old_len else max(-(-length // STATE_LEN_STEP) * STATE_LEN_STEP, 2 * old_len)
+        new = np.zeros((rows, cap, len(self.kept_layers) * self.hidden_size), dtype=np.float32)
+        if old is not None:
+            new[:old_rows, :old_len] = old
+        self.states = new
+        return new
+
+    def _keep_states(self, n: int, seq: np.ndarray, pos: np.ndarray) -> None:
+        """After a decode of n tokens (sequence ids seq [n], positions pos [n]): copy the kept layers'
+        inputs out of llama.cpp's buffer (batch order, [n, D] per layer) into self.states."""
+        get = llamacpp_ext.functions()["get_layer_inp"]
+        states = self._states_for(int(seq.max()) + 1, int(pos.max()) + 1)
+        D = self.hidden_size
+        for i, lid in enumerate(self.kept_layers):
+            x = np.ctypeslib.as_array(get(self.ctx, lid), shape=(n, D))  # [n, D], valid until the next decode
+            states[seq, pos, i * D : (i + 1) * D] = x
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -296,11 +392,14 @@ class LlamaCppRunner(ModelRunner):
         stopped = np.zeros(B, dtype=bool)
         out = np.empty((B, steps), dtype=np.int32)  # [B, steps]
         lib, V = self.lib, self.vocab_size
+        keep = bool(self.kept_layers)
         for i in range(steps):
             if i:
                 self._batch.token[:B] = out[:, i - 1]
                 self._batch.pos[:B] += 1
             self._check(lib.llama_decode(self.ctx, batch), batch)  # self.ctx: _check may rebuild it
+            if keep:
+                self._keep_states(B, self._batch.seq[:B], self._batch.pos[:B])
             logits = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(B, self.n_vocab))  # [B, n_vocab]
             out[:, i] = logits[:, :V].argmax(axis=1)
             if len(stops):
@@ -345,6 +444,8 @@ class LlamaCppRunner(ModelRunner):
             hi = min(n, lo + BATCH_TOKENS)
             batch = self._batch.fill(tokens[lo:hi], pos[lo:hi], seq[lo:hi], flags[lo:hi])
             self._check(lib.llama_decode(self.ctx, batch), batch)
+            if self.kept_layers:
+                self._keep_states(hi - lo, seq[lo:hi], pos[lo:hi])
             m = int(flags[lo:hi].sum())
             if m:
                 ptr = lib.llama_get_logits(self.ctx)

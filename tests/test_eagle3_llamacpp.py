@@ -1,0 +1,226 @@
+"""EAGLE-3 on the llama.cpp backend: the layer inputs llama.cpp copies out of each decode (kept per
+sequence and position by LlamaCppRunner) against transformers' ``output_hidden_states``, the token
+embedding, what the drafter reads in a real run, greedy equality with plain decoding on llama.cpp,
+exact sampled distributions, and the errors where llama.cpp cannot give the states."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("gguf")
+
+from lossless import assert_first_tokens_follow_target, assert_greedy_equal  # noqa: E402
+from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.models import llamacpp_ext  # noqa: E402
+from specdec.models.base import ForwardBatch  # noqa: E402
+from specdec.models.gguf import convert  # noqa: E402
+from specdec.models.load import load_model, load_runner  # noqa: E402
+from test_eagle3 import make_head, reference_states  # noqa: E402
+from tiny_models import make_model, random_prompts  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: small enough for exact distribution tests
+LAYERS = 4  # default layer ids [2, 2, 1]: repeated and out of order
+STATE_TOL = 1e-4  # float32 file: llama.cpp's layer inputs against transformers' float32 ones (atol and rtol)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3_llamacpp")
+    target = str(make_model(root / "target", "llama", layers=LAYERS, seed=0, max_pos=512))
+    return {"target": target, "gguf": convert(target, str(root / "target.gguf"), "f32"),
+            "hf": load_model(target).hf_model, "head": make_head(target, root / "head", seed=1, draft_vocab=40),
+            "root": root}
+
+
+def spec(head: str, k: int = 4, **kw) -> dict:
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": k, **kw}
+
+
+# -- the runner's kept states --------------------------------------------------------------------------
+
+
+def test_kept_states_match_transformers_hidden_states(models):
+    """Packed ragged prompts, a ragged continuation, greedy_steps, a rollback that rewrites positions,
+    rows that move, a copied prefix, states that grow past their first allocation, release; the
+    logits stay those of a runner that keeps nothing."""
+    hf, ids = models["hf"], [2, 3, 0]
+    r, _ = load_runner(models["gguf"], "llama.cpp")
+    plain, _ = load_runner(models["gguf"], "llama.cpp")
+    r.sync_rows(["plain"])
+    r.forward(ForwardBatch.from_rows([[5, 6, 7]], [0]))
+    assert r.states is None  # nothing is kept unless asked
+    assert r.can_keep_hidden_states
+    r.keep_hidden_states(ids)
+    assert torch.equal(r.token_embedding(), hf.model.embed_tokens.weight.detach())  # float32 file: exact
+
+    def check(row: int, tokens: list[int]):
+        got = r.hidden_states(row, 0, len(tokens))  # [T, 3 * D]
+        ref = reference_states(hf, tokens, ids)
+        assert torch.allclose(got, ref, rtol=STATE_TOL, atol=STATE_TOL), (row, len(tokens))
+
+    hist = dict(zip("abc", random_prompts(3, [7, 2, 12], seed=1)))
+    r.sync_rows(list("abc"))
+    plain.sync_rows(list("abc"))
+    batch = ForwardBatch.from_rows(list(hist.values()), [0, 0, 0], logits="last")
+    assert torch.equal(r.forward(batch), plain.forward(batch))
+    for b, n in enumerate("abc"):
+        check(b, hist[n])
+    more = random_prompts(3, [3, 2, 3], seed=2)
+    r.forward(ForwardBatch.from_rows(more, [len(h) for h in hist.values()]))
+    for b, (n, m) in enumerate(zip("abc", more)):
+        hist[n] = hist[n] + m
+        check(b, hist[n])
+    steps = r.greedy_steps([hist[n][-1] for n in "abc"], [len(hist[n]) - 1 for n in "abc"], 3)
+    for b, (n, s) in enumerate(zip("abc", steps)):
+        hist[n] = hist[n] + s[:-1]  # the last argmax is not fed
+        check(b, hist[n])
+    hist["b"] = hist["b"][:4] + [9, 10, 11]  # rollback: row b rewrites positions 4.. with other tokens
+    r.forward(ForwardBatch.from_rows([[9, 10, 11]], [4], row_offset=1))
+    check(1, hist["b"])
+    r.sync_rows(["c", "a", "d"])  # c moves to row 0; b leaves; d is new
+    check(0, hist["c"])
+    check(1, hist["a"])
+    r.copy_prefix(0, [2], 5)  # d takes c's first 5 positions
+    check(2, hist["c"][:5])
+    long = random_prompts(1, [300], seed=3)[0]  # past the first 256 positions: the states grow
+    r.forward(ForwardBatch.from_rows([long[5:]], [5], row_offset=2))
+    check(2, hist["c"][:5] + long[5:])
+    check(0, hist["c"])
+    with pytest.raises(ValueError, match="not cached"):
+        r.hidden_states(1, 0, len(hist["a"]) + 1)
+    r.release()
+    assert r.states is None
+
+
+def test_kept_states_of_a_bf16_file_are_as_close_as_the_torch_runners_bf16_ones(models, tmp_path):
+    hf, ids = models["hf"], [1, 2]
+    tokens = random_prompts(1, [20], seed=4)[0]
+    ref = reference_states(hf, tokens, ids)  # [T, 2 * D] float32
+
+    def rel_error(runner) -> float:
+        runner.keep_hidden_states(ids)
+        runner.sync_rows(["a"])
+        runner.forward(ForwardBatch.from_rows([tokens], [0]))
+        got = runner.hidden_states(0, 0, len(tokens))
+        return float(((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max())
+
+    cpp, _ = load_runner(convert(models["target"], str(tmp_path / "bf16.gguf"), "bf16"), "llama.cpp")
+    torch_bf16, _ = load_runner(models["target"], "torch", dtype="bfloat16")
+    assert cpp.dtype == torch.bfloat16
+    assert rel_error(cpp) < max(0.05, 2 * rel_error(torch_bf16))
+
+
+# -- what the drafter reads, through LLM ------------------------------------------------------------------
+
+
+def test_the_drafter_reads_the_states_of_each_sequences_history(models, monkeypatch):
+    """In a real run (verify passes, rejected drafts rolled back, n=2 choices sharing their prompt's
+    prefill, ragged rows), every read of the target's states equals transformers' hidden states of the
+    row's history at those positions."""
+    llm = LLM(models["gguf"], backend="llama.cpp", speculative_config=spec(models["head"], 3, adaptive=False))
+    assert llm.backend == "llama.cpp"
+    drafter, target = llm.engine.drafter, llm.target
+    ids = drafter.head.config.layer_ids
+    reads, history = [], {}
+    real_propose, real_states = drafter.propose, target.hidden_states
+
+    def propose(seqs, num_draft, sb):
+        history.update({b: list(s.token_ids) for b, s in enumerate(seqs)})
+        return real_propose(seqs, num_draft, sb)
+
+    def hidden_states(row, start, end):
+        out = real_states(row, start, end)
+        reads.append((list(history[row]), start, end, out.clone()))
+        return out
+
+    monkeypatch.setattr(drafter, "propose", propose)
+    monkeypatch.setattr(target, "hidden_states", hidden_states)
+    prompts = random_prompts(3, [2, 9, 30], seed=5)
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0, max_tokens=12, n=2, ignore_eos=True))
+    assert len(reads) >= 10
+    for tokens, start, end, got in reads:
+        assert end <= len(tokens) - 1  # only positions the target computed
+        ref = reference_states(models["hf"], tokens[:end], ids)[start:end]
+        assert torch.allclose(got, ref, rtol=STATE_TOL, atol=STATE_TOL), (len(tokens), start, end)
+
+
+@pytest.mark.parametrize("config", [
+    dict(k=1, adaptive=False), dict(k=3, adaptive=False), dict(k=4, adaptive=True),
+    dict(k=4, enable_suffix_decoding=True, suffix_decoding_min_score=0.0),
+], ids=["k1", "k3", "adaptive", "suffix-in-front"])
+def test_greedy_output_equals_plain_decoding_on_llamacpp(models, config):
+    config = dict(config)
+    k = config.pop("k")
+    prompts = random_prompts(4, [1, 5, 11, 23], seed=k)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    expected = LLM(models["gguf"], backend="llama.cpp").generate(reqs, sp)
+    llm = LLM(models["gguf"], backend="llama.cpp", speculative_config=spec(models["head"], k, **config))
+    outs = llm.generate(reqs, sp)
+    for p, e, o in zip(prompts, expected, outs):
+        for ec, c in zip(e.outputs, o.outputs):
+            assert_greedy_equal(models["hf"], p, ec.token_ids, c.token_ids)
+    assert llm.get_metrics()["num_draft_tokens"] > 0
+
+
+# -- sampled outputs -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3_llamacpp_small")
+    target = str(make_model(root / "t", "llama", words=SMALL_WORDS, seed=3, init_std=0.5))
+    head = make_head(target, root / "head", seed=2, draft_vocab=18)  # 5 of 23 tokens it never drafts
+    return convert(target, str(root / "t.gguf"), "f32"), head, load_model(target).hf_model
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_k=4),
+    dict(temperature=1.0, top_p=0.7),
+], ids=["t1", "topk", "topp"])
+def test_sampled_outputs_follow_the_target_distribution_on_llamacpp(small_vocab, params):
+    target, head, hf = small_vocab
+    prompt = [5, 9, 3]
+    N = 3000
+    llm = LLM(target, backend="llama.cpp", speculative_config=spec(head, 2, adaptive=False))
+    sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
+    tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
+    assert_first_tokens_follow_target(hf, prompt, tokens, sps[0], len(SMALL_WORDS) + 3)
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0  # the drafts did get used
+
+
+# -- where llama.cpp cannot give the states -----------------------------------------------------------------
+
+
+def test_a_model_whose_graph_keeps_no_layer_inputs_names_the_torch_backend(tmp_path):
+    """llama.cpp's qwen2 graph records no layer inputs (asking would abort the process): the runner says
+    so before, and LLM refuses an eagle3 head on it with the backend that can."""
+    target = str(make_model(tmp_path / "qwen2", "qwen2", layers=LAYERS))
+    path = convert(target, str(tmp_path / "qwen2.gguf"), "f32")
+    r, _ = load_runner(path, "llama.cpp")
+    assert not r.can_keep_hidden_states
+    with pytest.raises(ValueError, match="backend='torch'"):
+        r.keep_hidden_states([1, 2, 3])
+    with pytest.raises(ValueError, match="backend='torch'"):
+        LLM(path, backend="llama.cpp", speculative_config=spec(make_head(target, tmp_path / "head")))
+
+
+def test_a_llama_cpp_build_without_the_symbols_names_the_torch_backend(models, monkeypatch):
+    symbols = dict(llamacpp_ext._SYMBOLS)
+    name, _, restype, argtypes = symbols["get_layer_inp"]
+    symbols["get_layer_inp"] = (name, "_Z_not_in_this_build", restype, argtypes)
+    monkeypatch.setattr(llamacpp_ext, "_SYMBOLS", symbols)
+    monkeypatch.setattr(llamacpp_ext, "_bound", {})
+    r, _ = load_runner(models["gguf"], "llama.cpp")
+    assert not r.can_keep_hidden_states
+    with pytest.raises(ValueError, match=r"does not export llama_get_embeddings_layer_inp.*backend='torch'"):
+        r.keep_hidden_states([1])
