@@ -102,11 +102,13 @@ class HeadRunner:
         return self.fc(features).float()
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
-             real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             real: torch.Tensor | None = None, query_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of the decoder layer for cache rows ``rows`` [B]: ids [B, T] (token p + 1 at position
         p), hidden [B, T, D], positions pos [B, T]; ``real`` [B, T] bool marks the tokens whose k, v are
         written (None: all). Query (b, t) attends to the row's keys at positions <= pos[b, t]. Returns
-        draft-vocabulary logits [B, T, Vd] float32 and the pre-norm output g [B, T, D] float32."""
+        draft-vocabulary logits [B, T, Vd] float32 and the pre-norm output g [B, T, D] float32.
+        ``query_at`` [B]: only that query per row goes past k and v (a catch-up needs the others' keys
+        and values only): logits [B, 1, Vd], g [B, 1, D]."""
         c = self.c
         B, T = ids.shape
         H, KVH, hd, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
@@ -130,6 +132,9 @@ class HeadRunner:
             self.cache.k[0][row_t[real], :, pos[real]] = k[real]
             self.cache.v[0][row_t[real], :, pos[real]] = v[real]
         end = int(pos.max()) + 1
+        if query_at is not None:
+            b = torch.arange(B, device=self.device)
+            q, pos, residual, T = q[b, query_at][:, None], pos[b, query_at][:, None], residual[b, query_at][:, None], 1
         cache_rows = _rows(rows, self.device)
         keys, values = self.cache.k[0, cache_rows, :, :end], self.cache.v[0, cache_rows, :, :end]  # [B, KVH, end, hd]
         mask = None
@@ -285,9 +290,9 @@ class Eagle3Drafter(Drafter):
         real = t[None] < lengths[:, None]  # [G, T]
         # padding sits at its row's last real position (it reads only what that one does; its k, v are not written)
         pos = torch.tensor(starts, device=dev)[:, None] + torch.minimum(t[None], lengths[:, None] - 1)  # [G, T]
-        logits, g = self.runner.step(ids.to(dev), self.runner.fuse(feats), rows, pos, None if min(n) == T else real)
-        a = torch.arange(G, device=dev)
-        return logits[a, lengths - 1], g[a, lengths - 1]  # [G, Vd], [G, D]
+        logits, g = self.runner.step(ids.to(dev), self.runner.fuse(feats), rows, pos, None if min(n) == T else real,
+                                     query_at=lengths - 1)
+        return logits[:, 0], g[:, 0]  # [G, Vd], [G, D]
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[A, Vd] -> [A, V] target vocabulary; tokens outside the draft vocabulary get OFF_VOCAB."""
