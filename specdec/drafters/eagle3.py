@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.drafters.autoregressive import draft_autoregressive
-from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.base import DraftProposal, Drafter, grew_from
 from specdec.models.base import ModelRunner
 from specdec.models.eagle3 import Eagle3Head
 from specdec.models.kv_cache import KVCache, RowTable
@@ -174,6 +174,7 @@ class Eagle3Drafter(Drafter):
         ids = head.draft_to_target.to(self.device)  # [Vd] target id of each draft id
         self.keep = (ids < V).nonzero().flatten()  # draft ids the target's vocabulary has
         self.to_target_ids = ids[self.keep]
+        self.all_kept = len(self.keep) == len(ids)
         self.same_vocab = len(ids) == V and bool((ids == torch.arange(V, device=self.device)).all())
         self.done: dict[int, int] = {}  # seq_id -> step-0 entries at positions 0..done-1 are in the head's KV
         self.seen: dict[int, list[int]] = {}  # seq_id -> the history those entries read (t_0..t_done)
@@ -233,7 +234,8 @@ class Eagle3Drafter(Drafter):
             t = torch.tensor(x, device=self.device)[idx] if not every else torch.tensor(x, device=self.device)
             out = []
             for i in range(n):
-                t = self.to_target_ids[step(t, i)[:, self.keep].argmax(dim=-1)]  # [A]
+                logits = step(t, i)  # [A, Vd]
+                t = self.to_target_ids[(logits if self.all_kept else logits[:, self.keep]).argmax(dim=-1)]  # [A]
                 out.append(t)
             rows = torch.stack(out, dim=1)  # [A, n]
             if every:
@@ -267,9 +269,9 @@ class Eagle3Drafter(Drafter):
         if new or s.seq_id not in self.done:
             return 0
         done, seen = self.done[s.seq_id], self.seen[s.seq_id]
-        m = min(len(seen), L)
-        if seen[:m] != s.token_ids[:m]:  # the history was replaced: keep the common prefix's entries
-            m = next(i for i in range(m) if seen[i] != s.token_ids[i])
+        if not grew_from(seen, s.token_ids):  # the history was replaced: keep the common prefix's entries
+            m = min(len(seen), L)
+            m = next((i for i in range(m) if seen[i] != s.token_ids[i]), m)
             done = min(done, max(m - 1, 0))
         return min(done, L - 2)
 
