@@ -238,8 +238,18 @@ def compute_paths(llm: LLM) -> dict[str, str]:
     paths = {"backend": f"{llm.backend} ({llm.backend_reason})", "target": describe_path(llm.engine.target, requested)}
     draft = getattr(llm.engine.drafter, "runner", None)
     if draft is not None:
-        paths["draft"] = describe_path(draft, requested)
+        paths["draft"] = describe_path(draft, requested) if hasattr(draft, "describe") else _describe_head(draft)
     return paths
+
+
+def _describe_head(runner) -> str:
+    """A draft runner that is not a model runner (an EAGLE-3 head's): what it is, its layers and kernels."""
+    c, fc = getattr(runner, "c", None), getattr(runner, "fc", None)
+    if c is None or not hasattr(c, "layer_ids"):
+        return type(runner).__name__
+    kernels = f", {str(fc.dtype).removeprefix('torch.')} linears ({fc.kind})" if hasattr(fc, "kind") else ""
+    return (f"EAGLE-3 head on {getattr(runner, 'device', 'cpu')}: one decoder layer over the target's layers "
+            f"{c.layer_ids}, draft vocabulary {c.draft_vocab_size}{kernels}")
 
 
 def _split(p) -> tuple[Prompt, str | None]:

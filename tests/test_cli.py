@@ -424,3 +424,81 @@ def test_build_speculative_config_eagle3_spellings():
     assert build_speculative_config("H", 5, None, method="eagle3", suffix_in_front=True) == {
         **cfg, "enable_suffix_decoding": True}
     assert build_speculative_config(None, 0, '{"method": "eagle3"}') == {"method": "eagle3", "num_speculative_tokens": 0}
+
+
+@pytest.fixture(scope="module")
+def eagle3(tmp_path_factory) -> dict[str, str]:
+    """A 4-layer tiny target and an untrained EAGLE-3 head for it (random weights: few drafts accepted),
+    plus a head made for another target."""
+    import torch
+    from transformers import AutoConfig
+
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head, save_head
+
+    root = tmp_path_factory.mktemp("cli_eagle3")
+    target = make_model(root / "target", "llama", seed=0, layers=4)
+    torch.manual_seed(0)
+    head = save_head(Eagle3Head(Eagle3Config.for_target(AutoConfig.from_pretrained(target))), root / "head")
+    other = make_model(root / "other", "llama", seed=1, layers=4, hidden=32)
+    wrong = save_head(Eagle3Head(Eagle3Config.for_target(AutoConfig.from_pretrained(other))), root / "wrong")
+    return {"target": str(target), "head": str(head), "wrong": str(wrong)}
+
+
+@pytest.mark.parametrize("flags", [
+    ["--method", "eagle3", "--draft", "{head}"],
+    ["--method", "eagle3", "--speculative-model", "{head}"],
+    ["--speculative-config", '{"method": "eagle3", "model": "{head}"}'],
+    ["--method", "suffix,eagle3", "--draft", "{head}"],
+    ["--method", "eagle3", "--draft", "{head}", "--enable-suffix-decoding"],
+])
+def test_generate_eagle3_greedy_equals_plain(eagle3, flags):
+    flags = [f.replace("{head}", eagle3["head"]) for f in flags]
+    out = json_out(cli("generate", "--model", eagle3["target"], *flags, "-k", "3", "--no-adaptive",
+                       "--prompt", PROMPTS[1], "--temperature", "0", "--max-tokens", "12", "--json"))
+    assert out["token_ids"] == greedy_ids(LLM(eagle3["target"]), PROMPTS[1], 12)
+    m = out["metrics"]
+    assert m["num_draft_tokens"] > 0
+    if flags[1] == "eagle3" or flags[0] == "--speculative-config":
+        assert m["num_draft_tokens_per_method"].get("eagle3", 0) > 0
+
+
+def test_bench_eagle3(eagle3, prompts_file):
+    out = json_out(cli("bench", "--model", eagle3["target"], "--method", "eagle3", "--draft", eagle3["head"],
+                       "-k", "2", "--prompts", prompts_file, "--max-tokens", "6", "--json"))
+    assert out["greedy_match"]["matched"] == len(PROMPTS) and out["num_speculative_tokens"] == 2
+
+
+@pytest.mark.parametrize("case, message", [
+    ("wrong target", "hidden"),
+    ("no weights", "model.safetensors"),
+    ("no config", "config.json"),
+])
+def test_generate_eagle3_bad_head_exits_2(eagle3, tmp_path, case, message):
+    head = {"wrong target": eagle3["wrong"], "no weights": tmp_path / "h1", "no config": tmp_path / "h2"}[case]
+    if case == "no weights":
+        shutil.copytree(eagle3["head"], head)
+        (Path(head) / "model.safetensors").unlink()
+    elif case == "no config":
+        shutil.copytree(eagle3["head"], head)
+        (Path(head) / "config.json").unlink()
+    result = cli("generate", "--model", eagle3["target"], "--method", "eagle3", "--draft", head,
+                 "--prompt", "w1", "--max-tokens", "2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_server_with_an_eagle3_config(eagle3):
+    """What `specdec serve --speculative-config '{"method": "eagle3", ...}'` builds, served on a thread."""
+    import httpx
+
+    from specdec.server import ServerThread, build_app
+
+    spec = {"method": "eagle3", "model": eagle3["head"], "num_speculative_tokens": 3, "adaptive": False}
+    with ServerThread(build_app(model=eagle3["target"], speculative_config=spec)) as server:
+        body = {"model": eagle3["target"], "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+    plain = LLM(eagle3["target"]).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert text == plain.outputs[0].text

@@ -246,3 +246,25 @@ def test_demo_bad_input_exits_2(monkeypatch, pair, args, message):
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
     assert "Traceback" not in result.output
+
+
+def test_demo_with_an_eagle3_head_installed(monkeypatch, pair, tmp_path):
+    """With the head installed the demo measures eagle3 (alone and listed with suffix) on each backend;
+    one the backend cannot run is reported, not fatal."""
+    import torch
+    from transformers import AutoConfig
+
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head, save_head
+
+    torch.manual_seed(0)
+    head = save_head(Eagle3Head(Eagle3Config.for_target(AutoConfig.from_pretrained(pair["target"]))), tmp_path / "h")
+    _install(monkeypatch, pair, head)
+    _inject(monkeypatch, {"torch plain": 5.0, "torch + eagle3 k=6": 2.0, "torch + suffix,eagle3 k=6": 3.0})
+    result = runner.invoke(app, ["demo", "--max-tokens", "6", "--probe-rounds", "1", "--json",
+                                 "--method", "eagle3", "--method", "suffix,eagle3"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert [x["name"] for x in out["measured"]] == ["torch plain", "torch + eagle3 k=6", "torch + suffix,eagle3 k=6"]
+    assert all(x["error"] is None for x in out["measured"])
+    assert out["configuration"] == "torch + eagle3 k=6" and out["speculative_config"]["model"] == "specdec/demo-eagle3"
+    assert out["greedy_match"]["matched"] == 3
