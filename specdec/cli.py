@@ -231,7 +231,7 @@ def demo(
         if len(backends) > 1:  # what a step and a verify pass cost on each: the same figures backend=auto times
             try:
                 costs = forward_costs(DEMO_TARGET)
-            except ValueError as e:
+            except (ValueError, RuntimeError, OSError) as e:  # the explanation then uses the controller's line
                 err.print(f"  (the forward's costs could not be timed: {e})", style="dim", markup=False)
         choice = choose(measured)
         why = explain(choice, costs)

@@ -268,3 +268,17 @@ def test_demo_with_an_eagle3_head_installed(monkeypatch, pair, tmp_path):
     assert all(x["error"] is None for x in out["measured"])
     assert out["configuration"] == "torch + eagle3 k=6" and out["speculative_config"]["model"] == "specdec/demo-eagle3"
     assert out["greedy_match"]["matched"] == 3
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+def test_forward_costs_are_the_timings_backend_auto_keeps(monkeypatch, pair, tmp_path):
+    from specdec.models import backend_choice
+    from specdec.models.resolve import resolve
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECDEC_AUTO_BACKEND", raising=False)
+    costs = demo.forward_costs(str(pair["target"]))
+    assert set(costs) == {"llama.cpp", "torch"} and all(t1 > 0 and tk > 0 for t1, tk in costs.values())
+    monkeypatch.setattr(backend_choice, "time_backends", lambda *a: pytest.fail("timed a second time"))
+    verdict = backend_choice.auto_backend(resolve(str(pair["target"])), "auto", demo.VERIFY_K)
+    assert {b: tuple(t) for b, t in verdict.ms.items()} == costs  # one entry, one timing per machine
