@@ -298,11 +298,18 @@ class LlamaCppRunner(ModelRunner):
         """After a decode of n tokens (sequence ids seq [n], positions pos [n]): copy the kept layers'
         inputs out of llama.cpp's buffer (batch order, [n, D] per layer) into self.states."""
         get = llamacpp_ext.functions()["get_layer_inp"]
-        states = self._states_for(int(seq.max()) + 1, int(pos.max()) + 1)
         D = self.hidden_size
+        rows = ctypes.c_float * (n * D)  # ctypes caches the type; from_address wraps without a copy
+        if n == 1:  # a plain step: plain indexing with Python ints (a gather costs more than the copy)
+            s, p = int(seq[0]), int(pos[0])
+            states = self._states_for(s + 1, p + 1)
+            for i, lid in enumerate(self.kept_layers):
+                states[s, p, i * D : (i + 1) * D] = np.frombuffer(rows.from_address(get(self.ctx, lid)), np.float32)
+            return
+        states = self._states_for(int(seq.max()) + 1, int(pos.max()) + 1)
         for i, lid in enumerate(self.kept_layers):
-            x = np.ctypeslib.as_array(get(self.ctx, lid), shape=(n, D))  # [n, D], valid until the next decode
-            states[seq, pos, i * D : (i + 1) * D] = x
+            x = np.frombuffer(rows.from_address(get(self.ctx, lid)), np.float32)  # [n * D], until the next decode
+            states[seq, pos, i * D : (i + 1) * D] = x.reshape(n, D)
 
     # -- forward ----------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ _SYMBOLS = {
     "set_layer_inp": ("llama_set_embeddings_layer_inp", "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
                       None, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool]),
     "get_layer_inp": ("llama_get_embeddings_layer_inp", "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
-                      ctypes.POINTER(ctypes.c_float), [ctypes.c_void_p, ctypes.c_uint32]),
+                      ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_uint32]),  # float * as an address
     "get_tok_embd": ("llama_model_get_tok_embd", "_Z24llama_model_get_tok_embdPK11llama_modelPf",
                      ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)]),
 }
