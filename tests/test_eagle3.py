@@ -241,8 +241,8 @@ def plain_greedy(target: str, prompts, max_tokens: int, n: int = 1, dtype: str =
 @pytest.mark.parametrize("config", [
     dict(k=1, adaptive=False), dict(k=2, adaptive=False), dict(k=3, adaptive=False), dict(k=5, adaptive=False),
     dict(k=4, adaptive=True), dict(k=4, enable_suffix_decoding=True, suffix_decoding_min_score=0.0),
-    dict(k=4, method=["suffix", "eagle3"]),
-], ids=["k1", "k2", "k3", "k5", "adaptive", "suffix-in-front", "choice"])
+    dict(k=4, method=["suffix", "eagle3"]), dict(k=4, adaptive=False, draft_p_min=0.02),
+], ids=["k1", "k2", "k3", "k5", "adaptive", "suffix-in-front", "choice", "p-min"])
 def test_greedy_output_equals_plain_decoding(models, config):
     config = dict(config)
     k = config.pop("k")
