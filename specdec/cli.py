@@ -226,13 +226,13 @@ def demo(
         t0 = time.perf_counter()
         llms = build(cands, DEMO_TARGET, device, progress=lambda line: err.print(line, style="dim", markup=False))
         measured = measure(llms, max_tokens=probe_tokens, rounds=probe_rounds)
-        measure_s = time.perf_counter() - t0  # loading the candidates included
         costs = None
         if len(backends) > 1:  # what a step and a verify pass cost on each: the same figures backend=auto times
             try:
                 costs = forward_costs(DEMO_TARGET)
             except (ValueError, RuntimeError, OSError) as e:  # the explanation then uses the controller's line
                 err.print(f"  (the forward's costs could not be timed: {e})", style="dim", markup=False)
+        measure_s = time.perf_counter() - t0  # loading the candidates and timing the forwards included
         choice = choose(measured)
         why = explain(choice, costs)
         if choice.spec is None:
