@@ -196,8 +196,12 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path)
 
     monkeypatch.setattr(eagle3, "draft_autoregressive", recorded)
     llm = LLM(models["target"], backend="torch", speculative_config=spec(models["head_small_vocab"], 3, adaptive=False))
-    head = llm.engine.drafter.head
+    drafter = llm.engine.drafter
+    head = drafter.head
     ids = head.config.layer_ids
+    copied = []  # a choice takes its prompt's head entries from its sibling
+    share = drafter._copy_from_sibling
+    monkeypatch.setattr(drafter, "_copy_from_sibling", lambda seqs, b: copied.append(share(seqs, b)) or copied[-1])
     prompts = random_prompts(3, [2, 9, 30], seed=5)
     llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12, n=2,
                                                                             ignore_eos=True))
@@ -227,6 +231,7 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path)
                     assert (got[~inside] <= -1e29).all()  # outside the draft vocabulary: q = 0
             rows_checked += 1
     assert rows_checked >= 10
+    assert sorted(copied)[-2:] == [8, 29]  # the second choice of the 9- and 30-token prompts: P - 1 entries
 
 
 # -- through LLM: greedy equality -----------------------------------------------------------------------

@@ -198,13 +198,14 @@ class Eagle3Drafter(Drafter):
         groups = ([together] if together else []) + [[b] for b in active if b not in together]
         first, hidden = {}, {}
         for group in groups:
+            if len(group) == 1 and starts[group[0]] == 0:  # a prompt: a choice of the same request may have it
+                starts[group[0]] = self._copy_from_sibling(seqs, group[0])
             draft_logits, g = self._catch_up([seqs[b] for b in group], group, [starts[b] for b in group])
             for i, b in enumerate(group):
                 first[b], hidden[b] = draft_logits[i], g[i]
-        for b in active:
-            s = seqs[b]
-            self.done[s.seq_id] = len(s.token_ids) - 1
-            self.seen[s.seq_id] = list(s.token_ids)
+                s = seqs[b]
+                self.done[s.seq_id] = len(s.token_ids) - 1
+                self.seen[s.seq_id] = list(s.token_ids)
         first_logits = torch.stack([first[b] for b in active])  # [A, Vd]
         g = torch.stack([hidden[b] for b in active])  # [A, D]
 
@@ -274,6 +275,22 @@ class Eagle3Drafter(Drafter):
             m = next((i for i in range(m) if seen[i] != s.token_ids[i]), m)
             done = min(done, max(m - 1, 0))
         return min(done, L - 2)
+
+    def _copy_from_sibling(self, seqs: list[Sequence], b: int) -> int:
+        """Row b's first position to compute after copying the head's entries for its prompt from a choice
+        of the same request (same prefill_group) that has them: the entries at p < P - 1 read prompt
+        tokens only. 0 when no sibling has any."""
+        s = seqs[b]
+        if s.prefill_group is None:
+            return 0
+        P = s.num_prompt_tokens
+        for r, o in enumerate(seqs):
+            if o is not s and o.prefill_group == s.prefill_group and o.seq_id in self.done:
+                shared = min(self.done[o.seq_id], P - 1)
+                if shared > 0:
+                    self.runner.cache.copy_prefix(r, [b], shared)
+                    return min(shared, len(s.token_ids) - 2)
+        return 0
 
     def _catch_up(self, seqs: list[Sequence], rows: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 0 for row r = rows[i] at positions starts[i]..L_i-2, padded to the longest; writes the
