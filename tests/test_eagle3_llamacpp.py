@@ -91,6 +91,13 @@ def test_kept_states_match_transformers_hidden_states(models):
     r.forward(ForwardBatch.from_rows([long[5:]], [5], row_offset=2))
     check(2, hist["c"][:5] + long[5:])
     check(0, hist["c"])
+    cells = r.cells
+    r.reserve(3, 2 * cells)  # a new, larger llama context: it is told again which layer inputs to copy
+    assert r.cells > cells
+    r.forward(ForwardBatch.from_rows([[4, 5]], [len(hist["a"])], row_offset=1))
+    hist["a"] = hist["a"] + [4, 5]
+    check(1, hist["a"])
+    check(0, hist["c"])
     with pytest.raises(ValueError, match="not cached"):
         r.hidden_states(1, 0, len(hist["a"]) + 1)
     r.release()
