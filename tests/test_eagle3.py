@@ -231,6 +231,8 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path)
                     assert (got[~inside] <= -1e29).all()  # outside the draft vocabulary: q = 0
             rows_checked += 1
     assert rows_checked >= 10
+    c = head.config  # the scheduler's KV budget counts the head's KV and the target's kept states
+    assert drafter.kv_bytes_per_token() == 2 * c.num_key_value_heads * c.head_dim * 4 + 3 * c.target_hidden_size * 4
     assert sorted(copied)[-2:] == [8, 29]  # the second choice of the 9- and 30-token prompts: P - 1 entries
 
 
