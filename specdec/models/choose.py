@@ -16,6 +16,7 @@ from specdec.models import llamacpp_lib
 from specdec.models.backend_choice import auto_backend
 from specdec.models.dtype_choice import dtype_for
 from specdec.models.gguf import ARCHITECTURES
+from specdec.models.llamacpp_ext import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from specdec.models.resolve import ModelSource
 
 BACKENDS = ("auto", "torch", "llama.cpp")
@@ -67,6 +68,8 @@ def _backend(source: ModelSource, backend: str, device: str, method: str | None,
         return "torch", f"auto: device {device}"
     if method == "layer_skip":
         return "torch", "auto: layer_skip runs the target's first layers (torch only)"
+    if method == "eagle3" and _gguf_arch(source) not in EAGLE3_ARCHITECTURES:
+        return "torch", "auto: llama.cpp gives EAGLE-3 heads the layer inputs of llama-architecture models only"
     if not llamacpp_lib.available():
         return "torch", "auto: llama-cpp-python is not installed"
     if not _convertible(source):
@@ -78,3 +81,9 @@ def _backend(source: ModelSource, backend: str, device: str, method: str | None,
 def _convertible(source: ModelSource) -> bool:
     archs = source.config.get("architectures") or []
     return bool(archs) and archs[0] in ARCHITECTURES and bool(glob.glob(os.path.join(source.path, "*.safetensors")))
+
+
+def _gguf_arch(source: ModelSource) -> str:
+    """The llama.cpp architecture name an HF checkpoint converts to ("" when it does not)."""
+    archs = (source.config or {}).get("architectures") or [""]
+    return ARCHITECTURES.get(archs[0], ("",))[0]
