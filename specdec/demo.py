@@ -277,7 +277,8 @@ def explain(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = N
         parts.append(text)
     spec, plain = choice.spec, choice.plain
     if spec is None:
-        return "; ".join(parts) + f" -> no speculative configuration ran; plain {plain.candidate.backend} is the fastest"
+        return "; ".join(parts) + (f" -> no speculative configuration ran; plain {plain.candidate.backend} "
+                                   "is the fastest")
     parts.append(f"{spec.candidate.method_name} gets {spec.tau:.2f} tokens per verify pass "
                  f"(drafting {spec.mean_k:.1f} a round)")
     if choice.speedup > 1.0:

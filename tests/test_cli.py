@@ -423,7 +423,8 @@ def test_build_speculative_config_eagle3_spellings():
         "method": ["suffix", "eagle3"], "model": "H", "num_speculative_tokens": 4}
     assert build_speculative_config("H", 5, None, method="eagle3", suffix_in_front=True) == {
         **cfg, "enable_suffix_decoding": True}
-    assert build_speculative_config(None, 0, '{"method": "eagle3"}') == {"method": "eagle3", "num_speculative_tokens": 0}
+    no_drafts = {"method": "eagle3", "num_speculative_tokens": 0}  # k = 0: no head needed
+    assert build_speculative_config(None, 0, json.dumps({"method": "eagle3"})) == no_drafts
 
 
 @pytest.fixture(scope="module")
