@@ -529,8 +529,9 @@ def _bench_lines(r: dict) -> list[str]:
 
 def _print_measured(choice, why: str, probe_tokens: int, rounds: int, seconds: float, console: Console) -> None:
     """The demo's measurements: one row per configuration, against the fastest plain backend."""
-    table = Table(title=f"measured here in {seconds:.0f} s: 3 probe prompts, best of {rounds}, {probe_tokens} "
-                        "tokens, greedy, batch 1", title_style="bold", box=box.SIMPLE_HEAD, padding=(0, 1))
+    console.print(f"measured here in {seconds:.0f} s: 3 probe prompts, best of {rounds}, {probe_tokens} tokens, "
+                  "greedy, batch 1", style="bold", markup=False, soft_wrap=True)
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1))
     tau = TAU.split()[0]
     for col in ("configuration", "tokens/s", "x plain", tau, "k/round"):
         table.add_column(col, justify="left" if col == "configuration" else "right", no_wrap=col == "configuration")
