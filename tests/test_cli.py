@@ -503,3 +503,13 @@ def test_server_with_an_eagle3_config(eagle3):
         text = r.json()["choices"][0]["text"]
     plain = LLM(eagle3["target"]).generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=8))[0]
     assert text == plain.outputs[0].text
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
+def test_generate_eagle3_on_llamacpp_greedy_equals_plain(eagle3):
+    out = json_out(cli("generate", "--model", eagle3["target"], "--backend", "llama.cpp", "--method", "eagle3",
+                       "--draft", eagle3["head"], "-k", "3", "--no-adaptive", "--prompt", PROMPTS[1],
+                       "--temperature", "0", "--max-tokens", "12", "--json"))
+    plain = LLM(eagle3["target"], backend="llama.cpp")
+    assert out["token_ids"] == greedy_ids(plain, PROMPTS[1], 12)
+    assert out["metrics"]["num_draft_tokens_per_method"].get("eagle3", 0) > 0
