@@ -206,8 +206,10 @@ def test_bad_lists_of_methods(models, cfg, message):
 
 
 def test_cli_method_option():
-    assert build_speculative_config(None, None, None, method="suffix,draft_model, ngram") == {
-        "method": ["suffix", "draft_model", "ngram"], "num_speculative_tokens": 4}
+    assert build_speculative_config(None, None, None, method="suffix, ngram") == {
+        "method": ["suffix", "ngram"], "num_speculative_tokens": 4}
+    with pytest.raises(CliError, match="needs the draft model: pass --draft"):
+        build_speculative_config(None, None, None, method="suffix,draft_model")
     assert build_speculative_config("D", 3, None, method="suffix,draft_model") == {
         "method": ["suffix", "draft_model"], "model": "D", "num_speculative_tokens": 3}
     assert build_speculative_config(None, None, '{"model": "D"}', method="ngram,draft_model")["method"] == [
