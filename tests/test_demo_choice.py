@@ -63,6 +63,13 @@ def test_choose_the_fastest_plain_and_the_best_speculative_across_backends():
     assert "torch: 4.80 ms per token plain, a verify pass of 6 tokens costs 1.10 steps" in why
 
 
+def test_explain_flags_figures_the_noise_made():
+    choice = choose([m("torch", tps=100), m("torch", "eagle3", 6, tps=250, tau=1.0, mean_k=1)])
+    assert explain(choice).endswith("torch + eagle3 k=6 is 2.50x plain torch (the fastest plain backend) (noisy: "
+                                    "torch + eagle3 k=6 measured faster over plain on the same backend than τ allows; "
+                                    "another job shared the CPU: run it again when the machine is quiet)")
+
+
 def test_choose_says_when_nothing_beats_plain():
     choice = choose([m("llama.cpp", tps=465, step_ms=2.1), m("llama.cpp", "suffix", 16, tps=440, tau=1.5, mean_k=1)])
     assert choice.spec.candidate.method == "suffix" and choice.speedup < 1
@@ -105,6 +112,7 @@ class FakeClock:
 
     def __init__(self):
         self.now = 0.0
+        self.calls: dict = {}  # candidate -> generate calls
 
     def __call__(self) -> float:
         return self.now
@@ -115,7 +123,8 @@ class FakeClock:
                 continue
             real = llm.generate
 
-            def generate(prompts, params=None, real=real, cost=ms_per_token[c.name]):
+            def generate(prompts, params=None, real=real, cost=ms_per_token[c.name], c=c):
+                self.calls[c] = self.calls.get(c, 0) + 1
                 outs = real(prompts, params)
                 self.now += cost / 1e3 * sum(len(o.outputs[0].token_ids) for o in outs)
                 return outs
@@ -143,6 +152,23 @@ def test_measure_picks_what_the_clock_says(pair):
     assert draft.tau > 1 and 0 < draft.mean_k <= 3 and draft.step_ms > 0  # from the metrics and the controller
     choice = choose(measured)
     assert choice.spec is draft and choice.speedup == pytest.approx(2.5)
+
+
+def test_implausible_figures_are_measured_again(pair):
+    """A configuration faster over plain on its backend than its τ allows is noise: more rounds follow."""
+    too_fast = [m("torch", tps=100), m("torch", "suffix", 16, tps=300, tau=2.0)]
+    assert demo.implausible(too_fast) == ["torch + suffix k=16"]
+    assert demo.implausible([m("torch", tps=100), m("torch", "suffix", 16, tps=220, tau=2.0),
+                             m("llama.cpp", "suffix", 16, tps=900, tau=1.0)]) == []  # no plain llama.cpp to compare
+    cands = candidates(["torch"], str(pair["draft"]), None, ["suffix"], k=2)
+    # 1.11x plain is plausible whatever τ (>= 1); 100x is not: warm-up + 2 prompts x (1 + the extra rounds)
+    for costs, runs in (({"torch plain": 5.0, "torch + suffix k=2": 4.5}, 1 + 2 * 1),
+                        ({"torch plain": 50.0, "torch + suffix k=2": 0.5}, 1 + 2 * (1 + demo.EXTRA_ROUNDS))):
+        llms = demo.build(cands, str(pair["target"]))
+        clock = FakeClock()
+        clock.charge(llms, costs)
+        measure(llms, prompts=["w1 w2", "w5"], max_tokens=4, rounds=1, clock=clock)
+        assert {c.name: n for c, n in clock.calls.items()} == {"torch plain": runs, "torch + suffix k=2": runs}
 
 
 def test_measure_reports_a_candidate_that_fails(pair):
