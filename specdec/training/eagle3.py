@@ -208,13 +208,19 @@ class TTTModel(nn.Module):
         index[head.draft_to_target] = torch.arange(c.draft_vocab_size)
         self.register_buffer("to_draft", index, persistent=False)  # target id -> draft id, -1 outside
 
-    def labels(self, top_ids: torch.Tensor, top_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Soft labels over the draft vocabulary: draft ids [..., K] (0 where outside), probabilities
-        renormalised over the ones inside [..., K], and whether any mass is inside [...]."""
+    def labels(self, top_ids: torch.Tensor, top_logp: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Soft labels over the draft vocabulary: draft ids [..., K] (0 where outside), whether each is inside
+        [..., K], their probabilities [..., K] (0 outside), the rest [...] (the target's mass beyond its top K,
+        which falls on the draft vocabulary's other tokens), renormalised together over what the draft
+        vocabulary holds, and whether it holds any [...]. Keeping the rest, rather than renormalising over
+        the top K, keeps the head as spread as the target: acceptance at temperature 1 depends on it."""
         didx = self.to_draft[top_ids.clamp(max=self.to_draft.numel() - 1)]  # [..., K]
-        p = top_logp.float().exp() * (didx >= 0)
-        z = p.sum(-1, keepdim=True)
-        return didx.clamp(min=0), p / z.clamp(min=1e-12), z.squeeze(-1) > 0
+        inside = didx >= 0
+        full = top_logp.float().exp()
+        p = full * inside
+        rest = (1 - full.sum(-1)).clamp(min=0)  # [...]
+        z = (p.sum(-1) + rest).clamp(min=1e-12)
+        return didx.clamp(min=0), inside, p / z[..., None], rest / z, p.sum(-1) > 0
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
                 stats: bool = False):
@@ -243,10 +249,12 @@ class TTTModel(nn.Module):
                                         ttt_mask(P, j, dev).expand(B, P, P * (j + 1)))
             past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
             past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-            didx, p, inside = self.labels(pad(top_ids, j), pad(top_logp, j))  # [B, P, K] x2, [B, P]
-            valid = inside & (base < P - j)[None]  # [B, P]
+            didx, inside, p, rest, held = self.labels(pad(top_ids, j), pad(top_logp, j))  # [B, P, K] x3, [B, P] x2
+            valid = held & (base < P - j)[None]  # [B, P]
             logq = F.log_softmax(logits, dim=-1).gather(-1, didx)  # [B, P, K]
-            kl = (p * (torch.log(p.clamp(min=1e-12)) - logq)).sum(-1)  # [B, P]
+            q_rest = (1 - (logq.exp() * inside).sum(-1)).clamp(min=1e-6)  # the head's mass off the target's top K
+            kl = ((p * (torch.log(p.clamp(min=1e-12)) - logq)).sum(-1)
+                  + rest * (torch.log(rest.clamp(min=1e-12)) - torch.log(q_rest)))  # [B, P]: KL of (top K, rest)
             n = valid.sum().clamp(min=1)
             step_loss = (kl * valid).sum() / n
             total = total + self.decay ** j * step_loss
