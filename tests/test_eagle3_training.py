@@ -157,3 +157,23 @@ def test_torchrun_two_ranks_train_one_head(tiny, tmp_path):
     assert r0["world_size"] == 2 and r0["ranks_identical"] and r1["ranks_identical"]
     assert r0["tokens_seen"] == 6 * 2 * 2 * 32
     assert (tmp_path / "h" / "model.safetensors").exists()
+
+
+def test_labels_keep_the_targets_mass_beyond_its_top_k():
+    """The soft labels are the target's top-k probabilities on the draft vocabulary plus the rest of its
+    mass as one bucket, summing to 1: a head that matches the target exactly has KL 0 (a head trained on
+    top-k renormalised labels comes out sharper than the target and loses acceptance at temperature 1)."""
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.training.eagle3 import TTTModel
+
+    c = Eagle3Config(hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4, intermediate_size=8,
+                     vocab_size=10, draft_vocab_size=6, target_hidden_size=8, layer_ids=[0, 1, 1])
+    head = Eagle3Head(c)
+    head.d2t.copy_(torch.tensor([0, 0, 1, 2, 3, 4]))  # draft vocabulary: target ids 0, 1, 3, 5, 7, 9
+    model = TTTModel(head, 1, 0.8)
+    target = torch.tensor([0.4, 0.05, 0.05, 0.2, 0.05, 0.1, 0.05, 0.05, 0.0, 0.05])
+    top = target.topk(3)  # ids 0, 3, 5
+    didx, inside, p, rest, held = model.labels(top.indices, top.values.log())
+    assert didx.tolist() == [0, 2, 3] and inside.all() and held
+    torch.testing.assert_close(p.sum() + rest, torch.tensor(1.0))
+    torch.testing.assert_close(rest, torch.tensor(0.3 / 1.0))  # 1 - (0.4 + 0.2 + 0.1)

@@ -9,8 +9,8 @@ The loss is EAGLE-3's training-time test: ``--ttt-steps`` draft steps unrolled p
 reading (fc(features of p), token p + 1), step j reading (step j - 1's pre-norm output, token p + 1 + j)
 at position id p + j, attending to step 0's keys at positions <= p and to its own earlier steps' keys of
 the same p (exactly what a chain sees at inference). Step j's target is the target's distribution at
-position p + 1 + j restricted to the draft vocabulary and renormalised (forward KL, soft labels from the
-target's top-k log-probabilities), weighted 0.8 ** j.
+position p + 1 + j on the draft vocabulary (forward KL over the target's top-k tokens plus one bucket for
+the rest of its mass, so the head learns the target's spread and not only its order), weighted 0.8 ** j.
 
 The target is frozen, so its features and top-k logits are computed once per window into memory, and the
 epochs run over that cache: on one CPU thread that is what makes a head for a 28M target train in under
@@ -380,7 +380,7 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     mass = torch.zeros(vocab, dtype=torch.float64)
     mass.index_add_(0, cache.top_ids[:n_tr].flatten(), cache.top_logp[:n_tr].flatten().double().exp())
     coverage = (mass[draft_ids].sum() / mass.sum()).item()
-    log(f"draft vocabulary: {draft_vocab} of {vocab} tokens, covering {coverage:.1%} of the target's top-{cfg.topk} "
+    log(f"draft vocabulary: {draft_vocab} of {vocab} tokens, covering {coverage:.2%} of the target's top-{cfg.topk} "
         "probability mass on the training windows")
     torch.manual_seed(cfg.seed)
     hc = Eagle3Config.for_target(tc, draft_vocab_size=draft_vocab, layer_ids=layer_ids,
@@ -460,11 +460,12 @@ def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "
         "architecture": "LlamaForCausalLMEagle3 (EAGLE-3 head: one decoder layer over fused target states)",
         "target": cfg.target,
         "target layers read (inputs of)": ", ".join(map(str, s["layer_ids"])),
-        "draft vocabulary": f"{s['draft_vocab']:,} of {s['vocab']:,} tokens ({s['coverage']:.1%} of the target's "
+        "draft vocabulary": f"{s['draft_vocab']:,} of {s['vocab']:,} tokens ({s['coverage']:.2%} of the target's "
                             "probability mass on the training windows)",
         "trained parameters": s["parameters"],
-        "objective": f"training-time test over {cfg.ttt_steps} steps, forward KL to the target's top-{cfg.topk} "
-                     f"distribution on the draft vocabulary, step j weighted {cfg.step_decay:g}^j",
+        "objective": f"training-time test over {cfg.ttt_steps} steps, forward KL to the target's distribution on the "
+                     f"draft vocabulary (its top {cfg.topk} tokens and the rest as one bucket), step j weighted "
+                     f"{cfg.step_decay:g}^j",
         "data": describe_sources(cfg.data),
         "windows cached": f"{s['train_windows']:,} x {cfg.seq_len} tokens ({s['train_tokens_cached']:,} tokens)",
         "steps (done / planned)": f"{s['steps']:,} / {cfg.max_steps:,}",
