@@ -306,7 +306,8 @@ def export_head(head: str, target: str, out_dir: str, formats: tuple[str, ...] =
             vocab = converted_gguf(source, "bfloat16")
             res.notes.append(f"llama.cpp: the target as GGUF is specdec's conversion {vocab} (pass --target-gguf to "
                              "use your own: the head's vocabulary is copied from that file)")
-        f = write_gguf(head_dir, target_dir, out / f"{head_dir.name}-eagle3-{gguf_outtype}.gguf", vocab, gguf_outtype)
+        stem = head_dir.name if "eagle3" in head_dir.name else f"{head_dir.name}-eagle3"
+        f = write_gguf(head_dir, target_dir, out / f"{stem}-{gguf_outtype}.gguf", vocab, gguf_outtype)
         res.files["gguf"] = str(f)
         res.commands["llamacpp"] = (f"llama-server -m {q(vocab)} -md {q(str(f))} --spec-type draft-eagle3 "
                                     f"--spec-draft-n-max {k}")
