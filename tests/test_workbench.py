@@ -375,7 +375,8 @@ def test_export_option_values():
     trt = export_config("trtllm", EXPORT_CONFIGS["ngram"]).options["speculative_config"]
     assert trt["decoding_type"] == "NGram" and trt["max_draft_len"] == 4 and trt["max_matching_ngram_size"] == 3
     llama = export_config("llamacpp", EXPORT_CONFIGS["draft_model"]).options
-    assert llama["--draft-max"] == 5 and llama["-md"] == "org/draft-68m.gguf" and llama["--draft-p-min"] == 0.0
+    assert llama["--spec-draft-n-max"] == 5 and llama["-md"] == "org/draft-68m.gguf" and llama["--spec-draft-p-min"] == 0.0
+    assert llama["--spec-type"] == "draft-simple"
     adaptive = export_config("vllm", {"model": "d", "num_speculative_tokens": 4})
     assert any("adaptive" in n for n in adaptive.notes)
 
@@ -483,7 +484,7 @@ def test_export_a_method_list_takes_one_method(profiled, tmp_path):
     # the profile's own recommendation: draft_model at k=2 on all prompts, and a note on the profiled list
     (tmp_path / "profile.json").write_text(json.dumps(q))
     rec = json_out(cli("export", "--engine", "llamacpp", "--profile", tmp_path / "profile.json", "--json"))
-    assert rec["options"]["--draft-max"] == 2 and rec["method"] == "draft_model"
+    assert rec["options"]["--spec-draft-n-max"] == 2 and rec["method"] == "draft_model"
     assert any("picks among ngram, suffix" in n for n in rec["notes"])
     cli_list = json_out(cli("export", "--engine", "vllm", "--profile", tmp_path / "profile.json", "--json",
                             "--speculative-config", json.dumps({"method": ["ngram", "suffix"]})))

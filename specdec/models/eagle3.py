@@ -103,7 +103,10 @@ class Eagle3Config:
             "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(self.layer_ids),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.layer_ids), "use_aux_hidden_state": True},
+            # SGLang reads eagle_config's ids as layer OUTPUTS (it captures the input of id + 1); vLLM and
+            # llama.cpp read the top-level key first, as layer inputs
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.layer_ids],
+                             "use_aux_hidden_state": True},
             "specdec_target_num_layers": self.target_num_layers, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta, "rope_scaling": None,
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": self.hidden_act,
@@ -121,8 +124,9 @@ class Eagle3Config:
                              f"{KNOWN_ARCHITECTURES}); for a separate draft model use method 'draft_model'")
         if d.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"{where}: an EAGLE-3 head has one layer, this config has {d['num_hidden_layers']}")
-        ids = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids")
+        ids = d.get("eagle_aux_hidden_state_layer_ids")
+        if not ids and (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+            ids = [i + 1 for i in d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # outputs -> inputs
         heads = d["num_attention_heads"]
         try:
             return cls(hidden_size=d["hidden_size"], num_attention_heads=heads,

@@ -68,12 +68,12 @@ def is_choice(c: dict) -> bool:
 
 
 def config_label(c: dict) -> str:
-    """A short name for a profiled config: its method, and the draft's folder name for draft_model."""
+    """A short name for a profiled config: its method, and the draft's (or head's) folder name."""
     cfg = c["speculative_config"]
     if is_choice(c):
         return "choice"  # its methods: speculative_config["method"]
-    if c["method"] == "draft_model":
-        return f"draft_model ({Path(str(cfg.get('model'))).name})"
+    if c["method"] in ("draft_model", "eagle3"):
+        return f"{c['method']} ({Path(str(cfg.get('model'))).name})"
     return c["method"]
 
 

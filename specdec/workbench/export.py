@@ -10,7 +10,8 @@ Names checked against each engine's documentation:
 - TensorRT-LLM (LLM API / ``trtllm-serve --extra_llm_api_options``): ``speculative_config`` with
   ``decoding_type: DraftTarget|NGram|Eagle3``, ``max_draft_len``, ``speculative_model_dir``,
   ``max_matching_ngram_size``, ``is_public_pool``.
-- llama.cpp ``llama-server``: ``-md``, ``--draft-max``, ``--draft-min``, ``--draft-p-min``, ``--spec-type``
+- llama.cpp ``llama-server``: ``-md``, ``--spec-type``, ``--spec-draft-n-max``, ``--spec-draft-n-min``,
+  ``--spec-draft-p-min``
   (``draft-eagle3`` with ``--spec-draft-n-max``: the builds that have it renamed the ``--draft-*`` options).
 
 An EAGLE-3 head (method ``eagle3``) exports as each engine's EAGLE-3 setting; its files in each
@@ -374,17 +375,20 @@ def _trtllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
 def _llamacpp(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
     k = spec.num_speculative_tokens
     if spec.method == "draft_model":
-        flags = {"-md": _gguf(spec.model), "--draft-max": k, "--draft-min": 0, "--draft-p-min": spec.draft_p_min}
-        notes.append("--draft-p-min is set explicitly: llama.cpp's default (0.75) stops drafting early, specdec's "
-                     f"draft_p_min is {spec.draft_p_min}")
+        flags = {"-md": _gguf(spec.model), "--spec-type": "draft-simple", "--spec-draft-n-max": k,
+                 "--spec-draft-n-min": 0, "--spec-draft-p-min": spec.draft_p_min}
+        notes.append("--spec-type draft-simple is needed: recent llama-server builds load a -md draft without it but "
+                     "never draft with it; --spec-draft-p-min is set explicitly (older builds defaulted to 0.75, "
+                     f"which stops drafting early), specdec's draft_p_min is {spec.draft_p_min}")
     elif spec.method == "eagle3":
         flags = {"-md": _gguf(spec.model), "--spec-type": "draft-eagle3", "--spec-draft-n-max": k}
         notes.append(_head_note("llamacpp", spec.model))
     else:  # ngram
-        flags = {"--spec-type": "ngram-simple", "--draft-max": k}
-        notes.append("model-free drafting (--spec-type) exists only in recent llama-server builds; its n-gram "
-                     f"sizes are its own, prompt_lookup_min/max ({spec.prompt_lookup_min}/{spec.prompt_lookup_max}) "
-                     "have no llama-server option")
+        flags = {"--spec-type": "ngram-simple", "--spec-draft-n-max": k,
+                 "--spec-ngram-simple-size-n": spec.prompt_lookup_max}
+        notes.append("model-free drafting (--spec-type) exists only in recent llama-server builds; its lookup length "
+                     f"is one size (--spec-ngram-simple-size-n = prompt_lookup_max {spec.prompt_lookup_max}), "
+                     f"prompt_lookup_min ({spec.prompt_lookup_min}) has no llama-server option")
     parts = ["llama-server", f"-m {shlex.quote(_gguf(target))}"]
     parts += [f"{name} {shlex.quote(str(value))}" for name, value in flags.items()]
     return Export("llamacpp", spec.method, True, flags, " \\\n  ".join(parts), notes)
