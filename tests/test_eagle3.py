@@ -106,6 +106,34 @@ def reference_states(hf, tokens: list[int], layer_ids: list[int]) -> torch.Tenso
     return torch.cat([hs[i][0] for i in layer_ids], dim=-1)
 
 
+def rewrite_move_copy_and_grow(r, check, hist: dict[str, list[int]]) -> None:
+    """After rows a, b, c of runner ``r`` were fed ``hist``: a padded ragged pass, greedy_steps, a
+    rollback that rewrites positions, rows that move, a copied prefix and a cache grown past its first
+    256 positions, calling ``check(row, tokens)`` on the kept states after each (rows end as c, a, d)."""
+    more = random_prompts(3, [3, 2, 3], seed=2)  # padded ragged: 8 of 9 real
+    r.forward(ForwardBatch.from_rows(more, [len(h) for h in hist.values()]))
+    for b, (n, m) in enumerate(zip("abc", more)):
+        hist[n] = hist[n] + m
+        check(b, hist[n])
+    steps = r.greedy_steps([hist[n][-1] for n in "abc"], [len(hist[n]) - 1 for n in "abc"], 3)
+    for b, (n, s) in enumerate(zip("abc", steps)):
+        hist[n] = hist[n] + s[:-1]  # the last argmax is not fed
+        check(b, hist[n])
+    hist["b"] = hist["b"][:4] + [9, 10, 11]  # rollback: row b rewrites positions 4.. with other tokens
+    r.forward(ForwardBatch.from_rows([[9, 10, 11]], [4], row_offset=1))
+    check(1, hist["b"])
+    r.sync_rows(["c", "a", "d"])  # c moves to row 0; b leaves; d is new
+    check(0, hist["c"])
+    check(1, hist["a"])
+    r.copy_prefix(0, [2], 5)  # d takes c's first 5 positions
+    check(2, hist["c"][:5])
+    long = random_prompts(1, [300], seed=3)[0]  # past the first 256 positions: the cache grows, states too
+    r.forward(ForwardBatch.from_rows([long[5:]], [5], row_offset=2))
+    hist["d"] = hist["c"][:5] + long[5:]
+    check(2, hist["d"])
+    check(0, hist["c"])
+
+
 # -- the target's kept hidden states ----------------------------------------------------------------
 
 
@@ -129,27 +157,7 @@ def test_kept_states_match_transformers_hidden_states(models):
     r.forward(ForwardBatch.from_rows(list(hist.values()), [0, 0, 0]))  # packed (21 of 36 tokens real)
     for b, n in enumerate("abc"):
         check(b, hist[n])
-    more = random_prompts(3, [3, 2, 3], seed=2)  # padded ragged: 8 of 9 real
-    r.forward(ForwardBatch.from_rows(more, [len(h) for h in hist.values()]))
-    for b, (n, m) in enumerate(zip("abc", more)):
-        hist[n] = hist[n] + m
-        check(b, hist[n])
-    steps = r.greedy_steps([hist[n][-1] for n in "abc"], [len(hist[n]) - 1 for n in "abc"], 3)
-    for b, (n, s) in enumerate(zip("abc", steps)):
-        hist[n] = hist[n] + s[:-1]  # the last argmax is not fed
-        check(b, hist[n])
-    hist["b"] = hist["b"][:4] + [9, 10, 11]  # rollback: row b rewrites positions 4.. with other tokens
-    r.forward(ForwardBatch.from_rows([[9, 10, 11]], [4], row_offset=1))
-    check(1, hist["b"])
-    r.sync_rows(["c", "a", "d"])  # c moves to row 0; b leaves; d is new
-    check(0, hist["c"])
-    check(1, hist["a"])
-    r.copy_prefix(0, [2], 5)  # d takes c's first 5 positions
-    check(2, hist["c"][:5])
-    long = random_prompts(1, [300], seed=3)[0]  # past the first 256 positions: the cache grows, states too
-    r.forward(ForwardBatch.from_rows([long[len(hist["c"][:5]):]], [5], row_offset=2))
-    check(2, hist["c"][:5] + long[5:])
-    check(0, hist["c"])
+    rewrite_move_copy_and_grow(r, check, hist)
     r.release()
     assert r.cache is None
 

@@ -18,7 +18,7 @@ from specdec.models import llamacpp_ext  # noqa: E402
 from specdec.models.base import ForwardBatch  # noqa: E402
 from specdec.models.gguf import convert  # noqa: E402
 from specdec.models.load import load_model, load_runner  # noqa: E402
-from test_eagle3 import make_head, reference_states  # noqa: E402
+from test_eagle3 import make_head, reference_states, rewrite_move_copy_and_grow  # noqa: E402
 from tiny_models import make_model, random_prompts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,27 +70,7 @@ def test_kept_states_match_transformers_hidden_states(models):
     assert torch.equal(r.forward(batch), plain.forward(batch))
     for b, n in enumerate("abc"):
         check(b, hist[n])
-    more = random_prompts(3, [3, 2, 3], seed=2)
-    r.forward(ForwardBatch.from_rows(more, [len(h) for h in hist.values()]))
-    for b, (n, m) in enumerate(zip("abc", more)):
-        hist[n] = hist[n] + m
-        check(b, hist[n])
-    steps = r.greedy_steps([hist[n][-1] for n in "abc"], [len(hist[n]) - 1 for n in "abc"], 3)
-    for b, (n, s) in enumerate(zip("abc", steps)):
-        hist[n] = hist[n] + s[:-1]  # the last argmax is not fed
-        check(b, hist[n])
-    hist["b"] = hist["b"][:4] + [9, 10, 11]  # rollback: row b rewrites positions 4.. with other tokens
-    r.forward(ForwardBatch.from_rows([[9, 10, 11]], [4], row_offset=1))
-    check(1, hist["b"])
-    r.sync_rows(["c", "a", "d"])  # c moves to row 0; b leaves; d is new
-    check(0, hist["c"])
-    check(1, hist["a"])
-    r.copy_prefix(0, [2], 5)  # d takes c's first 5 positions
-    check(2, hist["c"][:5])
-    long = random_prompts(1, [300], seed=3)[0]  # past the first 256 positions: the states grow
-    r.forward(ForwardBatch.from_rows([long[5:]], [5], row_offset=2))
-    check(2, hist["c"][:5] + long[5:])
-    check(0, hist["c"])
+    rewrite_move_copy_and_grow(r, check, hist)
     cells = r.cells
     r.reserve(3, 2 * cells)  # a new, larger llama context: it is told again which layer inputs to copy
     assert r.cells > cells

@@ -35,7 +35,7 @@ from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, grew_from
 from specdec.models.base import ModelRunner
 from specdec.models.eagle3 import Eagle3Head
-from specdec.models.kv_cache import KVCache, RowTable
+from specdec.models.kv_cache import KVCache, RowTable, grow
 from specdec.models.linear import Linear
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
@@ -78,16 +78,9 @@ class HeadRunner:
         self.rows = RowTable()
 
     def reserve(self, num_rows: int, length: int) -> None:
-        length = -(-length // CACHE_LEN_STEP) * CACHE_LEN_STEP
-        old = self.cache
-        if old is not None and old.num_rows >= num_rows and old.max_len >= length:
-            return
-        rows = max(num_rows, old.num_rows if old else 0)
-        max_len = max(length, old.max_len if old else 0)
-        new = KVCache(1, rows, self.c.num_key_value_heads, max_len, self.c.head_dim, torch.float32, self.device)
-        if old is not None:
-            new.grown_from(old)
-        self.cache = new
+        self.cache = grow(self.cache, num_rows, length, CACHE_LEN_STEP, lambda rows, max_len: KVCache(
+            1, rows, self.c.num_key_value_heads, max_len, self.c.head_dim, torch.float32, self.device))
+        max_len = self.cache.max_len
         if self.cos.shape[0] < max_len:
             freqs = torch.arange(max_len, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
             emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, hd]

@@ -155,6 +155,16 @@ class ModelRunner(ABC):
         """Bytes of KV cache one position of one row takes (all layers, k and v)."""
 
 
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """``layer_ids`` as ints, each the input of one of ``num_layers`` layers (keep_hidden_states), or a ValueError."""
+    ids = [int(i) for i in layer_ids]
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if not ids or bad:
+        raise ValueError(f"keep_hidden_states: layer ids {ids} must be in 0..{num_layers - 1} "
+                         f"(inputs of this target's {num_layers} layers)")
+    return ids
+
+
 def next_token_logits(runner: ModelRunner, prompts: list[list[int]], row_tag: str = "__specdec_probe__") -> torch.Tensor:
     """Next-token logits [B, V] after each prompt (equal lengths), computed in fresh cache rows tagged
     ``row_tag``. It takes rows 0..B-1, so any sequence the runner held is forgotten (recomputed from

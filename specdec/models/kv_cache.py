@@ -67,6 +67,19 @@ class KVCache:
             self.states[dst, :length] = self.states[src_row : src_row + 1, :length]
 
 
+def grow(old: KVCache | None, num_rows: int, length: int, step: int, make) -> KVCache:
+    """``old`` when it has room for ``num_rows`` rows of ``length`` positions; else a cache of at least
+    as many rows and positions as both ask (positions rounded up to ``step``), made by
+    ``make(rows, max_len)``, holding what ``old`` held."""
+    length = -(-length // step) * step
+    if old is not None and old.num_rows >= num_rows and old.max_len >= length:
+        return old
+    new = make(max(num_rows, old.num_rows if old else 0), max(length, old.max_len if old else 0))
+    if old is not None:
+        new.grown_from(old)
+    return new
+
+
 class RowTable:
     """Keeps ``ids[i]`` in cache row i, moving rows when sequences join or leave.
 

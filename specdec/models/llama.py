@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
 from specdec.models.cpu import native_bf16
-from specdec.models.kv_cache import KVCache, RowTable
+from specdec.models.kv_cache import KVCache, RowTable, grow
 from specdec.models.linear import KERNEL_NAMES, ONEDNN_MIN_ROWS, Linear
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -169,18 +169,12 @@ class LlamaRunner(ModelRunner):
     @torch.inference_mode()  # the cache is only ever touched in inference mode, wherever it was made
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
-        length = -(-length // CACHE_LEN_STEP) * CACHE_LEN_STEP
-        old = self.cache
-        if old is not None and old.num_rows >= num_rows and old.max_len >= length:
-            return
-        rows = max(num_rows, old.num_rows if old else 0)
-        max_len = max(length, old.max_len if old else 0)
-        new = KVCache(self.num_layers, rows, self.num_kv_heads, max_len, self.head_dim, self.compute_dtype,
-                      self.device, state_width=len(self.kept_layers) * self.hidden_size)
-        if old is not None:
-            new.grown_from(old)
-        self.cache = new
-        self._grow_rope(max_len)
+        def make(rows: int, max_len: int) -> KVCache:
+            return KVCache(self.num_layers, rows, self.num_kv_heads, max_len, self.head_dim, self.compute_dtype,
+                           self.device, state_width=len(self.kept_layers) * self.hidden_size)
+
+        self.cache = grow(self.cache, num_rows, length, CACHE_LEN_STEP, make)
+        self._grow_rope(self.cache.max_len)
 
     def release(self) -> None:
         self.cache = None
@@ -202,11 +196,7 @@ class LlamaRunner(ModelRunner):
         """Keep, per cache row and position, the inputs of layers ``layer_ids`` concatenated [n * D]
         float32 in the KV cache's ``states`` (so they move, copy and grow with it). Positions cached
         before this call read as zeros."""
-        ids = [int(i) for i in layer_ids]
-        bad = [i for i in ids if not 0 <= i < self.num_layers]
-        if not ids or bad:
-            raise ValueError(f"keep_hidden_states: layer ids {ids} must be in 0..{self.num_layers - 1} "
-                             f"(inputs of this target's {self.num_layers} layers)")
+        ids = check_layer_ids(layer_ids, self.num_layers)
         if ids == self.kept_layers:
             return
         self.kept_layers = ids

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from specdec.models import llamacpp_ext
-from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
 from specdec.models.gguf import GGUFInfo, read_info
 from specdec.models.llamacpp_lib import load_library
 
@@ -235,11 +235,7 @@ class LlamaCppRunner(ModelRunner):
         why = llamacpp_ext.supported(self.info.architecture)
         if why:
             raise ValueError(why)
-        ids = [int(i) for i in layer_ids]
-        bad = [i for i in ids if not 0 <= i < self.num_layers]
-        if not ids or bad:
-            raise ValueError(f"keep_hidden_states: layer ids {ids} must be in 0..{self.num_layers - 1} "
-                             f"(inputs of this target's {self.num_layers} layers)")
+        ids = check_layer_ids(layer_ids, self.num_layers)
         if ids == self.kept_layers:
             return
         if self.ctx is not None:
