@@ -338,9 +338,15 @@ def small_vocab(tmp_path_factory):
 ], ids=["t1", "topk", "topp"])
 def test_sampled_outputs_follow_the_target_distribution(small_vocab, params):
     target, head, hf = small_vocab
+    check_sampled_outputs(target, head, hf, "torch", params)
+
+
+def check_sampled_outputs(target: str, head: str, hf, backend: str, params: dict) -> None:
+    """3,000 seeded requests on ``backend`` with the head drafting 2 tokens: the first tokens follow
+    the target's distribution (chi-square), and drafts were proposed and accepted."""
     prompt = [5, 9, 3]
     N = 3000
-    llm = LLM(target, backend="torch", speculative_config=spec(head, 2, adaptive=False))
+    llm = LLM(target, backend=backend, speculative_config=spec(head, 2, adaptive=False))
     sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
     outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
     tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]

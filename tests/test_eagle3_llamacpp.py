@@ -18,7 +18,7 @@ from specdec.models import llamacpp_ext  # noqa: E402
 from specdec.models.base import ForwardBatch  # noqa: E402
 from specdec.models.gguf import convert  # noqa: E402
 from specdec.models.load import load_model, load_runner  # noqa: E402
-from test_eagle3 import make_head, reference_states, rewrite_move_copy_and_grow  # noqa: E402
+from test_eagle3 import check_sampled_outputs, make_head, reference_states, rewrite_move_copy_and_grow  # noqa: E402
 from tiny_models import make_model, random_prompts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,15 +174,7 @@ def small_vocab(tmp_path_factory):
 ], ids=["t1", "topk", "topp"])
 def test_sampled_outputs_follow_the_target_distribution_on_llamacpp(small_vocab, params):
     target, head, hf = small_vocab
-    prompt = [5, 9, 3]
-    N = 3000
-    llm = LLM(target, backend="llama.cpp", speculative_config=spec(head, 2, adaptive=False))
-    sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
-    outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
-    tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
-    assert_first_tokens_follow_target(hf, prompt, tokens, sps[0], len(SMALL_WORDS) + 3)
-    m = llm.get_metrics()
-    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0  # the drafts did get used
+    check_sampled_outputs(target, head, hf, "llama.cpp", params)
 
 
 # -- where llama.cpp cannot give the states -----------------------------------------------------------------
