@@ -5,7 +5,6 @@ exact sampled distributions, and the errors where llama.cpp cannot give the stat
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
