@@ -275,7 +275,10 @@ def _engine_main(conn, llm_kwargs: dict[str, Any], limits: ServerLimits, release
         llm = LLM(**llm_kwargs)
         loop = _PipedEngine(llm.engine, conn, limits, release_when_idle)
     except Exception as e:  # a bad path, a corrupt file: the HTTP process raises it as a ValueError
-        log.exception("the engine could not load the model")
+        if isinstance(e, ValueError):  # bad input (a head for another target, a missing file): its message says it
+            log.error("the engine could not load the model: %s", e)
+        else:
+            log.exception("the engine could not load the model")
         conn.send(("failed", str(e) if isinstance(e, ValueError) else f"the model could not be loaded ({type(e).__name__})"))
         return
     conn.send(("ready", EngineInfo.of(llm), loop.budget))
