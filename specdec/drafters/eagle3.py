@@ -20,7 +20,7 @@ The head runs here as ``HeadRunner``: its weights re-packed for the CPU kernels 
 product beside a bf16 target), its keys read straight from its cache. ``Eagle3Head.step`` stays the
 reference it is tested against.
 
-Draft-vocabulary logits map into the target's vocabulary (``Eagle3Head.to_target_logits``'s map) and go
+Draft-vocabulary logits map into the target's vocabulary (``Eagle3Head.draft_to_target``) and go
 through ``draft_autoregressive``, so temperature, top-k / top-p / min-p, penalties, grammars, seeds
 and ``draft_p_min`` behave as for draft_model; q is zero outside the draft vocabulary, which keeps
 the verifier exact.
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, grew_from
 from specdec.models.base import ModelRunner
-from specdec.models.eagle3 import Eagle3Head
+from specdec.models.eagle3 import Eagle3Head, rotate
 from specdec.models.kv_cache import KVCache, RowTable, grow
 from specdec.models.linear import Linear
 from specdec.sampling import SamplingBatch
@@ -116,7 +116,7 @@ class HeadRunner:
         k = qkv[..., H * hd : (H + KVH) * hd].view(B, T, KVH, hd)
         v = qkv[..., (H + KVH) * hd :].view(B, T, KVH, hd)
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, T, 1, hd]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         row_t = torch.tensor(rows, device=self.device)[:, None].expand(B, T)
         if real is None:
             self.cache.k[0][row_t, :, pos] = k  # [B, T, KVH, hd] into each row's positions
@@ -140,11 +140,6 @@ class HeadRunner:
         g = self.down(F.silu(gate) * up).float() + a  # [B, T, D]: pre-norm output
         logits = self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float()  # [B, T, Vd]
         return logits, g
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -242,7 +242,7 @@ class Eagle3Head(nn.Module):
         k = L.self_attn.k_proj(x).view(B, T, KVH, hd).transpose(1, 2)  # [B, KVH, T, hd]
         v = L.self_attn.v_proj(x).view(B, T, KVH, hd).transpose(1, 2)
         cos, sin = self._rope(positions)  # [B, 1, T, hd]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         keys = k if past_k is None else torch.cat([past_k.to(dt), k], dim=2)  # [B, KVH, S + T, hd]
         values = v if past_v is None else torch.cat([past_v.to(dt), v], dim=2)
         if mask is None:
@@ -274,7 +274,8 @@ class Eagle3Head(nn.Module):
         return out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in Llama's rotate-half layout: x [..., hd] turned by the angles whose cos and sin are given."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -368,7 +369,3 @@ def load_head(path: str | Path, embed_tokens: torch.Tensor, num_layers: int, voc
     head.t2d = head.t2d.bool()
     head.set_embedding(embed_tokens.to(device))
     return head.eval().requires_grad_(False)
-
-
-def describe(c: Eagle3Config) -> dict:
-    return asdict(c)
