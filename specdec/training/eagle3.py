@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids, save_head
 from specdec.training import distributed
+from specdec.training.acceptance import draft_acceptance, format_acceptance
 from specdec.training.data import describe_sources, read_split, tokenize_documents
 from specdec.training.loop import (LoopResult, RunConfig, add_loop_args, fields_from_args, launch_command,
                                    loop_config_from_args, run_loop, start_run)
@@ -301,34 +301,6 @@ def format_stats(figs: list[dict]) -> str:
 # -- acceptance through the engine ------------------------------------------------------------------
 
 
-def engine_acceptance(target: str, speculative_config: dict, prompts: list, max_tokens: int,
-                      temperature: float = 0.0, seed: int = 0, backend: str = "torch") -> dict:
-    """Acceptance per position and tau of one speculative configuration (k fixed: adaptive off)."""
-    from specdec import LLM, SamplingParams
-
-    llm = LLM(target, backend=backend, speculative_config={**speculative_config, "adaptive": False})
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
-                            seed=None if temperature == 0 else seed)
-    llm.generate([{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts], params)
-    m = llm.get_metrics()
-    return {"k": speculative_config["num_speculative_tokens"], "temperature": temperature, "prompts": len(prompts),
-            "max_tokens": max_tokens, "num_drafts": m["num_drafts"], "acceptance_rate": m["acceptance_rate"],
-            "acceptance_rate_per_pos": m["acceptance_rate_per_pos"], "mean_acceptance_length": m["mean_acceptance_length"]}
-
-
-def format_acceptance(r: dict) -> str:
-    per_pos = " / ".join(f"{a:.2f}" for a in r["acceptance_rate_per_pos"])
-    return (f"acceptance {r['acceptance_rate']:.3f}, per position {per_pos}, tau {r['mean_acceptance_length']:.2f} "
-            f"(k={r['k']} fixed, temperature {r['temperature']:g}, {r['prompts']} prompts x {r['max_tokens']} tokens)")
-
-
-def engine_has_eagle3() -> bool:
-    """Whether this specdec speculates with EAGLE-3 heads yet (the drafter module exists)."""
-    import importlib.util
-
-    return importlib.util.find_spec("specdec.drafters.eagle3") is not None
-
-
 def read_prompts_file(path: str) -> list[str]:
     lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     return [x["prompt"] if isinstance(x, dict) else x for x in lines]
@@ -438,16 +410,14 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
         elif cfg.accept_prompts and len(val_w):
             plen = min(128, cfg.seq_len // 2)
             prompts = [w[:plen].tolist() for w in val_w[: cfg.accept_prompts]]
-        if prompts and engine_has_eagle3():
-            spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": cfg.accept_k}
+        if prompts:
             try:
-                summary["held_out_acceptance"] = engine_acceptance(cfg.target, spec, prompts, cfg.accept_max_tokens)
+                summary["held_out_acceptance"] = draft_acceptance(cfg.target, str(out), prompts, k=cfg.accept_k,
+                                                                  max_tokens=cfg.accept_max_tokens, method="eagle3",
+                                                                  backend="torch")
                 log(f"held-out, through the engine: {format_acceptance(summary['held_out_acceptance'])}")
             except Exception as e:  # the head is saved; say why there is no figure and write the card
                 log(f"held-out acceptance through the engine failed: {type(e).__name__}: {e}")
-        elif prompts:
-            log("held-out acceptance through the engine skipped: this specdec has no EAGLE-3 drafter "
-                "(specdec/drafters/eagle3.py); the teacher-forced figures above estimate it")
         summary["total_wall_s"] = time.time() - t_start
         write_eagle3_card(out, cfg, summary)
     d.barrier()

@@ -38,7 +38,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from specdec.training.eagle3 import engine_acceptance, format_acceptance, read_prompts_file
+    from specdec.training.acceptance import draft_acceptance, format_acceptance
+    from specdec.training.eagle3 import read_prompts_file
 
     prompts = read_prompts_file(args.prompts)[: args.num_prompts]
     rows = []
@@ -46,8 +47,8 @@ def main() -> None:
         taus = {}
         for name, method, model in (("head", "eagle3", args.head), ("draft", "draft_model", args.draft)):
             t0 = time.time()
-            r = engine_acceptance(args.target, {"method": method, "model": model, "num_speculative_tokens": args.k},
-                                  prompts, args.max_tokens, temperature=temp, seed=args.seed, backend=args.backend)
+            r = draft_acceptance(args.target, model, prompts, k=args.k, max_tokens=args.max_tokens, temperature=temp,
+                                 seed=args.seed, method=method, backend=args.backend)
             r.update(name=name, model=model, method=method, seconds=round(time.time() - t0, 1))
             rows.append(r)
             taus[name] = r["mean_acceptance_length"]
