@@ -37,6 +37,11 @@ class ForwardBatch:
     logits_index: torch.Tensor | None = None  # [B] or [B, L] indices into T whose logits come back; None: none
     row_offset: int = 0  # the batch is cache rows row_offset .. row_offset + B - 1
     num_layers: int | None = None  # run only the first layers, then the final norm and head (self-speculation)
+    # a tree pass (tree.py): parents[b][t] is the index within row b's fed tokens of token t's parent
+    # (-1: it continues the cached prefix). Token t sits at position start[b] + depth(t) and sees the
+    # prefix and its ancestors; its KV goes to slot start[b] + t until ``compact`` keeps a path.
+    # None: every row is a chain (positions start[b] + t). Only runners with can_verify_trees take it.
+    parents: list[list[int]] | None = None  # [B][T]
 
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[int]], start: Sequence[int], logits: str | int = "last",
@@ -83,6 +88,7 @@ class ModelRunner(ABC):
     can_run_layer_subsets: bool = False  # honours ForwardBatch.num_layers (layer_skip's self-speculation)
     casts_weights: bool = False  # True: the weights were cast at load to a dtype specdec chose (dtype_choice.py)
     can_keep_hidden_states: bool = False  # honours keep_hidden_states (EAGLE-3 heads read the target's states)
+    can_verify_trees: bool = False  # honours ForwardBatch.parents and compact (draft trees, tree.py)
 
     @abstractmethod
     def describe(self) -> str:
@@ -144,6 +150,12 @@ class ModelRunner(ABC):
     def token_embedding(self) -> torch.Tensor:
         """The input token embedding [V_rows, D] (an EAGLE-3 head embeds its tokens with it)."""
         raise ValueError(f"the {self.backend} backend does not expose its token embedding")
+
+    def compact(self, rows: Sequence[int], start: Sequence[int], keep: Sequence[Sequence[int]]) -> None:
+        """After a tree pass: cache row ``rows[b]`` keeps, at slots start[b], start[b] + 1, ..., what
+        slots start[b] + keep[b][0], start[b] + keep[b][1], ... held (KV and kept states; keep[b] is
+        increasing). Its cached length is then start[b] + len(keep[b]): the accepted path, made a chain."""
+        raise ValueError(f"the {self.backend} backend cannot verify draft trees; use backend='torch' or chains")
 
     @abstractmethod
     def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:

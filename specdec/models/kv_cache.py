@@ -66,6 +66,17 @@ class KVCache:
         if self.states is not None:
             self.states[dst, :length] = self.states[src_row : src_row + 1, :length]
 
+    def compact(self, row: int, start: int, keep: Sequence[int]) -> None:
+        """Row ``row``'s slots start + keep[i] move to start + i (keep increasing: a tree's accepted path)."""
+        if list(keep) == list(range(len(keep))):
+            return  # already in place (a chain, or a path down the first children)
+        src = torch.tensor([start + j for j in keep], device=self.k.device)
+        dst = torch.arange(start, start + len(keep), device=self.k.device)
+        self.k[:, row, :, dst] = self.k[:, row, :, src]  # gathered before written: no aliasing
+        self.v[:, row, :, dst] = self.v[:, row, :, src]
+        if self.states is not None:
+            self.states[row, dst] = self.states[row, src]
+
 
 def grow(old: KVCache | None, num_rows: int, length: int, step: int, make) -> KVCache:
     """``old`` when it has room for ``num_rows`` rows of ``length`` positions; else a cache of at least

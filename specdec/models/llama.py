@@ -19,6 +19,7 @@ from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
 from specdec.models.cpu import native_bf16
 from specdec.models.kv_cache import KVCache, RowTable, grow
 from specdec.models.linear import KERNEL_NAMES, ONEDNN_MIN_ROWS, Linear
+from specdec.tree import ancestor_mask, depths_of
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CACHE_RESIDENT_BYTES = 16 << 20  # weights up to this size stay in a server CPU's caches between tokens
@@ -57,6 +58,7 @@ class LlamaRunner(ModelRunner):
     can_run_layer_subsets = True
     casts_weights = True
     can_keep_hidden_states = True
+    can_verify_trees = True
 
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None):
         cfg = loaded.config
@@ -227,7 +229,9 @@ class LlamaRunner(ModelRunner):
         # real tokens only, attention included, so a prompt merged into a verify pass costs what its
         # tokens cost and does not pad the other rows to its length.
         ragged = B > 1 and min(batch.lengths) < T
-        if ragged and sum(batch.lengths) <= PACK_BELOW * B * T:
+        if batch.parents is not None:  # a tree: padding writes past each row's tokens, seen by none
+            attention = _Dense(batch.start, None, T, batch.row_offset, self.device, batch.parents)
+        elif ragged and sum(batch.lengths) <= PACK_BELOW * B * T:
             attention = _Packed(batch.start, batch.lengths, T, batch.row_offset, self.device)
         else:
             attention = _Dense(batch.start, batch.lengths if ragged else None, T, batch.row_offset, self.device)
@@ -266,6 +270,11 @@ class LlamaRunner(ModelRunner):
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
         return self.lm_head(x).float()  # [B, V] or [B, L, V]
 
+    @torch.inference_mode()
+    def compact(self, rows: Sequence[int], start: Sequence[int], keep: Sequence[Sequence[int]]) -> None:
+        for r, s, kept in zip(rows, start, keep):
+            self.cache.compact(r, s, kept)
+
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.compute_dtype).bits // 8
 
@@ -278,7 +287,7 @@ class _Dense:
     sequence keeps SDPA."""
 
     def __init__(self, start: Sequence[int], lengths: Sequence[int] | None, T: int, row_offset: int,
-                 device: torch.device):
+                 device: torch.device, parents: list[list[int]] | None = None):
         B = len(start)
         self.start = start[0]  # row 0's first position (the B == 1 path slices from it)
         if lengths is not None:  # ragged: clamp the padding to the scratch position
@@ -291,14 +300,22 @@ class _Dense:
             self.pos = torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)  # [B, T]
             if lengths is not None:
                 self.pos.clamp_(max=self.end - 1)
+        self.slot = self.pos  # [B, T] where k, v and states are written: the position, but in a tree
         self.r0, self.r1 = row_offset, row_offset + B
         self.rows = None if B == 1 else torch.arange(self.r0, self.r1, device=device)[:, None].expand(B, T)
         self.small = B > 1 and T <= FEW_QUERIES
         self.masks: dict[int | None, torch.Tensor | None] = {}
+        self.tree = None
+        if parents is not None:  # positions by depth, a mask of ancestors (tree.py); slots stay start + t
+            depth = torch.tensor([depths_of(p) for p in parents], device=device)  # [B, T]
+            self.pos = torch.tensor(start, device=device)[:, None] + depth
+            self.tree = (torch.stack([ancestor_mask(p) for p in parents]).to(device),  # [B, T, T]
+                         torch.tensor(start, device=device))
+            self.small = T <= FEW_QUERIES
 
     def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE tables' rows for this batch, shaped to broadcast over [B, T, heads, hd]."""
-        if self.rows is None:  # one sequence: slices, not gathers
+        if self.rows is None and self.tree is None:  # one chain: slices, not gathers
             s, T = self.start, self.pos.shape[1]
             return cos[s : s + T, None], sin[s : s + T, None]  # [T, 1, hd]
         return cos[self.pos].unsqueeze(2), sin[self.pos].unsqueeze(2)  # [B, T, 1, hd]
@@ -312,7 +329,7 @@ class _Dense:
         if self.rows is None:
             states[self.r0, self.start : self.start + x.shape[1]] = x[0]
         else:
-            states[self.rows, self.pos] = x
+            states[self.rows, self.slot] = x
 
     def select(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] at index [B] or [B, L] -> [B, D] or [B, L, D]."""
@@ -327,11 +344,14 @@ class _Dense:
             cache.k[li, r0, :, s : s + T] = k[0].transpose(0, 1)  # [KVH, T, hd]
             cache.v[li, r0, :, s : s + T] = v[0].transpose(0, 1)
         else:
-            cache.k[li][self.rows, :, self.pos] = k  # [B, T, KVH, hd] into rows at their positions
-            cache.v[li][self.rows, :, self.pos] = v.to(cache.v.dtype)
+            cache.k[li][self.rows, :, self.slot] = k  # [B, T, KVH, hd] into rows at their slots
+            cache.v[li][self.rows, :, self.slot] = v.to(cache.v.dtype)
         keys, values = cache.k[li, r0:r1, :, :end], cache.v[li, r0:r1, :, :end]  # [B, KVH, end, hd]
         if window not in self.masks:
-            self.masks[window] = _attention_mask(self.pos, end, window, additive=self.small)
+            if self.tree is None:
+                self.masks[window] = _attention_mask(self.pos, end, window, additive=self.small)
+            else:
+                self.masks[window] = _tree_mask(self.pos, *self.tree, end, window, additive=self.small)
         if self.small:
             out = _few_query_attention(q.transpose(1, 2), keys, values, self.masks[window])  # [B, H, T, hd]
         else:
@@ -453,6 +473,23 @@ def _attention_mask(pos: torch.Tensor, end: int, window: int | None, additive: b
     allowed = keys[None, None, :] <= pos[:, :, None]  # [B, T, end]
     if window is not None:
         allowed &= keys[None, None, :] > pos[:, :, None] - window
+    if additive:
+        return torch.zeros(allowed.shape, device=pos.device).masked_fill_(~allowed, float("-inf"))[:, None]
+    return allowed[:, None]
+
+
+def _tree_mask(pos: torch.Tensor, ancestors: torch.Tensor, start: torch.Tensor, end: int, window: int | None,
+               additive: bool) -> torch.Tensor:
+    """Mask [B, 1, T, end] for a tree pass: fed token i of row b sees the cached keys 0..start[b]-1
+    (within ``window`` of its position) and the fed tokens that are its ancestors or itself, at slots
+    start[b] + j. pos [B, T] positions by depth; ancestors [B, T, T] bool (tree.ancestor_mask)."""
+    B, T = pos.shape
+    keys = torch.arange(end, device=pos.device)
+    allowed = (keys[None, None, :] < start[:, None, None]).expand(B, T, end).clone()  # [B, T, end]
+    if window is not None:
+        allowed &= keys[None, None, :] > pos[:, :, None] - window
+    block = start[:, None] + torch.arange(T, device=pos.device)  # [B, T] slots of the fed tokens
+    allowed.scatter_(2, block[:, None, :].expand(B, T, T), ancestors)  # ancestors sit in the window (T < window)
     if additive:
         return torch.zeros(allowed.shape, device=pos.device).masked_fill_(~allowed, float("-inf"))[:, None]
     return allowed[:, None]
