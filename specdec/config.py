@@ -212,6 +212,8 @@ class SamplingParams:
 SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "layer_skip", "eagle3")
 DRAFT_TOKENIZER_MAPPINGS = ("auto", "string", "intersection")
 SUFFIX_PROBABILITY_ESTIMATES = ("continuations", "occurrences")
+DRAFT_TREE_MODES = ("auto", "chain", "tree")
+MAX_TREE_NODES = 64
 
 
 @dataclass
@@ -252,6 +254,13 @@ class SpeculativeConfig:
     # tokens, else the model's; a round in which no sequence needs the model skips it
     enable_suffix_decoding: bool = False
     suffix_decoding_min_score: float = 2.0
+    # draft trees (tree.py): several candidate continuations verified in one pass. "auto": trees where
+    # the drafter can branch and the backend verifies trees, sized by the controller from the measured
+    # verify cost per node count (chains where trees lose); "chain": never; "tree": always (a backend
+    # that cannot verify trees is an error). Depth: num_speculative_tokens.
+    draft_tree: str = "auto"
+    draft_tree_max_nodes: int = 16  # nodes per tree at most (SGLang's speculative_num_draft_tokens)
+    draft_tree_top_k: int = 4  # children per node at most (SGLang's speculative_eagle_topk)
 
     def __post_init__(self) -> None:
         if isinstance(self.method, (list, tuple)):
@@ -303,6 +312,12 @@ class SpeculativeConfig:
                f"layer_skip or eagle3); for suffix decoding alone use method 'suffix' (got method {self.method!r})")
         _check(_is_number(self.suffix_decoding_min_score) and self.suffix_decoding_min_score >= 0,
                f"suffix_decoding_min_score must be a number >= 0, got {self.suffix_decoding_min_score!r}")
+        _check(self.draft_tree in DRAFT_TREE_MODES,
+               f"draft_tree must be one of {DRAFT_TREE_MODES}, got {short_repr(self.draft_tree)}")
+        _check(_is_int(self.draft_tree_max_nodes) and 1 <= self.draft_tree_max_nodes <= MAX_TREE_NODES,
+               f"draft_tree_max_nodes must be an integer in 1..{MAX_TREE_NODES}, got {self.draft_tree_max_nodes!r}")
+        _check(_is_int(self.draft_tree_top_k) and self.draft_tree_top_k >= 1,
+               f"draft_tree_top_k must be an integer >= 1, got {self.draft_tree_top_k!r}")
         _check(self.draft_tokenizer_mapping in DRAFT_TOKENIZER_MAPPINGS,
                f"draft_tokenizer_mapping must be one of {DRAFT_TOKENIZER_MAPPINGS}, "
                f"got {short_repr(self.draft_tokenizer_mapping)}")

@@ -40,7 +40,8 @@ class Engine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
                  tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256,
                  adaptive: bool = False, strict_drafter: bool | None = None, logprobs_mode: str = "raw_logprobs",
-                 num_scheduler_steps: int = PLAIN_STEPS):
+                 num_scheduler_steps: int = PLAIN_STEPS, draft_tree: str = "chain", draft_tree_max_nodes: int = 16,
+                 draft_tree_top_k: int = 4):
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
@@ -62,6 +63,8 @@ class Engine:
         self.token_text = TokenText(tokenizer)
         self._grammar_compiler = None
         self._last_sampling = None  # the previous round's SamplingBatch (RoundBatch.build reuses it)
+        # draft trees (SpeculativeConfig.draft_tree): "chain" | "auto" | "tree"
+        self.draft_tree, self.draft_tree_max_nodes, self.draft_tree_top_k = draft_tree, draft_tree_max_nodes, draft_tree_top_k
 
     # -- requests ---------------------------------------------------------------------------------
 

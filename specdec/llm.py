@@ -76,7 +76,9 @@ class LLM:
         drafter = build_drafter(spec, self.target, draft) if k > 0 else None
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
                              max_num_seqs=max_num_seqs, adaptive=spec is not None and spec.adaptive,
-                             logprobs_mode=logprobs_mode, num_scheduler_steps=num_scheduler_steps)
+                             logprobs_mode=logprobs_mode, num_scheduler_steps=num_scheduler_steps,
+                             **(dict(draft_tree=spec.draft_tree, draft_tree_max_nodes=spec.draft_tree_max_nodes,
+                                     draft_tree_top_k=spec.draft_tree_top_k) if spec is not None else {}))
 
     # -- generation -------------------------------------------------------------------------------
 
