@@ -114,3 +114,26 @@ def depths_of(parents: list[int]) -> list[int]:
     for p in parents:
         d.append(0 if p < 0 else d[p] + 1)
     return d
+
+
+def static_tree(shape: TreeShape, rank_acceptance: list[float]) -> list[tuple[int, ...]]:
+    """The fixed tree of ``shape.num_nodes`` nodes with the most expected accepted tokens when the
+    child of rank r (0: the draft's top choice) is the accepted one with probability
+    ``rank_acceptance[r]`` at every level, as vLLM's ``speculative_token_tree`` and TensorRT-LLM's
+    ``eagle_choices`` write it: each node the path of child ranks from the root, breadth-first.
+    A node's value, the product of its ranks' probabilities, is at most its parent's and its elder
+    sibling's, so taking the best values one at a time keeps a tree and is optimal (Sequoia)."""
+    ranks = [float(a) for a in rank_acceptance[: shape.max_children]]
+    if not ranks or any(not 0 < a <= 1 for a in ranks):
+        raise ValueError(f"rank_acceptance must hold probabilities in (0, 1], got {rank_acceptance!r}")
+    chosen: list[tuple[int, ...]] = []
+    frontier = {(0,): ranks[0]}  # candidate path -> its value
+    while frontier and len(chosen) < shape.num_nodes:
+        path = max(frontier, key=lambda p: (frontier[p], -len(p), [-r for r in p]))
+        value = frontier.pop(path)
+        chosen.append(path)
+        if len(path) < shape.max_depth:
+            frontier[path + (0,)] = value * ranks[0]  # its first child
+        if path[-1] + 1 < len(ranks):  # its next sibling
+            frontier[path[:-1] + (path[-1] + 1,)] = value / ranks[path[-1]] * ranks[path[-1] + 1]
+    return sorted(chosen, key=lambda p: (len(p), p))

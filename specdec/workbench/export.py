@@ -14,6 +14,11 @@ Names checked against each engine's documentation:
   ``--spec-draft-p-min``
   (``draft-eagle3`` with ``--spec-draft-n-max``: the builds that have it renamed the ``--draft-*`` options).
 
+Draft trees (``draft_tree="tree"``, tree.py): SGLang's ``--speculative-eagle-topk`` /
+``--speculative-num-draft-tokens`` (STANDALONE and EAGLE3), TensorRT-LLM's ``use_dynamic_tree``,
+``dynamic_tree_max_topK``, ``max_total_draft_tokens`` (Eagle3), vLLM's ``speculative_token_tree``
+(a fixed tree, EAGLE methods only: tree.static_tree picks it); elsewhere a chain, with a note.
+
 An EAGLE-3 head (method ``eagle3``) exports as each engine's EAGLE-3 setting; its files in each
 engine's own layout (speculators for vLLM, SpecForge for SGLang, GGUF for llama.cpp) are written by
 ``specdec export --eagle3-head`` (workbench/export_head.py).
@@ -37,9 +42,11 @@ from pathlib import Path
 
 from specdec.config import SpeculativeConfig
 from specdec.json_input import json_object
+from specdec.tree import TreeShape, static_tree
 from specdec.workbench.categories import ALL, drafter_rows, with_categories
 
 ENGINES = ("vllm", "sglang", "trtllm", "llamacpp")
+PRIOR_TREE_ALPHA = 0.6  # a draft's top choice accepted this often, for a static tree without a measurement
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM", "llamacpp": "llama.cpp"}
 # Per engine, the methods it has no equivalent of, each with the nearest option it does have ("": none to name).
 MISSING = {
@@ -294,8 +301,24 @@ def _common_notes(spec: SpeculativeConfig) -> list[str]:
     return notes
 
 
+def _tree_note(engine: str, spec: SpeculativeConfig, what: str) -> str:
+    return (f"draft_tree={spec.draft_tree!r}: {ENGINE_NAMES[engine]} {what}; this exports a chain of "
+            f"{spec.num_speculative_tokens} drafts")
+
+
+def vllm_token_tree(spec: SpeculativeConfig, alpha: float = PRIOR_TREE_ALPHA) -> list[tuple[int, ...]]:
+    """The static tree vLLM takes (``speculative_token_tree``) for specdec's tree settings: the best
+    tree of draft_tree_max_nodes nodes, depth num_speculative_tokens and draft_tree_top_k children
+    when a draft's top choice is accepted with probability ``alpha`` and each lower rank a factor
+    (1 - alpha) less often (tree.static_tree)."""
+    shape = TreeShape(spec.draft_tree_max_nodes, spec.num_speculative_tokens, spec.draft_tree_top_k)
+    return static_tree(shape, [alpha * (1 - alpha) ** r for r in range(spec.draft_tree_top_k)])
+
+
 def _vllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
     k = spec.num_speculative_tokens
+    if spec.draft_tree == "tree" and spec.method != "eagle3":
+        notes.append(_tree_note("vllm", spec, "takes a token tree (speculative_token_tree) for EAGLE methods only"))
     if spec.method == "draft_model":
         cfg = {"method": "draft_model", "model": spec.model, "num_speculative_tokens": k}
         if spec.draft_p_min > 0:
@@ -303,6 +326,13 @@ def _vllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
                          "vLLM option; vLLM always drafts num_speculative_tokens")
     elif spec.method == "eagle3":
         cfg = {"method": "eagle3", "model": spec.model, "num_speculative_tokens": k}
+        if spec.draft_tree == "tree":
+            tree = vllm_token_tree(spec)
+            cfg.update(num_speculative_tokens=len(tree), speculative_token_tree=str(tree))
+            notes.append(f"vLLM's token tree is fixed (each node: the ranks of the draft's choices from the root); "
+                         f"specdec sizes its trees each round. This is the best tree of {len(tree)} nodes, depth <= {k}, "
+                         f"<= {spec.draft_tree_top_k} children when the top draft is accepted {PRIOR_TREE_ALPHA:.0%} "
+                         "of the time (tree.static_tree)")
         notes.append(_head_note("vllm", spec.model))
     elif spec.method == "ngram":
         cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": spec.prompt_lookup_max,
@@ -320,21 +350,30 @@ def _vllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
 
 def _sglang(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
     k = spec.num_speculative_tokens
+    tree = spec.draft_tree == "tree"
+    # a tree: top-k children per step, the best draft_tree_max_nodes verified (+1: the last committed token)
+    topk, verified = (spec.draft_tree_top_k, spec.draft_tree_max_nodes + 1) if tree else (1, k + 1)
+    shape_note = ("--speculative-num-draft-tokens counts the last committed token too: k drafts -> k + 1; "
+                  "--speculative-eagle-topk 1 makes it a chain like specdec's, not a tree") if not tree else (
+                  f"a draft tree like specdec's draft_tree='tree': --speculative-eagle-topk {topk} children per step, "
+                  f"--speculative-num-steps {k} levels, --speculative-num-draft-tokens {verified} = "
+                  f"draft_tree_max_nodes + the last committed token")
     if spec.method == "draft_model":
         flags = {"--speculative-algorithm": "STANDALONE", "--speculative-draft-model-path": spec.model,
-                 "--speculative-num-steps": k, "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": k + 1}
-        notes.append("--speculative-num-draft-tokens counts the last committed token too: k drafts -> k + 1; "
-                     "--speculative-eagle-topk 1 makes it a chain like specdec's, not a tree")
+                 "--speculative-num-steps": k, "--speculative-eagle-topk": topk, "--speculative-num-draft-tokens": verified}
+        notes.append(shape_note)
         if spec.draft_p_min > 0:
             notes.append(f"draft_p_min={spec.draft_p_min} has no SGLang option; SGLang always drafts "
                          "--speculative-num-steps tokens")
     elif spec.method == "eagle3":
         flags = {"--speculative-algorithm": "EAGLE3", "--speculative-draft-model-path": spec.model,
-                 "--speculative-num-steps": k, "--speculative-eagle-topk": 1, "--speculative-num-draft-tokens": k + 1}
-        notes.append("--speculative-num-draft-tokens counts the last committed token too: k drafts -> k + 1; "
-                     "--speculative-eagle-topk 1 makes it a chain like specdec's, not a tree")
+                 "--speculative-num-steps": k, "--speculative-eagle-topk": topk, "--speculative-num-draft-tokens": verified}
+        notes.append(shape_note)
         notes.append(_head_note("sglang", spec.model))
     else:  # ngram
+        if tree:
+            notes.append(_tree_note("sglang", spec, "branches its NGRAM drafts by --speculative-ngram-max-bfs-breadth "
+                                    "over its own cache, not by specdec's tree settings"))
         flags = {"--speculative-algorithm": "NGRAM", "--speculative-num-draft-tokens": k + 1,
                  "--speculative-ngram-min-match-window-size": spec.prompt_lookup_min,
                  "--speculative-ngram-max-match-window-size": spec.prompt_lookup_max,
@@ -359,6 +398,9 @@ def _trtllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
             notes.append(f"draft_p_min={spec.draft_p_min} has no TensorRT-LLM option; it always drafts max_draft_len")
     elif spec.method == "eagle3":
         cfg = {"decoding_type": "Eagle3", "max_draft_len": k, "speculative_model_dir": spec.model}
+        if spec.draft_tree == "tree":  # EAGLE-2's dynamic tree, as specdec's draft_tree='tree'
+            cfg.update(use_dynamic_tree=True, dynamic_tree_max_topK=spec.draft_tree_top_k,
+                       max_total_draft_tokens=spec.draft_tree_max_nodes)
         notes.append("TensorRT-LLM reads the head folder as specdec writes it (SpecForge layout: midlayer.*); newer "
                      "releases name the folder option speculative_model")
     else:  # ngram
@@ -367,6 +409,8 @@ def _trtllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         notes.append(f"prompt_lookup_min={spec.prompt_lookup_min} has no TensorRT-LLM option (NGram has only "
                      "max_matching_ngram_size); is_public_pool false keeps a pool per request rather than one "
                      "shared by all requests, as specdec's prompt lookup does")
+    if spec.draft_tree == "tree" and spec.method != "eagle3":
+        notes.append(_tree_note("trtllm", spec, "drafts trees (use_dynamic_tree) for EAGLE methods only"))
     options = {"speculative_config": cfg, **extra}
     command = f"trtllm-serve {shlex.quote(target)} --backend pytorch --extra_llm_api_options extra-llm-api-config.yml"
     return Export("trtllm", spec.method, True, options, command, notes)
@@ -389,6 +433,8 @@ def _llamacpp(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         notes.append("model-free drafting (--spec-type) exists only in recent llama-server builds; its lookup length "
                      f"is one size (--spec-ngram-simple-size-n = prompt_lookup_max {spec.prompt_lookup_max}), "
                      f"prompt_lookup_min ({spec.prompt_lookup_min}) has no llama-server option")
+    if spec.draft_tree == "tree":
+        notes.append(_tree_note("llamacpp", spec, "drafts chains only"))
     parts = ["llama-server", f"-m {shlex.quote(_gguf(target))}"]
     parts += [f"{name} {shlex.quote(str(value))}" for name, value in flags.items()]
     return Export("llamacpp", spec.method, True, flags, " \\\n  ".join(parts), notes)
