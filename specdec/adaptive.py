@@ -19,6 +19,16 @@ When k* = 0 the batch decodes plainly and probes again with a one-token draft af
 backing off while the probes keep failing, so a drafter that never helps costs almost nothing;
 until the next probe (or another batch size) S is not evaluated again, as plain rounds change
 no acceptance estimate (README, llama.cpp backend: what evaluating it every round cost).
+
+Draft trees (``choose_tree`` / ``record_tree``; tree.py, cost_model.py "draft trees"): where the
+engine may draft a tree, it first asks for a tree shape. The controller weighs the best tree of N
+nodes for N = 1..max_nodes, S_tree(N) = E_tree(N) · t_1 / (D(N) · c_tree + t_v(B, 1 + N)), against the
+best chain, S(k) above: E_tree from the chain's measured acceptance per depth plus a prior share of
+each miss that a sibling catches (SIBLING_PRIOR), scaled by what tree rounds actually accepted
+against what was predicted; D(N) the depth of that tree, c_tree the measured draft time per tree
+level; t_v(B, T) the verify line through every pass timed at this batch size, chains' and trees'.
+A tree is drafted only where it beats the best chain by TREE_MIN_GAIN: on a flat verify curve (1 + N
+tokens cost about one step) and at small batches; on a steep curve or a large batch the chain wins.
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from specdec.cost_model import best_k, mean_expected_tokens, round_cost, speedup
+from specdec.cost_model import best_k, mean_expected_tokens, rank_acceptance, round_cost, speedup, tree_node_values
+from specdec.tree import TreeShape
 
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the batch-wide rates mixed into a sequence's own counts
@@ -42,6 +53,13 @@ MAX_PROBE_INTERVAL = 128
 PLAIN_SAMPLES = 3  # plain steps timed at a batch size before it may speculate: the fastest of one or
 #                    two samples is a poor baseline beside the fastest of eight speculative rounds
 REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
+# draft trees
+SIBLING_PRIOR = 0.35  # share of a depth's remaining miss that each further sibling catches, until tree rounds
+#                      calibrate it (cost_model.rank_acceptance; EAGLE-2 reports 20-40% more tokens per pass)
+TREE_DRAFT_PRIOR = 1.25  # a tree's draft time per level, in chain draft steps, until measured (wider feeds)
+TREE_MIN_GAIN = 0.05  # a tree is drafted only where its predicted speedup beats the best chain's by this much
+TREE_CALIBRATION_WEIGHT = 4.0  # pseudo-rounds of "as predicted" mixed into the measured tree calibration
+FLAT_RATIO = 1.3  # a verify pass of T tokens within this many one-token steps: the backend is flat there
 
 
 class Timing:
@@ -112,6 +130,15 @@ class AdaptiveK:
         self.probing = False
         self.off_batch = 0  # the batch size speculation was last switched off at
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
+        # draft trees
+        self.tree_verify_time: dict[tuple[int, int], Timing] = {}  # (B, 1 + N) -> seconds per tree verify pass
+        self.tree_draft_time: dict[int, Timing] = {}  # B -> seconds per tree level drafted
+        self.tree_tokens: dict[int, Timing] = {}  # N -> tokens per row per tree pass (1 + accepted path)
+        self.tree_observed = 0.0  # decayed accepted tree nodes, over the rows of tree rounds
+        self.tree_predicted = 0.0  # decayed accepted nodes the prior predicted for the same rows
+        self.tree_rows = 0.0  # decayed rows of tree rounds
+        self._tree_prior: list[float] = []  # E_tree(0..max_nodes) before calibration, from the last choose_tree
+        self._tree_depth = 1  # depth of the tree shape the last choose_tree returned
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -138,6 +165,112 @@ class AdaptiveK:
         else:
             self.off_rounds, self.probe_interval = 0, PROBE_INTERVAL
         return [best] * B
+
+    def choose_tree(self, seq_ids: list[int], max_nodes: int, top_k: int, max_depth: int,
+                    force: bool = False) -> TreeShape | None:
+        """The tree the batch drafts this round, or None: draft a chain (then ``choose`` decides k).
+
+        Call it each round in which the batch may draft a tree (SpeculativeConfig.draft_tree "auto",
+        a drafter that can branch, a backend that verifies trees), before ``choose``; one shape for
+        every row. ``max_nodes``: draft_tree_max_nodes; ``top_k``: draft_tree_top_k (children per node
+        at most); ``max_depth``: num_speculative_tokens. The shape has the node count N of the highest
+        predicted S_tree(N) (module docstring), the depth and the most children per node of the best
+        tree of N nodes under this model; the drafter builds its tree within it (EAGLE-2's expansion
+        by cumulative draft probability). None unless that tree beats the best chain by TREE_MIN_GAIN
+        and plain decoding by MIN_GAIN, and while this batch size's plain steps are being timed or
+        refreshed (``choose`` returns zeros then). ``force`` (draft_tree "tree"): always a shape, the
+        best one that branches (a chain only when top_k or max_nodes allow no branching).
+        After the round, report it with ``record_tree``."""
+        B = len(seq_ids)
+        if not force:
+            stale = self.rounds - self.plain_measured_at.get(B, -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
+            if self.measuring_plain(B) or stale:
+                return None
+        max_nodes, top_k, max_depth = max(1, max_nodes), max(1, top_k), max(1, max_depth)
+        alphas = self._mean_alphas(seq_ids, max_depth)
+        rank_probs = [rank_acceptance(a, top_k, SIBLING_PRIOR) for a in alphas]
+        nodes = tree_node_values(rank_probs, max_nodes, top_k)  # (value, depth, rank), best first
+        prior, depth, width = [1.0], [0], [0]
+        for v, d, j in nodes:
+            prior.append(prior[-1] + v)
+            depth.append(max(depth[-1], d))
+            width.append(max(width[-1], j))
+        self._tree_prior = prior
+        tokens = self.tree_tokens_curve(prior)
+        line = self.tree_verify_line(B)
+        t1 = line(1)
+        c = self._tree_draft_cost(B, t1)
+        s_tree = [speedup(tokens[n], depth[n] * c + line(n + 1), t1) for n in range(1, len(prior))]
+        sizes = range(1, len(prior))
+        if force and any(w >= 2 for w in width):  # force: a tree that branches, where one can
+            sizes = [m for m in sizes if width[m] >= 2]
+        n = max(sizes, key=lambda m: s_tree[m - 1])
+        shape = TreeShape(n, max(depth[n], 1), max(width[n], 1))
+        if not force:
+            if width[n] < 2:
+                return None  # the best "tree" is a chain: choose() sizes it from its own measurements
+            best_chain = max(self._speedups(B, [alphas]))
+            if s_tree[n - 1] < max(best_chain * (1.0 + TREE_MIN_GAIN), 1.0 + MIN_GAIN):
+                return None
+        self._tree_depth = shape.max_depth
+        return shape
+
+    def tree_tokens_curve(self, prior: list[float]) -> list[float]:
+        """E_tree(N) as predicted (``prior``, cost_model.tree_expected_tokens) scaled by what tree rounds
+        accepted against what was predicted for them: 1 + r · (E - 1), r = observed / predicted
+        accepted nodes (decayed), pulled towards 1 by TREE_CALIBRATION_WEIGHT pseudo-rounds."""
+        r = self.tree_calibration()
+        return [1.0 + r * (e - 1.0) for e in prior]
+
+    def tree_calibration(self) -> float:
+        """Accepted tree nodes measured over those predicted (1.0 before any tree round)."""
+        w = TREE_CALIBRATION_WEIGHT * (self.tree_predicted / self.tree_rows if self.tree_rows else 1.0)
+        return (self.tree_observed + w) / (self.tree_predicted + w)
+
+    def verify_ratio(self, batch: int, num_tokens: int) -> float | None:
+        """t_v(B, T) / t_v(B, 1) from the verify passes measured at batch size B (chains' and trees'), or
+        None before two lengths are measured there: how many one-token steps a pass of T tokens per
+        row costs. Cheap (a least-squares line over the lengths measured)."""
+        known = {t for (b, t), em in list(self.verify_time.items()) + list(self.tree_verify_time.items())
+                 if b == batch and em.value is not None}
+        if len(known) < 2:
+            return None
+        line = self.tree_verify_line(batch)
+        return line(num_tokens) / line(1)
+
+    def is_flat(self, batch: int, num_tokens: int, max_ratio: float = FLAT_RATIO) -> bool | None:
+        """Whether a verify pass of ``num_tokens`` per row costs at most ``max_ratio`` one-token steps at
+        this batch size (where trees can pay); None before it is measured (``verify_ratio``)."""
+        r = self.verify_ratio(batch, num_tokens)
+        return None if r is None else r <= max_ratio
+
+    def tree_verify_line(self, B: int):
+        """T -> seconds of a verify pass of T tokens per row at batch size B: the least-squares line
+        through every length measured there, chain passes and tree passes alike (a tree of N nodes
+        is a pass of 1 + N tokens), never below the plain step; the chain's prior slope before two
+        lengths are known."""
+        points: dict[int, float] = {}
+        for table in (self.verify_time, self.tree_verify_time):
+            for (b, t), em in table.items():
+                if b == B and em.value is not None:
+                    points[t] = em.value if t not in points else (points[t] + em.value) / 2
+        return _line(sorted(points.items()))
+
+    def _mean_alphas(self, seq_ids: list[int], depth: int) -> list[float]:
+        """The batch's conditional acceptance per depth: each sequence's estimate, averaged per position
+        (one tree shape serves the batch)."""
+        prior = self._batch_alphas()
+        prior = prior + [prior[-1]] * (depth - len(prior)) if prior else [PRIOR_ALPHA] * depth
+        rows = [self.seqs.setdefault(sid, PositionStats()).alphas(depth, prior, PRIOR_WEIGHT) for sid in seq_ids]
+        if not rows:
+            return prior[:depth]
+        return [sum(col) / len(rows) for col in zip(*rows)]
+
+    def _tree_draft_cost(self, B: int, t1: float) -> float:
+        e = self.tree_draft_time.get(B)
+        if e is None or e.value is None:
+            return TREE_DRAFT_PRIOR * self._draft_cost(B, t1)
+        return e.value
 
     def measuring_plain(self, batch: int) -> bool:
         """Whether this batch size's first plain steps are still being timed. The engine takes them one
@@ -173,20 +306,7 @@ class AdaptiveK:
         the least-squares line through the lengths measured at this batch size (single timings
         are noisy enough to make k = 3 look cheaper than k = 2), never below the plain step; with
         one length measured, the prior slope from it."""
-        known = sorted((t, em.value) for (b, t), em in self.verify_time.items() if b == B and em.value is not None)
-        if not known:
-            return lambda T: 1.0 + PRIOR_VERIFY_SLOPE * (T - 1)  # unitless prior; only ratios matter
-        plain = known[0][1] if known[0][0] == 1 else None
-        if len(known) == 1:
-            t0, v0 = known[0]
-            scale = v0 / (1.0 + PRIOR_VERIFY_SLOPE * (t0 - 1))
-            return lambda T: scale * (1.0 + PRIOR_VERIFY_SLOPE * (T - 1))
-        n = len(known)
-        mt = sum(t for t, _ in known) / n
-        mv = sum(v for _, v in known) / n
-        slope = sum((t - mt) * (v - mv) for t, v in known) / sum((t - mt) ** 2 for t, _ in known)
-        floor = plain or 0.0
-        return lambda T: plain if T == 1 and plain is not None else max(mv + slope * (T - mt), floor)
+        return _line(sorted((t, em.value) for (b, t), em in self.verify_time.items() if b == B and em.value is not None))
 
     def _draft_cost(self, B: int, t1: float) -> float:
         e = self.draft_time.get(B)
@@ -219,6 +339,53 @@ class AdaptiveK:
             self.seqs.setdefault(sid, PositionStats()).update(nd, na, DECAY)
             self.batch_stats.update(nd, na, DECAY ** (1.0 / max(B, 1)))
 
+    def record_tree(self, seq_ids: list[int], num_nodes: list[int], num_accepted: list[int],
+                    draft_s: float, verify_s: float | None) -> None:
+        """Report a tree round (instead of ``record``): per row, the nodes its tree had (0: the row drafted
+        nothing) and the nodes on its accepted path (the bonus or recovered token not counted); the
+        round's drafting time and its verify pass's time (None: the pass carried a prompt, not
+        timed). Records the pass's time at 1 + max(num_nodes) tokens, the draft time per level of
+        the shape the last ``choose_tree`` returned, tokens per pass per node count, and what the rows
+        accepted against the prediction (``tree_calibration``)."""
+        B = len(seq_ids)
+        n_round = max(num_nodes) if num_nodes else 0
+        self.rounds += 1
+        if n_round == 0:
+            self.last_k = 0
+            return
+        if verify_s is not None:
+            self.tree_verify_time.setdefault((B, n_round + 1), Timing()).update(verify_s)
+        if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first
+            self.tree_draft_time.setdefault(B, Timing()).update(draft_s / max(self._tree_depth, 1))
+        self.last_k = n_round
+        prior = self._tree_prior
+        d = DECAY ** (1.0 / max(B, 1))
+        for n, a in zip(num_nodes, num_accepted):
+            if n == 0:
+                continue
+            self.tree_tokens.setdefault(n, Timing(window=64, skip=0)).update(1.0 + a)
+            if n < len(prior):
+                self.tree_observed = d * self.tree_observed + a
+                self.tree_predicted = d * self.tree_predicted + (prior[n] - 1.0)
+                self.tree_rows = d * self.tree_rows + 1.0
+
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             self.seqs.pop(sid, None)
+
+
+def _line(known: list[tuple[int, float]]):
+    """T -> seconds through measured (T, seconds) points, sorted by T (see ``AdaptiveK.verify_line``)."""
+    if not known:
+        return lambda T: 1.0 + PRIOR_VERIFY_SLOPE * (T - 1)  # unitless prior; only ratios matter
+    plain = known[0][1] if known[0][0] == 1 else None
+    if len(known) == 1:
+        t0, v0 = known[0]
+        scale = v0 / (1.0 + PRIOR_VERIFY_SLOPE * (t0 - 1))
+        return lambda T: scale * (1.0 + PRIOR_VERIFY_SLOPE * (T - 1))
+    n = len(known)
+    mt = sum(t for t, _ in known) / n
+    mv = sum(v for _, v in known) / n
+    slope = sum((t - mt) * (v - mv) for t, v in known) / sum((t - mt) ** 2 for t, _ in known)
+    floor = plain or 0.0
+    return lambda T: plain if T == 1 and plain is not None else max(mv + slope * (T - mt), floor)

@@ -86,3 +86,85 @@ def best_k(speedups: Sequence[float], min_gain: float = 0.0) -> int:
     ``speedups[0]`` is S(0) = 1."""
     best = max(range(len(speedups)), key=speedups.__getitem__)
     return best if speedups[best] >= 1.0 + min_gain else 0
+
+
+# -- draft trees (tree.py) -----------------------------------------------------------------------------
+#
+# A tree round drafts N nodes and verifies 1 + N tokens per row in one pass (the root and the nodes).
+# Its tokens are 1 + the expected length of the accepted root path. The model (Sequoia's "positional
+# acceptance", kept simple): at depth d the child of rank j of an accepted node (j = 1 the drafter's
+# most likely) is the one accepted with probability p[d][j], whatever the path above; the ranks
+# exclude each other, so Σ_j p[d][j] <= 1. A node's value is the chance its whole path is accepted,
+# the product of p along it, and a tree's expected tokens are 1 + the sum of its nodes' values:
+#
+#     E_tree = 1 + Σ_{nodes n} Π_{(d, j) on the path to n} p[d][j]
+#
+# A chain of k drafts is the tree with one child per node, and E_tree is then E(k) above. The best
+# tree of N nodes takes the N most valuable nodes of the infinite tree, best first (EAGLE-2's
+# expansion by cumulative draft probability; Sequoia's optimal tree when p falls with rank and a
+# child is worth at most its parent, as it is here).
+
+
+def rank_acceptance(alpha: float, max_children: int, sibling: float) -> list[float]:
+    """p[j] for ranks j = 1..max_children at one depth, from the chain's conditional acceptance
+    ``alpha`` there (the top-ranked child is the chain's draft) and ``sibling``: the share of the
+    remaining miss that each further sibling catches (the target's token was the draft's second
+    choice, third, ...):  p[1] = α,  p[j] = (1 - α) · s · (1 - s)^(j-2)."""
+    out = [alpha]
+    miss = 1.0 - alpha
+    for _ in range(1, max_children):
+        out.append(miss * sibling)
+        miss *= 1.0 - sibling
+    return out
+
+
+def tree_node_values(rank_probs: Sequence[Sequence[float]], num_nodes: int,
+                     max_children: int | None = None) -> list[tuple[float, int, int]]:
+    """The ``num_nodes`` most valuable nodes of a tree whose depth d (1-based) has rank acceptance
+    ``rank_probs[d-1]`` (so the depth is at most len(rank_probs)), picked best first: a node may join
+    once its parent and its next-better sibling have. Returns (value, depth, rank) per node, in
+    the order picked (values non-increasing when p falls with rank)  [<= num_nodes]."""
+    import heapq
+
+    D = len(rank_probs)
+    if D == 0 or num_nodes <= 0:
+        return []
+    probs = [sorted(p, reverse=True)[:max_children] if max_children else sorted(p, reverse=True)
+             for p in rank_probs]
+    # heap of candidates: (-value, tiebreak, depth, rank, parent value)
+    heap = [(-probs[0][0], 0, 1, 0, 1.0)] if probs[0] else []
+    out: list[tuple[float, int, int]] = []
+    n = 1
+    while heap and len(out) < num_nodes:
+        neg, _, d, j, parent_value = heapq.heappop(heap)
+        value = -neg
+        out.append((value, d, j + 1))
+        if j + 1 < len(probs[d - 1]):  # the next sibling
+            heapq.heappush(heap, (-(parent_value * probs[d - 1][j + 1]), n, d, j + 1, parent_value))
+            n += 1
+        if d < D and probs[d]:  # its first child
+            heapq.heappush(heap, (-(value * probs[d][0]), n, d + 1, 0, value))
+            n += 1
+    return out
+
+
+def tree_expected_tokens(rank_probs: Sequence[Sequence[float]], max_nodes: int,
+                         max_children: int | None = None) -> list[float]:
+    """E_tree(N) for N = 0..max_nodes: the expected tokens of a round that drafts the best tree of N
+    nodes (``tree_node_values``) and verifies it, bonus or recovered token included  [max_nodes + 1].
+    E_tree(0) = 1 (plain decoding); a tree that cannot grow further keeps its last value."""
+    values = tree_node_values(rank_probs, max_nodes, max_children)
+    out = [1.0]
+    for v, _, _ in values:
+        out.append(out[-1] + v)
+    out += [out[-1]] * (max_nodes + 1 - len(out))
+    return out
+
+
+def tree_shape_of(rank_probs: Sequence[Sequence[float]], num_nodes: int,
+                  max_children: int | None = None) -> tuple[int, int]:
+    """(depth, most children of one node) of the best tree of ``num_nodes`` nodes."""
+    values = tree_node_values(rank_probs, num_nodes, max_children)
+    if not values:
+        return 0, 0
+    return max(d for _, d, _ in values), max(j for _, _, j in values)

@@ -10,8 +10,11 @@ from specdec.cost_model import (
     mean_expected_tokens,
     mean_round_cost,
     predicted_speedups,
+    rank_acceptance,
     round_cost,
     speedup,
+    tree_expected_tokens,
+    tree_shape_of,
 )
 
 rates = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
@@ -95,3 +98,67 @@ def test_one_draft_breaks_even_where_acceptance_exceeds_its_extra_cost(alpha, c,
     assume(abs(alpha - (c + v1 - 1.0)) > 1e-9)
     s1 = predicted_speedups([alpha], c, [1.0, v1])[1]
     assert (s1 > 1.0) == (alpha > c + v1 - 1.0)
+
+
+# -- draft trees ---------------------------------------------------------------------------------------
+
+def test_rank_acceptance_by_hand():
+    assert rank_acceptance(0.6, 1, 0.5) == [0.6]
+    assert rank_acceptance(0.6, 3, 0.5) == pytest.approx([0.6, 0.2, 0.1])
+    assert sum(rank_acceptance(0.3, 50, 0.35)) == pytest.approx(1.0)  # the ranks exclude each other
+
+
+def test_tree_expected_tokens_by_hand():
+    # depth 1 ranks 0.5, 0.3; depth 2 the same. Best first: (d1 r1) 0.5, (d1 r2) 0.3, (d2 under r1) 0.25,
+    # then (d2 under r2) 0.15 and (d2 r2 under r1) 0.15
+    p = [[0.5, 0.3], [0.5, 0.3]]
+    assert tree_expected_tokens(p, 5) == pytest.approx([1.0, 1.5, 1.8, 2.05, 2.2, 2.35])
+    assert tree_shape_of(p, 1) == (1, 1)
+    assert tree_shape_of(p, 3) == (2, 2)
+    # a tree that cannot grow further (2 depths x 2 children = 6 nodes) keeps its value
+    full = tree_expected_tokens(p, 9)
+    assert full[6:] == [full[6]] * 4 and full[6] == pytest.approx(1 + 0.8 + 0.8 * 0.8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(rates, min_size=1, max_size=6))
+def test_a_tree_of_one_child_per_node_is_the_chain(alphas):
+    k = len(alphas)
+    tree = tree_expected_tokens([[a] for a in alphas], k + 2, max_children=1)
+    assert tree[: k + 1] == pytest.approx([expected_tokens(alphas, n) for n in range(k + 1)])
+
+
+def _parent_closed_best(p, num_nodes):
+    """Brute force: the most valuable set of ``num_nodes`` nodes closed under parents."""
+    import itertools
+
+    nodes = []  # (path of ranks, value)
+    frontier = [((), 1.0)]
+    for probs in p:
+        frontier = [(path + (j,), v * q) for path, v in frontier for j, q in enumerate(probs)]
+        nodes += frontier
+    best = 0.0
+    for subset in itertools.combinations(range(len(nodes)), num_nodes):
+        paths = {nodes[i][0] for i in subset}
+        if all(len(q) == 1 or q[:-1] in paths for q in paths):
+            best = max(best, sum(nodes[i][1] for i in subset))
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 0.5), min_size=2, max_size=2), min_size=1, max_size=3),
+       st.integers(1, 4))
+def test_best_first_picks_the_most_valuable_tree(p, n):
+    """Picking nodes best first is optimal among all trees of n nodes (Sequoia's optimal tree)."""
+    got = tree_expected_tokens(p, n)[n] - 1.0
+    assert got == pytest.approx(_parent_closed_best(p, min(n, sum(2 ** (d + 1) for d in range(len(p))))), abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(rates, min_size=1, max_size=6), st.integers(1, 4), st.floats(0.0, 1.0))
+def test_more_nodes_never_lose_tokens_and_beat_the_chain(alphas, width, sibling):
+    p = [rank_acceptance(a, width, sibling) for a in alphas]
+    tree = tree_expected_tokens(p, 20, max_children=width)
+    assert all(b >= a - 1e-12 for a, b in zip(tree, tree[1:]))
+    for n in range(len(alphas) + 1):  # a tree of n nodes expects at least the chain of n drafts
+        assert tree[n] >= expected_tokens(alphas, n) - 1e-12

@@ -1,0 +1,130 @@
+"""The adaptive controller sizes draft trees (AdaptiveK.choose_tree / record_tree): trees where the
+verify pass is flat enough for them to beat the best chain, chains on steep backends and large
+batches, and what tree rounds accept and cost corrects the prediction."""
+
+import random
+
+import pytest
+
+from specdec.adaptive import SIBLING_PRIOR, AdaptiveK, Timing
+from specdec.cost_model import rank_acceptance, speedup, tree_expected_tokens, tree_shape_of
+
+
+def measured(t1: float, slope: float, batch: int = 1, draft: float = 0.0005, k: int = 4) -> AdaptiveK:
+    """A controller that has timed plain steps and chain verify passes of 2..k+1 tokens at ``batch``:
+    t_v(T) = t1 * (1 + slope * (T - 1)), ``draft`` seconds per drafted position."""
+    ctrl = AdaptiveK(k)
+    for T in range(1, k + 2):
+        em = ctrl.verify_time.setdefault((batch, T), Timing(skip=0))
+        for _ in range(4):
+            em.update(t1 * (1 + slope * (T - 1)))
+    ctrl.draft_time.setdefault(batch, Timing(skip=0)).update(draft)
+    ctrl.plain_measured_at[batch] = 0
+    return ctrl
+
+
+def test_a_flat_verify_pass_gets_a_tree_and_a_steep_one_a_chain():
+    # torch on this CPU: t(1, 2, 3, 5, 9) = 9.38, 8.65, 9.07, 10.04, 10.18 ms; llama.cpp: 3.99 .. 8.99 ms
+    flat = measured(0.0094, 0.01)
+    shape = flat.choose_tree([0], 16, 4, 4, force=False)
+    assert shape is not None and shape.max_children >= 2 and 4 < shape.num_nodes <= 16 and shape.max_depth <= 4
+    steep = measured(0.0040, 0.16)
+    assert steep.choose_tree([0], 16, 4, 4, force=False) is None
+
+
+def test_large_batches_draft_chains():
+    """The verify pass of 8 rows grows with every token (the batch is 8x the tokens): no tree pays."""
+    ids = list(range(8))
+    ctrl = measured(0.020, 0.12, batch=8)
+    assert ctrl.choose_tree(ids, 16, 4, 4, force=False) is None
+    assert measured(0.020, 0.005, batch=8).choose_tree(ids, 16, 4, 4, force=False) is not None
+
+
+def test_the_shape_is_the_cost_models_best_tree():
+    """N maximises E_tree(N) * t1 / (depth(N) * c_tree + t_v(1 + N)) with the prior's tree, no tree round yet."""
+    t1, slope, draft = 0.010, 0.02, 0.0004
+    ctrl = measured(t1, slope, draft=draft)
+    shape = ctrl.choose_tree([0], 12, 3, 4, force=False)
+    alphas = ctrl._mean_alphas([0], 4)
+    p = [rank_acceptance(a, 3, SIBLING_PRIOR) for a in alphas]
+    E = tree_expected_tokens(p, 12, 3)
+    line = ctrl.tree_verify_line(1)
+    s = {n: speedup(E[n], tree_shape_of(p, n, 3)[0] * 1.25 * draft + line(n + 1), t1) for n in range(1, 13)}
+    best = max(s, key=s.get)
+    assert shape.num_nodes == best and (shape.max_depth, shape.max_children) == tree_shape_of(p, best, 3)
+
+
+def test_force_always_returns_a_tree_within_the_limits():
+    for slope in (0.0, 0.2, 1.0):
+        ctrl = measured(0.004, slope)
+        shape = ctrl.choose_tree([0], 10, 3, 5, force=True)
+        assert shape is not None and 2 <= shape.num_nodes <= 10 and shape.max_depth <= 5
+        assert 2 <= shape.max_children <= 3
+    fresh = AdaptiveK(4)  # nothing measured, plain steps not timed: still a shape
+    assert fresh.choose_tree([0], 16, 4, 4, force=True) is not None
+    assert fresh.choose_tree([0], 16, 4, 4, force=False) is None  # plain steps come first
+    assert measured(0.004, 0.0).choose_tree([0], 16, 1, 4, force=True).max_children == 1  # top_k 1: a chain
+
+
+def test_trees_whose_siblings_catch_nothing_fall_back_to_chains():
+    """Each depth's top draft is accepted with probability 0.8 and a sibling never is: a tree accepts
+    what its best chain would, for a wider pass. The prior predicts more; what tree rounds accept
+    corrects it, and the controller returns to chains."""
+    rnd = random.Random(0)
+
+    def accepted(depth):  # the top-ranked path, 0.8 per depth
+        n = 0
+        while n < depth and rnd.random() < 0.8:
+            n += 1
+        return n
+
+    ctrl = measured(0.0094, 0.015)
+    chosen = []
+    for _ in range(150):
+        shape = ctrl.choose_tree([0], 16, 4, 4, force=False)
+        chosen.append(shape)
+        if shape is None:
+            k = ctrl.choose([0])[0]
+            ctrl.record([0], [k], [accepted(k)], 0.0005 * k, 0.0094 * (1 + 0.015 * k))
+        else:
+            ctrl.record_tree([0], [shape.num_nodes], [accepted(shape.max_depth)], 0.0005 * shape.max_depth,
+                             0.0094 * (1 + 0.015 * shape.num_nodes))
+    assert chosen[0] is not None and ctrl.tree_calibration() < 0.85
+    assert sum(s is not None for s in chosen[-50:]) <= 5
+
+
+def test_tree_passes_timed_steeper_than_the_chain_line_switch_trees_off():
+    ctrl = measured(0.0094, 0.01)
+    shape = ctrl.choose_tree([0], 16, 4, 4, force=False)
+    assert shape is not None
+    for _ in range(6):  # the tree pass costs 3 steps: no tree pays
+        ctrl.record_tree([0], [shape.num_nodes], [3], 0.002, 3 * 0.0094)
+    assert ctrl.verify_ratio(1, shape.num_nodes + 1) > 2
+    assert ctrl.choose_tree([0], 16, 4, 4, force=False) is None
+
+
+def test_trees_accepting_as_predicted_keep_the_calibration_and_record_tokens_per_pass():
+    ctrl = measured(0.0094, 0.01, batch=2)
+    for _ in range(30):
+        shape = ctrl.choose_tree([0, 1], 16, 4, 4, force=False)
+        assert shape is not None
+        n = shape.num_nodes
+        expected = ctrl._tree_prior[n] - 1  # accept, on average, what the model predicts
+        lo = int(expected)
+        acc = [lo, lo + 1] if expected - lo > 0.5 else [lo, lo]
+        ctrl.record_tree([0, 1], [n, n], acc, 0.002, 0.0094 * 1.2)
+    assert ctrl.tree_calibration() == pytest.approx(1.0, abs=0.25)
+    assert sum(em.value for em in ctrl.tree_tokens.values()) > 0 and all(N <= 16 for N in ctrl.tree_tokens)
+    assert 2 in {b for b, _ in ctrl.tree_verify_time} and 2 in ctrl.tree_draft_time
+
+
+def test_verify_ratio_says_whether_the_backend_is_flat():
+    ctrl = AdaptiveK(4)
+    assert ctrl.verify_ratio(1, 5) is None and ctrl.is_flat(1, 5) is None
+    ctrl.verify_time[(1, 1)] = Timing(skip=0)
+    ctrl.verify_time[(1, 1)].update(0.004)
+    assert ctrl.verify_ratio(1, 5) is None  # one length: no curve yet
+    ctrl.verify_time[(1, 5)] = Timing(skip=0)
+    ctrl.verify_time[(1, 5)].update(0.006)
+    assert ctrl.verify_ratio(1, 5) == pytest.approx(1.5) and ctrl.is_flat(1, 5) is False
+    assert measured(0.0094, 0.01).is_flat(1, 17) is True
