@@ -1,8 +1,9 @@
 """Step 2 of loading a model: the backend and the dtype it runs in, and why.
 
 ``backend="auto"`` runs a GGUF file on llama.cpp; torch on CUDA and for layer_skip (which runs the
-target's first layers); and a checkpoint on a CPU that llama.cpp can convert on the backend measured
-faster here (backend_choice.py). The dtype follows dtype_choice.py's rule for the backend chosen. A
+target's first layers); and a checkpoint on a CPU that llama.cpp can convert on the backend expected
+fastest here for the method, k and draft model asked for (backend_choice.py: timed forwards through
+the cost model). The dtype follows dtype_choice.py's rule for the backend chosen. A
 draft model runs where the target does, and a GGUF draft on llama.cpp whatever the target's backend.
 """
 
@@ -35,10 +36,11 @@ class Choice:
 
 
 def choose(source: ModelSource, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
-           method: str | None = None, num_speculative_tokens: int = 0) -> Choice:
+           method: str | None = None, num_speculative_tokens: int = 0, draft: ModelSource | None = None) -> Choice:
     """The backend and dtype the target ``source`` runs in, for speculative ``method`` with drafts of
-    up to ``num_speculative_tokens`` (0: plain decoding)."""
-    chosen, reason = _backend(source, backend, device, method, num_speculative_tokens, dtype)
+    up to ``num_speculative_tokens`` (0: plain decoding); ``draft``: draft_model's draft, whose step
+    auto times beside the target's."""
+    chosen, reason = _backend(source, backend, device, method, num_speculative_tokens, dtype, draft)
     if method == "layer_skip" and chosen == "llama.cpp":
         raise ValueError(LAYER_SKIP_NEEDS_TORCH)
     return Choice(chosen, reason, dtype_for(source, chosen, dtype, device))
@@ -52,7 +54,7 @@ def choose_draft(source: ModelSource, target: Choice, dtype: str = "auto", devic
 
 
 def _backend(source: ModelSource, backend: str, device: str, method: str | None, k: int,
-             dtype: str) -> tuple[str, str]:
+             dtype: str, draft: ModelSource | None = None) -> tuple[str, str]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     on_cpu = str(device).startswith("cpu")
@@ -74,7 +76,7 @@ def _backend(source: ModelSource, backend: str, device: str, method: str | None,
         return "torch", "auto: llama-cpp-python is not installed"
     if not _convertible(source):
         return "torch", "auto: not a checkpoint specdec converts to GGUF"
-    verdict = auto_backend(source, dtype, k)
+    verdict = auto_backend(source, dtype, k, method, draft)
     return verdict.backend, f"auto: {verdict.reason}"
 
 

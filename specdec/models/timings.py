@@ -1,5 +1,5 @@
 """specdec's cache folder, and timings measured once per machine and kept there as JSON: dtype="auto"'s
-bf16 verdict (dtype_choice.py) and backend="auto"'s choice (backend_choice.py)."""
+bf16 verdict (dtype_choice.py) and backend="auto"'s forward timings (backend_choice.py)."""
 
 from __future__ import annotations
 
@@ -33,20 +33,23 @@ def machine_key() -> str:
             f"threads {torch.get_num_threads()}")
 
 
-def cached(path: Path, key: str, measure: Callable[[], dict], names: tuple[str, ...], length: int = 2) -> dict:
+def cached(path: Path, key: str, measure: Callable[[], dict], names: tuple[str, ...], length: int = 2,
+           notes: tuple[str, ...] = ()) -> dict:
     """The timings kept under ``key`` in ``path``: {name: [length numbers]} for exactly ``names``,
-    measured and kept when absent or damaged (a hand-edited or truncated file times again)."""
+    plus a string under each of ``notes`` (how they were measured), measured and kept when absent or
+    damaged (a hand-edited or truncated file times again)."""
     value = read(path).get(key)
-    if not _well_formed(value, names, length):
+    if not _well_formed(value, names, length, notes):
         value = measure()
         write(path, key, value)
     return value
 
 
-def _well_formed(value, names: tuple[str, ...], length: int) -> bool:
-    return (isinstance(value, dict) and set(value) == set(names)
-            and all(isinstance(t, list) and len(t) == length
-                    and all(isinstance(x, (int, float)) for x in t) for t in value.values()))
+def _well_formed(value, names: tuple[str, ...], length: int, notes: tuple[str, ...] = ()) -> bool:
+    return (isinstance(value, dict) and set(value) == set(names) | set(notes)
+            and all(isinstance(value[n], str) for n in notes)
+            and all(isinstance(value[n], list) and len(value[n]) == length
+                    and all(isinstance(x, (int, float)) for x in value[n]) for n in names))
 
 
 def read(path: Path) -> dict:
