@@ -76,3 +76,16 @@ def grew_from(tokens: list[int], history: list[int], tail_check: int = 8) -> boo
         return False
     w = min(m, tail_check)
     return history[m - w:m] == tokens[m - w:]
+
+
+def chains_as_trees(drafter: Drafter, seqs: list[Sequence], shapes: list[TreeShape | None],
+                    sb: SamplingBatch) -> list[DraftTree | None]:
+    """``drafter``'s chains as trees: up to each shape's depth of drafts in a line (a drafter, or a
+    drafter's runner, that cannot branch, inside a round that verifies trees)."""
+    proposal = drafter.propose(seqs, [0 if s is None else s.max_depth for s in shapes], sb)
+    rows = proposal.draft_token_ids.tolist()
+    out: list[DraftTree | None] = []
+    for b, n in enumerate(proposal.num_draft_tokens):
+        probs = None if proposal.draft_probs is None else proposal.draft_probs[b, :n]  # [n, V]
+        out.append(DraftTree.chain(rows[b][:n], probs) if n else None)
+    return out

@@ -11,26 +11,92 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.autoregressive import draft_autoregressive
-from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees, grew_from
+from specdec.drafters.tree_expand import SIBLINGS, Block, draft_tree
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape
 
 CATCH_UP_TOGETHER = 4  # newcomers' chunks up to this long ride along in the running rows' forward
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, runner: ModelRunner, draft_p_min: float = 0.0):
+    def __init__(self, runner: ModelRunner, draft_p_min: float = 0.0, siblings: str = "top_k"):
+        if siblings not in SIBLINGS:
+            raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
         self.runner = runner
         self.draft_p_min = draft_p_min
+        self.siblings = siblings  # a tree's candidates: the draft's top tokens, or drawn from q (tree_expand.py)
         self.cached: dict[int, list[int]] = {}  # seq_id -> tokens whose KV sits in the draft cache
         self.committed: dict[int, int] = {}  # seq_id -> history length at the last proposal (surely still valid)
+        self.tree_slots: dict[int, Block] = {}  # seq_id -> the last tree pass's nodes, in the slots past cached
+
+    @property
+    def can_draft_trees(self) -> bool:
+        return self.runner.can_verify_trees  # its tree passes are the runner's (llama.cpp: chains only)
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        logits, pos = self._sync(seqs)  # [B, V] after each history
+
+        def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
+            return self.runner.forward(ForwardBatch.dense(x[:, None], [p + i for p in pos], logits="last"))
+
+        def greedy(x: list[int], n: int) -> list[list[int]]:  # x [B] fed at pos -> the next n argmaxes [B, n]
+            return self.runner.greedy_steps(x, pos, n)
+
+        proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min, greedy)
+
+        # Remember what the cache now holds: the history plus the drafts that were fed.
+        fed = proposal.draft_token_ids[:, : max(proposal.draft_token_ids.shape[1] - 1, 0)].tolist()
+        for b, s in enumerate(seqs):
+            self.cached[s.seq_id] = s.token_ids + fed[b]
+            self.committed[s.seq_id] = len(s.token_ids)
+        return proposal
+
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
+        """EAGLE-2's dynamic tree (tree_expand.py), one tree pass of the draft per level. The cache then
+        holds each history; the slots past it hold the last pass's nodes, and the next round keeps
+        (``compact``) those on the accepted path instead of feeding them again."""
+        if not self.can_draft_trees:  # a chain, the best this runner can draft
+            return chains_as_trees(self, seqs, shapes, sb)
+        logits, pos = self._sync(seqs)  # [B, V]
+        last: list[Block | None] = [None] * len(seqs)  # what each row's slots past its history hold
+
+        def feed(blocks: list[Block | None]) -> list[torch.Tensor | None]:
+            T = max(len(k.tokens) for k in blocks if k is not None)
+            L = max(len(k.want) for k in blocks if k is not None)
+            tokens = torch.zeros(len(blocks), T, dtype=torch.long)  # [B, T]; padding: token 0 under the root
+            parents = [[-1] * T for _ in blocks]
+            index = torch.zeros(len(blocks), L, dtype=torch.long)  # [B, L]
+            for b, k in enumerate(blocks):
+                last[b] = k  # a row without a block gets padding over its slots
+                if k is not None:
+                    tokens[b, : len(k.tokens)] = torch.tensor(k.tokens)
+                    parents[b][: len(k.parents)] = k.parents
+                    index[b, : len(k.want)] = torch.tensor(k.want)
+            batch = ForwardBatch(tokens.to(self.runner.device), list(pos), [T] * len(blocks),
+                                 index.to(self.runner.device), parents=parents)
+            out = self.runner.forward(batch)  # [B, L, V]
+            return [None if k is None else out[b, : len(k.want)] for b, k in enumerate(blocks)]
+
+        trees = draft_tree(logits, feed, seqs, shapes, sb, self.draft_p_min, self.siblings)
+        for b, s in enumerate(seqs):
+            self.cached[s.seq_id] = list(s.token_ids)
+            self.committed[s.seq_id] = len(s.token_ids)
+            if last[b] is not None:
+                self.tree_slots[s.seq_id] = last[b]
+        return trees
+
+    def _sync(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
+        """Bring the draft cache to each history: keep the longest common prefix (after keeping the
+        last tree pass's nodes on the accepted path) and feed the rest, at least the newest token.
+        Returns the logits after each history [B, V] and the histories' lengths."""
         B = len(seqs)
         is_new = self.runner.sync_rows([s.seq_id for s in seqs])
+        self._keep_accepted_paths(seqs, is_new)
 
-        # 1. Catch up: feed each sequence's tokens that the draft cache lacks (at least the newest one).
+        # Catch up: feed each sequence's tokens that the draft cache lacks (at least the newest one).
         starts, chunks = [], []
         for s, new in zip(seqs, is_new):
             cached = [] if new else self.cached[s.seq_id]
@@ -49,24 +115,35 @@ class DraftModelDrafter(Drafter):
             split = B
         logits = torch.cat([self._catch_up(chunks[lo:hi], starts[lo:hi], lo)
                             for lo, hi in ((0, split), (split, B)) if hi > lo])  # [B, V]
+        return logits, [s + len(c) for s, c in zip(starts, chunks)]
 
-        # 2. Draft up to k tokens autoregressively.
-        pos = [s + len(c) for s, c in zip(starts, chunks)]
-
-        def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
-            return self.runner.forward(ForwardBatch.dense(x[:, None], [p + i for p in pos], logits="last"))
-
-        def greedy(x: list[int], n: int) -> list[list[int]]:  # x [B] fed at pos -> the next n argmaxes [B, n]
-            return self.runner.greedy_steps(x, pos, n)
-
-        proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min, greedy)
-
-        # 3. Remember what the cache now holds: the history plus the drafts that were fed.
-        fed = proposal.draft_token_ids[:, : max(proposal.draft_token_ids.shape[1] - 1, 0)].tolist()
-        for b, s in enumerate(seqs):
-            self.cached[s.seq_id] = s.token_ids + fed[b]
-            self.committed[s.seq_id] = len(s.token_ids)
-        return proposal
+    def _keep_accepted_paths(self, seqs: list[Sequence], is_new: list[bool]) -> None:
+        """After a tree round: the nodes of the last tree pass that the history now holds, root down,
+        move to consecutive slots after the history they continued (one ``compact`` for all rows)."""
+        rows, starts, keeps = [], [], []
+        for b, (s, new) in enumerate(zip(seqs, is_new)):
+            block = self.tree_slots.pop(s.seq_id, None)
+            if block is None or new:
+                continue
+            cached = self.cached[s.seq_id]
+            n = len(cached)
+            if not grew_from(cached, s.token_ids) or len(s.token_ids) <= n:
+                continue
+            keep, at = [], -1  # block indices on the path, the last one kept
+            for t in s.token_ids[n:]:
+                nxt = next((j for j in range(len(block.tokens))
+                            if block.parents[j] == at and block.tokens[j] == t), None)
+                if nxt is None:
+                    break
+                keep.append(nxt)
+                at = nxt
+            if keep:
+                rows.append(b)
+                starts.append(n)
+                keeps.append(keep)
+                self.cached[s.seq_id] = cached + [block.tokens[j] for j in keep]
+        if rows:
+            self.runner.compact(rows, starts, keeps)
 
     def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:
         """Feed each row's chunk at its start; returns the logits after each chunk's last token [B, V]."""
@@ -78,8 +155,10 @@ class DraftModelDrafter(Drafter):
 
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows
+        self.tree_slots.clear()
 
     def release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             self.cached.pop(s.seq_id, None)
             self.committed.pop(s.seq_id, None)
+            self.tree_slots.pop(s.seq_id, None)

@@ -14,11 +14,12 @@ sampled model draft, a suffix row's q is its one-hot, so the verifier's rule sta
 
 from __future__ import annotations
 
-from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees
 from specdec.drafters.merge import merge_proposals
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape
 
 
 class HybridDrafter(Drafter):
@@ -51,6 +52,33 @@ class HybridDrafter(Drafter):
         parts = {"suffix": suffix, self.model.method: self.model.propose(seqs, model_want, sb)}
         owner = ["suffix" if r else self.model.method for r in rows]
         return merge_proposals(parts, owner, sb.device)
+
+    can_draft_trees = True  # the suffix tries' trees; the model's where it branches, else its chains
+
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
+        """As ``propose``, with the suffix trie's tree for a row whose suffix chain would be taken (the
+        same score decides) and the model's tree (or chain, where it cannot branch) for the others."""
+        trees: list[DraftTree | None] = []
+        model_shapes: list[TreeShape | None] = []
+        for s, shape in zip(seqs, shapes):
+            if shape is None:
+                self.suffix.sync(s)
+                trees.append(None)
+                model_shapes.append(None)
+                continue
+            tree, score = self.suffix.draft_tree(s, shape)
+            take = tree is not None and score >= min(self.min_score, shape.max_depth)
+            trees.append(tree if take else None)
+            model_shapes.append(None if take else shape)
+        self.suffix_rows += sum(1 for t in trees if t is not None)
+        self.model_rows += sum(1 for m in model_shapes if m is not None)
+        if not any(m is not None for m in model_shapes):
+            return trees
+        if self.model.can_draft_trees:
+            model = self.model.propose_tree(seqs, model_shapes, sb)
+        else:
+            model = chains_as_trees(self.model, seqs, model_shapes, sb)
+        return [t if m is None else mt for t, m, mt in zip(trees, model_shapes, model)]
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         self.suffix.observe(seqs, num_accepted)

@@ -47,10 +47,13 @@ its substrings once more and removes what only it contributed.
 
 from __future__ import annotations
 
+import heapq
+
 from specdec.drafters.base import DraftProposal, Drafter, grew_from
 from specdec.drafters.ngram import TAIL_CHECK
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape
 
 PROBABILITY_ESTIMATES = ("continuations", "occurrences")
 
@@ -84,6 +87,18 @@ class SuffixDrafter(Drafter):
                 self.sync(s)
                 rows.append([])
         return DraftProposal.from_rows(rows, sb.device)
+
+    can_draft_trees = True
+
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
+        out: list[DraftTree | None] = []
+        for s, shape in zip(seqs, shapes):
+            if shape is None:
+                self.sync(s)
+                out.append(None)
+            else:
+                out.append(self.draft_tree(s, shape)[0])
+        return out
 
     def draft(self, seq: Sequence, want: int) -> tuple[list[int], float]:
         """Up to ``want`` tokens continuing ``seq`` and their expected accepted count (the summed
@@ -157,14 +172,20 @@ class SuffixDrafter(Drafter):
     # -- drafting ---------------------------------------------------------------------------------
 
     def _draft(self, req: RequestTrie, want: int) -> tuple[list[int], float]:
+        best, best_score, _ = self._best_match(req, want)
+        return best, best_score
+
+    def _best_match(self, req: RequestTrie, want: int) -> tuple[list[int], float, tuple | None]:
+        """The winning candidate's draft, its score and where it drafts from: (trie, position, limit),
+        None when no candidate drafts anything."""
         history = req.tokens
-        best, best_score = [], 0.0
+        best, best_score, where = [], 0.0, None
         for node, m in req.open:  # the request's own repeated suffixes, longest first
             limit = self._limit(want, m)
             if limit > best_score:
                 draft, score = req.follow(node, limit, self.min_token_prob, self.count_ends)
                 if score > best_score:
-                    best, best_score = draft, score
+                    best, best_score, where = draft, score, (req, node, limit)
         if req.slot is not None and len(req.output) >= self.depth - 1:
             # Every suffix that can match lies in the output, which is in the global trie: the repeated
             # ones are its open suffixes there (one held once is the request's own occurrence, which
@@ -182,8 +203,18 @@ class SuffixDrafter(Drafter):
                     at = self.cache.walk(history, len(history) - m, len(history))
                 draft, score = self.cache.follow(at, limit, self.min_token_prob, self.count_ends)
                 if score > best_score:
-                    best, best_score = draft, score
-        return best, best_score
+                    best, best_score, where = draft, score, (self.cache, at, limit)
+        return best, best_score, where
+
+    def draft_tree(self, seq: Sequence, shape: TreeShape) -> tuple[DraftTree | None, float]:
+        """A tree within ``shape`` from the match whose chain would win (``draft``): its most frequent
+        continuations best-first by path probability (SuffixTrie.tree), and that chain's score."""
+        _, score, where = self._best_match(self.sync(seq), shape.max_depth)
+        if where is None:
+            return None, 0.0
+        trie, at, limit = where
+        return trie.tree(at, TreeShape(shape.num_nodes, limit, shape.max_children), self.min_token_prob,
+                         self.count_ends), score
 
     def _limit(self, want: int, m: int) -> int:
         """The most drafts a match of m tokens may propose (floor, as vLLM; the epsilon absorbs rounding)."""
@@ -350,6 +381,47 @@ class SuffixTrie:
             draft.append(token)
             score += prob
         return draft, score
+
+
+    def continuations(self, at: Node | int, count_ends: bool = False) -> list[tuple[int, Node | int, float]]:
+        """(token, its trie position, its probability) for each continuation of a trie position, the most
+        frequent first (of equal ones, the one first seen last, as ``follow``)."""
+        if type(at) is int:  # a string seen once: its one continuation, p = 1
+            seq, e = self.seqs[at >> SLOT_SHIFT], (at & END_MASK) + 1
+            return [(seq[e], at + 1, 1.0)] if e < len(seq) else []
+        kids = [(t, c, 1 if type(c) is int else c.count, i) for i, (t, c) in enumerate(at.children.items())]
+        total = at.count if count_ends else sum(n for _, _, n, _ in kids)
+        kids.sort(key=lambda k: (-k[2], -k[3]))
+        return [(t, c, n / total) for t, c, n, _ in kids]
+
+    def tree(self, at: Node | int, shape: TreeShape, min_prob: float, count_ends: bool = False) -> DraftTree | None:
+        """The trie's branches below a position as a draft tree within ``shape``: nodes taken best-first by
+        path probability (the product of the continuations' probabilities, the tree's scores) while it
+        stays at or above ``min_prob``, each node's children among its ``max_children`` most frequent
+        continuations. A child's probability is at most its parent's, so the order is topological."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        heap: list[tuple[float, int, int, Node | int, int, int]] = []  # (-p, tie, token, position, parent, depth)
+        tie = 0
+
+        def push(pos: Node | int, parent: int, prob: float, depth: int) -> None:
+            nonlocal tie
+            for t, child, p in self.continuations(pos, count_ends)[: shape.max_children]:
+                heapq.heappush(heap, (-prob * p, tie, t, child, parent, depth))
+                tie += 1
+
+        push(at, -1, 1.0, 1)
+        while heap and len(tokens) < shape.num_nodes:
+            neg, _, t, child, parent, depth = heapq.heappop(heap)
+            if -neg < min_prob:
+                break
+            tokens.append(t)
+            parents.append(parent)
+            scores.append(-neg)
+            if depth < shape.max_depth:
+                push(child, len(tokens) - 1, -neg, depth + 1)
+        return DraftTree(tokens, parents, None, scores) if tokens else None
 
 
 class RequestTrie(SuffixTrie):

@@ -1,0 +1,162 @@
+"""Dynamic draft trees for model drafters (EAGLE-2, Li et al. 2024): grow each row's tree level by level.
+
+The root's children are the draft's top choices after the history. Then, per level up to the
+shape's depth, the frontier nodes with the highest cumulative draft probability (the product of q
+along the path: the drafter's estimate that the path is accepted) are expanded, each into its top
+children, all rows' frontiers in ONE call of ``feed`` (one tree pass of the drafter). At the end the
+nodes are reranked by cumulative probability and the best ``num_nodes`` kept; a child's value is at
+most its parent's, so the kept set is a tree (ties go to the shallower, older node).
+
+Expansion is pruned: a node outside the current best ``num_nodes`` can never be kept (its children
+score lower still and the bar only rises), so it is not expanded; at most ``max_children`` nodes are
+expanded per level (EAGLE-2's beam).
+
+Candidates (``siblings``):
+- ``"top_k"``: a node's children are the top tokens of q, deterministic (DraftTree.draft_probs None:
+  the verifier treats each as a one-hot q, exact for greedy and sampled rows alike);
+- ``"sampled"``: a sampled row's children are drawn from q without replacement (the exponential race
+  ``sampling.sample`` uses, kept for the k best: Gumbel top-k), and draft_probs holds q for each node,
+  the multi-candidate rule's input. Greedy rows stay top-k.
+
+Logit processing (penalties, grammars) runs per expanded node on its own path, as the target's will.
+A sampled row draws only for its own nodes, in node order: its generator's use does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.sampling import SamplingBatch, exponentials, probs_from_logits
+from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape
+
+SIBLINGS = ("top_k", "sampled")
+
+# feed(blocks) runs one tree pass over each row's block: blocks[b] = (tokens, parents within the block,
+# indices whose logits come back), or None for a row that feeds nothing; returns logits [len(want), V] per row
+TreeFeed = Callable[[list["Block | None"]], list["torch.Tensor | None"]]
+
+
+@dataclass
+class Block:
+    tokens: list[int]  # [T] nodes' tokens, in topological order
+    parents: list[int]  # [T] parent within the block (-1: a child of the root)
+    want: list[int]  # indices into the block whose logits come back (the nodes expanded this level)
+
+
+@dataclass
+class _Growth:
+    """One row's tree while it grows: every candidate node, best-first bookkeeping, the q's drawn from."""
+
+    shape: TreeShape
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # cumulative draft probability
+    depth: list[int] = field(default_factory=list)
+    dist: list[int] = field(default_factory=list)  # index into qs of the distribution each node was drawn from
+    qs: list[torch.Tensor] = field(default_factory=list)  # [V] each, kept only for sampled siblings
+
+    def add_children(self, parent: int, q: torch.Tensor, chosen: list[int], keep_q: bool) -> None:
+        d = 1 if parent < 0 else self.depth[parent] + 1
+        base = 1.0 if parent < 0 else self.scores[parent]
+        if keep_q:
+            self.qs.append(q)
+        for t in chosen:
+            self.tokens.append(t)
+            self.parents.append(parent)
+            self.scores.append(base * float(q[t]))
+            self.depth.append(d)
+            self.dist.append(len(self.qs) - 1 if keep_q else -1)
+
+    def rank(self) -> list[int]:
+        """Node ids best first: higher score, then shallower, then older (a parent before its children)."""
+        return sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.depth[i], i))
+
+    def path(self, node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def block(self, expand: list[int]) -> Block:
+        """The expanded nodes with their ancestors, in node order (topological), parents re-indexed."""
+        nodes = sorted({j for i in expand for j in self.path(i)})
+        at = {n: k for k, n in enumerate(nodes)}
+        return Block([self.tokens[n] for n in nodes], [at.get(self.parents[n], -1) for n in nodes],
+                     [at[i] for i in expand])
+
+    def final(self, sampled: bool) -> DraftTree:
+        """The best num_nodes nodes (a parent always kept before its child), in node order."""
+        kept: set[int] = set()
+        for i in self.rank():
+            if len(kept) == self.shape.num_nodes:
+                break
+            if self.parents[i] < 0 or self.parents[i] in kept:
+                kept.add(i)
+        nodes = sorted(kept)
+        at = {n: k for k, n in enumerate(nodes)}
+        probs = torch.stack([self.qs[self.dist[n]] for n in nodes]) if sampled and nodes else None  # [N, V]
+        return DraftTree([self.tokens[n] for n in nodes], [at.get(self.parents[n], -1) for n in nodes],
+                         probs, [self.scores[n] for n in nodes])
+
+
+def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shapes: list[TreeShape | None],
+               sb: SamplingBatch, draft_p_min: float = 0.0, siblings: str = "top_k") -> list[DraftTree | None]:
+    """logits [B, V]: the drafter's logits after each history. Returns a tree per row within its shape
+    (None where shapes[b] is None or nothing passes ``draft_p_min``)."""
+    if siblings not in SIBLINGS:
+        raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
+    B = len(seqs)
+    greedy = sb.greedy.tolist()
+    sampled = [siblings == "sampled" and not greedy[b] for b in range(B)]
+    grow: dict[int, _Growth] = {b: _Growth(shapes[b]) for b in range(B) if shapes[b] is not None}
+
+    def expand(rows_nodes: list[tuple[int, int]], node_logits: list[torch.Tensor]) -> None:
+        """Add the children of node (b, parent) given its logits [V] (parent -1: the root)."""
+        rows = [b for b, _ in rows_nodes]
+        x = torch.stack(node_logits).float()  # [M, V]
+        for m, (b, parent) in enumerate(rows_nodes):
+            s = seqs[b]
+            if s.processor is not None:
+                path = [grow[b].tokens[j] for j in grow[b].path(parent)]
+                x[m : m + 1] = s.processor.process(x[m : m + 1].clone(), path, first=len(path))
+        q = probs_from_logits(x, sb.select(rows))  # [M, V]
+        k = max(grow[b].shape.max_children for b in rows)
+        top_q, top = q.topk(min(k, q.shape[-1]), dim=-1)  # [M, k] deterministic candidates
+        top_q, top = top_q.tolist(), top.tolist()
+        for m, (b, parent) in enumerate(rows_nodes):
+            kb = grow[b].shape.max_children
+            if sampled[b]:  # without replacement from q: the k winners of one exponential race
+                race = q[m] / exponentials(q.shape[-1], seqs[b].generator, q.device)
+                chosen = [t for t in race.topk(kb).indices.tolist() if q[m, t] > 0]
+            else:
+                chosen = [t for t, p in zip(top[m][:kb], top_q[m][:kb]) if p > 0]
+            if draft_p_min > 0.0:
+                chosen = [t for t in chosen if float(q[m, t]) >= draft_p_min]
+            grow[b].add_children(parent, q[m], chosen, sampled[b])
+
+    if grow:
+        rows = sorted(grow)
+        expand([(b, -1) for b in rows], [logits[b] for b in rows])
+    for depth in range(2, max((g.shape.max_depth for g in grow.values()), default=0) + 1):
+        blocks: list[Block | None] = [None] * B
+        order: list[tuple[int, int]] = []
+        for b, g in grow.items():
+            if depth > g.shape.max_depth:
+                continue
+            best = g.rank()[: g.shape.num_nodes]  # only these can be kept
+            expand_nodes = [i for i in best if g.depth[i] == depth - 1][: g.shape.max_children]
+            if expand_nodes:
+                expand_nodes.sort()
+                blocks[b] = g.block(expand_nodes)
+                order += [(b, i) for i in expand_nodes]
+        if not order:
+            break
+        out = feed(blocks)
+        node_logits = [row for b in range(B) if blocks[b] is not None for row in out[b]]  # in ``order``
+        expand(order, node_logits)
+    return [grow[b].final(sampled[b]) if b in grow and grow[b].tokens else None for b in range(B)]
