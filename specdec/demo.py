@@ -7,9 +7,12 @@ drafting cost (cost_model.py). So the demo measures instead of assuming: plain d
 backend and a few speculative configurations (method, k, backend), each on the same short probe
 prompts, one prompt at a time, rotating the order so that machine noise hits every configuration
 alike (as specdec.bench does for two). The fastest plain backend is the baseline; the speculative
-configuration with the most tokens/s is the one the demo runs. Why it wins is said from what was
-measured: each backend's step, the verify pass in steps (the adaptive controller's measured verify
-line, adaptive.py) and the tokens each method gets per pass (τ).
+configuration with the most tokens/s is the one the demo runs. Why it wins is said from what this
+run measured: each backend's one-token step and verify pass of VERIFY_K + 1 tokens, timed on the
+candidates' own loaded runners right after the probe (``forward_costs``), the tokens each method
+gets per pass (τ), and per backend the limit that holds it back most (``limits``): its step against
+the fastest backend's, its verify pass in steps, or acceptance (tokens a round could emit over τ).
+The acceptance measured per method is kept for ``backend="auto"`` (backend_choice.record_acceptance).
 
 The choice (``choose``) and its explanation (``explain``) are pure functions of ``Measured``
 records, so tests decide on injected figures; ``measure`` produces the records.
@@ -218,6 +221,7 @@ def measure(llms: dict[Candidate, object], prompts: list[str] | None = None, max
                     runs[c].setdefault(i, []).append((clock() - t0, n))
         r += 1
         summarize()
+    record_acceptance(llms, list(results.values()))
     return list(results.values())
 
 
@@ -229,6 +233,36 @@ def implausible(measured: list[Measured]) -> list[str]:
     return [m.candidate.name for m in measured
             if m.ok and not m.candidate.plain and m.candidate.backend in plain
             and m.tokens_per_s > PLAUSIBLE * m.tau * plain[m.candidate.backend].tokens_per_s]
+
+
+def record_acceptance(llms: dict[Candidate, object], measured: list[Measured]) -> None:
+    """Keep each single method's measured acceptance (per-position counts summed over the backends)
+    for backend="auto" of the same target, method and draft (backend_choice.acceptance_for)."""
+    from specdec.models.backend_choice import conditional_alphas, record_acceptance as keep
+    from specdec.models.resolve import resolve
+
+    counts: dict[tuple[str, str | None], list[list[int]]] = {}  # (method, model) -> [accepted, drafted] per pos
+    target = None
+    for m in measured:
+        c = m.candidate
+        if not m.ok or c.plain or not isinstance(c.method, str):
+            continue
+        llm = llms[c]
+        target = target or llm.model_config.model
+        metrics = llm.get_metrics()
+        acc, drafted = counts.setdefault((c.method, c.model), [[], []])
+        for mine, theirs in ((acc, metrics["num_accepted_tokens_per_pos"]),
+                             (drafted, metrics["num_draft_tokens_per_pos"])):
+            mine += [0] * (len(theirs) - len(mine))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+    for (method, model), (acc, drafted) in counts.items():
+        try:
+            draft = resolve(model) if method == "draft_model" and model else None
+            keep(resolve(target), method, draft, conditional_alphas(acc, drafted), drafted[0] if drafted else 0,
+                 "specdec demo")
+        except (ValueError, OSError):  # a cache that cannot be written only means priors next time
+            pass
 
 
 def _fill_costs(m: Measured, llm) -> None:
@@ -249,19 +283,78 @@ def _fill_costs(m: Measured, llm) -> None:
             m.verify_steps = line(round(m.mean_k) + 1) / line(1)
 
 
-def forward_costs(target: str, k: int = VERIFY_K) -> dict[str, tuple[float, float]]:
+def forward_costs(llms: dict[Candidate, object] | str, k: int = VERIFY_K) -> dict[str, tuple[float, float]]:
     """Milliseconds of the target's forward of 1 and k + 1 tokens on each backend, after 256 cached
-    positions (backend_choice.time_backends, alternating the backends), from the cache backend=auto
-    keeps (~/.cache/specdec/backend.json): measured once per machine, checkpoint and thread count."""
-    from specdec.models import timings
-    from specdec.models.backend_choice import cache_path, time_backends
-    from specdec.models.gguf import checkpoint_digest
-    from specdec.models.resolve import resolve
+    positions, the backends alternating (backend_choice.time_runners), measured now: on the plain
+    candidates' own runners when given the built ``llms``, else (a target name) on both backends
+    loaded for it. Never from a cache: a figure timed another day, under another load or torch path,
+    would explain this run with another run's costs."""
+    from specdec.models import backend_choice
 
-    source = resolve(target)
-    key = f"{timings.machine_key()} {checkpoint_digest(source.path)} auto k {k}"  # auto_backend's key
-    ms = timings.cached(cache_path(), key, lambda: time_backends(source, "auto", k), BACKENDS)
+    if isinstance(llms, str):
+        from specdec.models.resolve import resolve
+
+        ms = backend_choice.time_backends(resolve(llms), "auto", k)
+        return {b: (ms[b][0], ms[b][-1]) for b in BACKENDS}
+    runners = {c.backend: llm.engine.target for c, llm in llms.items()
+               if c.plain and not isinstance(llm, str)}
+    if not runners:
+        raise ValueError("no plain candidate loaded: nothing to time the forwards on")
+    ms = backend_choice.time_runners(runners, {b: (1, k + 1) for b in runners}, backend_choice.CONTEXT)
     return {b: (t[0], t[1]) for b, t in ms.items()}
+
+
+def limits(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = None,
+           k: int = VERIFY_K) -> dict[str, tuple[str, float]]:
+    """Per backend, what holds its best configuration back most, as (limit, factor): the loss of its
+    round against an ideal one (the fastest backend's step, a verify pass at the cost of one step,
+    every draft accepted), split in three factors, each >= 1:
+    "step": its one-token step over the fastest backend's; "verify": its verify pass of the tokens
+    drafted + 1 in steps (the controller's measured line, else ``costs`` at k + 1 tokens);
+    "acceptance": the tokens a round could emit (drafted + 1) over τ. Plain-only backends: the step."""
+    steps = _steps(choice, costs)
+    fastest = min(steps.values(), default=0.0)
+    out = {}
+    for backend, step in steps.items():
+        factors = {"step": step / fastest if fastest else 1.0}
+        spec = _best_spec(choice, backend)
+        if spec is not None and spec.mean_k:
+            if spec.verify_steps is not None:
+                factors["verify"] = spec.verify_steps
+            elif costs and backend in costs:
+                factors["verify"] = costs[backend][1] / costs[backend][0]
+            factors["acceptance"] = (spec.mean_k + 1) / spec.tau
+        limit = max(factors, key=factors.__getitem__)
+        out[backend] = (limit, factors[limit])
+    return out
+
+
+def _best_spec(choice: DemoChoice, backend: str) -> Measured | None:
+    return max((m for m in choice.measured if m.ok and not m.candidate.plain and m.candidate.backend == backend),
+               key=lambda m: m.tokens_per_s, default=None)
+
+
+def _steps(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None) -> dict[str, float]:
+    """Each backend's one-token step in ms: timed (``costs``), else plain decoding's ms per token."""
+    steps = {}
+    for backend in dict.fromkeys(m.candidate.backend for m in choice.measured if m.ok):
+        plain = choice.plain_on(backend)
+        if costs and backend in costs:
+            steps[backend] = costs[backend][0]
+        elif plain is not None and plain.step_ms:
+            steps[backend] = plain.step_ms
+    return steps
+
+
+def _limit_text(limit: tuple[str, float], spec: Measured | None, fastest: str, k: int) -> str:
+    name, factor = limit
+    if name == "step":
+        return (f"held back by its step ({factor:.2f}x {fastest}'s)" if factor > 1.0
+                else "the fastest step here")
+    if name == "verify":
+        tokens = round(spec.mean_k) + 1 if spec.verify_steps is not None else k + 1
+        return f"held back by its verify curve ({tokens} tokens cost {factor:.2f} steps)"
+    return f"held back by acceptance (τ {spec.tau:.2f} of the {spec.mean_k + 1:.1f} tokens a round could emit)"
 
 
 def choose(measured: list[Measured]) -> DemoChoice:
@@ -279,20 +372,28 @@ def choose(measured: list[Measured]) -> DemoChoice:
 def explain(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = None, k: int = VERIFY_K) -> str:
     """One line: each backend's step and what a verify pass costs in steps (``costs``: ms of the
     forward of 1 and k + 1 tokens per backend, ``forward_costs``; else the controller's measured
-    verify line at the k drafted), what the winning method gets per pass, and the verdict against
-    plain decoding on the fastest backend."""
+    verify line at the k drafted) and the limit that holds it back most (``limits``), what the
+    winning method gets per pass, and the verdict against plain decoding on the fastest backend."""
+    held = limits(choice, costs, k)
+    steps = _steps(choice, costs)
+    fastest = min(steps, key=steps.__getitem__) if steps else choice.plain.candidate.backend
     parts = []
     for backend in dict.fromkeys(m.candidate.backend for m in choice.measured if m.ok):
+        specs = [m for m in choice.measured if m.ok and not m.candidate.plain and m.candidate.backend == backend]
+        best = _best_spec(choice, backend)
         if costs and backend in costs:
             t1, tk = costs[backend]
-            parts.append(f"{backend}: step {t1:.2f} ms, a verify pass of {k + 1} tokens costs {tk / t1:.2f} steps")
-            continue
-        plain = choice.plain_on(backend)
-        specs = [m for m in choice.measured if m.ok and not m.candidate.plain and m.candidate.backend == backend]
-        timed = max((m for m in specs if m.verify_steps is not None), key=lambda m: m.tokens_per_s, default=None)
-        text = f"{backend}: {plain.step_ms:.2f} ms per token plain" if plain and plain.step_ms else f"{backend}:"
-        if timed is not None:
-            text += f", a verify pass of {round(timed.mean_k) + 1} tokens costs {timed.verify_steps:.2f} steps"
+            text = f"{backend}: step {t1:.2f} ms, a verify pass of {k + 1} tokens costs {tk / t1:.2f} steps"
+        else:
+            plain = choice.plain_on(backend)
+            timed = max((m for m in specs if m.verify_steps is not None), key=lambda m: m.tokens_per_s, default=None)
+            text = f"{backend}: {plain.step_ms:.2f} ms per token plain" if plain and plain.step_ms else f"{backend}:"
+            if timed is not None:
+                text += f", a verify pass of {round(timed.mean_k) + 1} tokens costs {timed.verify_steps:.2f} steps"
+        if best is not None:
+            text += f", best {best.candidate.method_name} at {best.tokens_per_s:.1f} tok/s"
+        if backend in held:
+            text += ", " + _limit_text(held[backend], best, fastest, k)
         parts.append(text)
     spec, plain = choice.spec, choice.plain
     if spec is None:

@@ -27,6 +27,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 runner = CliRunner()
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """The demo keeps the acceptance it measures (acceptance.json): in the test's own cache folder."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+
+
 def m(backend, method=None, k=0, tps=100.0, tau=1.0, mean_k=0.0, step_ms=None, verify_steps=None, error=None):
     c = Candidate(backend, method, k, "model" if method in ("draft_model", "eagle3") else None)
     return Measured(c, tokens=int(tps * 10) if error is None else 0, time_s=10.0 if error is None else 0.0,
@@ -53,14 +59,37 @@ def test_choose_the_fastest_plain_and_the_best_speculative_across_backends():
     assert choice.plain_on("torch").tokens_per_s == 200
     # the forward's costs timed per backend (forward_costs) ...
     why = explain(choice, {"llama.cpp": (2.1, 3.99), "torch": (4.8, 5.28)})
-    assert why.startswith("llama.cpp: step 2.10 ms, a verify pass of 5 tokens costs 1.90 steps; "
-                          "torch: step 4.80 ms, a verify pass of 5 tokens costs 1.10 steps; ")
+    assert why.startswith("llama.cpp: step 2.10 ms, a verify pass of 5 tokens costs 1.90 steps, best suffix at "
+                          "447.0 tok/s, held back by acceptance (τ 1.80 of the 4.0 tokens a round could emit); "
+                          "torch: step 4.80 ms, a verify pass of 5 tokens costs 1.10 steps, best eagle3 at 650.0 "
+                          "tok/s, held back by its step (2.29x llama.cpp's); ")
     assert "eagle3 gets 4.40 tokens per verify pass (drafting 5.0 a round)" in why
     assert why.endswith("torch + eagle3 k=6 is 1.40x plain llama.cpp (the fastest plain backend)")
     # ... or, without them, the adaptive controller's verify line at the k each backend's best drafted
     why = explain(choice)
     assert "llama.cpp: 2.10 ms per token plain, a verify pass of 4 tokens costs 1.90 steps" in why  # suffix, 3/round
     assert "torch: 4.80 ms per token plain, a verify pass of 6 tokens costs 1.10 steps" in why
+
+
+def test_limits_name_what_holds_each_backend_back():
+    """The largest of three losses against an ideal round: the step against the fastest backend's, the
+    verify pass in steps, the tokens a round could emit over τ."""
+    costs = {"llama.cpp": (2.0, 4.6), "torch": (5.0, 5.5)}
+    steep = choose([m("llama.cpp", tps=400), m("torch", tps=180),
+                    m("llama.cpp", "suffix", 16, tps=420, tau=3.0, mean_k=3.0),  # 4 tokens cost 2.3 steps (costs)
+                    m("torch", "suffix", 16, tps=390, tau=3.0, mean_k=3.0, verify_steps=1.05)])
+    held = demo.limits(steep, costs)
+    assert held["llama.cpp"] == ("verify", pytest.approx(2.3)) and held["torch"] == ("step", pytest.approx(2.5))
+    assert "llama.cpp: step 2.00 ms, a verify pass of 5 tokens costs 2.30 steps, best suffix at 420.0 tok/s, held " \
+        "back by its verify curve (5 tokens cost 2.30 steps)" in explain(steep, costs)
+    poor = choose([m("torch", tps=180, step_ms=5.0), m("torch", "eagle3", 6, tps=200, tau=1.5, mean_k=5.0,
+                                                         verify_steps=1.2)])
+    assert demo.limits(poor) == {"torch": ("acceptance", pytest.approx(4.0))}
+    assert "held back by acceptance (τ 1.50 of the 6.0 tokens a round could emit)" in explain(poor)
+    plain_only = choose([m("llama.cpp", tps=400, step_ms=2.5), m("torch", tps=200, step_ms=5.0)])
+    assert demo.limits(plain_only) == {"llama.cpp": ("step", 1.0), "torch": ("step", 2.0)}
+    assert "llama.cpp: 2.50 ms per token plain, the fastest step here; torch: 5.00 ms per token plain, held back " \
+        "by its step (2.00x llama.cpp's)" in explain(plain_only)
 
 
 def test_explain_flags_figures_the_noise_made():
@@ -250,8 +279,10 @@ def test_demo_across_backends_compares_with_the_fastest_plain(monkeypatch, pair)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     assert out["plain_backend"] == "llama.cpp" and out["configuration"] == "torch + draft_model k=6"
-    assert out["why"].startswith("llama.cpp: step 2.00 ms, a verify pass of 5 tokens costs 2.00 steps; torch: step "
-                                 "5.00 ms, a verify pass of 5 tokens costs 1.10 steps; draft_model gets ")
+    assert out["why"].startswith("llama.cpp: step 2.00 ms, a verify pass of 5 tokens costs 2.00 steps, best "
+                                 "draft_model at ")
+    assert "; torch: step 5.00 ms, a verify pass of 5 tokens costs 1.10 steps, best draft_model at " in out["why"]
+    assert out["why"].count("held back by ") >= 1  # which limit: the controller's own wall-clock line decides
     assert out["why"].endswith("torch + draft_model k=6 is 2.00x plain llama.cpp (the fastest plain backend)")
     assert out["forward_ms"] == {"llama.cpp": {"1": 2.0, "5": 4.0}, "torch": {"1": 5.0, "5": 5.5}}
     # the full run's baseline is plain llama.cpp; greedy equality is checked on the same backend (torch)
@@ -297,14 +328,40 @@ def test_demo_with_an_eagle3_head_installed(monkeypatch, pair, tmp_path):
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("llama_cpp"), reason="llama-cpp-python not installed")
-def test_forward_costs_are_the_timings_backend_auto_keeps(monkeypatch, pair, tmp_path):
+def test_forward_costs_are_timed_in_the_same_run_on_the_loaded_runners(monkeypatch, pair, tmp_path):
+    """The demo explains itself with forwards timed now, on the plain candidates' own runners, not with
+    backend=auto's cache; the runners decode as before afterwards."""
+    from specdec.models import backend_choice
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(backend_choice, "REPEATS", 2)
+    cands = candidates(["llama.cpp", "torch"], str(pair["draft"]), None, [], k=2)
+    llms = demo.build(cands, str(pair["target"]))
+    params = demo.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = {c: llm.generate(["w1 w2 w3"], params)[0].outputs[0].token_ids for c, llm in llms.items()}
+    costs = demo.forward_costs(llms)
+    assert set(costs) == {"llama.cpp", "torch"} and all(t1 > 0 and tk > 0 for t1, tk in costs.values())
+    assert not (tmp_path / "cache" / "backend.json").exists()  # nothing cached, nothing read
+    assert {c: llm.generate(["w1 w2 w3"], params)[0].outputs[0].token_ids for c, llm in llms.items()} == before
+    by_name = demo.forward_costs(str(pair["target"]))  # a name: both backends loaded for the timing
+    assert set(by_name) == {"llama.cpp", "torch"} and all(t1 > 0 for t1, _ in by_name.values())
+    with pytest.raises(ValueError, match="no plain candidate loaded"):
+        demo.forward_costs({Candidate("torch", "suffix", 2): "not available"})
+
+
+def test_the_demo_keeps_the_acceptance_it_measured_for_backend_auto(monkeypatch, pair, tmp_path):
     from specdec.models import backend_choice
     from specdec.models.resolve import resolve
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("SPECDEC_AUTO_BACKEND", raising=False)
-    costs = demo.forward_costs(str(pair["target"]))
-    assert set(costs) == {"llama.cpp", "torch"} and all(t1 > 0 and tk > 0 for t1, tk in costs.values())
-    monkeypatch.setattr(backend_choice, "time_backends", lambda *a: pytest.fail("timed a second time"))
-    verdict = backend_choice.auto_backend(resolve(str(pair["target"])), "auto", demo.VERIFY_K)
-    assert {b: tuple(t) for b, t in verdict.ms.items()} == costs  # one entry, one timing per machine
+    from specdec import LLM
+
+    (cand,) = candidates(["torch"], str(pair["draft"]), None, ["draft_model"], k=3)[1:]
+    # k fixed (adaptive off): the controller would gate off a draft as dear as the target, drafting nothing
+    llm = LLM(str(pair["target"]), backend="torch", speculative_config=cand.speculative_config() | {"adaptive": False})
+    measure({cand: llm}, prompts=["w1 w2 w3", "w7 w8"], max_tokens=24, rounds=1)
+    target, draft = resolve(str(pair["target"])), resolve(str(pair["draft"]))
+    alphas, how = backend_choice.acceptance_for(target, "draft_model", draft, 3)
+    assert alphas == [1.0, 1.0, 1.0]  # the draft is the target: every draft accepted
+    assert how.startswith("α 1.00 / 1.00 / 1.00 (measured: specdec demo, ")
+    assert "prior" in backend_choice.acceptance_for(target, "suffix", None, 3)[1]  # not measured: the prior

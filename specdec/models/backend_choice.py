@@ -293,10 +293,12 @@ def _time_loaded(source: ModelSource, dtype: str, k: int, draft: ModelSource | N
 
 def time_runners(runners: dict, lengths: dict, context: int) -> dict:
     """Milliseconds of each runner's forward of T tokens for T in ``lengths[name]`` after ``context``
-    cached positions, the runners alternating: per name [ms per length], the median over REPEATS of
+    cached positions (fewer where a runner holds fewer), the runners alternating: per name [ms per length], the median over REPEATS of
     each burst's settled half. The runners keep nothing: their probe row is dropped."""
     vocab = min(r.vocab_size for r in runners.values())
     longest = max(max(t) for t in lengths.values())
+    room = min(getattr(r, "max_model_len", None) or context + longest for r in runners.values())
+    context = max(1, min(context, room - longest))  # a model shorter than CONTEXT: fewer cached positions
     prompt = [(i * 7919 + 3) % vocab for i in range(context + longest)]
     for r in runners.values():
         r.sync_rows(["__specdec_backend_probe__"])
