@@ -54,12 +54,15 @@ def check_shape(tree: DraftTree, shape: TreeShape) -> None:
     assert all(p < i for i, p in enumerate(tree.parents))  # topological (DraftTree checks it too)
 
 
-def check_against_chains(tree: DraftTree, history: list[int], ref_runner, sb: SamplingBatch, top_k: bool) -> None:
-    """Every node's score is the product of q along its path, q from the draft run as a chain; with
-    top-k siblings each node's children are the best tokens of q after its path, in order."""
+def check_against_chains(tree: DraftTree, history: list[int], ref_runner, sb: SamplingBatch, top_k: bool,
+                         logits_after=None) -> None:
+    """Every node's score is the product of q along its path, q from the draft run as a chain
+    (``logits_after(path)``, default: ref_runner after history + path); with top-k siblings each node's
+    children are the best tokens of q after its path, in order."""
+    logits_after = logits_after or (lambda path: chain_logits(ref_runner, history + path))
     for node in [-1] + list(range(tree.num_nodes)):
         path = [tree.token_ids[j] for j in tree.path_to(node)] if node >= 0 else []
-        q = probs_from_logits(chain_logits(ref_runner, history + path)[None], sb)[0]  # [V]
+        q = probs_from_logits(logits_after(path)[None], sb)[0]  # [V]
         kids = tree.children(node)
         if top_k and kids:
             want = q.topk(len(kids)).indices.tolist()
@@ -223,3 +226,50 @@ def test_hybrid_passes_each_members_trees(folder):
     want_model = DraftModelDrafter(runner_of(folder)).propose_tree([seq(HISTORIES[1], temperature=0)], shapes[1:],
                                                                    batch_of(seqs[1:]))[0]
     assert (model_tree.token_ids, model_tree.parents) == (want_model.token_ids, want_model.parents)
+
+
+# -- eagle3 ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("siblings", ["top_k", "sampled"])
+@pytest.mark.parametrize("shape", [TreeShape(10, 4, 3), TreeShape(5, 5, 1)], ids=str)
+def test_eagle3_tree_paths_equal_the_head_run_as_chains(folder, shape, siblings):
+    """The head's tree levels (its k, v at node slots, each node seeing its ancestors) give every node
+    the logits ``Eagle3Head.step`` gives its path run as a chain after the history (sampled siblings:
+    each node's q is compared whole)."""
+    from transformers import AutoConfig
+
+    from specdec.drafters.eagle3 import Eagle3Drafter
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+
+    target = runner_of(folder)
+    c = Eagle3Config.for_target(AutoConfig.from_pretrained(folder))
+    torch.manual_seed(3)
+    head = Eagle3Head(c, target.token_embedding()[: c.vocab_size].float())
+    for name, p in head.named_parameters():  # sharp attention: what a node sees shows in its q
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=1.0 if "q_proj" in name or "k_proj" in name else 0.3)
+    drafter = Eagle3Drafter(head, target, siblings=siblings)
+    assert drafter.can_draft_trees
+    history = HISTORIES[0] * 2
+    s = seq(history, **({"temperature": 0} if siblings == "top_k" else {"temperature": 1.0, "seed": 1}))
+    target.sync_rows([s.seq_id])
+    target.forward(ForwardBatch.from_rows([history[:-1]], [0], logits="none"))
+    s.num_computed = len(history) - 1
+    feats = target.hidden_states(0, 0, len(history) - 1)  # f_0..f_{L-2}
+    L = len(history)
+
+    def logits_after(path: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits, g, k, v = head.step(torch.tensor([history[1:]]), head.fuse(feats[None]), torch.arange(L - 1)[None])
+            g = g[:, -1:]
+            for j, t in enumerate(path, start=1):
+                logits, g, k2, v2 = head.step(torch.tensor([[t]]), g, torch.tensor([[L - 2 + j]]), k, v)
+                k, v = torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2)
+            return head.to_target_logits(logits[0, -1], target.vocab_size)
+
+    for _ in range(2):  # a second round from the same history: the slots past it are overwritten
+        (tree,) = drafter.propose_tree([s], [shape], batch_of([s]))
+        check_shape(tree, shape)
+        assert tree.num_nodes == shape.num_nodes
+        assert (tree.draft_probs is None) == (siblings == "top_k")
+        check_against_chains(tree, history, None, batch_of([s]), top_k=siblings == "top_k", logits_after=logits_after)

@@ -33,12 +33,14 @@ import torch.nn.functional as F
 
 from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, grew_from
+from specdec.drafters.tree_expand import SIBLINGS, Block, draft_tree
 from specdec.models.base import ModelRunner
 from specdec.models.eagle3 import Eagle3Head, rotate
 from specdec.models.kv_cache import KVCache, RowTable, grow
 from specdec.models.linear import Linear
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape, depths_of
 
 CATCH_UP_TOGETHER = 4  # rows catching up on at most this many positions share one padded head pass
 CACHE_LEN_STEP = 256  # the head's KV grows in steps, not one position at a time
@@ -95,13 +97,16 @@ class HeadRunner:
         return self.fc(features).float()
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
-             real: torch.Tensor | None = None, query_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             real: torch.Tensor | None = None, query_at: torch.Tensor | None = None,
+             slots: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of the decoder layer for cache rows ``rows`` [B]: ids [B, T] (token p + 1 at position
         p), hidden [B, T, D], positions pos [B, T]; ``real`` [B, T] bool marks the tokens whose k, v are
         written (None: all). Query (b, t) attends to the row's keys at positions <= pos[b, t]. Returns
         draft-vocabulary logits [B, T, Vd] float32 and the pre-norm output g [B, T, D] float32.
         ``query_at`` [B]: only that query per row goes past k and v (a catch-up needs the others' keys
-        and values only): logits [B, 1, Vd], g [B, 1, D]."""
+        and values only): logits [B, 1, Vd], g [B, 1, D]. A tree level: ``slots`` [B, T] where k, v go
+        (None: at their positions) and ``visible`` [B, T, end] bool, the keys each query sees (None:
+        the row's keys at positions <= its own)."""
         c = self.c
         B, T = ids.shape
         H, KVH, hd, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
@@ -118,20 +123,23 @@ class HeadRunner:
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, T, 1, hd]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         row_t = torch.tensor(rows, device=self.device)[:, None].expand(B, T)
+        at = pos if slots is None else slots  # [B, T]
         if real is None:
-            self.cache.k[0][row_t, :, pos] = k  # [B, T, KVH, hd] into each row's positions
-            self.cache.v[0][row_t, :, pos] = v
+            self.cache.k[0][row_t, :, at] = k  # [B, T, KVH, hd] into each row's positions
+            self.cache.v[0][row_t, :, at] = v
         else:
-            self.cache.k[0][row_t[real], :, pos[real]] = k[real]
-            self.cache.v[0][row_t[real], :, pos[real]] = v[real]
-        end = int(pos.max()) + 1
+            self.cache.k[0][row_t[real], :, at[real]] = k[real]
+            self.cache.v[0][row_t[real], :, at[real]] = v[real]
+        end = int(pos.max()) + 1 if visible is None else visible.shape[-1]
         if query_at is not None:
             b = torch.arange(B, device=self.device)
             q, pos, residual, T = q[b, query_at][:, None], pos[b, query_at][:, None], residual[b, query_at][:, None], 1
         cache_rows = _rows(rows, self.device)
         keys, values = self.cache.k[0, cache_rows, :, :end], self.cache.v[0, cache_rows, :, :end]  # [B, KVH, end, hd]
         mask = None
-        if not (B == 1 and T == 1):
+        if visible is not None:
+            mask = visible[:, None]  # [B, 1, T, end]
+        elif not (B == 1 and T == 1):
             mask = (torch.arange(end, device=self.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, end]
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                               enable_gqa=H != KVH, scale=hd ** -0.5)  # [B, H, T, hd]
@@ -150,7 +158,12 @@ def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 
 
 class Eagle3Drafter(Drafter):
-    def __init__(self, head: Eagle3Head, target: ModelRunner, draft_p_min: float = 0.0):
+    can_draft_trees = True  # the head runs in torch beside a torch target (the only one that keeps states)
+
+    def __init__(self, head: Eagle3Head, target: ModelRunner, draft_p_min: float = 0.0, siblings: str = "top_k"):
+        if siblings not in SIBLINGS:
+            raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
+        self.siblings = siblings  # a tree's candidates: the head's top tokens, or drawn from q (tree_expand.py)
         target.keep_hidden_states(head.config.layer_ids)  # ValueError on a backend that cannot
         self.head, self.target, self.draft_p_min = head, target, draft_p_min
         self.device = target.device
@@ -173,29 +186,9 @@ class Eagle3Drafter(Drafter):
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         B = len(seqs)
         r = self.runner
-        r.reserve(B, max(len(s.token_ids) for s in seqs) + max(num_draft, default=0) + 1)
-        is_new = r.rows.sync([s.seq_id for s in seqs], r.cache)
-        # rows that draft: asked for drafts, and the target has computed all of the history but its last token
-        active = [b for b, s in enumerate(seqs) if num_draft[b] > 0 and 0 < s.num_computed == len(s.token_ids) - 1]
+        active, first_logits, g = self._start(seqs, num_draft, max(num_draft, default=0) + 1)
         if not active:
             return DraftProposal.from_rows([[]] * B, sb.device)
-
-        # 1. catch up: step 0 over the positions each active row's head KV lacks, up to L-2
-        starts = {b: self._valid_start(seqs[b], is_new[b]) for b in active}
-        together = [b for b in active if len(seqs[b].token_ids) - 1 - starts[b] <= CATCH_UP_TOGETHER]
-        groups = ([together] if together else []) + [[b] for b in active if b not in together]
-        first, hidden = {}, {}
-        for group in groups:
-            if len(group) == 1 and starts[group[0]] == 0:  # a prompt: a choice of the same request may have it
-                starts[group[0]] = self._copy_from_sibling(seqs, group[0])
-            draft_logits, g = self._catch_up([seqs[b] for b in group], group, [starts[b] for b in group])
-            for i, b in enumerate(group):
-                first[b], hidden[b] = draft_logits[i], g[i]
-                s = seqs[b]
-                self.done[s.seq_id] = len(s.token_ids) - 1
-                self.seen[s.seq_id] = list(s.token_ids)
-        first_logits = torch.stack([first[b] for b in active])  # [A, Vd]
-        g = torch.stack([hidden[b] for b in active])  # [A, D]
 
         # 2. draft: step j (1-based) at position L-2+j reads (g of step j-1, d_j)
         pos = torch.tensor([len(seqs[b].token_ids) - 2 for b in active], device=self.device)  # [A] p = L-2
@@ -233,6 +226,93 @@ class Eagle3Drafter(Drafter):
             return full.tolist()
 
         return draft_autoregressive(widen(first_logits), feed, seqs, want, sb, self.draft_p_min, greedy)
+
+    def _start(self, seqs: list[Sequence], wants: list[int], extra: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """Sync the head's rows and catch up (step 1 of a round) for the rows that draft: asked for
+        drafts (wants[b] > 0), and the target has computed all of the history but its last token.
+        Returns those rows, their first draft-vocabulary logits [A, Vd] and pre-norm outputs g [A, D];
+        ``extra``: positions to reserve past the longest history."""
+        B = len(seqs)
+        r = self.runner
+        r.reserve(B, max(len(s.token_ids) for s in seqs) + extra)
+        is_new = r.rows.sync([s.seq_id for s in seqs], r.cache)
+        active = [b for b, s in enumerate(seqs) if wants[b] > 0 and 0 < s.num_computed == len(s.token_ids) - 1]
+        if not active:
+            return active, torch.empty(0), torch.empty(0)
+
+        # catch up: step 0 over the positions each active row's head KV lacks, up to L-2
+        starts = {b: self._valid_start(seqs[b], is_new[b]) for b in active}
+        together = [b for b in active if len(seqs[b].token_ids) - 1 - starts[b] <= CATCH_UP_TOGETHER]
+        groups = ([together] if together else []) + [[b] for b in active if b not in together]
+        first, hidden = {}, {}
+        for group in groups:
+            if len(group) == 1 and starts[group[0]] == 0:  # a prompt: a choice of the same request may have it
+                starts[group[0]] = self._copy_from_sibling(seqs, group[0])
+            draft_logits, g = self._catch_up([seqs[b] for b in group], group, [starts[b] for b in group])
+            for i, b in enumerate(group):
+                first[b], hidden[b] = draft_logits[i], g[i]
+                s = seqs[b]
+                self.done[s.seq_id] = len(s.token_ids) - 1
+                self.seen[s.seq_id] = list(s.token_ids)
+        return active, torch.stack([first[b] for b in active]), torch.stack([hidden[b] for b in active])
+
+    @torch.inference_mode()
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
+        """EAGLE-2's dynamic tree (tree_expand.py) drafted by the head, as EAGLE-3 drafts: one head step
+        per level over the expanded nodes, each at position L-2+depth reading its parent's g, its k, v
+        at slot L-1+node (the head keeps every level's), attending to the committed entries
+        (positions <= L-2), its ancestors and itself. The slots past L-2 are overwritten by the
+        next round's catch-up, as a chain's drafts are."""
+        B = len(seqs)
+        # node ids the growing trees can reach: the root's children, then per level k expanded into k each
+        pool = max((s.max_children + (s.max_depth - 1) * s.max_children ** 2 for s in shapes if s is not None),
+                   default=0)
+        active, first_logits, g0 = self._start(seqs, [0 if s is None else 1 for s in shapes], pool + 1)
+        if not active:
+            return [None] * B
+        r = self.runner
+        hidden: dict[tuple[int, int], torch.Tensor] = {(b, -1): g0[i] for i, b in enumerate(active)}  # (row, node) -> g
+        length = {b: len(seqs[b].token_ids) for b in active}
+        logits = self._to_target(first_logits)  # [A, V]
+        full = logits.new_zeros(B, logits.shape[-1])
+        full[torch.tensor(active, device=self.device)] = logits
+
+        def feed(blocks: list[Block | None]) -> list[torch.Tensor | None]:
+            rows = [b for b, k in enumerate(blocks) if k is not None]
+            M = max(len(blocks[b].want) for b in rows)
+            end = max(length[b] - 1 + max(blocks[b].nodes) + 1 for b in rows)
+            ids = torch.zeros(len(rows), M, dtype=torch.long, device=self.device)
+            h = torch.zeros(len(rows), M, g0.shape[-1], device=self.device)
+            pos = torch.zeros(len(rows), M, dtype=torch.long, device=self.device)
+            slots = torch.zeros(len(rows), M, dtype=torch.long, device=self.device)
+            real = torch.zeros(len(rows), M, dtype=torch.bool, device=self.device)
+            visible = torch.zeros(len(rows), M, end, dtype=torch.bool, device=self.device)
+            for i, b in enumerate(rows):
+                k, L = blocks[b], length[b]
+                depth = depths_of(k.parents)  # 0 for a child of the root
+                visible[i, :, : L - 1] = True  # the committed entries (padding queries read them too)
+                for j, w in enumerate(k.want):
+                    node, parent = k.nodes[w], k.parents[w]
+                    ids[i, j] = k.tokens[w]
+                    h[i, j] = hidden[(b, -1 if parent < 0 else k.nodes[parent])]
+                    pos[i, j] = L - 1 + depth[w]
+                    slots[i, j] = L - 1 + node
+                    real[i, j] = True
+                    a = w
+                    while a >= 0:  # itself and its ancestors, at their slots
+                        visible[i, j, L - 1 + k.nodes[a]] = True
+                        a = k.parents[a]
+            draft_logits, g = r.step(ids, h, rows, pos, real, slots=slots, visible=visible)  # [R, M, Vd], [R, M, D]
+            out: list[torch.Tensor | None] = [None] * B
+            for i, b in enumerate(rows):
+                k = blocks[b]
+                for j, w in enumerate(k.want):
+                    hidden[(b, k.nodes[w])] = g[i, j]
+                out[b] = self._to_target(draft_logits[i, : len(k.want)])  # [len(want), V]
+            return out
+
+        return draft_tree(full, feed, seqs, [s if b in length else None for b, s in enumerate(shapes)], sb,
+                          self.draft_p_min, self.siblings)
 
     def release(self, seqs: list[Sequence]) -> None:
         for s in seqs:

@@ -45,6 +45,8 @@ class Block:
     tokens: list[int]  # [T] nodes' tokens, in topological order
     parents: list[int]  # [T] parent within the block (-1: a child of the root)
     want: list[int]  # indices into the block whose logits come back (the nodes expanded this level)
+    nodes: list[int]  # [T] each token's node id in the growing tree (stable across levels: a drafter that
+    #                   keeps its earlier levels' keys, as the eagle3 head, feeds only ``want``)
 
 
 @dataclass
@@ -87,7 +89,7 @@ class _Growth:
         nodes = sorted({j for i in expand for j in self.path(i)})
         at = {n: k for k, n in enumerate(nodes)}
         return Block([self.tokens[n] for n in nodes], [at.get(self.parents[n], -1) for n in nodes],
-                     [at[i] for i in expand])
+                     [at[i] for i in expand], nodes)
 
     def final(self, sampled: bool) -> DraftTree:
         """The best num_nodes nodes (a parent always kept before its child), in node order."""
