@@ -111,6 +111,24 @@ def test_sampled_siblings_are_drawn_without_replacement(folder):
     assert (s.token_ids, s.parents) == (tree.token_ids, tree.parents)  # the batch does not change a seeded row
 
 
+def test_sampled_tree_shape_does_not_depend_on_its_draws(folder):
+    """The multi-candidate rule is exact only if no sampled node's own token decides whether it exists:
+    the shape comes from the root's q (rank_tree) before any draw, whatever the seed draws."""
+    from specdec.drafters.tree_expand import rank_tree
+
+    shape = TreeShape(12, 4, 3)
+    ref = runner_of(folder)
+    seqs = [seq(HISTORIES[0], temperature=1.0, seed=seed) for seed in range(4)]
+    trees = [DraftModelDrafter(runner_of(folder), siblings="sampled").propose_tree([s], [shape], batch_of([s]))[0]
+             for s in seqs]
+    assert len({tuple(t.parents) for t in trees}) == 1
+    assert len({tuple(t.token_ids) for t in trees}) > 1  # the tokens are drawn
+    root_q = probs_from_logits(chain_logits(ref, HISTORIES[0])[None], batch_of(seqs[:1]))[0]
+    plan = rank_tree(shape, root_q.topk(shape.max_children).values.tolist())
+    assert sum(plan.values()) == trees[0].num_nodes == shape.num_nodes
+    assert len(trees[0].children(-1)) == plan[()]
+
+
 def test_batch_rows_equal_alone(folder):
     drafter = DraftModelDrafter(runner_of(folder))
     seqs = [seq(HISTORIES[0], temperature=0), seq(HISTORIES[1], temperature=0), seq([12, 13], temperature=0)]

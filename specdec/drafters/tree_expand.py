@@ -15,8 +15,11 @@ Candidates (``siblings``):
 - ``"top_k"``: a node's children are the top tokens of q, deterministic (DraftTree.draft_probs None:
   the verifier treats each as a one-hot q, exact for greedy and sampled rows alike);
 - ``"sampled"``: a sampled row's children are drawn from q without replacement (the exponential race
-  ``sampling.sample`` uses, kept for the k best: Gumbel top-k), and draft_probs holds q for each node,
-  the multi-candidate rule's input. Greedy rows stay top-k.
+  ``sampling.sample`` uses, kept for the m best: Gumbel top-m), and draft_probs holds q for each node,
+  the multi-candidate rule's input (verify_tree.py). Greedy rows stay top-k. The rule is exact only
+  if no sampled node's own token decides whether it exists, so these trees are not pruned by value:
+  their shape is fixed before the first draw, from the root's q (Sequoia's static tree: the child of
+  rank r valued as the root's r-th largest probability, ``rank_tree``), and every drawn node is kept.
 
 Logit processing (penalties, grammars) runs per expanded node on its own path, as the target's will.
 A sampled row draws only for its own nodes, in node order: its generator's use does not depend on the batch.
@@ -60,13 +63,17 @@ class _Growth:
     depth: list[int] = field(default_factory=list)
     dist: list[int] = field(default_factory=list)  # index into qs of the distribution each node was drawn from
     qs: list[torch.Tensor] = field(default_factory=list)  # [V] each, kept only for sampled siblings
+    plan: dict[tuple[int, ...], int] | None = None  # sampled siblings: rank path -> its number of children
+    ranks: list[tuple[int, ...]] = field(default_factory=list)  # each node's rank path (sampled siblings)
 
     def add_children(self, parent: int, q: torch.Tensor, chosen: list[int], keep_q: bool) -> None:
         d = 1 if parent < 0 else self.depth[parent] + 1
         base = 1.0 if parent < 0 else self.scores[parent]
         if keep_q:
             self.qs.append(q)
-        for t in chosen:
+        prefix = () if parent < 0 else self.ranks[parent]
+        for r, t in enumerate(chosen):
+            self.ranks.append(prefix + (r,))
             self.tokens.append(t)
             self.parents.append(parent)
             self.scores.append(base * float(q[t]))
@@ -91,10 +98,15 @@ class _Growth:
         return Block([self.tokens[n] for n in nodes], [at.get(self.parents[n], -1) for n in nodes],
                      [at[i] for i in expand], nodes)
 
+    def planned_children(self, parent: int) -> int:
+        """Sampled siblings: how many children the fixed shape gives ``parent`` (-1: the root)."""
+        return self.plan.get(() if parent < 0 else self.ranks[parent], 0)
+
     def final(self, sampled: bool) -> DraftTree:
-        """The best num_nodes nodes (a parent always kept before its child), in node order."""
-        kept: set[int] = set()
-        for i in self.rank():
+        """The best num_nodes nodes (a parent always kept before its child), in node order; with
+        sampled siblings every node (the shape held them to num_nodes)."""
+        kept: set[int] = set(range(len(self.tokens))) if sampled else set()
+        for i in [] if sampled else self.rank():
             if len(kept) == self.shape.num_nodes:
                 break
             if self.parents[i] < 0 or self.parents[i] in kept:
@@ -131,15 +143,21 @@ def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shape
         top_q, top = q.topk(min(k, q.shape[-1]), dim=-1)  # [M, k] deterministic candidates
         top_q, top = top_q.tolist(), top.tolist()
         for m, (b, parent) in enumerate(rows_nodes):
-            kb = grow[b].shape.max_children
-            if sampled[b]:  # without replacement from q: the k winners of one exponential race
+            g, kb = grow[b], grow[b].shape.max_children
+            if sampled[b]:  # without replacement from q: the m winners of one exponential race
+                if parent < 0:  # the shape, fixed before any draw
+                    g.plan = rank_tree(g.shape, top_q[m][:kb])
+                n = g.planned_children(parent)
+                if n == 0 or top_q[m][0] < draft_p_min:  # too unsure: no children (q's property, not a draw's)
+                    continue
                 race = q[m] / exponentials(q.shape[-1], seqs[b].generator, q.device)
-                chosen = [t for t in race.topk(kb).indices.tolist() if q[m, t] > 0]
-            else:
-                chosen = [t for t, p in zip(top[m][:kb], top_q[m][:kb]) if p > 0]
+                chosen = [t for t in race.topk(n).indices.tolist() if q[m, t] > 0]
+                g.add_children(parent, q[m], chosen, True)
+                continue
+            chosen = [t for t, p in zip(top[m][:kb], top_q[m][:kb]) if p > 0]
             if draft_p_min > 0.0:
                 chosen = [t for t in chosen if float(q[m, t]) >= draft_p_min]
-            grow[b].add_children(parent, q[m], chosen, sampled[b])
+            g.add_children(parent, q[m], chosen, False)
 
     if grow:
         rows = sorted(grow)
@@ -150,8 +168,11 @@ def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shape
         for b, g in grow.items():
             if depth > g.shape.max_depth:
                 continue
-            best = g.rank()[: g.shape.num_nodes]  # only these can be kept
-            expand_nodes = [i for i in best if g.depth[i] == depth - 1][: g.shape.max_children]
+            if g.plan is not None:  # sampled siblings: every node the fixed shape gives children
+                expand_nodes = [i for i in range(len(g.tokens)) if g.depth[i] == depth - 1 and g.planned_children(i)]
+            else:
+                best = g.rank()[: g.shape.num_nodes]  # only these can be kept
+                expand_nodes = [i for i in best if g.depth[i] == depth - 1][: g.shape.max_children]
             if expand_nodes:
                 expand_nodes.sort()
                 blocks[b] = g.block(expand_nodes)
@@ -162,3 +183,24 @@ def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shape
         node_logits = [row for b in range(B) if blocks[b] is not None for row in out[b]]  # in ``order``
         expand(order, node_logits)
     return [grow[b].final(sampled[b]) if b in grow and grow[b].tokens else None for b in range(B)]
+
+
+def rank_tree(shape: TreeShape, rank_probs: list[float]) -> dict[tuple[int, ...], int]:
+    """The fixed shape of ``shape.num_nodes`` nodes with the most expected accepted tokens when the child
+    of rank r is accepted with probability ``rank_probs[r]`` at every level (Sequoia; a node's value, the
+    product of its ranks' probabilities, is at most its parent's and its elder sibling's, so taking the
+    best values one at a time keeps a tree). Returns rank path -> number of children (() : the root)."""
+    ranks = [max(float(p), 1e-9) for p in rank_probs[: shape.max_children]]
+    children: dict[tuple[int, ...], int] = {}
+    frontier = {(0,): ranks[0]} if ranks else {}  # candidate rank path -> its value
+    taken = 0
+    while frontier and taken < shape.num_nodes:
+        path = max(frontier, key=lambda p: (frontier[p], -len(p), [-r for r in p]))
+        value = frontier.pop(path)
+        taken += 1
+        children[path[:-1]] = children.get(path[:-1], 0) + 1
+        if len(path) < shape.max_depth:
+            frontier[path + (0,)] = value * ranks[0]
+        if path[-1] + 1 < len(ranks):
+            frontier[path[:-1] + (path[-1] + 1,)] = value / ranks[path[-1]] * ranks[path[-1] + 1]
+    return children
