@@ -18,7 +18,12 @@ against its real baseline.
 When k* = 0 the batch decodes plainly and probes again with a one-token draft after a while,
 backing off while the probes keep failing, so a drafter that never helps costs almost nothing;
 until the next probe (or another batch size) S is not evaluated again, as plain rounds change
-no acceptance estimate (README, llama.cpp backend: what evaluating it every round cost).
+no acceptance estimate (README, llama.cpp backend: what evaluating it every round cost). A probe
+costs more than the plain step it replaces (the drafter first catches up on every token since
+its last draft, then the verify pass of 2 tokens), and where speculation cannot pay that excess
+is all a probe adds; so probes are also spaced by time: the next one waits until the plain
+decoding since the last is worth PROBE_BUDGET of the probes' measured excess cost, and none
+comes where even drafts that are always accepted could not pay at the measured costs.
 
 Draft trees (``choose_tree`` / ``record_tree``; tree.py, cost_model.py "draft trees"): where the
 engine may draft a tree, it first asks for a tree shape. The controller weighs the best tree of N
@@ -50,6 +55,8 @@ MIN_GAIN = 0.06  # speculate only where the predicted speedup exceeds 1 + MIN_GA
 PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
 PROBE_INTERVAL = 8  # rounds; doubles after every probe that does not switch speculation back on
 MAX_PROBE_INTERVAL = 128
+PROBE_BUDGET = 0.01  # probes may cost at most this share of the plain decoding time between them
+PRIOR_PROBE_COST = 1.0  # a probe's excess over plain decoding, in one-token steps, until measured
 PLAIN_SAMPLES = 3  # plain steps timed at a batch size before it may speculate: the fastest of one or
 #                    two samples is a poor baseline beside the fastest of eight speculative rounds
 REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
@@ -129,6 +136,10 @@ class AdaptiveK:
         self.probe_interval = PROBE_INTERVAL
         self.probing = False
         self.off_batch = 0  # the batch size speculation was last switched off at
+        self.since_probe_rounds = 0  # plain rounds since the last probe (or since speculation went off)
+        self.since_probe_s = 0.0  # seconds of plain decoding since then
+        self.probe_cost: dict[int, Timing] = {}  # B -> a probe's seconds beyond the plain steps it replaces
+        self.probe_wait_s: float | None = None  # plain seconds between probes (None: to be worked out)
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
         # draft trees
         self.tree_verify_time: dict[tuple[int, int], Timing] = {}  # (B, 1 + N) -> seconds per tree verify pass
@@ -158,13 +169,42 @@ class AdaptiveK:
         if best == 0:
             if was_probe:  # the probe did not switch speculation back on: wait longer next time
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+            if not self.off_rounds:
+                self.since_probe_rounds, self.since_probe_s = 0, 0.0
+            if not self.off_rounds or B != self.off_batch:
+                self.probe_wait_s = None  # a probe's cost depends on the batch size
             self.off_rounds += 1
             self.off_batch = B
-            if self.off_rounds % self.probe_interval == 0:
+            self.since_probe_rounds += 1
+            if self.probe_due(B):
                 best, self.probing = min(PROBE_K, self.k_max), True
+                self.since_probe_rounds, self.since_probe_s, self.probe_wait_s = 0, 0.0, None
         else:
             self.off_rounds, self.probe_interval = 0, PROBE_INTERVAL
         return [best] * B
+
+    def probe_due(self, B: int) -> bool:
+        """Whether speculation, off at batch size B, probes this round: after ``probe_interval`` plain
+        rounds (doubling while probes fail), once the plain decoding since the last probe took
+        1 / PROBE_BUDGET times a probe's measured excess cost (so probes cost at most that share of
+        the time), and only where some acceptance could pay (``can_ever_pay``)."""
+        if self.since_probe_rounds < self.probe_interval:
+            return False
+        if self.probe_wait_s is None:  # once per wait: off rounds stay cheap (README, the controller's own cost)
+            em = self.probe_cost.get(B)
+            cost = em.value if em is not None and em.value is not None else PRIOR_PROBE_COST * self.verify_line(B)(1)
+            self.probe_wait_s = cost / PROBE_BUDGET if self.can_ever_pay(B) else float("inf")
+        return self.since_probe_s >= self.probe_wait_s
+
+    def can_ever_pay(self, B: int) -> bool:
+        """Whether drafts accepted every time would reach 1 + MIN_GAIN at batch size B with the measured
+        verify line and draft cost: S(k) = (k + 1) · t_1 / (k · c + t_v(k + 1)) for some k. If not, no
+        acceptance can make speculation pay here and probing only costs."""
+        line = self.verify_line(B)
+        t1 = line(1)
+        c = self._draft_cost(B, t1)
+        return any(speedup(k + 1.0, round_cost(k, c, line(k + 1)), t1) >= 1.0 + MIN_GAIN
+                   for k in range(1, self.k_max + 1))
 
     def choose_tree(self, seq_ids: list[int], max_nodes: int, top_k: int, max_depth: int,
                     force: bool = False) -> TreeShape | None:
@@ -317,14 +357,23 @@ class AdaptiveK:
     # -- measurements -----------------------------------------------------------------------------
 
     def record(self, seq_ids: list[int], num_draft: list[int], num_accepted: list[int],
-               draft_time_s: float, verify_time_s: float | None) -> None:
-        """``verify_time_s`` None: the pass did more than verify (it carried a new prompt); not timed."""
+               draft_time_s: float, verify_time_s: float | None, num_steps: int = 1) -> None:
+        """Report a round: per row the drafts it verified and how many were accepted; the round's
+        drafting time and its verify pass's time (None: the pass did more than verify, it carried a
+        new prompt; not timed). A plain round of several steps in one runner call
+        (Engine._plain_round) gives the time per step and ``num_steps``."""
         B = len(seq_ids)
         k_round = max(num_draft)
         self.rounds += 1
         if verify_time_s is not None:
             if k_round == 0:
                 self.plain_measured_at[B] = self.rounds
+                self.since_probe_s += verify_time_s * num_steps
+            elif self.probing and B == self.off_batch:  # what the probe cost beyond the plain steps it replaced
+                t1 = self.verify_line(B)(1)
+                tokens = sum(1 + min(n, d) for n, d in zip(num_accepted, num_draft)) / B
+                self.probe_cost.setdefault(B, Timing(window=8, skip=0)).update(
+                    max(draft_time_s + verify_time_s - tokens * t1, 0.0))
             self.verify_time.setdefault((B, k_round + 1), Timing()).update(verify_time_s)
         # A round right after plain ones first feeds the drafter everything it missed (a draft model
         # catches up on every token since its last proposal): a cost of switching on, not of drafting.

@@ -4,7 +4,7 @@ import collections
 
 import pytest
 
-from specdec.adaptive import PLAIN_SAMPLES, AdaptiveK, PositionStats, Timing
+from specdec.adaptive import PLAIN_SAMPLES, PROBE_BUDGET, AdaptiveK, PositionStats, Timing
 from specdec.cost_model import expected_tokens, round_cost, speedup
 
 
@@ -70,16 +70,60 @@ def test_while_off_the_cost_model_waits_for_the_next_probe_or_batch_size(monkeyp
     calls = []
     speedups = ctrl._speedups
     monkeypatch.setattr(ctrl, "_speedups", lambda B, alphas: calls.append(B) or speedups(B, alphas))
-    rounds_to_probe = ctrl.probe_interval - ctrl.off_rounds % ctrl.probe_interval
-    for _ in range(rounds_to_probe - 1):
+    plain_rounds = 0
+    while not ctrl.probe_due(1) or ctrl.since_probe_rounds + 1 < ctrl.probe_interval:
         assert ctrl.choose([0]) == [0]
         ctrl.record([0], [0], [0], 0.0, 0.010)
+        plain_rounds += 1
+        assert plain_rounds < 1000
     assert calls == []
     assert ctrl.choose([0]) == [1] and ctrl.probing  # the probe, on schedule
     ctrl.record([0], [1], [0], 0.001, 0.014)
     assert ctrl.choose([0]) == [0] and calls == [1]  # the probe's result is weighed
     feed(ctrl, PLAIN_SAMPLES + 3, accept=lambda k: 0, batch=2)  # another batch size is weighed anew
     assert 2 in calls
+
+
+def test_probes_cost_at_most_their_budget_of_the_plain_time():
+    """Useless drafts and dear probes (the drafter catches up on every token since its last draft:
+    40 ms, four plain steps): with speculation off, what the probes add over the plain steps they
+    replace stays within PROBE_BUDGET of the time, however many rounds run."""
+    ctrl = AdaptiveK(4)
+    plain_s = excess_s = 0.0
+    for r in range(3000):
+        k = ctrl.choose([0])[0]
+        if k == 0:
+            ctrl.record([0], [0], [0], 0.0, 0.010)
+            plain_s += 0.010
+        else:
+            draft, verify = 0.040 + 0.002 * k, 0.010 + 0.004 * k
+            ctrl.record([0], [k], [0], draft, verify)
+            if r > 100:  # past the first rounds, which learn that speculation does not pay
+                excess_s += draft + verify - 0.010
+    assert excess_s > 0  # it does probe
+    assert excess_s <= 1.2 * PROBE_BUDGET * plain_s
+
+
+def test_multi_step_plain_rounds_count_every_step_towards_the_next_probe():
+    one, four = AdaptiveK(4), AdaptiveK(4)
+    for ctrl, steps in ((one, 1), (four, 4)):
+        feed(ctrl, 40, accept=lambda k: 0, per_token=0.004)
+        ctrl.since_probe_s = 0.0
+        ctrl.record([0], [0], [0], 0.0, 0.010, num_steps=steps)
+    assert four.since_probe_s == pytest.approx(4 * one.since_probe_s)
+
+
+def test_no_probe_where_no_acceptance_could_pay():
+    """A draft step costing as much as a plain step and a verify pass growing by a step per token: even
+    drafts that are always accepted lose, so once off, speculation is never probed again."""
+    ctrl = AdaptiveK(4)
+    drafted = []
+    for _ in range(2000):
+        k = ctrl.choose([0])[0]
+        drafted.append(k)
+        ctrl.record([0], [k], [k], 0.010 * k, 0.010 * (k + 1))
+    assert not ctrl.can_ever_pay(1)
+    assert max(drafted[200:]) == 0
 
 
 def test_expensive_drafts_are_not_worth_it_even_when_accepted():
