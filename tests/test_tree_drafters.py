@@ -291,3 +291,34 @@ def test_eagle3_tree_paths_equal_the_head_run_as_chains(folder, shape, siblings)
         assert tree.num_nodes == shape.num_nodes
         assert (tree.draft_probs is None) == (siblings == "top_k")
         check_against_chains(tree, history, None, batch_of([s]), top_k=siblings == "top_k", logits_after=logits_after)
+
+
+@pytest.mark.parametrize("methods", [("suffix", "draft_model", "ngram"), ("ngram", "suffix")], ids=str)
+def test_choice_passes_the_chosen_members_trees(folder, methods):
+    """A method list drafts each row with the method it chooses: its tree where that method branches."""
+    from specdec.drafters.choice import ChoosingDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    def suffix():
+        return SuffixDrafter(max_tree_depth=8, max_cached_requests=0, min_token_prob=0.0)
+
+    make = {"suffix": suffix, "draft_model": lambda: DraftModelDrafter(runner_of(folder)),
+            "ngram": lambda: NgramDrafter(1, 3)}
+    choosing = ChoosingDrafter({m: make[m]() for m in methods})
+    assert choosing.can_draft_trees
+    seqs = [seq(REPETITIVE, temperature=0), seq(HISTORIES[1], temperature=0), seq(HISTORIES[0], temperature=0)]
+    shapes = [TreeShape(8, 4, 3), TreeShape(8, 4, 3), None]
+    trees = choosing.propose_tree(seqs, shapes, batch_of(seqs))
+    assert trees[2] is None
+    methods = {s.seq_id: m for s, (m, _) in zip(seqs, [choosing._last.get(s.seq_id, (None, 0)) for s in seqs])}
+    for s, shape, tree in zip(seqs[:2], shapes, trees):
+        m = methods[s.seq_id]
+        if m is None or m == "ngram":  # nothing, or a lookup that drafts chains
+            assert tree is None or tree.parents == list(range(-1, tree.num_nodes - 1))
+            continue
+        fresh = make[m]
+        want = fresh().propose_tree([seq(s.token_ids, temperature=0)], [shape], batch_of([s]))[0]
+        assert (tree.token_ids, tree.parents) == (want.token_ids, want.parents), m
+        assert choosing._last[s.seq_id] == (m, max(tree.depths()))
+    assert any(m is not None for m in methods.values())
+    choosing.observe(seqs, [1, 0, 0])  # acceptance per method recorded as for chains

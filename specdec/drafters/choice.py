@@ -52,11 +52,12 @@ from itertools import combinations
 from specdec.adaptive import (DECAY, PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIOR_WEIGHT, PositionStats,
                               Timing)
 from specdec.cost_model import expected_tokens, round_cost, speedup
-from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees
 from specdec.drafters.merge import merge_proposals
 from specdec.metrics import NO_DRAFT
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape
 
 LOOKUP_METHODS = frozenset({"ngram", "suffix"})  # run no model: cost ~0, their drafts are seen before choosing
 EXPLORE = 1.0  # optimism: standard errors of a request's own acceptance estimate added to it
@@ -108,6 +109,63 @@ class ChoosingDrafter(Drafter):
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         B = len(seqs)
+        parts, chosen = self._choose_rows(seqs, num_draft, sb)
+
+        # 4. the chosen models draft their own rows (num_draft 0 for the others)
+        for m in self.models:
+            want = [w if c == m else 0 for c, w in zip(chosen, num_draft)]
+            if any(want):
+                parts[m] = self._timed(m, seqs, want, sb, B)
+            else:
+                self.parts[m].ran_last = False
+        parts[NO_DRAFT] = DraftProposal.from_rows([[]] * B, sb.device)
+        owner = [c if c is not None else NO_DRAFT for c in chosen]
+        proposal = merge_proposals(parts, owner, sb.device)
+        self._record(seqs, chosen, proposal.num_draft_tokens)
+        return proposal
+
+    @property
+    def can_draft_trees(self) -> bool:
+        return any(part.drafter.can_draft_trees for part in self.parts.values())
+
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
+        """Each row's method chosen as for chains of its shape's depth; then each method that can branch
+        drafts trees for its rows (a lookup's found chain is replaced by its tree), the others their chains."""
+        B = len(seqs)
+        num_draft = [0 if s is None else s.max_depth for s in shapes]
+        parts, chosen = self._choose_rows(seqs, num_draft, sb)
+        trees: list[DraftTree | None] = [None] * B
+        for m in self.methods:
+            mine = [s if c == m else None for c, s in zip(chosen, shapes)]
+            part = self.parts[m]
+            if not any(x is not None for x in mine):
+                if not part.lookup:
+                    part.ran_last = False
+                continue
+            if part.drafter.can_draft_trees:
+                t0 = time.perf_counter()
+                got = part.drafter.propose_tree(seqs, mine, sb)
+                if not part.lookup:
+                    self._time_model(m, time.perf_counter() - t0, max(x.max_depth for x in mine if x is not None), B)
+            elif part.lookup:  # its chains are drafted already
+                proposal = parts[m]
+                rows = proposal.draft_token_ids.tolist()
+                got = [DraftTree.chain(rows[b][: proposal.num_draft_tokens[b]]) if x is not None
+                       and proposal.num_draft_tokens[b] else None for b, x in enumerate(mine)]
+            else:
+                t0 = time.perf_counter()
+                got = chains_as_trees(part.drafter, seqs, mine, sb)
+                self._time_model(m, time.perf_counter() - t0, max(x.max_depth for x in mine if x is not None), B)
+            for b, x in enumerate(mine):
+                if x is not None:
+                    trees[b] = got[b]
+        self._record(seqs, chosen, [0 if t is None else max(t.depths()) for t in trees])
+        return trees
+
+    def _choose_rows(self, seqs: list[Sequence], num_draft: list[int],
+                     sb: SamplingBatch) -> tuple[dict[str, DraftProposal], list[str | None]]:
+        """Steps 1-3 of a round: the lookups' proposals and each row's method (None: no draft)."""
+        B = len(seqs)
         # 1. the lookups draft for every row: what each finds is known before choosing
         parts: dict[str, DraftProposal] = {}
         for m in self.lookups:
@@ -125,32 +183,20 @@ class ChoosingDrafter(Drafter):
             forced.append(self.methods[0] if fixed and offers[-1] else None)
 
         # 3. the set of model methods to run, and each row's method under it
-        chosen = self._choose(offers, forced, line, t1, costs, switch, B)
+        return parts, self._choose(offers, forced, line, t1, costs, switch, B)
 
-        # 4. the chosen models draft their own rows (num_draft 0 for the others)
-        for m in self.models:
-            want = [w if c == m else 0 for c, w in zip(chosen, num_draft)]
-            if any(want):
-                parts[m] = self._timed(m, seqs, want, sb, B)
-            else:
-                self.parts[m].ran_last = False
-        parts[NO_DRAFT] = DraftProposal.from_rows([[]] * B, sb.device)
-        owner = [c if c is not None else NO_DRAFT for c in chosen]
-        proposal = merge_proposals(parts, owner, sb.device)
-
-        # 5. bookkeeping: what each row drafted with, for observe
+    def _record(self, seqs: list[Sequence], chosen: list[str | None], drafted: list[int]) -> None:
+        """Step 5, bookkeeping: what each row drafted with (``drafted``: its drafts, a tree's depth), for observe."""
         self._last = {}
-        for b, (s, m) in enumerate(zip(seqs, chosen)):
+        for s, m, n in zip(seqs, chosen, drafted):
             if m is None:
                 continue
             req = self.requests[s.seq_id]
             req.last_served[m] = req.rounds
             req.rounds += 1
-            n = proposal.num_draft_tokens[b]
             if n:
                 self._last[s.seq_id] = (m, n)
                 self.rounds_per_method[m] += 1
-        return proposal
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         B = len(seqs)
@@ -289,12 +335,19 @@ class ChoosingDrafter(Drafter):
         t0 = time.perf_counter()
         proposal = part.drafter.propose(seqs, want, sb)
         dt = time.perf_counter() - t0
-        steady = part.time.get(B)
         if part.lookup:
             part.time.setdefault(B, Timing()).update(dt)
-        elif part.ran_last:
-            part.time.setdefault(B, Timing()).update(dt / max(want))
-        elif steady is not None and steady.value is not None:  # after a pause: the catch-up beyond steady drafting
-            part.switch_on.setdefault(B, Timing(skip=0)).update(max(dt - max(want) * steady.value, 0.0))
-        part.ran_last = not part.lookup
+        else:
+            self._time_model(m, dt, max(want), B)
         return proposal
+
+    def _time_model(self, m: str, dt: float, k: int, B: int) -> None:
+        """A model's call of ``dt`` seconds drafting up to k positions: per position when it drafted the
+        round before, else what the call took beyond that (its catch-up)."""
+        part = self.parts[m]
+        steady = part.time.get(B)
+        if part.ran_last:
+            part.time.setdefault(B, Timing()).update(dt / k)
+        elif steady is not None and steady.value is not None:  # after a pause: the catch-up beyond steady drafting
+            part.switch_on.setdefault(B, Timing(skip=0)).update(max(dt - k * steady.value, 0.0))
+        part.ran_last = True
