@@ -40,6 +40,10 @@ steer a seeded request's random draws, as the scheduler keeps their k fixed for 
 Sub-drafters that do not draft a row still see it: a model is called with num_draft 0 for the rows
 that are not its own and catches up on them (and on rounds it skipped) the next time it runs; a
 lookup reconciles its index with the history (drafters.base.grew_from).
+
+Trees (``propose_tree``): the methods are chosen as for chains of each shape's depth; a chosen method
+that branches (suffix, draft_model, eagle3) then drafts its rows' trees, the others their chains.
+Acceptance is recorded per position of the tree's depth, as a chain's.
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ The draft keeps its own KV cache. Before drafting it compares the tokens it has
 cached for a sequence with the sequence's committed history, keeps the longest
 common prefix (rolling back is a length change) and feeds the rest: usually
 one token (the target's recovered or bonus token), two after a full acceptance.
+
+Trees (``propose_tree``, a runner that can_verify_trees): EAGLE-2's dynamic expansion
+(tree_expand.py), one tree pass of the draft per level. A tree pass writes its nodes' KV past the
+history (``ForwardBatch.parents``); the next round keeps the accepted path's nodes that the last
+pass holds (``compact``) and feeds only what is left, as after a chain. On a runner that cannot
+run tree passes (llama.cpp) ``can_draft_trees`` is False and ``propose_tree`` gives its chain.
 """
 
 from __future__ import annotations

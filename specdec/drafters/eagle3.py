@@ -24,6 +24,11 @@ Draft-vocabulary logits map into the target's vocabulary (``Eagle3Head.draft_to_
 through ``draft_autoregressive``, so temperature, top-k / top-p / min-p, penalties, grammars, seeds
 and ``draft_p_min`` behave as for draft_model; q is zero outside the draft vocabulary, which keeps
 the verifier exact.
+
+Trees (``propose_tree``), as EAGLE-3 drafts them: EAGLE-2's dynamic expansion (tree_expand.py) with
+one head step per level over the nodes it expands, each at position L-2+depth reading its parent's
+g, its k, v at its own slot past the committed entries, attending to those, its ancestors and itself
+(``HeadRunner.step``'s slots and visibility mask).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ A draft model catches up on the tokens it missed the next time it runs, in that 
 
 Suffix drafts are deterministic (q = one-hot); the model's are sampled from q. Next to a
 sampled model draft, a suffix row's q is its one-hot, so the verifier's rule stays exact per row.
+
+Trees (``propose_tree``): the same choice per row (the suffix chain's score), then the suffix
+trie's tree for the rows it takes and the model's tree (its chain where it cannot branch) for the rest.
 """
 
 from __future__ import annotations

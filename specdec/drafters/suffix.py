@@ -26,6 +26,12 @@ tokens before the end, so it could propose p tokens at most.) Candidates whose c
 cannot beat the best so far are skipped, so deep matches that draft well end the search.
 Drafts are deterministic (q = one-hot).
 
+Trees (``propose_tree``): from the same winning match, the trie's branches best-first by path
+probability (``SuffixTrie.tree``): each node's children are its most frequent continuations (at
+most the shape's max_children), nodes are taken while the path probability stays at or above
+``min_token_prob``, up to the shape's node budget and depth (capped as a chain's length is); the
+path probabilities are the tree's scores. Deterministic too (draft_probs None).
+
 A child's probability is its count over (``probability``, the option
 ``suffix_decoding_probability``: neither wins on every workload, see the replay):
 - ``"continuations"``: the summed counts of the node's children, i.e. the occurrences
