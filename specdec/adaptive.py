@@ -66,6 +66,7 @@ SIBLING_PRIOR = 0.35  # share of a depth's remaining miss that each further sibl
 TREE_DRAFT_PRIOR = 1.25  # a tree's draft time per level, in chain draft steps, until measured (wider feeds)
 TREE_MIN_GAIN = 0.05  # a tree is drafted only where its predicted speedup beats the best chain's by this much
 TREE_CALIBRATION_WEIGHT = 4.0  # pseudo-rounds of "as predicted" mixed into the measured tree calibration
+TREE_DECIDE_ROUNDS = 8  # rounds a tree decision stands while its inputs change (choose_tree)
 FLAT_RATIO = 1.3  # a verify pass of T tokens within this many one-token steps: the backend is flat there
 
 
@@ -150,6 +151,10 @@ class AdaptiveK:
         self.tree_rows = 0.0  # decayed rows of tree rounds
         self._tree_prior: list[float] = []  # E_tree(0..max_nodes) before calibration, from the last choose_tree
         self._tree_depth = 1  # depth of the tree shape the last choose_tree returned
+        self._version = 0  # drafting rounds recorded: what the tree decision reads changes with them
+        self._tree_key: tuple | None = None  # the last tree decision: its arguments, inputs' version, round
+        self._tree_version = self._tree_round = -1
+        self._tree_shape: TreeShape | None = None
 
     # -- decisions --------------------------------------------------------------------------------
 
@@ -220,12 +225,26 @@ class AdaptiveK:
         and plain decoding by MIN_GAIN, and while this batch size's plain steps are being timed or
         refreshed (``choose`` returns zeros then). ``force`` (draft_tree "tree"): always a shape, the
         best one that branches (a chain only when top_k or max_nodes allow no branching).
-        After the round, report it with ``record_tree``."""
+        After the round, report it with ``record_tree``. The decision is worked out again only when
+        the batch size or the arguments change, or a drafting round has been recorded since and
+        TREE_DECIDE_ROUNDS rounds have passed: weighing every tree size takes ~0.1 ms, 1% of a torch
+        step, and plain rounds (speculation off) change no estimate it reads but the plain step."""
         B = len(seq_ids)
         if not force:
             stale = self.rounds - self.plain_measured_at.get(B, -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
             if self.measuring_plain(B) or stale:
                 return None
+        key = (B, max_nodes, top_k, max_depth, force)
+        if key == self._tree_key and (self._tree_version == self._version
+                                      or self.rounds - self._tree_round < TREE_DECIDE_ROUNDS):
+            return self._tree_shape
+        self._tree_key, self._tree_version, self._tree_round = key, self._version, self.rounds
+        self._tree_shape = self._decide_tree(seq_ids, max_nodes, top_k, max_depth, force)
+        return self._tree_shape
+
+    def _decide_tree(self, seq_ids: list[int], max_nodes: int, top_k: int, max_depth: int,
+                     force: bool) -> TreeShape | None:
+        B = len(seq_ids)
         max_nodes, top_k, max_depth = max(1, max_nodes), max(1, top_k), max(1, max_depth)
         alphas = self._mean_alphas(seq_ids, max_depth)
         rank_probs = [rank_acceptance(a, top_k, SIBLING_PRIOR) for a in alphas]
@@ -379,6 +398,8 @@ class AdaptiveK:
         # catches up on every token since its last proposal): a cost of switching on, not of drafting.
         # Timed with the rest, a probe after a plain stretch looks far dearer than steady drafting
         # and keeps speculation off where it pays.
+        if k_round > 0:
+            self._version += 1
         if k_round > 0 and self.last_k > 0:
             self.draft_time.setdefault(B, Timing()).update(draft_time_s / k_round)
         self.last_k = k_round
@@ -402,6 +423,7 @@ class AdaptiveK:
         if n_round == 0:
             self.last_k = 0
             return
+        self._version += 1
         if verify_s is not None:
             self.tree_verify_time.setdefault((B, n_round + 1), Timing()).update(verify_s)
         if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first

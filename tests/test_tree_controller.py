@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specdec.adaptive import SIBLING_PRIOR, AdaptiveK, Timing
+from specdec.adaptive import SIBLING_PRIOR, TREE_DECIDE_ROUNDS, AdaptiveK, Timing
 from specdec.cost_model import rank_acceptance, speedup, tree_expected_tokens, tree_shape_of
 
 
@@ -97,7 +97,8 @@ def test_tree_passes_timed_steeper_than_the_chain_line_switch_trees_off():
     ctrl = measured(0.0094, 0.01)
     shape = ctrl.choose_tree([0], 16, 4, 4, force=False)
     assert shape is not None
-    for _ in range(6):  # the tree pass costs 3 steps: no tree pays
+    for _ in range(TREE_DECIDE_ROUNDS):  # the tree pass costs 3 steps: no tree pays
+        assert ctrl.choose_tree([0], 16, 4, 4, force=False) == shape  # the decision stands a few rounds
         ctrl.record_tree([0], [shape.num_nodes], [3], 0.002, 3 * 0.0094)
     assert ctrl.verify_ratio(1, shape.num_nodes + 1) > 2
     assert ctrl.choose_tree([0], 16, 4, 4, force=False) is None
@@ -128,3 +129,18 @@ def test_verify_ratio_says_whether_the_backend_is_flat():
     ctrl.verify_time[(1, 5)].update(0.006)
     assert ctrl.verify_ratio(1, 5) == pytest.approx(1.5) and ctrl.is_flat(1, 5) is False
     assert measured(0.0094, 0.01).is_flat(1, 17) is True
+
+
+def test_the_decision_is_not_weighed_again_while_nothing_it_reads_changes(monkeypatch):
+    """Speculation off, plain rounds: the tree decision is kept, not recomputed every round."""
+    ctrl = measured(0.0040, 0.16)
+    calls = []
+    decide = ctrl._decide_tree
+    monkeypatch.setattr(ctrl, "_decide_tree", lambda *a: calls.append(a) or decide(*a))
+    for _ in range(50):
+        assert ctrl.choose_tree([0], 16, 4, 4, force=False) is None
+        ctrl.record([0], [0], [0], 0.0, 0.004)
+    assert len(calls) == 1
+    ctrl.choose_tree([0, 1], 16, 4, 4, force=False)  # another batch size: weighed anew (if it is timed)
+    ctrl.choose_tree([0], 16, 4, 4, force=True)  # other arguments: weighed anew
+    assert len(calls) == 2
