@@ -1,8 +1,9 @@
 """The engine: one speculative round over the running batch per ``step()`` (docs/algorithm.md).
 
 The scheduler decides who runs and what each row drafts (scheduler.py), the engine carries it out
-(prefills, rounds), the runners compute (models/), the verifier decides what is kept (verify.py),
-the detokenizer stops sequences (detokenizer.py). With no drafter (or
+(prefills, rounds), the runners compute (models/), the verifier decides what is kept (verify.py;
+verify_tree.py for a round of draft trees, ``_tree_round``), the detokenizer stops sequences
+(detokenizer.py). With no drafter (or
 k = 0) the same loop is plain autoregressive decoding: the baseline every benchmark compares against.
 ``reference.py`` is the same algorithm for one sequence, written to be read.
 """
@@ -29,7 +30,11 @@ from specdec.processing import RowProcessor, bad_words_token_ids, constrain_draf
 from specdec.sampling import make_generator
 from specdec.scheduler import PLAIN_STEPS, RoundBatch, Scheduler, check_num_scheduler_steps
 from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape
 from specdec.verify import verify
+from specdec.verify_tree import verify_tree
+
+DRAFT_TREE_MODES = ("auto", "chain", "tree")
 
 __all__ = ["PLAIN_STEPS", "Engine", "check_num_scheduler_steps"]
 
@@ -45,11 +50,14 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
+        # draft trees (SpeculativeConfig.draft_tree): "chain" | "auto" | "tree"
+        self.draft_tree, self.draft_tree_max_nodes, self.draft_tree_top_k = draft_tree, draft_tree_max_nodes, draft_tree_top_k
+        tree_mode = self._tree_mode(target, drafter, draft_tree)
         # adaptive: one k per round for the batch, from measured acceptance and costs; else k fixed
         controller = AdaptiveK(self.k) if adaptive and self.k > 0 else None
         kv_bytes = target.kv_bytes_per_token() + (drafter.kv_bytes_per_token() if drafter is not None else 0)
         self.scheduler = Scheduler(max_num_seqs, self.k, controller, num_scheduler_steps, kv_bytes,
-                                   target.max_model_len)
+                                   target.max_model_len, tree_mode, draft_tree_max_nodes, draft_tree_top_k)
         if drafter is not None:
             drafter.bind(controller)
         # A failing drafter degrades its sequences to plain decoding; strict (tests): it raises.
@@ -63,8 +71,24 @@ class Engine:
         self.token_text = TokenText(tokenizer)
         self._grammar_compiler = None
         self._last_sampling = None  # the previous round's SamplingBatch (RoundBatch.build reuses it)
-        # draft trees (SpeculativeConfig.draft_tree): "chain" | "auto" | "tree"
-        self.draft_tree, self.draft_tree_max_nodes, self.draft_tree_top_k = draft_tree, draft_tree_max_nodes, draft_tree_top_k
+
+    def _tree_mode(self, target: ModelRunner, drafter: Drafter | None, draft_tree: str) -> str:
+        """The draft_tree mode the scheduler runs: "tree" needs a drafter that branches and a backend
+        that verifies trees (else a ValueError); "auto" is "chain" where either cannot (llama.cpp
+        verifies chains: such a target runs the drafter's chains; a drafter that gave only trees would
+        be verified along ``DraftTree.best_chain``)."""
+        if draft_tree not in DRAFT_TREE_MODES:
+            raise ValueError(f"draft_tree must be one of {DRAFT_TREE_MODES}, got {draft_tree!r}")
+        if drafter is None or self.k == 0 or draft_tree == "chain":
+            return "chain"
+        name = drafter.method or type(drafter).__name__
+        if draft_tree == "tree" and not target.can_verify_trees:
+            raise ValueError(f"draft_tree='tree' needs a backend that verifies draft trees in one pass; the "
+                             f"{target.backend} backend verifies chains only: use backend='torch' or draft_tree='chain'")
+        if draft_tree == "tree" and not drafter.can_draft_trees:
+            raise ValueError(f"draft_tree='tree' needs a drafter that branches; the {name} drafter drafts chains "
+                             "only: use draft_tree='auto' or 'chain'")
+        return draft_tree if target.can_verify_trees and drafter.can_draft_trees else "chain"
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -198,8 +222,13 @@ class Engine:
             return []
         t0 = time.perf_counter()
         self.target.sync_rows([s.seq_id for s in self.running])  # cache rows follow batch order
-        batch = RoundBatch.build(self.running, self.scheduler.num_wanted(), self.device, self._last_sampling)
+        # [B] a draft tree per row, or None: a chain round (asked each round: a test may swap the drafter)
+        shapes = self.scheduler.tree_shapes() if self.drafter is not None and self.drafter.can_draft_trees else None
+        wanted = self.scheduler.num_wanted() if shapes is None else [sh.num_nodes if sh else 0 for sh in shapes]
+        batch = RoundBatch.build(self.running, wanted, self.device, self._last_sampling)
         self._last_sampling = batch.sampling
+        if shapes is not None:  # draft trees: _tree_round's steps 1-5
+            return self._tree_round(batch, shapes, t0)
 
         # 1. draft: up to num_wanted[b] tokens x_1..x_k per row (and q_1..q_k when it samples)
         t_draft = time.perf_counter()
@@ -244,6 +273,78 @@ class Engine:
         self.stats.step_time_s += time.perf_counter() - t0
         self._retire()
         return gained
+
+    def _tree_round(self, batch: RoundBatch, shapes: list[TreeShape | None],
+                    t0: float) -> list[tuple[Sequence, list[int]]]:
+        """``step()``'s round with a draft tree per row (tree.py, verify_tree.py). Every row feeds just its
+        newest token and has no logits processor or logprobs (Scheduler.tree_shapes)."""
+        # 1. draft: a tree per row within its shape (None: the row decodes plainly this round)
+        t_draft = time.perf_counter()
+        trees, sources = self._draft_trees(batch, shapes)  # [B] each
+        t1 = time.perf_counter()
+
+        # 2. verify: one target pass over [newest token, nodes] per row, each node at the position of
+        #    its depth seeing only its ancestors -> p after the root and after each node  [B, 1 + N_max, V]
+        target_logits = self.target.forward(batch.tree_verify_batch(trees))
+
+        # 3. accept: a root path per row, then one recovered or bonus token (greedy: the argmax path;
+        #    sampled: recursive rejection over siblings, verify_tree.py)
+        result = verify_tree(trees, target_logits, batch.sampling, [s.generator for s in batch.seqs])
+        t2 = time.perf_counter()
+
+        # 4. commit: the target cache keeps [newest token, accepted path], moved to consecutive slots
+        #    (the other nodes' KV is dropped by the length); each sequence appends its tokens until a stop
+        keep = [[0] + [1 + j for j in path] for path in result.accepted_nodes]
+        if any(len(k) > 1 for k in keep):
+            self.target.compact(list(range(len(batch.seqs))), batch.start, keep)
+        gained = []
+        for s, tree, path, nxt in zip(batch.seqs, trees, result.accepted_nodes, result.next_token_ids):
+            s.num_computed += 1 + len(path)
+            gained.append((s, self._commit(s, [tree.token_ids[j] for j in path] + [nxt])))
+
+        # 5. update: the drafter learns each accepted path's length; counters (a tree counts its nodes as
+        #    drafts, its path as accepted: tau is path + 1 per verify pass), the controller; finished leave
+        nodes = [t.num_nodes if t is not None else 0 for t in trees]
+        depths = [max(t.depths(), default=0) if t is not None else 0 for t in trees]
+        asked = [sh.num_nodes if sh is not None else 0 for sh in shapes]
+        num_accepted = result.num_accepted
+        if any(nodes):
+            self.drafter.observe(batch.seqs, num_accepted)
+        self.stats.record_tree_round(nodes, depths, num_accepted, asked)
+        self.stats.record_sources(nodes, num_accepted, sources)
+        for s, k, d, n, a, method in zip(batch.seqs, nodes, depths, num_accepted, asked, sources):
+            s.stats.record(k, n, a, method, t1 - t_draft, t2 - t1, depth=d)
+        if self.controller is not None:  # tokens per pass and costs per node count (adaptive.py)
+            self.controller.record_tree([s.seq_id for s in batch.seqs], nodes, num_accepted, t1 - t_draft, t2 - t1)
+        self.stats.draft_time_s += t1 - t_draft
+        self.stats.verify_time_s += t2 - t1
+        self.stats.step_time_s += time.perf_counter() - t0
+        self._retire()
+        return gained
+
+    def _draft_trees(self, batch: RoundBatch,
+                     shapes: list[TreeShape | None]) -> tuple[list[DraftTree | None], list[str]]:
+        """Step 1 of a tree round: the drafter's tree per row, checked against its shape, and the method
+        that drafted each row [B]. A drafter that fails degrades its sequences to plain decoding (strict:
+        it raises), as in ``_draft``."""
+        B = len(batch.seqs)
+        try:
+            trees = self.drafter.propose_tree(batch.seqs, shapes, batch.sampling)
+            _check_trees(trees, shapes, self.target.vocab_size)
+        except Exception:
+            self.drafter_failures += 1
+            if self.strict_drafter:
+                raise
+            log.exception("drafter failed to draft trees; its %d sequence(s) fall back to plain decoding", B)
+            self.plain_only.update(s.seq_id for s in batch.seqs)
+            try:
+                self.drafter.release(batch.seqs)
+            except Exception:
+                log.exception("drafter failed to release its state")
+            return [None] * B, [NO_DRAFT] * B
+        trees = [t if t is not None and t.num_nodes > 0 else None for t in trees]
+        method = self.drafter.method or type(self.drafter).__name__
+        return trees, [method if t is not None else NO_DRAFT for t in trees]
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -334,7 +435,8 @@ class Engine:
             self._free_caches()  # the newcomers have no cache yet; nothing else runs (the budget already knows)
         running, new = self.running, admitted.seqs
         # room for the prompts now; the cache grows in steps as the outputs do
-        self.target.reserve(len(running), max(s.num_prompt_tokens for s in running) + self.k + 1)
+        self.target.reserve(len(running), max(s.num_prompt_tokens for s in running)
+                            + self.scheduler.max_draft_positions + 1)
         self.target.sync_rows([s.seq_id for s in running])
         if admitted.merged:
             for s in new:
@@ -385,3 +487,21 @@ class Engine:
         done = self.scheduler.retire()
         if done and self.drafter is not None:
             self.drafter.release(done)
+
+
+def _check_trees(trees: list[DraftTree | None], shapes: list[TreeShape | None], vocab_size: int) -> None:
+    """ValueError unless the drafter gave one tree per row within its shape (None where it asked none)."""
+    if len(trees) != len(shapes):
+        raise ValueError(f"propose_tree returned {len(trees)} trees for {len(shapes)} sequences; return one per row")
+    for b, (tree, shape) in enumerate(zip(trees, shapes)):
+        if tree is None or tree.num_nodes == 0:
+            continue
+        depth = max(tree.depths())
+        children = max(sum(1 for p in tree.parents if p == node) for node in range(-1, tree.num_nodes))
+        if (shape is None or tree.num_nodes > shape.num_nodes or depth > shape.max_depth
+                or children > shape.max_children):
+            raise ValueError(f"propose_tree's tree for row {b} ({tree.num_nodes} nodes, depth {depth}, {children} "
+                             f"children at most) exceeds the shape asked for: {shape}")
+        if not all(0 <= t < vocab_size for t in tree.token_ids):
+            raise ValueError(f"propose_tree's tree for row {b} has token ids outside the vocabulary "
+                             f"0..{vocab_size - 1}")

@@ -41,6 +41,11 @@ class SpecCounters:
     # although the output drops them
     num_emitted_tokens: int = 0
     num_verify_passes: int = 0  # target forwards that verified a round (engine: one per round whatever the batch)
+    # draft trees (tree.py): the (sequence, round) pairs above that verified a tree, their nodes and
+    # accepted paths; chains are the rest, so trees and chains compare side by side (``as_dict``)
+    num_tree_drafts: int = 0
+    num_tree_draft_tokens: int = 0
+    num_tree_accepted_tokens: int = 0
     num_rounds_per_method: dict[str, int] = field(default_factory=dict)  # method -> (sequence, round) pairs
     num_draft_tokens_per_method: dict[str, int] = field(default_factory=dict)  # method -> drafts proposed
     num_accepted_tokens_per_method: dict[str, int] = field(default_factory=dict)  # method -> drafts accepted
@@ -48,9 +53,11 @@ class SpecCounters:
     verify_time_s: float = 0.0  # target forward + accept/reject wall time
     prefill_time_s: float = 0.0
 
-    def record_row(self, k: int, n: int, asked: int, method: str | None = None) -> None:
+    def record_row(self, k: int, n: int, asked: int, method: str | None = None, depth: int | None = None) -> None:
         """One sequence in one round: ``k`` drafts proposed (``asked`` asked for), ``n`` of them accepted,
-        drafted by ``method`` (None: do not count per method). Verify passes are the caller's."""
+        drafted by ``method`` (None: do not count per method). ``depth``: the drafts were a tree of k
+        nodes and this depth, its accepted path n long; positions are depths (a chain's depth is k).
+        Verify passes are the caller's."""
         self.num_asked_draft_tokens += asked
         self.num_emitted_tokens += n + 1
         if method is not None:
@@ -60,11 +67,16 @@ class SpecCounters:
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += n
-        grow = k - len(self.num_accepted_tokens_per_pos)
+        if depth is not None:
+            self.num_tree_drafts += 1
+            self.num_tree_draft_tokens += k
+            self.num_tree_accepted_tokens += n
+        positions = k if depth is None else depth
+        grow = positions - len(self.num_accepted_tokens_per_pos)
         if grow > 0:
             self.num_accepted_tokens_per_pos += [0] * grow
             self.num_draft_tokens_per_pos += [0] * grow
-        for i in range(k):
+        for i in range(positions):
             self.num_draft_tokens_per_pos[i] += 1
         for i in range(n):
             self.num_accepted_tokens_per_pos[i] += 1
@@ -108,6 +120,17 @@ class SpecCounters:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
     @property
+    def mean_acceptance_length_trees(self) -> float:
+        """tau of the rounds that verified a tree: its accepted path + 1 per verify pass."""
+        return 1.0 + self.num_tree_accepted_tokens / self.num_tree_drafts if self.num_tree_drafts else 1.0
+
+    @property
+    def mean_acceptance_length_chains(self) -> float:
+        """tau of the rounds that verified a chain of drafts."""
+        drafts = self.num_drafts - self.num_tree_drafts
+        return 1.0 + (self.num_accepted_tokens - self.num_tree_accepted_tokens) / drafts if drafts else 1.0
+
+    @property
     def acceptance_rate_per_pos(self) -> list[float]:
         """Share of the rounds that drafted position i in which position i was accepted."""
         return [a / d for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
@@ -116,6 +139,8 @@ class SpecCounters:
         d = asdict(self)
         d["acceptance_rate"] = self.acceptance_rate
         d["mean_acceptance_length"] = self.mean_acceptance_length
+        d["mean_acceptance_length_trees"] = self.mean_acceptance_length_trees
+        d["mean_acceptance_length_chains"] = self.mean_acceptance_length_chains
         d["acceptance_rate_per_pos"] = self.acceptance_rate_per_pos
         return d
 
@@ -133,6 +158,14 @@ class SpecDecodingStats(SpecCounters):
         for k, n, a in zip(k_per_seq, num_accepted, num_asked if num_asked is not None else k_per_seq):
             self.record_row(k, n, a)
 
+    def record_tree_round(self, nodes: list[int], depths: list[int], num_accepted: list[int],
+                          num_asked: list[int]) -> None:
+        """One round that verified a draft tree per sequence: ``nodes`` and ``depths`` of each row's tree
+        (0: it drafted nothing), the length of its accepted path, the nodes asked for  [B] each."""
+        self.num_verify_passes += 1
+        for k, d, n, a in zip(nodes, depths, num_accepted, num_asked):
+            self.record_row(k, n, a, depth=d)
+
     def record_sources(self, k_per_seq: list[int], num_accepted: list[int], sources: list[str]) -> None:
         """The same round per method: row b was drafted by ``sources[b]`` (``"none"`` when k is 0)  [B] each."""
         for k, n, method in zip(k_per_seq, num_accepted, sources):
@@ -149,10 +182,12 @@ class RequestSpecStats(SpecCounters):
     """One sequence's counters (``Sequence.stats``): the rounds it took part in, what it drafted and
     accepted in each, and the wall time of those rounds."""
 
-    def record(self, k: int, n: int, asked: int, method: str, draft_s: float, verify_s: float) -> None:
-        """One round of this sequence: one verify pass, ``k`` drafts by ``method``, ``n`` accepted."""
+    def record(self, k: int, n: int, asked: int, method: str, draft_s: float, verify_s: float,
+               depth: int | None = None) -> None:
+        """One round of this sequence: one verify pass, ``k`` drafts by ``method``, ``n`` accepted
+        (``depth``: the drafts were a tree that deep, ``record_row``)."""
         self.num_verify_passes += 1
-        self.record_row(k, n, asked, method)
+        self.record_row(k, n, asked, method, depth)
         self.draft_time_s += draft_s
         self.verify_time_s += verify_s
 

@@ -6,8 +6,9 @@ It holds the waiting queue and the running batch and decides, between two rounds
   memory (``KvBudget``: the target's cache and the drafter's, when it keeps one). A request that
   does not fit waits, and everyone behind it waits too: none overtakes, so none starves;
 - how they join: small prompts ride in the next verify pass, others get a prefill of their own;
-- what each row asks of the drafter (k per row, from the adaptive controller when there is one)
-  and whether a round takes several plain steps in one runner call;
+- what each row asks of the drafter (k per row, from the adaptive controller when there is one; or a
+  draft tree's shape per row, ``tree_shapes``) and whether a round takes several plain steps in one
+  runner call;
 - who leaves: finished sequences, their places filled from the end of the batch so the cache rows
   (which follow batch order) move as little as possible.
 The engine carries these decisions out (engine.py); ``RoundBatch`` is what one round runs on.
@@ -28,6 +29,7 @@ from specdec.models.base import ForwardBatch, pad_rows
 from specdec.models.llama import CACHE_LEN_STEP
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape, block_parents
 
 MERGED_PREFILL_TOKENS = 512  # new prompts up to this many tokens in all join a running batch's verify pass
 PLAIN_STEPS = 4  # greedy plain rounds take up to this many steps in one runner call (Engine._plain_round)
@@ -103,9 +105,13 @@ class Admitted:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int = 256, k: int = 0, controller: AdaptiveK | None = None,
-                 num_scheduler_steps: int = PLAIN_STEPS, kv_bytes_per_token: int = 0, max_model_len: int = 0):
+                 num_scheduler_steps: int = PLAIN_STEPS, kv_bytes_per_token: int = 0, max_model_len: int = 0,
+                 draft_tree: str = "chain", draft_tree_max_nodes: int = 16, draft_tree_top_k: int = 4):
         """``k``: drafts asked per row (the most, with a ``controller``); ``kv_bytes_per_token``: the
-        target's and the drafter's, for the KV budget that ``limit`` sets."""
+        target's and the drafter's, for the KV budget that ``limit`` sets. ``draft_tree``: "chain"
+        (never trees), "auto" (trees where the controller picks them) or "tree" (always); the engine
+        passes "chain" where the drafter or the target cannot do trees. A tree has at most
+        ``draft_tree_max_nodes`` nodes, ``k`` levels and ``draft_tree_top_k`` children per node."""
         if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         check_num_scheduler_steps(num_scheduler_steps)
@@ -117,12 +123,19 @@ class Scheduler:
         self.waiting: deque[list[Sequence]] = deque()  # requests; aborted ones stay until admission skips them
         self.running: list[Sequence] = []
         self.plain_only: set[int] = set()  # sequences that decode plainly since the drafter failed on them
+        self.draft_tree = draft_tree if k > 0 else "chain"
+        self.max_tree = TreeShape(draft_tree_max_nodes, max(k, 1), draft_tree_top_k)  # the most a row drafts
+
+    @property
+    def max_draft_positions(self) -> int:
+        """KV slots a verify pass may write past a row's history: k drafts, or a tree's nodes."""
+        return self.k if self.draft_tree == "chain" else max(self.k, self.max_tree.num_nodes)
 
     def limit(self, kv_cache_memory: int | None = None, max_num_batched_tokens: int | None = None) -> KvBudget | None:
         """Bound admission by KV memory (bytes) and prompt tokens a round (a server's limits)."""
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv = None if kv_cache_memory is None else KvBudget(
-            kv_cache_memory, self.kv_bytes_per_token, self.max_num_seqs, self.max_model_len, self.k)
+            kv_cache_memory, self.kv_bytes_per_token, self.max_num_seqs, self.max_model_len, self.max_draft_positions)
         return self.kv
 
     # -- the queue ----------------------------------------------------------------------------------
@@ -188,8 +201,10 @@ class Scheduler:
         self.running += new
         if self.kv is not None:
             self.kv.grow(len(self.running), self._kv_length(new))
+        # With draft_tree="tree" newcomers get a prefill of their own: a round that carries a prompt
+        # verifies chains (tree_shapes), and a seeded row's draws must not depend on who joins.
         merged = (decoding and sum(s.num_prompt_tokens for s in new) <= MERGED_PREFILL_TOKENS
-                  and all(s.params.prompt_logprobs is None for s in new))
+                  and all(s.params.prompt_logprobs is None for s in new) and self.draft_tree != "tree")
         return Admitted(new, merged, release)
 
     def _prompt_tokens(self, group: list[Sequence]) -> int:
@@ -253,6 +268,44 @@ class Scheduler:
         return [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0 else max(0, min(k, s.room - 1))
                 for k, s in zip(ks, seqs)]
 
+    def tree_shapes(self) -> list[TreeShape | None] | None:
+        """The draft tree each running row may propose this round (None: it drafts nothing), or None
+        for a chain round (then ``num_wanted`` asks k per row). Asked before ``num_wanted``: the
+        controller sizes a tree first and chooses k only for a chain round.
+
+        A round verifies trees only when every row can: rows with logits processors (penalties,
+        grammars, bias: their logits are processed per drafted prefix, ``process_verify_logits``) or
+        logprobs, and prompts merged into the pass, take the chain round. With "auto" the controller
+        picks trees or chains and sizes the tree from the measured verify cost per node count (no
+        controller: chains); a seeded sampled row takes chains then (its draws must not depend on
+        timings). With "tree" a seeded sampled row always gets the largest tree (as it keeps k fixed
+        in chains); the others get the controller's shape."""
+        seqs = self.running
+        if self.draft_tree == "chain" or not seqs:
+            return None
+        for s in seqs:
+            if len(s.token_ids) - s.num_computed != 1 or s.processor is not None or s.params.logprobs is not None:
+                return None  # a merged prompt, or logits a chain round processes or reports
+        # a row's first token comes from a plain pass (num_wanted); each accepted path leaves room for its bonus
+        depth = [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0
+                 else min(self.max_tree.max_depth, s.room - 1) for s in seqs]
+        if max(depth) <= 0:
+            return None
+        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
+        full = self.max_tree
+        shape = full if self.draft_tree == "tree" else None
+        if self.controller is not None and (self.draft_tree == "tree" or not any(seeded)):
+            shape = self.controller.choose_tree([s.seq_id for s in seqs], max_nodes=full.num_nodes,
+                                                top_k=full.max_children, max_depth=full.max_depth,
+                                                force=self.draft_tree == "tree") or shape
+        if shape is None:
+            return None
+        shapes: list[TreeShape | None] = []
+        for d, fixed in zip(depth, seeded):
+            row = full if fixed else shape
+            shapes.append(TreeShape(row.num_nodes, min(d, row.max_depth), row.max_children) if d > 0 else None)
+        return shapes
+
     def num_plain_steps(self, batch: RoundBatch) -> int:
         """How many plain steps this round may take in one runner call: several only when it drafts
         nothing and every row is greedy with nothing that reads its logits (processors, logprobs),
@@ -315,3 +368,18 @@ class RoundBatch:
             tokens = pad_rows([f + d for f, d in zip(self.feed, drafts.tolist())], drafts.device)  # [B, T]
             index = torch.tensor([[len(f) - 1 + j for j in range(k + 1)] for f in self.feed], device=drafts.device)
         return ForwardBatch(tokens, self.start, lengths, index)
+
+    def tree_verify_batch(self, trees: list[DraftTree | None]) -> ForwardBatch:
+        """A tree round's verify pass: each row feeds its newest token (the root) then its tree's nodes,
+        each node at the position of its depth, seeing the cache and its ancestors (tree.py); logits at
+        every fed position [B, 1 + N_max]: p after the root, then after each node."""
+        rows = [f + (t.token_ids if t is not None else []) for f, t in zip(self.feed, trees)]
+        T = max(len(r) for r in rows)
+        B = len(rows)
+        parents = None
+        if T > 1:  # padding past a row's nodes continues its cache alone and is seen by nothing
+            parents = [(block_parents(len(f), t) if t is not None else [-1]) + [-1] * (T - len(r))
+                       for f, t, r in zip(self.feed, trees, rows)]
+        index = torch.arange(T, device=self.sampling.device).expand(B, T)
+        return ForwardBatch(pad_rows(rows, self.sampling.device), self.start, [len(r) for r in rows], index,
+                            parents=parents)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.sampling import make_generator
 from specdec.scheduler import MERGED_PREFILL_TOKENS, KvBudget, Scheduler
 from specdec.sequence import Sequence
 from specdec.server.async_engine import AsyncEngine, Prompt
@@ -184,3 +185,31 @@ def test_caches_freed_at_admission_leave_the_newcomers_reserved(models):
     llm.engine.step()
     assert llm.engine.running == [seq]
     assert kv.reserved == 512 * bytes_per_token
+
+
+def _decoding(params: SamplingParams, outputs: int = 2) -> Sequence:
+    """A sequence past its first output tokens, its newest token still to feed."""
+    s = Sequence([1, 2, 3], params, make_generator(0), max_len=64)
+    s.token_ids += [4] * outputs
+    s.num_computed = len(s.token_ids) - 1
+    return s
+
+
+def test_tree_shapes_per_row_and_when_a_round_takes_chains():
+    from specdec.tree import TreeShape
+
+    sched = Scheduler(k=3, draft_tree="tree", draft_tree_max_nodes=8, draft_tree_top_k=2)
+    greedy, seeded = SamplingParams(temperature=0, max_tokens=20), SamplingParams(seed=1, max_tokens=20)
+    first = _decoding(greedy, outputs=0)  # its first token comes from a plain pass
+    short = _decoding(greedy)
+    short.params = SamplingParams(temperature=0, max_tokens=4)  # room 2: a tree of depth 1
+    sched.running = [_decoding(greedy), _decoding(seeded), first, short]
+    assert sched.tree_shapes() == [TreeShape(8, 3, 2), TreeShape(8, 3, 2), None, TreeShape(8, 1, 2)]
+    sched.running[0].num_computed = 0  # a merged prompt rides in the pass: chains
+    assert sched.tree_shapes() is None
+    sched.running = [_decoding(greedy), _decoding(SamplingParams(temperature=0, max_tokens=20, logprobs=2))]
+    assert sched.tree_shapes() is None  # logprobs: chains
+    auto = Scheduler(k=3, draft_tree="auto")
+    auto.running = [_decoding(greedy)]
+    assert auto.tree_shapes() is None  # auto without a controller: chains
+    assert Scheduler(k=3, draft_tree="chain").tree_shapes() is None
