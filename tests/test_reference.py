@@ -10,7 +10,7 @@ from lossless import FALSE_ALARM, assert_greedy_equal, chi_square_p, exact_joint
 from specdec import LLM, SamplingParams
 from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
-from specdec.reference import speculative_generate
+from specdec.reference import speculative_generate, speculative_generate_tree
 from tiny_models import make_model, perturbed_copy, random_prompts
 
 SMALL_WORDS = [f"w{i}" for i in range(20)]
@@ -77,3 +77,27 @@ def test_reference_loop_refuses_k_below_one(pair):
     runner = LlamaRunner(load_model(target))
     with pytest.raises(ValueError, match="k must be >= 1"):
         speculative_generate(runner, runner, [5, 6], SamplingParams(max_tokens=2), k=0)
+
+
+def test_tree_reference_loop_greedy_equals_plain_decoding(pair):
+    target, draft = pair
+    hf = load_model(target).hf_model
+    t_runner, d_runner = LlamaRunner(load_model(target)), LlamaRunner(load_model(draft))
+    prompts = random_prompts(3, [3, 9, 17], seed=6)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(target).generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    for p, expected in zip(prompts, plain):
+        assert_greedy_equal(hf, p, expected, speculative_generate_tree(t_runner, d_runner, p, sp, depth=3, width=2))
+
+
+def test_tree_reference_loop_samples_follow_the_target(small_vocab):
+    """Two siblings drawn without replacement, each with a child: the first two tokens are exact (top-k
+    and top-p: p and q have zeros)."""
+    params = dict(temperature=0.8, top_k=4, top_p=0.9)
+    target, draft = small_vocab
+    hf = load_model(target).hf_model
+    V, N, prompt = len(SMALL_WORDS) + 3, 700, [5, 9, 3]
+    t_runner, d_runner = LlamaRunner(load_model(target)), LlamaRunner(load_model(draft))
+    sps = [SamplingParams(max_tokens=2, seed=9000 + i, ignore_eos=True, **params) for i in range(N)]
+    ref = np.array([speculative_generate_tree(t_runner, d_runner, prompt, sp, depth=2, width=2) for sp in sps])
+    assert chi_square_p(ref[:, 0] * V + ref[:, 1], exact_joint(hf, prompt, sps[0], 2, V)) > FALSE_ALARM
