@@ -44,6 +44,7 @@ SUFFIX_K = 16
 # The demo runs its prompts more than once: suffix decoding's cache of earlier outputs would replay them
 # (every draft accepted), so its candidates draft from each request's own prompt and output only.
 OWN_TEXT_ONLY = {"suffix_decoding_max_cached_requests": 0}
+MIN_ROUNDS = 10  # rounds that drafted, at least, before the acceptance measured is kept for backend=auto
 
 
 @dataclass(frozen=True)
@@ -236,31 +237,30 @@ def implausible(measured: list[Measured]) -> list[str]:
 
 
 def record_acceptance(llms: dict[Candidate, object], measured: list[Measured]) -> None:
-    """Keep each single method's measured acceptance (per-position counts summed over the backends)
-    for backend="auto" of the same target, method and draft (backend_choice.acceptance_for)."""
-    from specdec.models.backend_choice import conditional_alphas, record_acceptance as keep
+    """Keep each single method's measured acceptance (over its runs on every backend: the α whose
+    E(k) is the τ measured at the drafts per round measured) for backend="auto" of the same target,
+    method and draft (backend_choice.acceptance_for)."""
+    from specdec.models.backend_choice import alpha_from_tau, record_acceptance as keep
     from specdec.models.resolve import resolve
 
-    counts: dict[tuple[str, str | None], list[list[int]]] = {}  # (method, model) -> [accepted, drafted] per pos
+    counts: dict[tuple[str, str | None], list[int]] = {}  # (method, model) -> [rounds, drafted, accepted]
     target = None
     for m in measured:
         c = m.candidate
         if not m.ok or c.plain or not isinstance(c.method, str):
             continue
-        llm = llms[c]
-        target = target or llm.model_config.model
-        metrics = llm.get_metrics()
-        acc, drafted = counts.setdefault((c.method, c.model), [[], []])
-        for mine, theirs in ((acc, metrics["num_accepted_tokens_per_pos"]),
-                             (drafted, metrics["num_draft_tokens_per_pos"])):
-            mine += [0] * (len(theirs) - len(mine))
-            for i, v in enumerate(theirs):
-                mine[i] += v
-    for (method, model), (acc, drafted) in counts.items():
+        target = target or llms[c].model_config.model
+        metrics = llms[c].get_metrics()
+        total = counts.setdefault((c.method, c.model), [0, 0, 0])
+        for i, name in enumerate(("drafts", "draft_tokens", "accepted_tokens")):  # chains only: a tree's
+            total[i] += metrics[f"num_{name}"] - metrics.get(f"num_tree_{name}", 0)  # nodes are no draft length
+    for (method, model), (rounds, drafted, accepted) in counts.items():
+        if rounds < MIN_ROUNDS:
+            continue
         try:
             draft = resolve(model) if method == "draft_model" and model else None
-            keep(resolve(target), method, draft, conditional_alphas(acc, drafted), drafted[0] if drafted else 0,
-                 "specdec demo")
+            alpha = alpha_from_tau(1 + accepted / rounds, drafted / rounds)
+            keep(resolve(target), method, draft, [alpha], rounds, "specdec demo")
         except (ValueError, OSError):  # a cache that cannot be written only means priors next time
             pass
 

@@ -93,7 +93,7 @@ def test_auto_times_both_backends_once_and_keeps_the_timings(measured, monkeypat
     assert all(set(e.ms) == {1, 2, 5} and min(e.ms.values()) > 0 for e in verdict.estimates.values())
     cached = json.loads(backend_choice.cache_path().read_text())
     (key, value), = cached.items()
-    assert " float32 torch-path default k 4 method ngram draft - " in key + " "
+    assert " float32 (float32,float32) torch-path default k 4 method ngram draft - " in key + " "
     assert value["torch"] == [verdict.estimates["torch"].ms[T] for T in (1, 2, 5)]
     assert "float32 weights" in value["torch_path"] and "torch path: " in verdict.reason
 
@@ -113,8 +113,12 @@ def test_auto_times_both_backends_once_and_keeps_the_timings(measured, monkeypat
     monkeypatch.delenv(backend_choice.EAGER_ENV)
     auto_backend(resolve(measured), "float32", 4, "suffix")
     auto_backend(resolve(measured), "float32", 3, "ngram")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # make test-restricted's kernels: other timings
+    auto_backend(resolve(measured), "float32", 4, "ngram")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     keys = list(json.loads(backend_choice.cache_path().read_text()))
-    assert len(keys) == 4 and any("torch-path eager" in key for key in keys)
+    assert len(keys) == 5 and any("torch-path eager" in key for key in keys)
+    assert any("ONEDNN_MAX_CPU_ISA=AVX2" in key for key in keys)
     backend_choice.cache_path().write_text(json.dumps({key: {"torch": "fast"}}))  # a damaged entry is timed anew
     assert "torch path: fake" in auto_backend(resolve(measured), "float32", 4, "ngram").reason
 
@@ -134,16 +138,15 @@ def test_measured_acceptance_replaces_the_prior(measured, monkeypatch):
     monkeypatch.setattr(backend_choice, "time_backends", lambda s, d, k, draft=None: entry(STEEP, FLAT))
     prior = auto_backend(source, "float32", 8, "suffix")
     assert prior.backend == "llama.cpp" and "prior for suffix" in prior.reason  # α 0.6: torch's step too dear
-    # 100 rounds drafting 8, every draft accepted at 95% given its predecessors
-    drafted = [100] * 8
-    accepted = [round(100 * 0.95 ** (i + 1)) for i in range(8)]
-    alphas = backend_choice.conditional_alphas(accepted, drafted)
-    assert alphas == pytest.approx([0.95] * 8, abs=0.02)
-    backend_choice.record_acceptance(source, "suffix", None, alphas, 100, "a test")
+    # τ measured at 6 drafts a round: the α whose E(6) it is
+    alpha = backend_choice.alpha_from_tau(expected_tokens([0.95] * 6, 6), 6.2)
+    assert alpha == pytest.approx(0.95, abs=1e-6)
+    assert backend_choice.alpha_from_tau(1.0, 3) == pytest.approx(0.0, abs=1e-6)
+    assert backend_choice.alpha_from_tau(9.0, 3) == pytest.approx(1.0, abs=1e-6)  # clipped to k + 1
+    backend_choice.record_acceptance(source, "suffix", None, [alpha], 100, "a test")
     after = auto_backend(source, "float32", 8, "suffix")
-    assert after.backend == "torch" and "(measured: a test, 100 drafts)" in after.reason
+    assert after.backend == "torch" and "α 0.95 / 0.95 / 0.95 / 0.95 ... (measured: a test, 100 rounds)" in after.reason
     assert auto_backend(source, "float32", 8, "ngram").backend == "llama.cpp"  # per method
-    assert backend_choice.conditional_alphas([5, 1], [9, 9]) == []  # too few rounds to say
 
 
 def test_a_large_checkpoint_is_timed_on_its_first_layers(tmp_path, monkeypatch):

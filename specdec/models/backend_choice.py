@@ -118,7 +118,8 @@ def cache_key(source: ModelSource, dtype: str, k: int, method: str | None, draft
     digest, the dtype asked for, the torch path (compiled or eager), k, the method, the draft model."""
     draft_id = checkpoint_digest(draft.path) if draft is not None and not draft.is_gguf else (
         Path(draft.path).name if draft is not None else "-")
-    return (f"{timings.machine_key()} {checkpoint_digest(source.path)} {dtype} torch-path {torch_path()} "
+    runs_in = ",".join(str(dtype_for(source, b, dtype)) for b in BACKENDS)  # per backend: the dtype_choice rule's
+    return (f"{timings.machine_key()} {checkpoint_digest(source.path)} {dtype} ({runs_in}) torch-path {torch_path()} "
             f"k {k} method {method or 'plain'} draft {draft_id}")
 
 
@@ -199,33 +200,32 @@ def acceptance_for(source: ModelSource, method: str | None, draft: ModelSource |
         alphas = list(kept["alphas"])[:k]
         alphas += [alphas[-1]] * (k - len(alphas))
         shown = " / ".join(f"{a:.2f}" for a in alphas[:4]) + (" ..." if k > 4 else "")
-        return alphas, f"α {shown} (measured: {kept.get('source', 'acceptance.json')}, {kept.get('drafts', '?')} drafts)"
+        return alphas, f"α {shown} (measured: {kept.get('source', 'acceptance.json')}, {kept.get('drafts', '?')} rounds)"
     prior = PRIOR_ALPHAS.get(method, PRIOR_ALPHA)
     return [prior] * k, f"α {prior:.2f} per position (prior for {method}; none measured for this model yet)"
 
 
 def record_acceptance(source: ModelSource, method: str, draft: ModelSource | None, alphas: Sequence[float],
                       drafts: int, where: str) -> None:
-    """Keep the conditional acceptance α_1.. measured for ``method`` on ``source`` (``drafts`` rounds
-    that drafted, measured by ``where``), for the next backend=auto of the same models."""
+    """Keep the conditional acceptance α_1.. (one value: the same at every position) measured for
+    ``method`` on ``source`` (over ``drafts`` rounds that drafted, by ``where``), for the next
+    backend=auto of the same models."""
     if _alphas_ok(list(alphas)):
         timings.write(acceptance_path(), acceptance_key(source, method, draft),
                       {"alphas": [round(a, 4) for a in alphas], "drafts": drafts, "source": where})
 
 
-def conditional_alphas(accepted_per_pos: Sequence[int], drafted_per_pos: Sequence[int],
-                       min_drafts: int = 10) -> list[float]:
-    """α_i = P(position i accepted | 1..i-1 accepted) from per-position counts (metrics.py's
-    num_accepted_tokens_per_pos / num_draft_tokens_per_pos): the share of position i accepted over the
-    share of position i-1, while at least ``min_drafts`` rounds drafted position i."""
-    out, previous = [], 1.0
-    for a, d in zip(accepted_per_pos, drafted_per_pos):
-        if d < min_drafts or previous <= 0:
-            break
-        rate = a / d
-        out.append(min(1.0, rate / previous))
-        previous = rate
-    return out
+def alpha_from_tau(tau: float, k: float) -> float:
+    """The i.i.d. acceptance α whose E(k) (cost_model.expected_tokens) is the measured ``tau`` at
+    ``k`` drafts a round (the mean, rounded): per-position rates of rounds of mixed k would read the
+    controller's choice of k (long drafts where acceptance runs high) as acceptance."""
+    k = max(1, round(k))
+    tau = min(max(tau, 1.0), k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # E(k) grows with α: bisect
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens([mid] * k, k) < tau else (lo, mid)
+    return (lo + hi) / 2
 
 
 def acceptance_key(source: ModelSource, method: str | None, draft: ModelSource | None) -> str:

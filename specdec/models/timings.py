@@ -25,11 +25,18 @@ def cache_file(name: str) -> Path:
     return cache_dir() / name
 
 
+# Settings that hold the kernels to fewer CPU features than the CPU has (make test-restricted sets them):
+# the CPU's own capabilities do not show them, the timings do
+ISA_ENV = ("SPECDEC_NO_NATIVE_BF16", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+
 def machine_key() -> str:
-    """The machine as timings depend on it: the CPU model and features, torch, the thread count."""
+    """The machine as timings depend on it: the CPU model and features, the kernels' ISA limits set
+    in the environment, torch, the thread count."""
     caps = torch.cpu.get_capabilities()
     features = hashlib.sha1(json.dumps(sorted((k, str(v)) for k, v in caps.items())).encode()).hexdigest()[:12]
-    return (f"{caps.get('cpu_name', platform.processor())} {features} torch {torch.__version__} "
+    limits = "".join(f" {name}={os.environ[name]}" for name in ISA_ENV if os.environ.get(name))
+    return (f"{caps.get('cpu_name', platform.processor())} {features}{limits} torch {torch.__version__} "
             f"threads {torch.get_num_threads()}")
 
 
