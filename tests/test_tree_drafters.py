@@ -114,7 +114,7 @@ def test_sampled_siblings_are_drawn_without_replacement(folder):
 def test_sampled_tree_shape_does_not_depend_on_its_draws(folder):
     """The multi-candidate rule is exact only if no sampled node's own token decides whether it exists:
     the shape comes from the root's q (rank_tree) before any draw, whatever the seed draws."""
-    from specdec.drafters.tree_expand import rank_tree
+    from specdec.drafters.tree_expand import RankAcceptance, rank_tree
 
     shape = TreeShape(12, 4, 3)
     ref = runner_of(folder)
@@ -123,10 +123,30 @@ def test_sampled_tree_shape_does_not_depend_on_its_draws(folder):
              for s in seqs]
     assert len({tuple(t.parents) for t in trees}) == 1
     assert len({tuple(t.token_ids) for t in trees}) > 1  # the tokens are drawn
-    root_q = probs_from_logits(chain_logits(ref, HISTORIES[0])[None], batch_of(seqs[:1]))[0]
-    plan = rank_tree(shape, root_q.topk(shape.max_children).values.tolist())
+    plan = rank_tree(shape, RankAcceptance().probs(seqs[:1], shape.max_children)[0])  # a fresh drafter's rates
     assert sum(plan.values()) == trees[0].num_nodes == shape.num_nodes
-    assert len(trees[0].children(-1)) == plan[()]
+    for node in range(-1, trees[0].num_nodes):
+        ranks = tuple(trees[0].children(trees[0].parents[j]).index(j) for j in trees[0].path_to(node))
+        assert len(trees[0].children(node)) == plan.get(ranks, 0)
+
+
+def test_rank_acceptance_counts_the_accepted_siblings():
+    """Rates per sibling rank from verified sampled trees: every child tried in order until one is accepted."""
+    from specdec.drafters.tree_expand import PRIOR_RANK_ACCEPTANCE, RankAcceptance
+
+    ranks = RankAcceptance(decay=1.0, prior_weight=0.0)
+    q = torch.full((4, 5), 0.2)
+    # root: children 0 (token 7) and 1 (token 8); node 1 has children 2 (token 9) and 3 (token 6)
+    tree = DraftTree([7, 8, 9, 6], [-1, -1, 1, 1], q)
+    rows = [seq([1, 2], temperature=1.0), seq([1, 2], temperature=1.0, seed=3)]
+    ranks.propose(rows, [tree, tree])
+    rows[0].token_ids += [8, 6, 4]  # rank 1 at the root, then rank 1 below it, then the bonus token
+    rows[1].token_ids += [5]  # every root child rejected: 5 recovered
+    ranks.observe(rows, [2, 0])
+    assert ranks.all.tried == [3.0, 3.0] and ranks.all.hits == [0.0, 2.0]
+    assert ranks.own[rows[1].seq_id].tried == [1.0, 1.0] and ranks.own[rows[1].seq_id].hits == []
+    assert ranks.probs(rows, 2) == [[0.0, 2 / 3], [0.0, 0.0]]  # the seeded row reads only its own rounds
+    assert RankAcceptance().probs(rows[:1], 2) == [list(PRIOR_RANK_ACCEPTANCE[:2])]
 
 
 def test_batch_rows_equal_alone(folder):

@@ -18,8 +18,9 @@ Candidates (``siblings``):
   ``sampling.sample`` uses, kept for the m best: Gumbel top-m), and draft_probs holds q for each node,
   the multi-candidate rule's input (verify_tree.py). Greedy rows stay top-k. The rule is exact only
   if no sampled node's own token decides whether it exists, so these trees are not pruned by value:
-  their shape is fixed before the first draw, from the root's q (Sequoia's static tree: the child of
-  rank r valued as the root's r-th largest probability, ``rank_tree``), and every drawn node is kept.
+  their shape is fixed before the first draw (Sequoia's static tree, ``rank_tree``: the child of
+  sibling rank r valued as the measured rate at which rank r is the accepted one, ``RankAcceptance``),
+  and every drawn node is kept.
 
 Logit processing (penalties, grammars) runs per expanded node on its own path, as the target's will.
 A sampled row draws only for its own nodes, in node order: its generator's use does not depend on the batch.
@@ -119,9 +120,11 @@ class _Growth:
 
 
 def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shapes: list[TreeShape | None],
-               sb: SamplingBatch, draft_p_min: float = 0.0, siblings: str = "top_k") -> list[DraftTree | None]:
+               sb: SamplingBatch, draft_p_min: float = 0.0, siblings: str = "top_k",
+               rank_probs: list[list[float]] | None = None) -> list[DraftTree | None]:
     """logits [B, V]: the drafter's logits after each history. Returns a tree per row within its shape
-    (None where shapes[b] is None or nothing passes ``draft_p_min``)."""
+    (None where shapes[b] is None or nothing passes ``draft_p_min``). ``rank_probs``: the sampled
+    siblings' shape's rates per rank, per row (RankAcceptance.probs; None: the root's sorted q)."""
     if siblings not in SIBLINGS:
         raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
     B = len(seqs)
@@ -146,7 +149,7 @@ def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shape
             g, kb = grow[b], grow[b].shape.max_children
             if sampled[b]:  # without replacement from q: the m winners of one exponential race
                 if parent < 0:  # the shape, fixed before any draw
-                    g.plan = rank_tree(g.shape, top_q[m][:kb])
+                    g.plan = rank_tree(g.shape, top_q[m][:kb] if rank_probs is None else rank_probs[b])
                 n = g.planned_children(parent)
                 if n == 0 or top_q[m][0] < draft_p_min:  # too unsure: no children (q's property, not a draw's)
                     continue
@@ -204,3 +207,88 @@ def rank_tree(shape: TreeShape, rank_probs: list[float]) -> dict[tuple[int, ...]
         if path[-1] + 1 < len(ranks):
             frontier[path[:-1] + (path[-1] + 1,)] = value / ranks[path[-1]] * ranks[path[-1] + 1]
     return children
+
+
+PRIOR_RANK_ACCEPTANCE = (0.7, 0.1, 0.05, 0.03, 0.02, 0.01, 0.01, 0.01)  # before any sampled tree is verified
+
+
+class RankAcceptance:
+    """How often the sibling of each rank is the accepted child, over a drafter's verified sampled trees:
+    at every node the accepted path reaches that has children, each child of rank r was tried
+    (``tried[r]``) and at most one accepted (``hits[r]``). Decayed counts smoothed towards
+    PRIOR_RANK_ACCEPTANCE. The sampled trees' fixed shape (rank_tree) is sized from these rates: they
+    depend on past rounds only, never on the draws of the tree they shape. A seeded request reads only
+    its own counts, so its output does not depend on the batch."""
+
+    def __init__(self, decay: float = 0.995, prior_weight: float = 4.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.all = _RankCounts()
+        self.own: dict[int, _RankCounts] = {}  # seq_id -> its own counts
+        self.pending: dict[int, DraftTree] = {}  # seq_id -> its last sampled tree, until observe
+
+    def probs(self, seqs: list[Sequence], k: int) -> list[list[float]]:
+        """[B][k] each row's rate per rank."""
+        prior = list(PRIOR_RANK_ACCEPTANCE) + [PRIOR_RANK_ACCEPTANCE[-1]] * max(k - len(PRIOR_RANK_ACCEPTANCE), 0)
+        w = self.prior_weight
+        out = []
+        for s in seqs:
+            c = self.own.get(s.seq_id, _RankCounts()) if s.params.seed is not None else self.all
+            out.append([(c.get(c.hits, r) + w * prior[r]) / (c.get(c.tried, r) + w) for r in range(k)])
+        return out
+
+    def propose(self, seqs: list[Sequence], trees: list[DraftTree | None]) -> None:
+        """Remember the sampled trees (draft_probs set) proposed for ``seqs``."""
+        for s, t in zip(seqs, trees):
+            if t is not None and t.draft_probs is not None:
+                self.pending[s.seq_id] = t
+            else:
+                self.pending.pop(s.seq_id, None)
+
+    def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        """Each sequence's history now ends with its accepted path (num_accepted nodes) and one more token."""
+        for s, a in zip(seqs, num_accepted):
+            tree = self.pending.pop(s.seq_id, None)
+            if tree is None or len(s.token_ids) < a + 1:
+                continue
+            path = s.token_ids[len(s.token_ids) - a - 1 : len(s.token_ids) - 1]
+            for c in (self.all, self.own.setdefault(s.seq_id, _RankCounts())):
+                c.decay(self.decay)
+            node, seen = -1, 0
+            while True:
+                kids = tree.children(node)
+                if not kids:
+                    break
+                nxt = next((r for r, c in enumerate(kids) if seen < a and tree.token_ids[c] == path[seen]), None)
+                for c in (self.all, self.own[s.seq_id]):
+                    for r in range(len(kids) if nxt is None else nxt + 1):  # tried in order until one is accepted
+                        c.add(c.tried, r)
+                    if nxt is not None:
+                        c.add(c.hits, nxt)
+                if nxt is None:
+                    break
+                node, seen = kids[nxt], seen + 1
+
+    def release(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.pending.pop(s.seq_id, None)
+            self.own.pop(s.seq_id, None)
+
+
+@dataclass
+class _RankCounts:
+    hits: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)
+
+    def decay(self, f: float) -> None:
+        self.hits = [h * f for h in self.hits]
+        self.tried = [t * f for t in self.tried]
+
+    @staticmethod
+    def get(counts: list[float], r: int) -> float:
+        return counts[r] if r < len(counts) else 0.0
+
+    @staticmethod
+    def add(counts: list[float], r: int) -> None:
+        while len(counts) <= r:
+            counts.append(0.0)
+        counts[r] += 1.0
