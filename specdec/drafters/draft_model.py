@@ -110,7 +110,7 @@ class DraftModelDrafter(Drafter):
         starts, chunks = [], []
         for s, new in zip(seqs, is_new):
             cached = [] if new else self.cached[s.seq_id]
-            m = 0 if new else self.committed[s.seq_id]
+            m = 0 if new else min(self.committed[s.seq_id], len(s.token_ids) - 1)  # the newest token is always fed
             limit = min(len(cached), len(s.token_ids) - 1)
             while m < limit and cached[m] == s.token_ids[m]:
                 m += 1
