@@ -260,8 +260,8 @@ def time_backends(source: ModelSource, dtype: str, k: int, draft: ModelSource | 
             for f in (timings.cache_dir() / "gguf").glob(f"{stem}-*"):
                 f.unlink(missing_ok=True)
     out = {}
-    for b in BACKENDS:  # per length: t(low) + (layers - low) * (the cost of one more layer)
-        target = [lo + (layers - low) * (hi - lo) / (high - low) for lo, hi in zip(cut[low][b], cut[high][b])]
+    for b in BACKENDS:  # per length: t(low) + (layers - low) * (the cost of one more layer, never below 0)
+        target = [lo + (layers - low) * max(0.0, hi - lo) / (high - low) for lo, hi in zip(cut[low][b], cut[high][b])]
         out[b] = [round(t, 4) for t in target] + cut[low][b][len(target):]
     out["how"] = (f"timed on its first {low} and {high} layers and extrapolated to {layers} (the checkpoint, "
                   f"{size / 2**30:.1f} GiB, is over {MEMORY_SHARE:.2f} of the {free / 2**30:.1f} GiB available)")
