@@ -28,10 +28,12 @@ comes where even drafts that are always accepted could not pay at the measured c
 Draft trees (``choose_tree`` / ``record_tree``; tree.py, cost_model.py "draft trees"): where the
 engine may draft a tree, it first asks for a tree shape. The controller weighs the best tree of N
 nodes for N = 1..max_nodes, S_tree(N) = E_tree(N) · t_1 / (D(N) · c_tree + t_v(B, 1 + N)), against the
-best chain, S(k) above: E_tree from the chain's measured acceptance per depth plus a prior share of
-each miss that a sibling catches (SIBLING_PRIOR), scaled by what tree rounds actually accepted
-against what was predicted; D(N) the depth of that tree, c_tree the measured draft time per tree
-level; t_v(B, T) the verify line through every pass timed at this batch size, chains' and trees'.
+best chain, S(k) above: E_tree from the chain's acceptance per depth and the share of each miss
+that a further sibling catches (cost_model.rank_acceptance), both measured on tree rounds too
+(their first children's path is the chain; SIBLING_PRIOR until siblings are seen), scaled by what
+tree rounds accepted against what was predicted; D(N) the depth of that tree, c_tree the measured
+draft time per tree level; t_v(B, T) the verify line through every pass timed at this batch size,
+chains' and trees'.
 A tree is drafted only where it beats the best chain by TREE_MIN_GAIN: on a flat verify curve (1 + N
 tokens cost about one step) and at small batches; on a steep curve or a large batch the chain wins.
 """
@@ -43,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specdec.cost_model import best_k, mean_expected_tokens, rank_acceptance, round_cost, speedup, tree_node_values
-from specdec.tree import TreeShape
+from specdec.tree import DraftTree, TreeShape
 
 PRIOR_ALPHA = 0.6  # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 4.0  # pseudo-rounds of the batch-wide rates mixed into a sequence's own counts
@@ -151,6 +153,8 @@ class AdaptiveK:
         self.tree_observed = 0.0  # decayed accepted tree nodes, over the rows of tree rounds
         self.tree_predicted = 0.0  # decayed accepted nodes the prior predicted for the same rows
         self.tree_rows = 0.0  # decayed rows of tree rounds
+        self.sibling_tried = 0.0  # decayed siblings tried after a first child missed (record_tree's trees)
+        self.sibling_caught = 0.0  # and those that caught the token
         self._tree_prior: list[float] = []  # E_tree(0..max_nodes) before calibration, from the last choose_tree
         self._tree_depth = 1  # depth of the tree shape the last choose_tree returned
         self._version = 0  # drafting rounds recorded: what the tree decision reads changes with them
@@ -249,7 +253,8 @@ class AdaptiveK:
         B = len(seq_ids)
         max_nodes, top_k, max_depth = max(1, max_nodes), max(1, top_k), max(1, max_depth)
         alphas = self._mean_alphas(seq_ids, max_depth)
-        rank_probs = [rank_acceptance(a, top_k, SIBLING_PRIOR) for a in alphas]
+        sibling = self.sibling_rate()
+        rank_probs = [rank_acceptance(a, top_k, sibling) for a in alphas]
         nodes = tree_node_values(rank_probs, max_nodes, top_k)  # (value, depth, rank), best first
         prior, depth, width = [1.0], [0], [0]
         for v, d, j in nodes:
@@ -412,13 +417,21 @@ class AdaptiveK:
             self.batch_stats.update(nd, na, DECAY ** (1.0 / max(B, 1)))
 
     def record_tree(self, seq_ids: list[int], num_nodes: list[int], num_accepted: list[int],
-                    draft_s: float, verify_s: float | None) -> None:
+                    draft_s: float, verify_s: float | None, trees: list[DraftTree | None] | None = None,
+                    paths: list[list[int]] | None = None) -> None:
         """Report a tree round (instead of ``record``): per row, the nodes its tree had (0: the row drafted
         nothing) and the nodes on its accepted path (the bonus or recovered token not counted); the
         round's drafting time and its verify pass's time (None: the pass carried a prompt, not
         timed). Records the pass's time at 1 + max(num_nodes) tokens, the draft time per level of
         the shape the last ``choose_tree`` returned, tokens per pass per node count, and what the rows
-        accepted against the prediction (``tree_calibration``)."""
+        accepted against the prediction (``tree_calibration``).
+
+        ``trees`` and ``paths`` (optional, recommended): each row's DraftTree (None: no tree) and its
+        accepted node indices, root's child first (verify_tree's ``accepted_nodes``), siblings in
+        the drafter's rank order (node order). From them the controller learns what a chain would
+        have accepted (the first children's path: the chain's per-position acceptance keeps
+        being measured while trees run) and how often a sibling catches what the ranks before it
+        missed (``sibling_rate``), instead of the prior."""
         B = len(seq_ids)
         n_round = max(num_nodes) if num_nodes else 0
         self.rounds += 1
@@ -431,6 +444,8 @@ class AdaptiveK:
         if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first
             self.tree_draft_time.setdefault(B, Timing()).update(draft_s / max(self._tree_depth, 1))
         self.last_k = n_round
+        if trees is not None and paths is not None:
+            self._learn_from_trees(seq_ids, trees, paths)
         prior = self._tree_prior
         d = DECAY ** (1.0 / max(B, 1))
         for n, a in zip(num_nodes, num_accepted):
@@ -441,6 +456,48 @@ class AdaptiveK:
                 self.tree_observed = d * self.tree_observed + a
                 self.tree_predicted = d * self.tree_predicted + (prior[n] - 1.0)
                 self.tree_rows = d * self.tree_rows + 1.0
+
+    def _learn_from_trees(self, seq_ids: list[int], trees: list[DraftTree | None], paths: list[list[int]]) -> None:
+        """Per row: the chain of first children, as a chain round (``record``) would have counted it, and
+        at each node of the accepted path whose first child missed, the siblings tried after it
+        (ranks 2.. until the accepted one, or all of them) and whether one caught the token."""
+        B = len(seq_ids)
+        decay = DECAY ** (1.0 / max(B, 1))
+        for sid, tree, path in zip(seq_ids, trees, paths):
+            if tree is None or tree.num_nodes == 0:
+                continue
+            kids: dict[int, list[int]] = {}
+            for i, p in enumerate(tree.parents):
+                kids.setdefault(p, []).append(i)
+            top, node = 0, -1  # the first children's chain: its length, and how much of it was accepted
+            while node in kids:
+                node = kids[node][0]
+                top += 1
+            lead = 0
+            while lead < len(path) and kids.get(tree.parents[path[lead]], [None])[0] == path[lead]:
+                lead += 1
+            self.seqs.setdefault(sid, PositionStats()).update(top, lead, DECAY)
+            self.batch_stats.update(top, lead, decay)
+            node = -1
+            for depth in range(len(path) + 1):
+                children = kids.get(node)
+                if not children:
+                    break
+                nxt = path[depth] if depth < len(path) else None
+                if nxt != children[0]:  # the first child missed: its siblings were tried in rank order
+                    caught = nxt is not None and nxt in children
+                    tried = children.index(nxt) if caught else len(children) - 1
+                    self.sibling_tried = self.sibling_tried * decay + tried
+                    self.sibling_caught = self.sibling_caught * decay + (1.0 if caught else 0.0)
+                if nxt is None:
+                    break
+                node = nxt
+
+    def sibling_rate(self) -> float:
+        """The share of the remaining miss each further sibling catches: measured from tree rounds
+        (``record_tree`` with trees and paths), smoothed towards SIBLING_PRIOR."""
+        w = TREE_CALIBRATION_WEIGHT
+        return (self.sibling_caught + w * SIBLING_PRIOR) / (self.sibling_tried + w)
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from specdec.adaptive import SIBLING_PRIOR, TREE_DECIDE_ROUNDS, AdaptiveK, Timing
+from specdec.adaptive import DECAY, TREE_DECIDE_ROUNDS, AdaptiveK, Timing
 from specdec.cost_model import rank_acceptance, speedup, tree_expected_tokens, tree_shape_of
+from specdec.tree import DraftTree
 
 
 def measured(t1: float, slope: float, batch: int = 1, draft: float = 0.0005, k: int = 4) -> AdaptiveK:
@@ -46,7 +47,7 @@ def test_the_shape_is_the_cost_models_best_tree():
     ctrl = measured(t1, slope, draft=draft)
     shape = ctrl.choose_tree([0], 12, 3, 4, force=False)
     alphas = ctrl._mean_alphas([0], 4)
-    p = [rank_acceptance(a, 3, SIBLING_PRIOR) for a in alphas]
+    p = [rank_acceptance(a, 3, ctrl.sibling_rate()) for a in alphas]
     E = tree_expected_tokens(p, 12, 3)
     line = ctrl.tree_verify_line(1)
     s = {n: speedup(E[n], tree_shape_of(p, n, 3)[0] * 1.25 * draft + line(n + 1), t1) for n in range(1, 13)}
@@ -144,3 +145,51 @@ def test_the_decision_is_not_weighed_again_while_nothing_it_reads_changes(monkey
     ctrl.choose_tree([0, 1], 16, 4, 4, force=False)  # another batch size: weighed anew (if it is timed)
     ctrl.choose_tree([0], 16, 4, 4, force=True)  # other arguments: weighed anew
     assert len(calls) == 2
+
+
+def test_tree_rounds_teach_the_chains_acceptance_and_the_siblings_rate():
+    """Root children A, B; A's children C, D; C's child E (siblings in rank order). Path [A, D]: the
+    chain of first children (A, C, E) would have accepted A only; at A the first child missed and
+    the second caught it. Path [B]: the chain accepted nothing; a sibling caught. Path []: all missed."""
+    tree = DraftTree([10, 11, 12, 13, 14], [-1, -1, 0, 0, 2])
+    ctrl = AdaptiveK(4)
+    ctrl.record_tree([0, 1, 2], [5, 5, 5], [2, 1, 0], 0.001, 0.01, trees=[tree] * 3, paths=[[0, 3], [1], []])
+    assert ctrl.seqs[0].reached == [1.0, 1.0, 0.0] and ctrl.seqs[0].accepted == [1.0, 0.0, 0.0]
+    assert ctrl.seqs[1].reached == [1.0, 0.0, 0.0] and ctrl.seqs[1].accepted == [0.0, 0.0, 0.0]
+    d = DECAY ** (1 / 3)  # decayed per row, as the batch-wide acceptance counts are
+    assert ctrl.sibling_tried == pytest.approx((d + 1) * d + 1) and ctrl.sibling_caught == pytest.approx((d + 1) * d)
+
+
+def _full_tree(depth: int, width: int) -> DraftTree:
+    tokens, parents, frontier = [], [], [-1]
+    for _ in range(depth):
+        nxt = []
+        for p in frontier:
+            for _ in range(width):
+                parents.append(p)
+                tokens.append(len(tokens))
+                nxt.append(len(tokens) - 1)
+        frontier = nxt
+    return DraftTree(tokens, parents)
+
+
+def test_the_measured_rates_converge_to_the_true_ones():
+    """A world where each first child is accepted with 0.7 and each further sibling catches 0.6 of the
+    remaining miss (cost_model.rank_acceptance's model): the controller's estimates get there."""
+    rnd = random.Random(1)
+    tree = _full_tree(3, 3)
+    kids = {}
+    for i, p in enumerate(tree.parents):
+        kids.setdefault(p, []).append(i)
+    ctrl = AdaptiveK(3)
+    for _ in range(400):
+        path, node = [], -1
+        while node in kids:
+            hit = next((c for r, c in enumerate(kids[node]) if rnd.random() < (0.7 if r == 0 else 0.6)), None)
+            if hit is None:
+                break
+            path.append(hit)
+            node = hit
+        ctrl.record_tree([0], [tree.num_nodes], [len(path)], 0.001, 0.01, trees=[tree], paths=[path])
+    assert ctrl.sibling_rate() == pytest.approx(0.6, abs=0.1)
+    assert ctrl._batch_alphas()[0] == pytest.approx(0.7, abs=0.1)
