@@ -15,6 +15,7 @@ import torch
 from lossless import assert_first_tokens_follow_target, assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import Engine
 from specdec.models.base import ForwardBatch, pad_rows
@@ -230,10 +231,9 @@ def small_vocab(tmp_path_factory):
 
 @pytest.mark.parametrize("params, sampled", [
     (dict(temperature=1.0), True),
-    (dict(temperature=0.8, top_k=4), True),
-    (dict(temperature=1.0, top_p=0.7), True),
+    (dict(temperature=0.8, top_k=4, top_p=0.7), True),
     (dict(temperature=1.0, top_p=0.7), False),  # deterministic candidates (plain decoding's draws, above)
-], ids=["t1", "topk", "topp", "topp-deterministic"])
+], ids=["t1", "topk-topp", "topp-deterministic"])
 def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, sampled):
     """The first token comes from a plain pass, the next ones from trees of depth 2 (up to 3 children
     a node, 6 nodes): the joint of the first two and the marginal of the third follow the target."""
@@ -346,8 +346,8 @@ def test_suffix_trees_greedy_equal_plain_decoding(models):
     assert llm.get_metrics()["num_tree_drafts"] > 0
 
 
-@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.7)], ids=["t1", "topp"])
-def test_draft_model_trees_follow_the_target_distribution(small_vocab, params):
+def test_draft_model_trees_follow_the_target_distribution(small_vocab):
+    params = dict(temperature=1.0)
     target, draft, hf = small_vocab
     prompt = [5, 9, 3]
     N = 2000
@@ -363,3 +363,49 @@ def test_draft_model_trees_follow_the_target_distribution(small_vocab, params):
 def replace_n(sp: SamplingParams) -> SamplingParams:
     from dataclasses import replace
     return replace(sp, n=1)
+
+
+def eagle3_llm(target: str, k: int, siblings: str, max_nodes: int, top_k: int) -> LLM:
+    """An LLM whose engine drafts trees with an EAGLE-3 head of random weights over ``target``'s states."""
+    from transformers import AutoConfig
+
+    from specdec.drafters.eagle3 import Eagle3Drafter
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+
+    llm = LLM(target)
+    c = Eagle3Config.for_target(AutoConfig.from_pretrained(target))
+    torch.manual_seed(3)
+    head = Eagle3Head(c, llm.target.token_embedding()[: c.vocab_size].float())
+    drafter = Eagle3Drafter(head, llm.target, siblings=siblings)
+    llm.engine = Engine(llm.target, drafter, k, tokenizer=llm.tokenizer, strict_drafter=True, draft_tree="tree",
+                        draft_tree_max_nodes=max_nodes, draft_tree_top_k=top_k)
+    return llm
+
+
+def test_eagle3_trees_greedy_equal_plain_decoding(models):
+    prompts = random_prompts(3, [4, 9, 14], seed=41)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    llm = eagle3_llm(models["target"], 3, "top_k", 8, 3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for p, e, o in zip(prompts, plain(models["target"], prompts, sp), outs):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+    assert llm.get_metrics()["num_tree_drafts"] > 0
+
+
+@pytest.mark.parametrize("method, siblings", [("draft_model", "sampled"), ("eagle3", "sampled"),
+                                              ("eagle3", "top_k")])
+def test_shipped_drafters_sampled_trees_follow_the_target(small_vocab, method, siblings):
+    """Sampled siblings (drawn from q without replacement) and the head's top-k, at top-p 0.9."""
+    target, draft, hf = small_vocab
+    prompt, N = [5, 9, 3], 2000
+    sps = [SamplingParams(max_tokens=4, seed=3000 + i, ignore_eos=True, temperature=1.0, top_p=0.9) for i in range(N)]
+    if method == "eagle3":
+        llm = eagle3_llm(target, 2, siblings, 6, 3)
+    else:
+        llm = LLM(target)
+        llm.engine = Engine(llm.target, DraftModelDrafter(LlamaRunner(load_model(draft)), siblings=siblings), 2,
+                            tokenizer=llm.tokenizer, strict_drafter=True, draft_tree="tree", draft_tree_max_nodes=6,
+                            draft_tree_top_k=3)
+    tokens = np.array([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompt}] * N, sps)])
+    assert_first_tokens_follow_target(hf, prompt, tokens, sps[0], len(SMALL_WORDS) + 3)
+    assert llm.get_metrics()["num_tree_draft_tokens"] > 2 * N
