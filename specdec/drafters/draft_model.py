@@ -28,7 +28,7 @@ CATCH_UP_TOGETHER = 4  # newcomers' chunks up to this long ride along in the run
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, runner: ModelRunner, draft_p_min: float = 0.0, siblings: str = "top_k"):
+    def __init__(self, runner: ModelRunner, draft_p_min: float = 0.0, siblings: str = "sampled"):
         if siblings not in SIBLINGS:
             raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
         self.runner = runner

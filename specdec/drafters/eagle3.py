@@ -165,7 +165,7 @@ def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 class Eagle3Drafter(Drafter):
     can_draft_trees = True  # the head runs in torch beside a torch target (the only one that keeps states)
 
-    def __init__(self, head: Eagle3Head, target: ModelRunner, draft_p_min: float = 0.0, siblings: str = "top_k"):
+    def __init__(self, head: Eagle3Head, target: ModelRunner, draft_p_min: float = 0.0, siblings: str = "sampled"):
         if siblings not in SIBLINGS:
             raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
         self.siblings = siblings  # a tree's candidates: the head's top tokens, or drawn from q (tree_expand.py)

@@ -14,13 +14,16 @@ expanded per level (EAGLE-2's beam).
 Candidates (``siblings``):
 - ``"top_k"``: a node's children are the top tokens of q, deterministic (DraftTree.draft_probs None:
   the verifier treats each as a one-hot q, exact for greedy and sampled rows alike);
-- ``"sampled"``: a sampled row's children are drawn from q without replacement (the exponential race
+- ``"sampled"`` (the drafters' default): a sampled row's children are drawn from q without replacement (the exponential race
   ``sampling.sample`` uses, kept for the m best: Gumbel top-m), and draft_probs holds q for each node,
   the multi-candidate rule's input (verify_tree.py). Greedy rows stay top-k. The rule is exact only
   if no sampled node's own token decides whether it exists, so these trees are not pruned by value:
   their shape is fixed before the first draw (Sequoia's static tree, ``rank_tree``: the child of
   sibling rank r valued as the measured rate at which rank r is the accepted one, ``RankAcceptance``),
   and every drawn node is kept.
+  Measured at temperature 1 on the shipped pair (16 nodes, 4 code prompts): τ 3.69 / 3.93 / 4.07 at
+  depth 4 / 8 / 16 against 1.70 for top-k candidates, whose one-hot rule accepts a child only when
+  the target's own draw is that token; chains of 4 and 16 drafts: 3.05, 3.77.
 
 Logit processing (penalties, grammars) runs per expanded node on its own path, as the target's will.
 A sampled row draws only for its own nodes, in node order: its generator's use does not depend on the batch.
