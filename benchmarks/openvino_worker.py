@@ -9,9 +9,12 @@ Requests (``op``):
   "ngram": m}``: greedy, exactly N new tokens (ignore_eos, min_new_tokens), batch 1, on an
   ``LLMPipeline`` built once per config and kept; replies the tokens, the seconds ``generate`` took
   (timed here, so the pipe's transfer is not counted) and, when speculating, the drafted and accepted counts.
-- ``step_cost``: ``{"context": C, "tokens": [1, 5], "repeats": R}``: ms of one forward of T tokens after C
-  cached positions on the exported stateful model with the plain runtime (the target alone, its KV
-  rolled back by resetting the state and refilling the C positions untimed), R times each.
+- ``step_cost``: ``{"context": C, "tokens": [1, 5], "repeats": R, "burst": B}``: ms of one forward of T
+  tokens after C cached positions on the exported stateful model with the plain runtime (the target
+  alone): per repeat and length, the state reset, C positions filled (untimed), then B forwards of T
+  tokens in a row, the second half timed (a decode or verify loop's steady state).
+- ``top2``: ``{"ids": [...]}``: the target's two best tokens after ``ids`` and the gap between their
+  logits (where two greedy outputs part: a near-tie or not).
 - ``quit``.
 
 Started as ``VENV/bin/python openvino_worker.py --target DIR --draft DIR --threads 2``; OpenVINO's own
@@ -112,18 +115,31 @@ def main() -> None:
                            "position_ids": np.arange(start, start + len(ids), dtype=np.int64)[None],
                            "beam_idx": np.zeros(1, dtype=np.int32)})
 
+        burst = int(req.get("burst", 6))
         prompt = [(i * 7919) % (vocab - 10) + 5 for i in range(C)]
         times: dict[int, list[float]] = {int(T): [] for T in req["tokens"]}
         for _ in range(repeats):
             for T in times:  # lengths alternate within a repeat, so noise hits them alike
                 request.reset_state()
                 feed(prompt, 0)
-                t0 = time.perf_counter()
-                feed([(j * 31) % (vocab - 10) + 5 for j in range(T)], C)  # logits at every position
-                times[T].append(time.perf_counter() - t0)
+                for i in range(burst):
+                    t0 = time.perf_counter()
+                    feed([(j * 31) % (vocab - 10) + 5 for j in range(T)], C + i * T)  # logits at every position
+                    if i >= burst // 2:
+                        times[T].append(time.perf_counter() - t0)
         return {"ms": {str(T): [1e3 * t for t in v] for T, v in times.items()}}
 
-    ops = {"generate": generate, "info": lambda req: info(), "step_cost": step_cost}
+    def top2(req: dict) -> dict:
+        request = target_model().create_infer_request()
+        ids = np.array([req["ids"]], dtype=np.int64)  # [1, L]
+        request.infer({"input_ids": ids, "attention_mask": np.ones_like(ids),
+                       "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None],
+                       "beam_idx": np.zeros(1, dtype=np.int32)})
+        last = request.get_tensor("logits").data[0, -1].astype(np.float64)  # [V]
+        a, b = np.argsort(last)[::-1][:2]
+        return {"top": [int(a), int(b)], "gap": float(last[a] - last[b])}
+
+    ops = {"generate": generate, "info": lambda req: info(), "step_cost": step_cost, "top2": top2}
     for line in sys.stdin:
         if not line.strip():
             continue

@@ -262,6 +262,7 @@ def ratio_lines(rows: list[dict]) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setup", action="store_true", help="only build the throwaway venv and export the IR, then stop")
+    ap.add_argument("--venv", type=Path, default=VENV, help="the throwaway venv for OpenVINO GenAI and optimum-intel")
     ap.add_argument("--torch-index", default=None,
                     help="pip index for the venv's torch where the plain one would be a CUDA build")
     ap.add_argument("--target", default="specdec/demo-target", help="HF checkpoint (a name or a folder)")
@@ -280,7 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=256, help="cached positions before the timed step / verify")
-    ap.add_argument("--step-repeats", type=int, default=15)
+    ap.add_argument("--step-repeats", type=int, default=9)
+    ap.add_argument("--step-burst", type=int, default=6, help="forwards of one length in a row; the second half timed")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     if args.num_prompts < 1 or args.max_tokens < 1 or args.threads < 1:
@@ -290,9 +292,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # -- the run --------------------------------------------------------------------------------------
 
-def step_costs(worker: Worker, runners: dict[str, object], context: int, repeats: int) -> dict[str, dict[int, float]]:
+def step_costs(worker: Worker, runners: dict[str, object], context: int, repeats: int,
+               burst: int = 6) -> dict[str, dict[int, float]]:
     """ms of one forward of 1 and of 5 tokens after ``context`` cached positions: OpenVINO's
-    exported target on the plain runtime and each specdec runner, alternating repeat by repeat."""
+    exported target on the plain runtime and each specdec runner, alternating repeat by repeat;
+    each repeat feeds ``burst`` forwards of one length in a row and times the second half (the
+    steady state of a decode or verify loop), the cache growing by T each."""
     import torch
 
     from specdec.models.base import ForwardBatch
@@ -300,34 +305,50 @@ def step_costs(worker: Worker, runners: dict[str, object], context: int, repeats
     tokens = (1, 5)
     times: dict[str, dict[int, list[float]]] = {k: {T: [] for T in tokens} for k in ["openvino", *runners]}
     for r in runners.values():
-        r.reserve(1, context + max(tokens) + 1)
+        r.reserve(1, context + burst * max(tokens) + 1)
         r.sync_rows(["probe"])
         r.forward(ForwardBatch.from_rows([[(i * 7919) % (r.vocab_size - 10) + 5 for i in range(context)]], [0],
                                          logits="none"))
     with torch.inference_mode():
         for _ in range(repeats):
-            got = worker.request("step_cost", context=context, tokens=list(tokens), repeats=1)["ms"]
+            got = worker.request("step_cost", context=context, tokens=list(tokens), repeats=1, burst=burst)["ms"]
             for T in tokens:
                 times["openvino"][T] += got[str(T)]
             for name, r in runners.items():
                 for T in tokens:
-                    feed = ForwardBatch.from_rows([[(j * 31) % (r.vocab_size - 10) + 5 for j in range(T)]], [context],
-                                                  logits="all")
-                    t0 = time.perf_counter()
-                    r.forward(feed)
-                    times[name][T].append(1e3 * (time.perf_counter() - t0))
+                    ids = [(j * 31) % (r.vocab_size - 10) + 5 for j in range(T)]
+                    for i in range(burst):  # logits at every position, as a verify pass
+                        feed = ForwardBatch.from_rows([ids], [context + i * T], logits="all")
+                        t0 = time.perf_counter()
+                        r.forward(feed)
+                        if i >= burst // 2:
+                            times[name][T].append(1e3 * (time.perf_counter() - t0))
     return {k: {T: statistics.median(v) for T, v in d.items()} for k, d in times.items()}
+
+
+def divergence_note(c: Config, prompt: list[int], expected: list[int], got: list[int], llms: dict,
+                    worker: Worker) -> str:
+    """Where ``got`` parts from the plain output ``expected`` and the target's top-2 gap there:
+    specdec's near-tie check (its runner, its dtype's threshold), or OpenVINO's exported target."""
+    if c.engine == "specdec":
+        from specdec.near_tie import first_divergence
+
+        d = first_divergence(llms[c.plain_key].target, prompt, expected, got)
+        return f"@{d['position']} gap {d['gap']:.3g} < {d['threshold']:.3g}: {d['near_tie']}"
+    j = next(i for i, (a, b) in enumerate(zip(expected + [-1], got + [-2])) if a != b)
+    t = worker.request("top2", ids=list(prompt) + list(expected[:j]))
+    return f"@{j} gap {t['gap']:.3g}"
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from specdec.models.resolve import resolve_model_path
 
-    setup_venv(VENV, args.torch_index)
-    target_ir = export_ir(resolve_model_path(args.target), args.weight_format)
-    draft_ir = export_ir(resolve_model_path(args.draft), args.weight_format)
+    setup_venv(args.venv, args.torch_index)
+    target_ir = export_ir(resolve_model_path(args.target), args.weight_format, args.venv)
+    draft_ir = export_ir(resolve_model_path(args.draft), args.weight_format, args.venv)
     if args.setup:
-        print(f"ready: {VENV}, {target_ir}, {draft_ir}")
+        print(f"ready: {args.venv}, {target_ir}, {draft_ir}")
         return
 
     import torch
@@ -338,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     has_eager = "enforce_eager" in inspect.signature(LLM.__init__).parameters
     configs = build_configs(args, has_eager)
-    worker = Worker(target_ir, draft_ir, args.threads)
+    worker = Worker(target_ir, draft_ir, args.threads, args.venv)
     try:
         info = worker.request("info")
         ov_path = (f"OpenVINO {info['openvino'].split('-')[0]} CPU ({info['cpu']}): {args.weight_format} IR, "
@@ -414,28 +435,31 @@ def main(argv: list[str] | None = None) -> None:
             print(line)
         print(f"load average (1 min) before / after the prompts: {load[0]:.1f} / {os.getloadavg()[0]:.1f}")
 
-        print("\nsame greedy outputs as plain decoding on the same engine and backend:")
+        print("\nsame greedy outputs as plain decoding on the same engine and backend (else: where they part, "
+              "the target's top-2 logit gap there):")
         for c in configs:
             base = results.get(c.plain_key)
             if base and c.key != c.plain_key:
                 same = sum(a["tokens"] == b["tokens"] for a, b in zip(results[c.key], base))
-                print(f"  {c.key:40s} {same}/{len(base)}")
+                notes = [divergence_note(c, ids, b["tokens"], a["tokens"], llms, worker)
+                         for ids, a, b in zip(prompts, results[c.key], base) if a["tokens"] != b["tokens"]]
+                print(f"  {c.key:40s} {same}/{len(base)}  {'; '.join(notes)}")
         for c in configs:
             if c.engine == "specdec" and c.name.endswith("plain"):
                 same = sum(a["tokens"] == b["tokens"] for a, b in zip(results[c.key], results["openvino plain"]))
                 print(f"  {c.key} vs openvino plain (different numerics): {same}/{len(prompts)}")
 
         runners = {c.key: llms[c.key].target for c in configs if c.engine == "specdec" and c.spec is None}
-        costs = step_costs(worker, runners, args.context, args.step_repeats)
+        costs = step_costs(worker, runners, args.context, args.step_repeats, args.step_burst)
         print(f"\none-token step and 5-token verify at context {args.context}, {args.threads} threads "
-              f"(median of {args.step_repeats}, alternating):")
+              f"(median of {args.step_repeats} repeats x the second half of bursts of {args.step_burst}, alternating):")
         for name, c in costs.items():
             path = ov_path + ", stateful model on the plain runtime" if name == "openvino" else paths[name]
             print(f"  {name:32s} t(1) {c[1]:6.2f} ms  t(5) {c[5]:6.2f} ms  v(4) = {c[5] / c[1]:.2f}  [{path}]")
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows, "paths": paths, "openvino": info,
                                                    "step_ms": costs, "auto": auto_picks,
-                                                   "args": vars(args)}, indent=1))
+                                                   "args": vars(args)}, indent=1, default=str))
     finally:
         worker.close()
 
