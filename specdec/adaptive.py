@@ -439,6 +439,7 @@ class AdaptiveK:
             self.last_k = 0
             return
         self._version += 1
+        self.off_rounds = 0  # a chain switched off was decided before these drafts: weigh it anew next time
         if verify_s is not None:
             self.tree_verify_time.setdefault((B, n_round + 1), Timing()).update(verify_s)
         if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first

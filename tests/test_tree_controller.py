@@ -193,3 +193,17 @@ def test_the_measured_rates_converge_to_the_true_ones():
         ctrl.record_tree([0], [tree.num_nodes], [len(path)], 0.001, 0.01, trees=[tree], paths=[path])
     assert ctrl.sibling_rate() == pytest.approx(0.6, abs=0.1)
     assert ctrl._batch_alphas()[0] == pytest.approx(0.7, abs=0.1)
+
+
+def test_after_tree_rounds_the_chain_is_weighed_anew():
+    """Chains switched off on a bad early round, then trees ran and measured good acceptance: when trees
+    stop paying, choose() weighs chains again instead of keeping the old 'off' until a probe."""
+    ctrl = measured(0.010, 0.05)
+    ctrl.record([0], [2], [0], 0.001, 0.011)
+    ctrl.record([0], [2], [0], 0.001, 0.011)
+    assert ctrl.choose([0]) == [0] and ctrl.off_rounds > 0  # the chain is off
+    tree = _full_tree(4, 2)
+    first = [0, 2, 6, 14]  # the first children's path, accepted to the end
+    for _ in range(20):
+        ctrl.record_tree([0], [tree.num_nodes], [4], 0.002, 0.02, trees=[tree], paths=[first])
+    assert ctrl.choose([0])[0] > 0
