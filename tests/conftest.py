@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("SPECDEC_ENFORCE_EAGER", "1")  # the torch runner runs eager; tests/test_compiled.py compiles
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("SPECDEC_STRICT_DRAFTER", "1")  # a drafter that raises fails the test (engine.py)

@@ -9,6 +9,7 @@ transformers' forward within float32 rounding.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -16,10 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
+from specdec.models.compiled import DEFAULT_SIZES, CompiledStep, enforce_eager_default
 from specdec.models.cpu import native_bf16
 from specdec.models.kv_cache import KVCache, RowTable, grow
 from specdec.models.linear import KERNEL_NAMES, ONEDNN_MIN_ROWS, Linear
 from specdec.tree import ancestor_mask, depths_of
+
+log = logging.getLogger("specdec.runner")
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 CACHE_RESIDENT_BYTES = 16 << 20  # weights up to this size stay in a server CPU's caches between tokens
@@ -60,7 +64,11 @@ class LlamaRunner(ModelRunner):
     can_keep_hidden_states = True
     can_verify_trees = True
 
-    def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None):
+    def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None,
+                 enforce_eager: bool | None = None, compile_sizes: Sequence[int] | None = None):
+        """``enforce_eager`` (vLLM's name): True runs every forward eager; False compiles the few-token
+        step at once (compiled.py); None: compile unless SPECDEC_ENFORCE_EAGER=1. ``compile_sizes``:
+        the token counts per row compiled (default compiled.DEFAULT_SIZES)."""
         cfg = loaded.config
         model = loaded.hf_model
         inner = model.model
@@ -101,13 +109,21 @@ class LlamaRunner(ModelRunner):
         self.cache: KVCache | None = None
         self.rows = RowTable()
         self.kept_layers: list[int] = []  # keep_hidden_states' layer ids, in the order they are concatenated
+        # the compiled step (compiled.py), and which path the last forward took: "compiled" or "eager: <why>"
+        self.enforce_eager = enforce_eager_default() if enforce_eager is None else bool(enforce_eager)
+        self.compile_sizes = tuple(compile_sizes or DEFAULT_SIZES)
+        self.compiled: CompiledStep | None = None
+        self.last_path = "eager: enforce_eager" if self.enforce_eager else "compiled"
+        if not self.enforce_eager:
+            self.compiled = CompiledStep(self, self.compile_sizes)
 
     def describe(self) -> str:
         """The compute path in one line: the ISA (or device), the weights' dtype, the product kernel."""
         dtype = str(self.dtype).removeprefix("torch.")
+        step = "eager" if self.compiled is None else "compiled step (inductor)"
         if self.device.type != "cpu":
-            return f"{self.device.type}: {dtype} weights, {KERNEL_NAMES['dense']}"
-        return f"{native_bf16().isa}: {dtype} weights, {KERNEL_NAMES.get(self.lm_head.kind, self.lm_head.kind)}"
+            return f"{self.device.type}: {dtype} weights, {KERNEL_NAMES['dense']}, {step}"
+        return f"{native_bf16().isa}: {dtype} weights, {KERNEL_NAMES.get(self.lm_head.kind, self.lm_head.kind)}, {step}"
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -175,6 +191,8 @@ class LlamaRunner(ModelRunner):
             return KVCache(self.num_layers, rows, self.num_kv_heads, max_len, self.head_dim, self.compute_dtype,
                            self.device, state_width=len(self.kept_layers) * self.hidden_size)
 
+        if self.compiled is not None:  # the compiled graph traced the cache's rows as a dynamic dim, >= 2
+            num_rows = max(num_rows, 2)
         self.cache = grow(self.cache, num_rows, length, CACHE_LEN_STEP, make)
         self._grow_rope(self.cache.max_len)
 
@@ -202,6 +220,8 @@ class LlamaRunner(ModelRunner):
         if ids == self.kept_layers:
             return
         self.kept_layers = ids
+        if self.compiled is not None:  # the graph writes the kept states: compile it again, now
+            self.compiled = CompiledStep(self, self.compile_sizes)
         old = self.cache
         if old is not None:  # re-made with room for the states; the KV is kept
             self.cache = None
@@ -224,6 +244,16 @@ class LlamaRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if self.compiled is not None:
+            reason = self.compiled.why_not(batch)
+            if reason is None:
+                self.last_path = "compiled"
+                return self.compiled.run(batch)
+            self.last_path = f"eager: {reason}"
+            log.debug("torch runner: eager forward: %s", reason)
+        return self._eager_forward(batch)
+
+    def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         B, T = batch.token_ids.shape  # [B, T]
         # Rows padded to T by more than a quarter of the batch are packed: every layer runs on the N
         # real tokens only, attention included, so a prompt merged into a verify pass costs what its
