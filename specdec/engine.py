@@ -315,7 +315,8 @@ class Engine:
         for s, k, d, n, a, method in zip(batch.seqs, nodes, depths, num_accepted, asked, sources):
             s.stats.record(k, n, a, method, t1 - t_draft, t2 - t1, depth=d)
         if self.controller is not None:  # tokens per pass and costs per node count (adaptive.py)
-            self.controller.record_tree([s.seq_id for s in batch.seqs], nodes, num_accepted, t1 - t_draft, t2 - t1)
+            self.controller.record_tree([s.seq_id for s in batch.seqs], nodes, num_accepted, t1 - t_draft, t2 - t1,
+                                        trees=trees, paths=result.accepted_nodes)
         self.stats.draft_time_s += t1 - t_draft
         self.stats.verify_time_s += t2 - t1
         self.stats.step_time_s += time.perf_counter() - t0

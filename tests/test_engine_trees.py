@@ -260,6 +260,19 @@ def test_auto_without_a_controller_verifies_chains(models):
     assert m["num_drafts"] > 0 and m["num_tree_drafts"] == 0
 
 
+def test_auto_with_the_controller_greedy_equal_plain_decoding(models):
+    """draft_tree="auto" with the adaptive controller (it picks trees or chains each round, from timings)."""
+    prompts = random_prompts(2, [5, 9], seed=1)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    llm = LLM(models["target"], backend="torch", speculative_config={
+        "method": "draft_model", "model": models["near"], "num_speculative_tokens": 3, "draft_tree": "auto"})
+    llm.engine.strict_drafter = True
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for p, e, o in zip(prompts, plain(models["target"], prompts, sp), outs):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
 def test_logits_processors_take_the_chain_round(models):
     """A row with a repetition penalty makes the round a chain round; its output still equals plain's."""
     prompts = random_prompts(2, [4, 9], seed=6)
