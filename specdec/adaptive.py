@@ -255,28 +255,31 @@ class AdaptiveK:
         alphas = self._mean_alphas(seq_ids, max_depth)
         sibling = self.sibling_rate()
         rank_probs = [rank_acceptance(a, top_k, sibling) for a in alphas]
-        nodes = tree_node_values(rank_probs, max_nodes, top_k)  # (value, depth, rank), best first
-        prior, depth, width = [1.0], [0], [0]
-        for v, d, j in nodes:
-            prior.append(prior[-1] + v)
-            depth.append(max(depth[-1], d))
-            width.append(max(width[-1], j))
-        self._tree_prior = prior
-        tokens = self.tree_tokens_curve(prior)
         line = self.tree_verify_line(B)
         t1 = line(1)
         c = self._tree_draft_cost(B, t1)
-        s_tree = [speedup(tokens[n], depth[n] * c + line(n + 1), t1) for n in range(1, len(prior))]
-        sizes = range(1, len(prior))
-        if force and any(w >= 2 for w in width):  # force: a tree that branches, where one can
-            sizes = [m for m in sizes if width[m] >= 2]
-        n = max(sizes, key=lambda m: s_tree[m - 1])
-        shape = TreeShape(n, max(depth[n], 1), max(width[n], 1))
+        r = self.tree_calibration()
+        best = None  # (S, N, depth, width, prior curve)
+        for limit in range(1, max_depth + 1):  # each depth costs a draft level: weigh them all
+            nodes = tree_node_values(rank_probs[:limit], max_nodes, top_k)  # (value, depth, rank), best first
+            prior, depth, width = [1.0], 0, 0
+            for v, d, j in nodes:
+                prior.append(prior[-1] + v)
+                depth, width = max(depth, d), max(width, j)
+                if force and width < 2 and len(nodes) > 1 and any(jj >= 2 for _, _, jj in nodes):
+                    continue  # force: a tree that branches, where one can
+                n = len(prior) - 1
+                S = speedup(1.0 + r * (prior[n] - 1.0), depth * c + line(n + 1), t1)
+                if best is None or S > best[0] * (1 + 1e-9):
+                    best = (S, n, depth, width, prior)
+        S, n, depth, width, prior = best
+        self._tree_prior = prior
+        shape = TreeShape(n, max(depth, 1), max(width, 1))
         if not force:
-            if width[n] < 2:
+            if width < 2:
                 return None  # the best "tree" is a chain: choose() sizes it from its own measurements
             best_chain = max(self._speedups(B, [alphas]))
-            if s_tree[n - 1] < max(best_chain * (1.0 + TREE_MIN_GAIN), 1.0 + MIN_GAIN):
+            if S < max(best_chain * (1.0 + TREE_MIN_GAIN), 1.0 + MIN_GAIN):
                 return None
         self._tree_depth = shape.max_depth
         return shape

@@ -42,17 +42,23 @@ def test_large_batches_draft_chains():
 
 
 def test_the_shape_is_the_cost_models_best_tree():
-    """N maximises E_tree(N) * t1 / (depth(N) * c_tree + t_v(1 + N)) with the prior's tree, no tree round yet."""
+    """(N, depth) maximise E_tree(N) * t1 / (depth * c_tree + t_v(1 + N)) over every depth limit, with
+    the prior's tree (no tree round yet)."""
     t1, slope, draft = 0.010, 0.02, 0.0004
     ctrl = measured(t1, slope, draft=draft)
     shape = ctrl.choose_tree([0], 12, 3, 4, force=False)
     alphas = ctrl._mean_alphas([0], 4)
     p = [rank_acceptance(a, 3, ctrl.sibling_rate()) for a in alphas]
-    E = tree_expected_tokens(p, 12, 3)
     line = ctrl.tree_verify_line(1)
-    s = {n: speedup(E[n], tree_shape_of(p, n, 3)[0] * 1.25 * draft + line(n + 1), t1) for n in range(1, 13)}
+    s = {}
+    for limit in range(1, 5):
+        E = tree_expected_tokens(p[:limit], 12, 3)
+        for n in range(1, 13):
+            depth, width = tree_shape_of(p[:limit], n, 3)
+            s[(n, depth, width)] = speedup(E[n], depth * 1.25 * draft + line(n + 1), t1)
     best = max(s, key=s.get)
-    assert shape.num_nodes == best and (shape.max_depth, shape.max_children) == tree_shape_of(p, best, 3)
+    assert (shape.num_nodes, shape.max_depth, shape.max_children) == best
+    assert best[2] >= 2 and s[best] > 1.05 * max(ctrl._speedups(1, [alphas]))
 
 
 def test_force_always_returns_a_tree_within_the_limits():
@@ -88,10 +94,33 @@ def test_trees_whose_siblings_catch_nothing_fall_back_to_chains():
             k = ctrl.choose([0])[0]
             ctrl.record([0], [k], [accepted(k)], 0.0005 * k, 0.0094 * (1 + 0.015 * k))
         else:
-            ctrl.record_tree([0], [shape.num_nodes], [accepted(shape.max_depth)], 0.0005 * shape.max_depth,
-                             0.0094 * (1 + 0.015 * shape.num_nodes))
-    assert chosen[0] is not None and ctrl.tree_calibration() < 0.85
+            tree = _tree_of(shape)
+            a = accepted(shape.max_depth)
+            ctrl.record_tree([0], [tree.num_nodes], [a], 0.0005 * shape.max_depth,
+                             0.0094 * (1 + 0.015 * tree.num_nodes), trees=[tree], paths=[_first_children(tree)[:a]])
+    assert chosen[0] is not None and ctrl.sibling_rate() < 0.25
     assert sum(s is not None for s in chosen[-50:]) <= 5
+
+
+def _tree_of(shape) -> DraftTree:
+    """A tree of the shape: the chain of first children max_depth deep, then further children of its
+    nodes (ranks 2, 3, ..) up to num_nodes."""
+    parents = [-1] + list(range(shape.max_depth - 1))
+    rank = 1
+    while len(parents) < shape.num_nodes and rank < shape.max_children:
+        for p in [-1] + list(range(shape.max_depth - 1)):
+            if len(parents) < shape.num_nodes:
+                parents.append(p)
+        rank += 1
+    return DraftTree(list(range(len(parents))), parents)
+
+
+def _first_children(tree: DraftTree) -> list[int]:
+    path, node = [], -1
+    while tree.children(node):
+        node = tree.children(node)[0]
+        path.append(node)
+    return path
 
 
 def test_tree_passes_timed_steeper_than_the_chain_line_switch_trees_off():
