@@ -27,12 +27,11 @@ comes where even drafts that are always accepted could not pay at the measured c
 
 Draft trees (``choose_tree`` / ``record_tree``; tree.py, cost_model.py "draft trees"): where the
 engine may draft a tree, it first asks for a tree shape. The controller weighs the best tree of N
-nodes for N = 1..max_nodes, S_tree(N) = E_tree(N) · t_1 / (D(N) · c_tree + t_v(B, 1 + N)), against the
-best chain, S(k) above: E_tree from the chain's acceptance per depth and the share of each miss
+nodes within D levels for N = 1..max_nodes and D = 1..k, S_tree(N, D) = E_tree(N, D) · t_1 /
+(D · c_tree + t_v(B, 1 + N)), against the best chain, S(k) above: E_tree from the chain's acceptance per depth and the share of each miss
 that a further sibling catches (cost_model.rank_acceptance), both measured on tree rounds too
 (their first children's path is the chain; SIBLING_PRIOR until siblings are seen), scaled by what
-tree rounds accepted against what was predicted; D(N) the depth of that tree, c_tree the measured
-draft time per tree level; t_v(B, T) the verify line through every pass timed at this batch size,
+tree rounds accepted against what was predicted; c_tree the measured draft time per tree level; t_v(B, T) the verify line through every pass timed at this batch size,
 chains' and trees'.
 A tree is drafted only where it beats the best chain by TREE_MIN_GAIN: on a flat verify curve (1 + N
 tokens cost about one step) and at small batches; on a steep curve or a large batch the chain wins.
@@ -224,10 +223,10 @@ class AdaptiveK:
         Call it each round in which the batch may draft a tree (SpeculativeConfig.draft_tree "auto",
         a drafter that can branch, a backend that verifies trees), before ``choose``; one shape for
         every row. ``max_nodes``: draft_tree_max_nodes; ``top_k``: draft_tree_top_k (children per node
-        at most); ``max_depth``: num_speculative_tokens. The shape has the node count N of the highest
-        predicted S_tree(N) (module docstring), the depth and the most children per node of the best
-        tree of N nodes under this model; the drafter builds its tree within it (EAGLE-2's expansion
-        by cumulative draft probability). None unless that tree beats the best chain by TREE_MIN_GAIN
+        at most); ``max_depth``: num_speculative_tokens. The shape has the node count N and depth D of
+        the highest predicted S_tree(N, D) (module docstring) and the most children per node of that
+        best tree under this model; the drafter builds its tree within it (EAGLE-2's expansion by
+        cumulative draft probability). None unless that tree beats the best chain by TREE_MIN_GAIN
         and plain decoding by MIN_GAIN, and while this batch size's plain steps are being timed or
         refreshed (``choose`` returns zeros then). ``force`` (draft_tree "tree"): always a shape, the
         best one that branches (a chain only when top_k or max_nodes allow no branching).
