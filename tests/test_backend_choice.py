@@ -31,8 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 def measured(tmp_path, monkeypatch):
     """A tiny checkpoint, with auto free to measure and every cache in tmp_path."""
     monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.delenv(backend_choice.EAGER_ENV, raising=False)
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(backend_choice, "REPEATS", 2)  # noisy figures are fine: no test asserts a verdict on them
     return str(make_model(tmp_path / "m", "llama"))
 
 
@@ -93,7 +93,8 @@ def test_auto_times_both_backends_once_and_keeps_the_timings(measured, monkeypat
     assert all(set(e.ms) == {1, 2, 5} and min(e.ms.values()) > 0 for e in verdict.estimates.values())
     cached = json.loads(backend_choice.cache_path().read_text())
     (key, value), = cached.items()
-    assert " float32 (float32,float32) torch-path default k 4 method ngram draft - " in key + " "
+    path = backend_choice.torch_path()  # the suite's own: eager or compiled, as the environment says
+    assert f" float32 (float32,float32) torch-path {path} k 4 method ngram draft - " in key + " "
     assert value["torch"] == [verdict.estimates["torch"].ms[T] for T in (1, 2, 5)]
     assert "float32 weights" in value["torch_path"] and "torch path: " in verdict.reason
 
@@ -105,19 +106,18 @@ def test_auto_times_both_backends_once_and_keeps_the_timings(measured, monkeypat
     llm = LLM(measured, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     assert (llm.backend, llm.backend_reason) == (verdict.backend, f"auto: {verdict.reason}")
     # anything that changes the timings is another entry: the torch path, the method, k
-    monkeypatch.setattr(backend_choice, "time_backends", lambda s, d, k, draft=None: {
+    monkeypatch.setattr(backend_choice, "time_backends", lambda s, d, k, draft=None, eager=None: {
         "llama.cpp": [1.0] * len(backend_choice.lengths_for(k)), "torch": [2.0] * len(backend_choice.lengths_for(k)),
         "how": "timed", "torch_path": "fake"})
-    monkeypatch.setenv(backend_choice.EAGER_ENV, "1")
-    assert "torch path: fake" in auto_backend(resolve(measured), "float32", 4, "ngram").reason
-    monkeypatch.delenv(backend_choice.EAGER_ENV)
+    other = {"eager": False, "compiled": True}[path]
+    assert "torch path: fake" in auto_backend(resolve(measured), "float32", 4, "ngram", enforce_eager=other).reason
     auto_backend(resolve(measured), "float32", 4, "suffix")
     auto_backend(resolve(measured), "float32", 3, "ngram")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # make test-restricted's kernels: other timings
     auto_backend(resolve(measured), "float32", 4, "ngram")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     keys = list(json.loads(backend_choice.cache_path().read_text()))
-    assert len(keys) == 5 and any("torch-path eager" in key for key in keys)
+    assert len(keys) == 5 and {"torch-path eager", "torch-path compiled"} <= {" ".join(k.split()[-8:-6]) for k in keys}
     assert any("ONEDNN_MAX_CPU_ISA=AVX2" in key for key in keys)
     backend_choice.cache_path().write_text(json.dumps({key: {"torch": "fast"}}))  # a damaged entry is timed anew
     assert "torch path: fake" in auto_backend(resolve(measured), "float32", 4, "ngram").reason
@@ -135,7 +135,7 @@ def test_a_draft_model_is_timed_beside_the_target(measured, tmp_path):
 def test_measured_acceptance_replaces_the_prior(measured, monkeypatch):
     """What `specdec demo` measured for this target and method is the acceptance auto weighs."""
     source = resolve(measured)
-    monkeypatch.setattr(backend_choice, "time_backends", lambda s, d, k, draft=None: entry(STEEP, FLAT))
+    monkeypatch.setattr(backend_choice, "time_backends", lambda s, d, k, draft=None, eager=None: entry(STEEP, FLAT))
     prior = auto_backend(source, "float32", 8, "suffix")
     assert prior.backend == "llama.cpp" and "prior for suffix" in prior.reason  # α 0.6: torch's step too dear
     # τ measured at 6 drafts a round: the α whose E(6) it is
@@ -180,7 +180,7 @@ def test_the_first_layers_copy_computes_what_the_first_layers_compute(tmp_path):
 
 def test_auto_runs_losslessly_on_its_pick(measured, monkeypatch):
     monkeypatch.setattr(backend_choice, "time_backends",
-                        lambda s, d, k, draft=None: entry(STEEP if k else [4.0], FLAT if k else [9.4]))
+                        lambda s, d, k, draft=None, eager=None: entry(STEEP if k else [4.0], FLAT if k else [9.4]))
     plain = LLM(measured, dtype="float32")
     assert plain.backend == "llama.cpp" and "t(1) llama.cpp 4.00 ms" in plain.backend_reason
     backend_choice.record_acceptance(resolve(measured), "ngram", None, [0.9], 50, "a test")

@@ -17,7 +17,8 @@ round with the cost model the adaptive controller uses (cost_model.py):
 4. the backend with the most expected tokens/s wins (llama.cpp on a tie).
 
 A checkpoint too large to hold twice (above MEMORY_SHARE of the memory available) is timed on copies
-of its first PROBE_LAYERS layers, each forward extrapolated linearly in the layer count.
+of its first layers (1, and the most that fit, 3 to 8), each forward extrapolated linearly in the
+layer count.
 ``SPECDEC_AUTO_BACKEND=torch|llama.cpp`` fixes the choice (the test suite fixes torch, so that every
 test runs the same backend on every machine). Called by choose.py, the choose step.
 """
@@ -47,7 +48,7 @@ from specdec.models.load import load
 from specdec.models.resolve import ModelSource, resolve
 
 ENV = "SPECDEC_AUTO_BACKEND"
-EAGER_ENV = "SPECDEC_ENFORCE_EAGER"  # the torch runner's eager path (no compiled forward): other timings
+EAGER_ENV = "SPECDEC_ENFORCE_EAGER"  # set and not "0": the torch runner runs eager (models/compiled.py), other timings
 BACKENDS = ("llama.cpp", "torch")
 CONTEXT = 256  # positions cached before the timed forwards (fewer if the model is shorter)
 REPEATS = 5  # alternations of the backends
@@ -55,7 +56,10 @@ BURST = 8  # forwards of one length in a row; the second half's median is kept (
 # Both backends hold the checkpoint at once while timed (torch's weights, llama.cpp's GGUF beside a
 # conversion): above this share of the memory available, time its first layers and extrapolate
 MEMORY_SHARE = 1 / 3
-PROBE_LAYERS = (1, 3)  # the layer counts of the copies a large checkpoint is timed on
+# A large checkpoint is timed on copies of its first PROBE_LOW and n layers, n the most that fit
+# (MEMORY_SHARE), at least 3 and at most PROBE_HIGH: the extrapolation multiplies their difference by
+# (layers - 1) / (n - 1), and with it the timing noise
+PROBE_LOW, PROBE_HIGH = 1, 8
 LOOKUPS = ("ngram", "suffix")  # drafters that read the text, no model: no draft step to time
 # Acceptance per draft position before any is measured: α_1 of the shipped pair on held-out code,
 # greedy (README, EAGLE-3 heads: draft model 0.70, head 0.76); the adaptive controller's prior else
@@ -89,10 +93,10 @@ class BackendVerdict:
 
 
 def auto_backend(source: ModelSource, dtype: str, k: int, method: str | None = None,
-                 draft: ModelSource | None = None) -> BackendVerdict:
+                 draft: ModelSource | None = None, enforce_eager: bool | None = None) -> BackendVerdict:
     """The backend expected fastest for checkpoint ``source`` (convertible, on a CPU with llama.cpp)
     decoding with ``method`` and drafts of up to ``k`` tokens (0: plain decoding); ``draft``: the draft
-    model of draft_model."""
+    model of draft_model; ``enforce_eager``: the torch runner's path as LLM(enforce_eager=) asks."""
     fixed = os.environ.get(ENV, "")
     if fixed:
         if fixed not in BACKENDS:
@@ -104,29 +108,33 @@ def auto_backend(source: ModelSource, dtype: str, k: int, method: str | None = N
     def measure() -> dict:
         print(f"specdec: timing {Path(source.path).name} on llama.cpp and torch for backend=auto "
               f"({method or 'plain'}, k={k}), once", file=sys.stderr, flush=True)
-        return time_backends(source, dtype, k, draft)
+        return time_backends(source, dtype, k, draft, enforce_eager)
 
-    key = cache_key(source, dtype, k, method, draft)
+    key = cache_key(source, dtype, k, method, draft, enforce_eager)
     entry = timings.cached(cache_path(), key, measure, BACKENDS, len(lengths_for(k)) + (draft is not None),
                            notes=("how", "torch_path"))
     alphas, acceptance = acceptance_for(source, method, draft, k)
     return decide(entry, k, method, alphas, acceptance)
 
 
-def cache_key(source: ModelSource, dtype: str, k: int, method: str | None, draft: ModelSource | None) -> str:
+def cache_key(source: ModelSource, dtype: str, k: int, method: str | None, draft: ModelSource | None,
+              enforce_eager: bool | None = None) -> str:
     """Everything the timings depend on: the machine (CPU, features, torch, threads), the checkpoint's
     digest, the dtype asked for, the torch path (compiled or eager), k, the method, the draft model."""
     draft_id = checkpoint_digest(draft.path) if draft is not None and not draft.is_gguf else (
         Path(draft.path).name if draft is not None else "-")
     runs_in = ",".join(str(dtype_for(source, b, dtype)) for b in BACKENDS)  # per backend: the dtype_choice rule's
-    return (f"{timings.machine_key()} {checkpoint_digest(source.path)} {dtype} ({runs_in}) torch-path {torch_path()} "
+    return (f"{timings.machine_key()} {checkpoint_digest(source.path)} {dtype} ({runs_in}) torch-path {torch_path(enforce_eager)} "
             f"k {k} method {method or 'plain'} draft {draft_id}")
 
 
-def torch_path() -> str:
-    """How the torch runner runs its forward, as far as it changes the timings: "eager" where
-    $SPECDEC_ENFORCE_EAGER asks for it, else "default" (compiled where the runner compiles)."""
-    return "eager" if os.environ.get(EAGER_ENV, "").lower() in ("1", "true", "yes", "on") else "default"
+def torch_path(enforce_eager: bool | None = None) -> str:
+    """How the torch runner runs its forward, as far as it changes the timings: "eager" when asked
+    (``enforce_eager`` True, or None and $SPECDEC_ENFORCE_EAGER set and not "0"), else "compiled"
+    (the few-token step compiled at load where the runner compiles it)."""
+    if enforce_eager is None:
+        enforce_eager = os.environ.get(EAGER_ENV, "0") not in ("0", "")
+    return "eager" if enforce_eager else "compiled"
 
 
 def lengths_for(k: int) -> tuple[int, ...]:
@@ -241,21 +249,23 @@ def _alphas_ok(alphas) -> bool:
 # -- timing ------------------------------------------------------------------------------------------
 
 
-def time_backends(source: ModelSource, dtype: str, k: int, draft: ModelSource | None = None) -> dict:
+def time_backends(source: ModelSource, dtype: str, k: int, draft: ModelSource | None = None,
+                  enforce_eager: bool | None = None) -> dict:
     """{backend: [ms of the target's forward of T tokens, T in lengths_for(k)] + [the draft's
     one-token step], "how": how, "torch_path": the torch runner's describe()}: the whole checkpoint
     when it fits twice in memory, else copies of its first layers, extrapolated."""
     size = checkpoint_bytes(source)
     free = available_memory()
     layers = int(source.config.get("num_hidden_layers", 0))
-    if free is None or size <= MEMORY_SHARE * free or layers <= max(PROBE_LAYERS):
-        return _time_loaded(source, dtype, k, draft, "timed")
-    low, high = PROBE_LAYERS
+    if free is None or size <= MEMORY_SHARE * free or layers <= 3:
+        return _time_loaded(source, dtype, k, draft, "timed", enforce_eager)
+    low = PROBE_LOW
+    high = min(layers - 1, PROBE_HIGH, max(3, int(layers * MEMORY_SHARE * free / size)))
     with tempfile.TemporaryDirectory(prefix="specdec-probe-") as tmp:
         stem = Path(tmp).name  # unique: also names the copies' GGUF conversions, dropped below
         try:
             cut = {n: _time_loaded(first_layers(source, n, Path(tmp) / f"{stem}-{n}-layers"), dtype, k,
-                                   draft if n == low else None, "timed") for n in (low, high)}
+                                   draft if n == low else None, "timed", enforce_eager) for n in (low, high)}
         finally:
             for f in (timings.cache_dir() / "gguf").glob(f"{stem}-*"):
                 f.unlink(missing_ok=True)
@@ -269,7 +279,8 @@ def time_backends(source: ModelSource, dtype: str, k: int, draft: ModelSource | 
     return out
 
 
-def _time_loaded(source: ModelSource, dtype: str, k: int, draft: ModelSource | None, how: str) -> dict:
+def _time_loaded(source: ModelSource, dtype: str, k: int, draft: ModelSource | None, how: str,
+                 enforce_eager: bool | None = None) -> dict:
     lengths = lengths_for(k)
     sources = {"target": source} | ({"draft": draft} if draft is not None else {})
     context = max(1, min(CONTEXT, *(s.config.get("max_position_embeddings", CONTEXT + k + 1) - k - 1
@@ -278,7 +289,9 @@ def _time_loaded(source: ModelSource, dtype: str, k: int, draft: ModelSource | N
     for role, s in sources.items():
         for b in BACKENDS:
             run_on = "llama.cpp" if s.is_gguf else b  # a GGUF draft runs on llama.cpp beside either target
-            runners[b, role] = load(s, run_on, dtype_for(s, run_on, dtype), "cpu", max_model_len=context + k + 1)[0]
+            path = {"enforce_eager": enforce_eager} if enforce_eager is not None and run_on == "torch" else {}
+            runners[b, role] = load(s, run_on, dtype_for(s, run_on, dtype), "cpu", max_model_len=context + k + 1,
+                                    **path)[0]
     try:
         ms = time_runners(runners, {(b, role): lengths if role == "target" else (1,) for b, role in runners}, context)
         path = runners["torch", "target"].describe()

@@ -36,11 +36,12 @@ class Choice:
 
 
 def choose(source: ModelSource, backend: str = "auto", dtype: str = "auto", device: str = "cpu",
-           method: str | None = None, num_speculative_tokens: int = 0, draft: ModelSource | None = None) -> Choice:
+           method: str | None = None, num_speculative_tokens: int = 0, draft: ModelSource | None = None,
+           enforce_eager: bool | None = None) -> Choice:
     """The backend and dtype the target ``source`` runs in, for speculative ``method`` with drafts of
     up to ``num_speculative_tokens`` (0: plain decoding); ``draft``: draft_model's draft, whose step
-    auto times beside the target's."""
-    chosen, reason = _backend(source, backend, device, method, num_speculative_tokens, dtype, draft)
+    auto times beside the target's; ``enforce_eager``: the torch path auto times (LLM's option)."""
+    chosen, reason = _backend(source, backend, device, method, num_speculative_tokens, dtype, draft, enforce_eager)
     if method == "layer_skip" and chosen == "llama.cpp":
         raise ValueError(LAYER_SKIP_NEEDS_TORCH)
     return Choice(chosen, reason, dtype_for(source, chosen, dtype, device))
@@ -54,7 +55,7 @@ def choose_draft(source: ModelSource, target: Choice, dtype: str = "auto", devic
 
 
 def _backend(source: ModelSource, backend: str, device: str, method: str | None, k: int,
-             dtype: str, draft: ModelSource | None = None) -> tuple[str, str]:
+             dtype: str, draft: ModelSource | None = None, enforce_eager: bool | None = None) -> tuple[str, str]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     on_cpu = str(device).startswith("cpu")
@@ -76,7 +77,7 @@ def _backend(source: ModelSource, backend: str, device: str, method: str | None,
         return "torch", "auto: llama-cpp-python is not installed"
     if not _convertible(source):
         return "torch", "auto: not a checkpoint specdec converts to GGUF"
-    verdict = auto_backend(source, dtype, k, method, draft)
+    verdict = auto_backend(source, dtype, k, method, draft, enforce_eager)
     return verdict.backend, f"auto: {verdict.reason}"
 
 
