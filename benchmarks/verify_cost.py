@@ -1,6 +1,7 @@
 """The verify cost curve v(k) of each backend: one forward of k+1 tokens over one of 1 token, at a
 given context, for GGUF files on llama.cpp (flash attention off, as specdec's runner runs them, and
-on, as llama.cpp's tools do by default) and HF checkpoints on the torch runner.
+on, as llama.cpp's tools do by default) and HF checkpoints on the torch runner, eager and compiled
+(``enforce_eager=False``: compiled.py; its compile at load is not timed).
 
 The cost model (docs/algorithm.md) divides τ by c·k + v(k): the flatter v, the more drafted tokens pay.
 Variants alternate within each repeat, so machine noise hits them alike; medians are printed.
@@ -34,7 +35,9 @@ def runners(args) -> dict[str, object]:
         out[f"{name} llama.cpp"] = LlamaCppRunner(path)
         out[f"{name} llama.cpp, flash attention"] = LlamaCppRunner(path, flash_attn=True)
     for path in args.hf:
-        out[f"{path} torch"] = load_runner(path, "torch")[0]
+        out[f"{path} torch"] = load_runner(path, "torch", enforce_eager=True)[0]
+        if not args.eager_only:  # the compiled step (compiled.py), sizes 1 and 8: T = 2..8 run padded to 8
+            out[f"{path} torch, compiled"] = load_runner(path, "torch", enforce_eager=False)[0]
     return out
 
 
@@ -45,6 +48,7 @@ def main() -> None:
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file (repeatable)")
     ap.add_argument("--hf", action="append", default=[], help="an HF checkpoint for the torch runner (repeatable)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eager-only", action="store_true", help="time the torch runner eager only, not compiled too")
     ap.add_argument("--contexts", default="64,600", help="positions already cached before the timed forward")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--burst", type=int, default=1,

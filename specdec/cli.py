@@ -22,6 +22,11 @@ from specdec.cli_common import (TAU, AdaptiveOpt, BackendOpt, CliError, DeviceOp
 from specdec.demo import PROBE_ROUNDS
 from specdec.workbench.cli import register as register_workbench
 
+EnforceEagerOpt = Annotated[bool, typer.Option(
+    "--enforce-eager", help="torch backend: run every forward eager instead of compiling the one-token step and "
+                            "the verify pass at load (vLLM's name; SPECDEC_ENFORCE_EAGER=1 does the same).")]
+
+
 app = typer.Typer(help="Lossless speculative decoding for Hugging Face Llama-family checkpoints.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False)
 
@@ -74,6 +79,7 @@ def generate(
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     tokenizer: TokenizerOpt = None,
+    enforce_eager: EnforceEagerOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a completion for one prompt, with or without a drafter, and print speed and acceptance."""
@@ -94,7 +100,7 @@ def generate(
         spec = build_speculative_config(draft, k, speculative_config, adaptive, method, suffix_in_front)
         quiet_transformers()
         llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
-                  tokenizer=tokenizer)
+                  tokenizer=tokenizer, enforce_eager=enforce_eager or None)
         t0 = time.perf_counter()
         outs = llm.generate([request], params)[0].outputs
         elapsed = time.perf_counter() - t0
@@ -141,6 +147,7 @@ def bench(
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     tokenizer: TokenizerOpt = None,
+    enforce_eager: EnforceEagerOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Plain vs speculative decoding, batch 1, same process: tokens/s, speedup, acceptance and τ."""
@@ -158,10 +165,12 @@ def bench(
         quiet_transformers()
         if peer not in (None, "hf"):
             raise CliError(f"--peer must be 'hf', got {peer!r}")
+        eager = enforce_eager or None  # None: compile unless SPECDEC_ENFORCE_EAGER=1
         spec_llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, enforce_eager=eager)
         # the baseline runs where the speculative side does, whichever auto picked: one backend's ratio
-        ar_llm = LLM(model=model, dtype=dtype, device=device, backend=spec_llm.backend, tokenizer=tokenizer)
+        ar_llm = LLM(model=model, dtype=dtype, device=device, backend=spec_llm.backend, tokenizer=tokenizer,
+                     enforce_eager=eager)
         if peer == "hf":
             from specdec.workbench.peer_hf import run_bench_with_hf
 

@@ -354,6 +354,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     backend: str = "auto"  # "torch", "llama.cpp", or auto: llama.cpp for GGUF files and convertible checkpoints on CPU
     tokenizer: str | None = None  # an HF tokenizer folder for a GGUF model (default: the GGUF's own)
+    # vLLM's name. torch backend: True runs every forward eager; False compiles the few-token step at load
+    # (models/compiled.py); None: compile unless SPECDEC_ENFORCE_EAGER=1. llama.cpp ignores it.
+    enforce_eager: bool | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -365,6 +368,9 @@ class ModelConfig:
                f"backend must be 'auto', 'torch' or 'llama.cpp', got {self.backend!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
                f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        _check(self.enforce_eager is None or isinstance(self.enforce_eager, bool),
+               f"enforce_eager must be True, False or None (compile unless SPECDEC_ENFORCE_EAGER=1), "
+               f"got {short_repr(self.enforce_eager)}")
 
 
 def _is_int(x: Any) -> bool:

@@ -36,15 +36,19 @@ class LLM:
     sampled from, after penalties, grammar, temperature and top-k / top-p / min-p (logprobs.py).
     ``num_scheduler_steps`` (vLLM's name): greedy rounds that draft nothing take up to this many
     plain steps in one runner call (1: one step a round); tokens past a stop are dropped.
+    ``enforce_eager`` (vLLM's name): on the torch backend, True runs eager; False compiles the
+    one-token step and the verify pass at load (models/compiled.py, cached on disk); None (default):
+    compile unless the environment sets SPECDEC_ENFORCE_EAGER=1.
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu",
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, trust_remote_code: bool = False,
                  backend: str = "auto", tokenizer: str | None = None, logprobs_mode: str = "raw_logprobs",
-                 num_scheduler_steps: int = PLAIN_STEPS):
+                 num_scheduler_steps: int = PLAIN_STEPS, enforce_eager: bool | None = None):
         self.model_config = ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                                        trust_remote_code=trust_remote_code, backend=backend, tokenizer=tokenizer)
+                                        trust_remote_code=trust_remote_code, backend=backend, tokenizer=tokenizer,
+                                        enforce_eager=enforce_eager)
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
         _check_device(device)
         check_logprobs_mode(logprobs_mode)
@@ -63,13 +67,16 @@ class LLM:
         draft_choice = choose_draft(draft_source, target_choice, dtype, device) if draft_source else None
         self.backend, self.backend_reason = target_choice.backend, target_choice.reason
         self.target, eos = load(target_source, target_choice.backend, target_choice.dtype, device, max_model_len,
-                                trust_remote_code, tokenizer=tokenizer)
+                                trust_remote_code, tokenizer=tokenizer, enforce_eager=enforce_eager)
         draft = None
         if draft_source:  # its own vocabulary; with the target's tokenizer, the target's rows (padding cut)
-            draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device)
+            draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device, enforce_eager=True)
             if same_vocabulary(self.target.tokenizer, draft.tokenizer) and draft.vocab_size > self.target.vocab_size:
                 draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device,
-                                vocab_size=self.target.vocab_size)
+                                vocab_size=self.target.vocab_size, enforce_eager=enforce_eager)
+            elif enforce_eager is not True and draft.backend == "torch":  # loaded eager to read its vocabulary
+                draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device,
+                                enforce_eager=enforce_eager)
         if k > 0 and "eagle3" in methods:  # a head over the target's own states, not a causal LM: no load()
             draft = _load_eagle3_head(spec.model, self.target)
         self.tokenizer = self.target.tokenizer

@@ -205,6 +205,8 @@ class CompiledStep:
         self.kept_layers = list(runner.kept_layers)
         device = runner.device
         self.cuda = device.type == "cuda"
+        if device.type == "cpu" and torch.backends.mkldnn.is_available():
+            install_linear_fallback()
         options = {} if self.cuda else {"cpp_wrapper": True}
         self.fn = torch.compile(self.graph, backend="inductor", fullgraph=True, dynamic=False, options=options,
                                 mode="reduce-overhead" if self.cuda else None)

@@ -67,7 +67,8 @@ class LlamaRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None,
                  enforce_eager: bool | None = None, compile_sizes: Sequence[int] | None = None):
         """``enforce_eager`` (vLLM's name): True runs every forward eager; False compiles the few-token
-        step at once (compiled.py); None: compile unless SPECDEC_ENFORCE_EAGER=1. ``compile_sizes``:
+        step at once (compiled.py); None: compile on CPU unless SPECDEC_ENFORCE_EAGER=1 (on other
+        devices the compiled path, CUDA graphs there, is untested: eager unless asked). ``compile_sizes``:
         the token counts per row compiled (default compiled.DEFAULT_SIZES)."""
         cfg = loaded.config
         model = loaded.hf_model
@@ -110,7 +111,9 @@ class LlamaRunner(ModelRunner):
         self.rows = RowTable()
         self.kept_layers: list[int] = []  # keep_hidden_states' layer ids, in the order they are concatenated
         # the compiled step (compiled.py), and which path the last forward took: "compiled" or "eager: <why>"
-        self.enforce_eager = enforce_eager_default() if enforce_eager is None else bool(enforce_eager)
+        if enforce_eager is None:
+            enforce_eager = enforce_eager_default() or self.device.type != "cpu"
+        self.enforce_eager = bool(enforce_eager)
         self.compile_sizes = tuple(compile_sizes or DEFAULT_SIZES)
         self.compiled: CompiledStep | None = None
         self.last_path = "eager: enforce_eager" if self.enforce_eager else "compiled"

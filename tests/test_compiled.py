@@ -1,0 +1,131 @@
+"""The compiled step (models/compiled.py) against the eager forward on the same weights: chain steps,
+verify passes, rollback, tree passes, greedy_steps and kept hidden states give the same logits (within
+float32 / bf16 rounding) and the same greedy tokens; which path ran is asserted, never assumed.
+
+The first run on a machine compiles (tens of seconds per graph); inductor's disk cache makes later
+runs fast."""
+
+import pytest
+import torch
+
+from specdec.config import ModelConfig
+from specdec.models.base import ForwardBatch
+from specdec.models.llama import LlamaRunner
+from specdec.models.load import load_model
+from specdec.tree import DraftTree, block_parents
+from tiny_models import make_model
+
+PROMPT = list(range(5, 35))  # 30 tokens
+TREE = DraftTree([11, 12, 13, 14, 15, 16, 17], [-1, -1, 0, 0, 1, 2, 5])  # 1 + 7 nodes fill T=8
+CASES = {  # name: (arch, dtype, model kwargs, atol)
+    "llama-float32": ("llama", "float32", {}, 2e-5),
+    "mistral-window-bf16": ("mistral", "bfloat16", dict(sliding_window=6), 0.1),  # bf16 products rounded apart
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory, one_thread):
+    arch, dtype, kw, atol = CASES[request.param]
+    folder = str(make_model(tmp_path_factory.mktemp(request.param), arch, **kw))
+    compiled = LlamaRunner(load_model(folder, dtype), enforce_eager=False)
+    eager = LlamaRunner(load_model(folder, dtype), enforce_eager=True)
+    assert compiled.compiled is not None and eager.compiled is None
+    return compiled, eager, atol
+
+
+def run_both(pair, batch_of):
+    """Run ``batch_of()`` on both runners; returns (compiled, eager) results and the compiled one's path."""
+    compiled, eager, _ = pair
+    out_c = compiled.forward(batch_of())
+    path = compiled.last_path
+    return out_c, eager.forward(batch_of()), path
+
+
+def test_steps_verify_passes_and_rollback_equal_eager(pair):
+    compiled, eager, atol = pair
+    for r in (compiled, eager):
+        r.release()
+        r.sync_rows(["a"])
+    _, _, path = run_both(pair, lambda: ForwardBatch.from_rows([PROMPT[:20]], [0], logits="none"))
+    assert path == "eager: 20 tokens (compiled: up to 8)"  # a prefill
+    feeds = [([PROMPT[20]], 20, "last"),  # one-token step
+             (PROMPT[21:26], 21, "all"),  # a verify pass of 5, padded to 8
+             (PROMPT[21:29], 21, 3),  # 8 tokens, the last 3 logits
+             ([PROMPT[23]], 23, "last")]  # rolled back: positions 24.. are overwritten
+    for tokens, start, logits in feeds:
+        c, e, path = run_both(pair, lambda: ForwardBatch.from_rows([tokens], [start], logits=logits))
+        assert path == "compiled"
+        assert c.shape == e.shape
+        torch.testing.assert_close(c, e, atol=atol, rtol=0)
+        assert torch.equal(c.argmax(-1), e.argmax(-1))
+
+
+def test_greedy_steps_use_the_compiled_step_and_equal_eager(pair):
+    compiled, eager, _ = pair
+    outs = []
+    for r in (compiled, eager):
+        r.release()
+        r.sync_rows(["g"])
+        r.forward(ForwardBatch.from_rows([PROMPT[:-1]], [0], logits="none"))
+        outs.append(r.greedy_steps([PROMPT[-1]], [len(PROMPT) - 1], 12))
+    assert compiled.last_path == "compiled"
+    assert outs[0] == outs[1]
+
+
+def test_tree_pass_equals_eager(pair):
+    compiled, eager, atol = pair
+    for r in (compiled, eager):
+        r.release()
+        r.sync_rows(["t"])
+        r.forward(ForwardBatch.from_rows([PROMPT[:-1]], [0], logits="none"))
+    width = 1 + TREE.num_nodes
+    c, e, path = run_both(pair, lambda: ForwardBatch(torch.tensor([[PROMPT[-1], *TREE.token_ids]]), [len(PROMPT) - 1],
+                                                     [width], torch.arange(width)[None],
+                                                     parents=[block_parents(1, TREE)]))
+    assert path == "compiled"
+    torch.testing.assert_close(c, e, atol=atol, rtol=0)
+    path6 = TREE.path_to(6)
+    for r in (compiled, eager):  # keep root -> 0 -> 2 -> 5 -> 6, then continue from it
+        r.compact([0], [len(PROMPT) - 1], [[0] + [1 + j for j in path6]])
+    nxt = len(PROMPT) + len(path6)
+    c, e, path = run_both(pair, lambda: ForwardBatch.from_rows([[21]], [nxt]))
+    assert path == "compiled"
+    torch.testing.assert_close(c, e, atol=atol, rtol=0)
+
+
+def test_layer_subsets_and_batches_run_eager_with_their_reason(pair):
+    compiled, _, _ = pair
+    compiled.release()
+    compiled.sync_rows(["x", "y"])
+    compiled.forward(ForwardBatch.from_rows([[3, 4]], [0], num_layers=1))
+    assert compiled.last_path == "eager: a layer subset (num_layers=1)"
+    compiled.forward(ForwardBatch.from_rows([[3], [4]], [0, 0]))
+    assert compiled.last_path == "eager: 2 rows (compiled: one row)"
+
+
+def test_kept_hidden_states_on_the_compiled_path(pair):
+    compiled, eager, atol = pair
+    if compiled.dtype != torch.float32:
+        pytest.skip("keeping states compiles the graphs again: one model is enough")
+    try:
+        for r in (compiled, eager):
+            r.release()
+            r.keep_hidden_states([1])
+            r.sync_rows(["h"])
+            r.forward(ForwardBatch.from_rows([PROMPT[:20]], [0], logits="none"))
+            r.forward(ForwardBatch.from_rows([PROMPT[20:25]], [20], logits="all"))
+        assert compiled.last_path == "compiled"
+        torch.testing.assert_close(compiled.hidden_states(0, 0, 25), eager.hidden_states(0, 0, 25),
+                                   atol=atol, rtol=0)
+    finally:
+        for r in (compiled, eager):
+            r.kept_layers = []
+            r.release()
+
+
+def test_enforce_eager_is_the_default_here_and_validated(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_ENFORCE_EAGER", "1")  # what conftest sets for the suite
+    runner = LlamaRunner(load_model(str(make_model(tmp_path, "llama"))))
+    assert runner.compiled is None and runner.last_path == "eager: enforce_eager"
+    with pytest.raises(ValueError, match="enforce_eager must be True, False or None"):
+        ModelConfig(model="m", enforce_eager="yes")
