@@ -33,6 +33,16 @@ def pair(request, tmp_path_factory, one_thread):
     return compiled, eager, atol
 
 
+def assert_same_argmax(c: torch.Tensor, e: torch.Tensor) -> int:
+    """The greedy tokens agree wherever eager's top-2 gap exceeds twice the largest difference seen:
+    bf16 logits tie or nearly tie often, and one rounding apart may flip those. Returns how many
+    positions were clear."""
+    top2 = e.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * (c - e).abs().max()
+    assert torch.equal(c.argmax(-1)[clear], e.argmax(-1)[clear])
+    return int(clear.sum())
+
+
 def run_both(pair, batch_of):
     """Run ``batch_of()`` on both runners; returns (compiled, eager) results and the compiled one's path."""
     compiled, eager, _ = pair
@@ -52,12 +62,14 @@ def test_steps_verify_passes_and_rollback_equal_eager(pair):
              (PROMPT[21:26], 21, "all"),  # a verify pass of 5, padded to 8
              (PROMPT[21:29], 21, 3),  # 8 tokens, the last 3 logits
              ([PROMPT[23]], 23, "last")]  # rolled back: positions 24.. are overwritten
+    clear = 0
     for tokens, start, logits in feeds:
         c, e, path = run_both(pair, lambda: ForwardBatch.from_rows([tokens], [start], logits=logits))
         assert path == "compiled"
         assert c.shape == e.shape
         torch.testing.assert_close(c, e, atol=atol, rtol=0)
-        assert torch.equal(c.argmax(-1), e.argmax(-1))
+        clear += assert_same_argmax(c, e)
+    assert clear >= 5  # of 10 positions: the check is not vacuous
 
 
 def test_greedy_steps_use_the_compiled_step_and_equal_eager(pair):
