@@ -3,6 +3,8 @@ decoding's trie branches. Each tree keeps its shape and its node order; the draf
 logits equal its chain-run logits on every path; after a tree round the drafter drafts what a fresh one
 would on the same history; suffix trees' branches are the trie's counts."""
 
+import copy
+
 import pytest
 import torch
 
@@ -181,6 +183,7 @@ def test_state_after_a_tree_round_equals_a_fresh_drafter(folder, accept):
     if accept == "deep":  # the path sat in the last tree pass: kept by compaction, only the bonus fed
         assert len(drafter.cached[s.seq_id]) == len(s.token_ids)
     fresh = DraftModelDrafter(runner_of(folder))
+    fresh.q_calibration = copy.deepcopy(drafter.q_calibration)  # what it learned of acceptance stays
     want_tree = fresh.propose_tree([seq(s.token_ids, temperature=0)], [shape], batch_of([s]))[0]
     assert (got_tree.token_ids, got_tree.parents) == (want_tree.token_ids, want_tree.parents)
     assert got_tree.scores == pytest.approx(want_tree.scores, rel=1e-3, abs=1e-6)
@@ -201,6 +204,22 @@ def test_draft_model_without_tree_passes_drafts_chains(folder):
     assert tree.parents == [-1, 0, 1]
     want = DraftModelDrafter(runner_of(folder)).propose([seq(HISTORIES[0], temperature=0)], [3], batch_of([s]))
     assert tree.token_ids == want.draft_token_ids[0].tolist()
+
+
+def test_q_calibration_values_candidates_by_their_measured_acceptance():
+    from specdec.drafters.tree_expand import QCalibration
+
+    cal = QCalibration(decay=1.0, prior_weight=1.0)
+    assert cal.value(0.42) == pytest.approx(0.42)  # nothing measured: q itself
+    tree = DraftTree([7, 8, 9], [-1, -1, 0])  # root children 7 (q 0.45) and 8 (q 0.05); 9 (q 0.9) below 7
+    s = seq([1, 2], temperature=0)
+    for _ in range(3):
+        cal.propose([s], [(tree, [0.45, 0.05, 0.9])])
+        s.token_ids += [7, 9, 3]  # both top candidates accepted, then the bonus token
+        cal.observe([s], [2])
+    assert cal.value(0.45) == pytest.approx((3 + 0.45) / (3 + 1))  # accepted every time it was tried
+    assert cal.value(0.05) == pytest.approx(0.05 / (3 + 1))  # never
+    assert cal.value(0.95) == pytest.approx((3 + 0.95) / (3 + 1))
 
 
 # -- suffix decoding -------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees, grew_from
-from specdec.drafters.tree_expand import SIBLINGS, Block, RankAcceptance, draft_tree
+from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
@@ -35,6 +35,7 @@ class DraftModelDrafter(Drafter):
         self.draft_p_min = draft_p_min
         self.siblings = siblings  # a tree's candidates: the draft's top tokens, or drawn from q (tree_expand.py)
         self.rank_acceptance = RankAcceptance()  # sizes sampled trees from how their siblings fared
+        self.q_calibration = QCalibration()  # values top-k candidates by how often such a q was accepted
         self.cached: dict[int, list[int]] = {}  # seq_id -> tokens whose KV sits in the draft cache
         self.committed: dict[int, int] = {}  # seq_id -> history length at the last proposal (surely still valid)
         self.tree_slots: dict[int, Block] = {}  # seq_id -> the last tree pass's nodes, in the slots past cached
@@ -89,7 +90,7 @@ class DraftModelDrafter(Drafter):
 
         k = max((x.max_children for x in shapes if x is not None), default=1)
         trees = draft_tree(logits, feed, seqs, shapes, sb, self.draft_p_min, self.siblings,
-                           self.rank_acceptance.probs(seqs, k))
+                           self.rank_acceptance.probs(seqs, k), self.q_calibration)
         self.rank_acceptance.propose(seqs, trees)
         for b, s in enumerate(seqs):
             self.cached[s.seq_id] = list(s.token_ids)
@@ -162,6 +163,7 @@ class DraftModelDrafter(Drafter):
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         self.rank_acceptance.observe(seqs, num_accepted)
+        self.q_calibration.observe(seqs, num_accepted)
 
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token()
@@ -176,3 +178,4 @@ class DraftModelDrafter(Drafter):
             self.committed.pop(s.seq_id, None)
             self.tree_slots.pop(s.seq_id, None)
         self.rank_acceptance.release(seqs)
+        self.q_calibration.release(seqs)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, grew_from
-from specdec.drafters.tree_expand import SIBLINGS, Block, RankAcceptance, draft_tree
+from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models.base import ModelRunner
 from specdec.models.eagle3 import Eagle3Head, rotate
 from specdec.models.kv_cache import KVCache, RowTable, grow
@@ -170,6 +170,7 @@ class Eagle3Drafter(Drafter):
             raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
         self.siblings = siblings  # a tree's candidates: the head's top tokens, or drawn from q (tree_expand.py)
         self.rank_acceptance = RankAcceptance()  # sizes sampled trees from how their siblings fared
+        self.q_calibration = QCalibration()  # values top-k candidates by how often such a q was accepted
         target.keep_hidden_states(head.config.layer_ids)  # ValueError on a backend that cannot
         self.head, self.target, self.draft_p_min = head, target, draft_p_min
         self.device = target.device
@@ -319,15 +320,17 @@ class Eagle3Drafter(Drafter):
 
         k = max((x.max_children for x in shapes if x is not None), default=1)
         trees = draft_tree(full, feed, seqs, [s if b in length else None for b, s in enumerate(shapes)], sb,
-                           self.draft_p_min, self.siblings, self.rank_acceptance.probs(seqs, k))
+                           self.draft_p_min, self.siblings, self.rank_acceptance.probs(seqs, k), self.q_calibration)
         self.rank_acceptance.propose(seqs, trees)
         return trees
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         self.rank_acceptance.observe(seqs, num_accepted)
+        self.q_calibration.observe(seqs, num_accepted)
 
     def release(self, seqs: list[Sequence]) -> None:
         self.rank_acceptance.release(seqs)
+        self.q_calibration.release(seqs)
         for s in seqs:
             self.done.pop(s.seq_id, None)
             self.seen.pop(s.seq_id, None)

@@ -69,8 +69,12 @@ class _Growth:
     qs: list[torch.Tensor] = field(default_factory=list)  # [V] each, kept only for sampled siblings
     plan: dict[tuple[int, ...], int] | None = None  # sampled siblings: rank path -> its number of children
     ranks: list[tuple[int, ...]] = field(default_factory=list)  # each node's rank path (sampled siblings)
+    q: list[float] = field(default_factory=list)  # each node's own draft probability
+    kept: list[int] = field(default_factory=list)  # after final: the node ids the tree holds, in its order
 
-    def add_children(self, parent: int, q: torch.Tensor, chosen: list[int], keep_q: bool) -> None:
+    def add_children(self, parent: int, q: torch.Tensor, chosen: list[int], keep_q: bool,
+                     value: Callable[[float], float] | None = None) -> None:
+        """``value``: a candidate's estimated acceptance from its q (QCalibration.value; None: q itself)."""
         d = 1 if parent < 0 else self.depth[parent] + 1
         base = 1.0 if parent < 0 else self.scores[parent]
         if keep_q:
@@ -80,7 +84,9 @@ class _Growth:
             self.ranks.append(prefix + (r,))
             self.tokens.append(t)
             self.parents.append(parent)
-            self.scores.append(base * float(q[t]))
+            qt = float(q[t])
+            self.q.append(qt)
+            self.scores.append(base * (qt if value is None else value(qt)))
             self.depth.append(d)
             self.dist.append(len(self.qs) - 1 if keep_q else -1)
 
@@ -115,7 +121,7 @@ class _Growth:
                 break
             if self.parents[i] < 0 or self.parents[i] in kept:
                 kept.add(i)
-        nodes = sorted(kept)
+        nodes = self.kept = sorted(kept)
         at = {n: k for k, n in enumerate(nodes)}
         probs = torch.stack([self.qs[self.dist[n]] for n in nodes]) if sampled and nodes else None  # [N, V]
         return DraftTree([self.tokens[n] for n in nodes], [at.get(self.parents[n], -1) for n in nodes],
@@ -124,10 +130,13 @@ class _Growth:
 
 def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shapes: list[TreeShape | None],
                sb: SamplingBatch, draft_p_min: float = 0.0, siblings: str = "top_k",
-               rank_probs: list[list[float]] | None = None) -> list[DraftTree | None]:
+               rank_probs: list[list[float]] | None = None,
+               calibration: QCalibration | None = None) -> list[DraftTree | None]:
     """logits [B, V]: the drafter's logits after each history. Returns a tree per row within its shape
     (None where shapes[b] is None or nothing passes ``draft_p_min``). ``rank_probs``: the sampled
-    siblings' shape's rates per rank, per row (RankAcceptance.probs; None: the root's sorted q)."""
+    siblings' shape's rates per rank, per row (RankAcceptance.probs; None: the root's sorted q).
+    ``calibration``: top-k candidates are valued by their measured acceptance at their q, not by q
+    (QCalibration), and it is told the trees proposed."""
     if siblings not in SIBLINGS:
         raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
     B = len(seqs)
@@ -163,7 +172,7 @@ def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shape
             chosen = [t for t, p in zip(top[m][:kb], top_q[m][:kb]) if p > 0]
             if draft_p_min > 0.0:
                 chosen = [t for t in chosen if float(q[m, t]) >= draft_p_min]
-            g.add_children(parent, q[m], chosen, False)
+            g.add_children(parent, q[m], chosen, False, None if calibration is None else calibration.value)
 
     if grow:
         rows = sorted(grow)
@@ -188,7 +197,11 @@ def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shape
         out = feed(blocks)
         node_logits = [row for b in range(B) if blocks[b] is not None for row in out[b]]  # in ``order``
         expand(order, node_logits)
-    return [grow[b].final(sampled[b]) if b in grow and grow[b].tokens else None for b in range(B)]
+    trees = [grow[b].final(sampled[b]) if b in grow and grow[b].tokens else None for b in range(B)]
+    if calibration is not None:
+        calibration.propose(seqs, [None if t is None or sampled[b] else (t, [grow[b].q[n] for n in grow[b].kept])
+                                   for b, t in enumerate(trees)])
+    return trees
 
 
 def rank_tree(shape: TreeShape, rank_probs: list[float]) -> dict[tuple[int, ...], int]:
@@ -295,3 +308,59 @@ class _RankCounts:
         while len(counts) <= r:
             counts.append(0.0)
         counts[r] += 1.0
+
+
+class QCalibration:
+    """How often a top-k candidate whose draft probability is q turns out to be the accepted child, in
+    ``BINS`` bins of q, over a drafter's verified top-k trees (every child of a node the accepted path
+    reaches was a candidate; at most one is accepted). Decayed counts smoothed towards q itself.
+    A small draft's q is no acceptance rate: the shipped draft's q(top token) averages about 0.5 where
+    the target agrees with it about 0.8 of the time, so ranking nodes by raw q (EAGLE-2) spends the
+    budget on siblings where depth pays. Top-k candidates are verified one-hot (the target's own draw
+    decides), so the tree's shape never changes an output and the counts may pool every request."""
+
+    BINS = 10
+
+    def __init__(self, decay: float = 0.998, prior_weight: float = 4.0):
+        self.decay, self.prior_weight = decay, prior_weight
+        self.hits = [0.0] * self.BINS
+        self.tried = [0.0] * self.BINS
+        self.pending: dict[int, tuple[DraftTree, list[float]]] = {}  # seq_id -> (tree, each node's q)
+
+    def value(self, q: float) -> float:
+        j = min(int(q * self.BINS), self.BINS - 1)
+        w = self.prior_weight
+        return min(1.0, (self.hits[j] + w * q) / (self.tried[j] + w))
+
+    def propose(self, seqs: list[Sequence], trees: list[tuple[DraftTree, list[float]] | None]) -> None:
+        for s, t in zip(seqs, trees):
+            if t is None:
+                self.pending.pop(s.seq_id, None)
+            else:
+                self.pending[s.seq_id] = t
+
+    def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        """Each sequence's history now ends with its accepted path (num_accepted nodes) and one more token."""
+        for s, a in zip(seqs, num_accepted):
+            got = self.pending.pop(s.seq_id, None)
+            if got is None or len(s.token_ids) < a + 1:
+                continue
+            tree, qs = got
+            path = s.token_ids[len(s.token_ids) - a - 1 : len(s.token_ids) - 1]
+            self.hits = [h * self.decay for h in self.hits]
+            self.tried = [t * self.decay for t in self.tried]
+            node, seen = -1, 0
+            while True:
+                kids = tree.children(node)
+                nxt = next((c for c in kids if seen < a and tree.token_ids[c] == path[seen]), None)
+                for c in kids:
+                    j = min(int(qs[c] * self.BINS), self.BINS - 1)
+                    self.tried[j] += 1.0
+                    self.hits[j] += 1.0 if c == nxt else 0.0
+                if nxt is None:
+                    break
+                node, seen = nxt, seen + 1
+
+    def release(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            self.pending.pop(s.seq_id, None)
