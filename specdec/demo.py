@@ -311,7 +311,8 @@ def limits(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = No
     every draft accepted), split in three factors, each >= 1:
     "step": its one-token step over the fastest backend's; "verify": its verify pass of the tokens
     drafted + 1 in steps (the controller's measured line, else ``costs`` at k + 1 tokens);
-    "acceptance": the tokens a round could emit (drafted + 1) over τ. Plain-only backends: the step."""
+    "acceptance": the tokens a round could emit (drafted + 1) over τ. Plain-only backends: the step;
+    where the controller drafted nothing, the verify pass of k + 1 tokens it would have paid for."""
     steps = _steps(choice, costs)
     fastest = min(steps.values(), default=0.0)
     out = {}
@@ -324,6 +325,8 @@ def limits(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = No
             elif costs and backend in costs:
                 factors["verify"] = costs[backend][1] / costs[backend][0]
             factors["acceptance"] = (spec.mean_k + 1) / spec.tau
+        elif spec is not None and costs and backend in costs:  # the controller drafted nothing: the pass it
+            factors["verify"] = costs[backend][1] / costs[backend][0]  # would pay for, at k + 1 tokens
         limit = max(factors, key=factors.__getitem__)
         out[backend] = (limit, factors[limit])
     return out
@@ -352,6 +355,9 @@ def _limit_text(limit: tuple[str, float], spec: Measured | None, fastest: str, k
         return (f"held back by its step ({factor:.2f}x {fastest}'s)" if factor > 1.0
                 else "the fastest step here")
     if name == "verify":
+        if not spec.mean_k:
+            return (f"held back by its verify curve ({k + 1} tokens cost {factor:.2f} steps: the controller "
+                    "drafted nothing)")
         tokens = round(spec.mean_k) + 1 if spec.verify_steps is not None else k + 1
         return f"held back by its verify curve ({tokens} tokens cost {factor:.2f} steps)"
     return f"held back by acceptance (τ {spec.tau:.2f} of the {spec.mean_k + 1:.1f} tokens a round could emit)"

@@ -86,6 +86,10 @@ def test_limits_name_what_holds_each_backend_back():
                                                          verify_steps=1.2)])
     assert demo.limits(poor) == {"torch": ("acceptance", pytest.approx(4.0))}
     assert "held back by acceptance (τ 1.50 of the 6.0 tokens a round could emit)" in explain(poor)
+    gated = choose([m("llama.cpp", tps=400), m("llama.cpp", "draft_model", 6, tps=390, tau=1.0, mean_k=0.0)])
+    assert demo.limits(gated, {"llama.cpp": (2.0, 4.6)}) == {"llama.cpp": ("verify", pytest.approx(2.3))}
+    assert "held back by its verify curve (5 tokens cost 2.30 steps: the controller drafted nothing)" in explain(
+        gated, {"llama.cpp": (2.0, 4.6)})
     plain_only = choose([m("llama.cpp", tps=400, step_ms=2.5), m("torch", tps=200, step_ms=5.0)])
     assert demo.limits(plain_only) == {"llama.cpp": ("step", 1.0), "torch": ("step", 2.0)}
     assert "llama.cpp: 2.50 ms per token plain, the fastest step here; torch: 5.00 ms per token plain, held back " \
