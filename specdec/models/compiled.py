@@ -48,7 +48,8 @@ log = logging.getLogger("specdec.compiled")
 
 ENFORCE_EAGER_ENV = "SPECDEC_ENFORCE_EAGER"
 DEFAULT_SIZES = (1, 8)  # fed tokens per row compiled at load: 1 (decode), up to 8 (verify k <= 7, small trees)
-CACHE_STEP = 256  # the attended length is a multiple of this (llama.CACHE_LEN_STEP)
+CACHE_STEP = 256  # the scratch cache of the warm-up compile is laid out in these steps (llama.CACHE_LEN_STEP)
+ATTEND_STEP = 64  # the attended length L is a multiple of this: at most 63 masked keys more than needed
 # inductor's on-disk caches (generated code, compiled graphs) live beside specdec's other caches, not in
 # /tmp, so that a compile is once per machine; set before inductor first reads it. A value set stays.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
@@ -271,7 +272,7 @@ class CompiledStep:
         offsets = torch.arange(Tb, device=device)  # [Tb]
         slots = start + offsets  # [B, Tb]
         end = max(batch.start) + Tb
-        L = -(-end // CACHE_STEP) * CACHE_STEP  # keys 0..L-1 are attended, masked past each token
+        L = max(-(-end // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)  # keys 0..L-1 attended, masked past each token
         r.reserve(batch.row_offset + B, L + 1)  # the graph was traced with the cache longer than L: keep it so
         if self.keys.shape[0] < L:
             self.keys = torch.arange(r.cache.max_len, device=device)
