@@ -66,7 +66,8 @@ def test_the_choice_weighs_the_whole_round_by_the_cost_model():
             assert e.tokens_per_s == pytest.approx(max(speedups) * 1e3 / ms[0])
             assert e.tau == pytest.approx(expected_tokens(alphas, e.k))
     assert high.reason.startswith("expected fastest here for suffix k<=8 with acceptance α 0.90 (test): llama.cpp ")
-    assert f"torch {high.estimates['torch'].tokens_per_s:.1f} tok/s (t(1) 9.00, t(2) 9.20, t(9) 9.80 ms; k=" in high.reason
+    torch_speed = high.estimates["torch"].tokens_per_s
+    assert f"torch {torch_speed:.1f} tok/s (t(1) 9.00, t(2) 9.20, t(9) 9.80 ms; k=" in high.reason
     # the steep curve: at low acceptance llama.cpp decodes plainly while torch's flat pass still drafts
     assert low.estimates["llama.cpp"].k == 0 < low.estimates["torch"].k
     assert "llama.cpp 250.0 tok/s (t(1) 4.00, t(2) 6.10, t(9) 12.00 ms; plain decoding pays best)" in low.reason
@@ -145,7 +146,8 @@ def test_measured_acceptance_replaces_the_prior(measured, monkeypatch):
     assert backend_choice.alpha_from_tau(9.0, 3) == pytest.approx(1.0, abs=1e-6)  # clipped to k + 1
     backend_choice.record_acceptance(source, "suffix", None, [alpha], 100, "a test")
     after = auto_backend(source, "float32", 8, "suffix")
-    assert after.backend == "torch" and "α 0.95 / 0.95 / 0.95 / 0.95 ... (measured: a test, 100 rounds)" in after.reason
+    assert after.backend == "torch"
+    assert "α 0.95 / 0.95 / 0.95 / 0.95 ... (measured: a test, 100 rounds)" in after.reason
     assert auto_backend(source, "float32", 8, "ngram").backend == "llama.cpp"  # per method
 
 

@@ -124,8 +124,8 @@ def cache_key(source: ModelSource, dtype: str, k: int, method: str | None, draft
     draft_id = checkpoint_digest(draft.path) if draft is not None and not draft.is_gguf else (
         Path(draft.path).name if draft is not None else "-")
     runs_in = ",".join(str(dtype_for(source, b, dtype)) for b in BACKENDS)  # per backend: the dtype_choice rule's
-    return (f"{timings.machine_key()} {checkpoint_digest(source.path)} {dtype} ({runs_in}) torch-path {torch_path(enforce_eager)} "
-            f"k {k} method {method or 'plain'} draft {draft_id}")
+    return (f"{timings.machine_key()} {checkpoint_digest(source.path)} {dtype} ({runs_in}) "
+            f"torch-path {torch_path(enforce_eager)} k {k} method {method or 'plain'} draft {draft_id}")
 
 
 def torch_path(enforce_eager: bool | None = None) -> str:
@@ -208,7 +208,8 @@ def acceptance_for(source: ModelSource, method: str | None, draft: ModelSource |
         alphas = list(kept["alphas"])[:k]
         alphas += [alphas[-1]] * (k - len(alphas))
         shown = " / ".join(f"{a:.2f}" for a in alphas[:4]) + (" ..." if k > 4 else "")
-        return alphas, f"α {shown} (measured: {kept.get('source', 'acceptance.json')}, {kept.get('drafts', '?')} rounds)"
+        where = f"{kept.get('source', 'acceptance.json')}, {kept.get('drafts', '?')} rounds"
+        return alphas, f"α {shown} (measured: {where})"
     prior = PRIOR_ALPHAS.get(method, PRIOR_ALPHA)
     return [prior] * k, f"α {prior:.2f} per position (prior for {method}; none measured for this model yet)"
 
@@ -306,8 +307,8 @@ def _time_loaded(source: ModelSource, dtype: str, k: int, draft: ModelSource | N
 
 def time_runners(runners: dict, lengths: dict, context: int) -> dict:
     """Milliseconds of each runner's forward of T tokens for T in ``lengths[name]`` after ``context``
-    cached positions (fewer where a runner holds fewer), the runners alternating: per name [ms per length], the median over REPEATS of
-    each burst's settled half. The runners keep nothing: their probe row is dropped."""
+    cached positions (fewer where a runner holds fewer), the runners alternating: per name [ms per
+    length], the median over REPEATS of each burst's settled half. The runners keep nothing: their probe row is dropped."""
     vocab = min(r.vocab_size for r in runners.values())
     longest = max(max(t) for t in lengths.values())
     room = min(getattr(r, "max_model_len", None) or context + longest for r in runners.values())
