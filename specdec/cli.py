@@ -340,6 +340,7 @@ def serve(
     device: DeviceOpt = "cpu",
     backend: BackendOpt = "auto",
     tokenizer: TokenizerOpt = None,
+    enforce_eager: EnforceEagerOpt = False,
     threads: Annotated[int | None, typer.Option(
         help="Torch threads (default: $OMP_NUM_THREADS, else one fewer than the CPU cores, leaving one to "
              "the HTTP event loop, which otherwise competes with the rounds for the CPU).")] = None,
@@ -409,7 +410,8 @@ def serve(
                                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                num_scheduler_steps=num_scheduler_steps, served_model_name=served_model_name,
                                api_key=api_key, limits=limits,
-                               backend=backend, tokenizer=tokenizer, engine_process=not engine_in_process)
+                               backend=backend, tokenizer=tokenizer, enforce_eager=enforce_eager or None,
+                               engine_process=not engine_in_process)
     if not engine_in_process and http_nice:
         os.nice(http_nice)  # after the engine process started: it keeps the priority this process had
     run_server(server_app, host=host, port=port)
