@@ -283,6 +283,7 @@ def test_hybrid_passes_each_members_trees(folder):
     want_model = DraftModelDrafter(runner_of(folder)).propose_tree([seq(HISTORIES[1], temperature=0)], shapes[1:],
                                                                    batch_of(seqs[1:]))[0]
     assert (model_tree.token_ids, model_tree.parents) == (want_model.token_ids, want_model.parents)
+    assert hybrid.tree_sources == ["suffix", model.method]
 
 
 # -- eagle3 ----------------------------------------------------------------------------------------
@@ -359,5 +360,6 @@ def test_choice_passes_the_chosen_members_trees(folder, methods):
         want = fresh().propose_tree([seq(s.token_ids, temperature=0)], [shape], batch_of([s]))[0]
         assert (tree.token_ids, tree.parents) == (want.token_ids, want.parents), m
         assert choosing._last[s.seq_id] == (m, max(tree.depths()))
+        assert choosing.tree_sources[seqs.index(s)] == m
     assert any(m is not None for m in methods.values())
     choosing.observe(seqs, [1, 0, 0])  # acceptance per method recorded as for chains

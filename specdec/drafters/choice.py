@@ -108,6 +108,7 @@ class ChoosingDrafter(Drafter):
         self.rounds_per_method = {m: 0 for m in self.methods}  # (sequence, round) pairs each method drafted
         self._last: dict[int, tuple[str, int]] = {}  # seq_id -> (method, drafts) of the last proposal
         self._priors: dict[tuple[str, int], list[float]] = {}  # _method_alphas of the current round
+        self.tree_sources: list[str] | None = None  # [B] the method that drafted each row of the last propose_tree
 
     # -- the Drafter interface --------------------------------------------------------------------
 
@@ -164,6 +165,7 @@ class ChoosingDrafter(Drafter):
                 if x is not None:
                     trees[b] = got[b]
         self._record(seqs, chosen, [0 if t is None else max(t.depths()) for t in trees])
+        self.tree_sources = [c if c is not None else NO_DRAFT for c in chosen]
         return trees
 
     def _choose_rows(self, seqs: list[Sequence], num_draft: list[int],

@@ -57,6 +57,7 @@ class HybridDrafter(Drafter):
         return merge_proposals(parts, owner, sb.device)
 
     can_draft_trees = True  # the suffix tries' trees; the model's where it branches, else its chains
+    tree_sources: list[str] | None = None  # [B] the method that drafted each row of the last propose_tree
 
     def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
         """As ``propose``, with the suffix trie's tree for a row whose suffix chain would be taken (the
@@ -75,6 +76,7 @@ class HybridDrafter(Drafter):
             model_shapes.append(None if take else shape)
         self.suffix_rows += sum(1 for t in trees if t is not None)
         self.model_rows += sum(1 for m in model_shapes if m is not None)
+        self.tree_sources = ["suffix" if m is None else self.model.method for m in model_shapes]
         if not any(m is not None for m in model_shapes):
             return trees
         if self.model.can_draft_trees:
