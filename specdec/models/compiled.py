@@ -128,7 +128,10 @@ class StepGraph(nn.Module):
         *lead, n = x.shape
         x2 = x.to(lin.dtype).reshape(-1, n)  # [rows, in]
         if lin.kind == "onednn":
-            y = torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
+            rows = x2.shape[0]
+            if rows < lin.min_rows:  # as linear.py pads: a row's result then equals the verify pass's
+                x2 = F.pad(x2, (0, 0, 0, lin.min_rows - rows))
+            y = torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")[:rows]
         elif lin.kind == "wxt":  # (w @ x^T)^T: F.linear's x @ w^T takes slow paths for few rows
             y = (w @ x2.t()).t()
             if b is not None:
