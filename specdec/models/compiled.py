@@ -2,9 +2,9 @@
 
 On CPU a one-token step of a small model is dispatch-bound: eager PyTorch spends more time launching
 ~1,000 small ops (norms, RoPE, casts, slices, allocations) than multiplying. ``torch.compile``
-(inductor) fuses them into a few C++ loops, freezes the weights as constants so that its own pass
-prepacks each linear for oneDNN (bf16) or MKL (float32), and with its C++ wrapper calls them
-without Python in between. One graph serves chains and trees alike, so verify passes stay flat:
+(inductor) fuses them into a few C++ loops and, with its C++ wrapper, calls the linears without
+Python in between (weights are not frozen: see install_linear_fallback). One graph serves chains
+and trees alike, so verify passes stay flat:
 
     inputs:  tokens [B, T] long, pos [B, T] long (RoPE), slots [B, T] long (where k, v and kept
              states are written), rows [B] long (cache rows), mask [W, B, T, L] float (additive,
