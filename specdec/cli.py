@@ -238,7 +238,7 @@ def demo(
         costs = None
         if len(backends) > 1:  # what a step and a verify pass cost on each: the same figures backend=auto times
             try:
-                costs = forward_costs(DEMO_TARGET)
+                costs = forward_costs(llms)
             except (ValueError, RuntimeError, OSError) as e:  # the explanation then uses the controller's line
                 err.print(f"  (the forward's costs could not be timed: {e})", style="dim", markup=False)
         measure_s = time.perf_counter() - t0  # loading the candidates and timing the forwards included

@@ -373,7 +373,8 @@ class Engine:
         for s in seqs:
             s.stats.record_plain(n, t2 - t1)
         if self.controller is not None:
-            self.controller.record([s.seq_id for s in seqs], [0] * len(seqs), [0] * len(seqs), 0.0, (t2 - t1) / n)
+            self.controller.record([s.seq_id for s in seqs], [0] * len(seqs), [0] * len(seqs), 0.0, (t2 - t1) / n,
+                                   num_steps=n)
         self.stats.verify_time_s += t2 - t1
         self.stats.step_time_s += time.perf_counter() - t0
         self._retire()

@@ -63,7 +63,8 @@ class LLM:
         draft_source = resolve(spec.model) if k > 0 and "draft_model" in methods else None
         # layer_skip among the methods needs a backend that runs the first layers alone
         method = "layer_skip" if "layer_skip" in methods else (methods[0] if methods else None)
-        target_choice = choose(target_source, backend, dtype, device, method, k, enforce_eager=enforce_eager)
+        target_choice = choose(target_source, backend, dtype, device, method, k, draft=draft_source,
+                               enforce_eager=enforce_eager)
         draft_choice = choose_draft(draft_source, target_choice, dtype, device) if draft_source else None
         self.backend, self.backend_reason = target_choice.backend, target_choice.reason
         self.target, eos = load(target_source, target_choice.backend, target_choice.dtype, device, max_model_len,
