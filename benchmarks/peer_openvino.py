@@ -14,7 +14,9 @@ its best methods (draft_model k=8 adaptive, suffix k=32 x3, eagle3 with specdec/
 Reported: per configuration the median tok/s over prompts (end to end, prefill included), each
 engine's best, the ratios specdec / OpenVINO, τ where the engine counts it, the CPU path beside each
 (OpenVINO's inference precision read back from the compiled model, specdec's runner describe()),
-and the one-token step and 5-token verify cost of both targets at --context cached positions.
+and the one-token step and 5-token verify cost of both targets at --context cached positions. Run
+it on a quiet machine: under load a 2-thread forward waits at a barrier whenever its other thread is
+descheduled, which hurts engines with many small ops far more (the load average is printed).
 
     python benchmarks/peer_openvino.py --setup            # build the venv and the IR, print the commands
     python benchmarks/peer_openvino.py                    # the comparison (sets up on first use)
@@ -379,8 +381,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             llm = llms[c.key]
             paths[c.key] = f"{llm.backend}: {llm.target.describe()}"
-            print(f"specdec {c.name}: loaded in {time.perf_counter() - t0:.1f} s, {paths[c.key]} ({llm.backend_reason})",
-                  flush=True)
+            print(f"specdec {c.name}: loaded in {time.perf_counter() - t0:.1f} s, {paths[c.key]} "
+                  f"({llm.backend_reason})", flush=True)
         configs = [c for c in configs if c.engine == "openvino" or c.key in llms]
         auto_picks = {}  # auto's configurations: their backend's own row where the run has it, else measured
         for c in [c for c in configs if c.backend == "auto"]:
@@ -418,9 +420,10 @@ def main(argv: list[str] | None = None) -> None:
                     t0 = time.perf_counter()
                     out = llms[c.key].generate([{"prompt_token_ids": ids}], sp)[0].outputs[0].token_ids
                     results[c.key].append({"tokens": list(out), "seconds": time.perf_counter() - t0})
+            last = {c.key: results[c.key][-1] for c in configs}
             print(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(
-                f"{c.key.removeprefix('specdec ')} {len(results[c.key][-1]['tokens']) / results[c.key][-1]['seconds']:.0f}"
-                for c in configs), flush=True)
+                f"{k.removeprefix('specdec ')} {len(r['tokens']) / r['seconds']:.0f}" for k, r in last.items()),
+                flush=True)
 
         taus = {c.key: (llms[c.key].get_metrics().get("mean_acceptance_length") if c.engine == "specdec"
                         else tau_openvino(results[c.key])) for c in configs if c.spec or c.ov.get("config") == "draft"}
