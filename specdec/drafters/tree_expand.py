@@ -38,7 +38,7 @@ import torch
 
 from specdec.sampling import SamplingBatch, exponentials, probs_from_logits
 from specdec.sequence import Sequence
-from specdec.tree import DraftTree, TreeShape
+from specdec.tree import DraftTree, TreeShape, static_tree
 
 SIBLINGS = ("top_k", "sampled")
 
@@ -224,22 +224,12 @@ def draft_tree(logits: torch.Tensor, feed: TreeFeed, seqs: list[Sequence], shape
 
 def rank_tree(shape: TreeShape, rank_probs: list[float]) -> dict[tuple[int, ...], int]:
     """The fixed shape of ``shape.num_nodes`` nodes with the most expected accepted tokens when the child
-    of rank r is accepted with probability ``rank_probs[r]`` at every level (Sequoia; a node's value, the
-    product of its ranks' probabilities, is at most its parent's and its elder sibling's, so taking the
-    best values one at a time keeps a tree). Returns rank path -> number of children (() : the root)."""
-    ranks = [max(float(p), 1e-9) for p in rank_probs[: shape.max_children]]
+    of rank r is accepted with probability ``rank_probs[r]`` at every level (tree.static_tree, Sequoia's
+    best tree for a positional acceptance). Returns rank path -> number of children (() : the root)."""
+    ranks = [min(max(float(p), 1e-9), 1.0) for p in rank_probs[: shape.max_children]]
     children: dict[tuple[int, ...], int] = {}
-    frontier = {(0,): ranks[0]} if ranks else {}  # candidate rank path -> its value
-    taken = 0
-    while frontier and taken < shape.num_nodes:
-        path = max(frontier, key=lambda p: (frontier[p], -len(p), [-r for r in p]))
-        value = frontier.pop(path)
-        taken += 1
+    for path in static_tree(shape, ranks) if ranks else []:
         children[path[:-1]] = children.get(path[:-1], 0) + 1
-        if len(path) < shape.max_depth:
-            frontier[path + (0,)] = value * ranks[0]
-        if path[-1] + 1 < len(ranks):
-            frontier[path[:-1] + (path[-1] + 1,)] = value / ranks[path[-1]] * ranks[path[-1] + 1]
     return children
 
 
