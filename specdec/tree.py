@@ -108,6 +108,23 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
     return mask
 
 
+def tree_mask(pos: torch.Tensor, ancestors: torch.Tensor, start: torch.Tensor, end: int, window: int | None,
+               additive: bool) -> torch.Tensor:
+    """Mask [B, 1, T, end] for a tree pass: fed token i of row b sees the cached keys 0..start[b]-1
+    (within ``window`` of its position) and the fed tokens that are its ancestors or itself, at slots
+    start[b] + j. pos [B, T] positions by depth; ancestors [B, T, T] bool (tree.ancestor_mask)."""
+    B, T = pos.shape
+    keys = torch.arange(end, device=pos.device)
+    allowed = (keys[None, None, :] < start[:, None, None]).expand(B, T, end).clone()  # [B, T, end]
+    if window is not None:
+        allowed &= keys[None, None, :] > pos[:, :, None] - window
+    block = start[:, None] + torch.arange(T, device=pos.device)  # [B, T] slots of the fed tokens
+    allowed.scatter_(2, block[:, None, :].expand(B, T, T), ancestors)  # ancestors sit in the window (T < window)
+    if additive:
+        return torch.zeros(allowed.shape, device=pos.device).masked_fill_(~allowed, float("-inf"))[:, None]
+    return allowed[:, None]
+
+
 def depths_of(parents: list[int]) -> list[int]:
     """Depth of each fed token in a block given its parents within the block (-1: continues the cache): 0, 1, ..."""
     d: list[int] = []

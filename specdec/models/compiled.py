@@ -41,8 +41,7 @@ from specdec.models.linear import Linear
 from specdec.models.timings import cache_dir
 
 if TYPE_CHECKING:
-    from specdec.models.base import ForwardBatch
-    from specdec.models.llama import LlamaRunner
+    from specdec.models.base import ForwardBatch, ModelRunner
 
 log = logging.getLogger("specdec.compiled")
 
@@ -93,7 +92,7 @@ class StepGraph(nn.Module):
     docstring for the inputs). It holds the runner's own weights (bf16 ones already in oneDNN's
     blocked layout): no copy, and no freezing, whose MKL-packed constants inductor cannot cache."""
 
-    def __init__(self, runner: LlamaRunner, layer_windows: list[int], kept_layers: Sequence[int] = ()):
+    def __init__(self, runner: ModelRunner, layer_windows: list[int], kept_layers: Sequence[int] = ()):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = runner.num_heads, runner.num_kv_heads, runner.head_dim
         self.hidden_size, self.eps, self.act = runner.hidden_size, runner.eps, runner.act
@@ -196,7 +195,7 @@ class CompiledStep:
     autograd caches make a second load on this machine fast), and runs the batches that
     ``why_not`` accepts. Batches it refuses run eager in the runner."""
 
-    def __init__(self, runner: LlamaRunner, sizes: Sequence[int] = DEFAULT_SIZES):
+    def __init__(self, runner: ModelRunner, sizes: Sequence[int] = DEFAULT_SIZES):  # the torch runner (llama.py)
         if not sizes or any(s < 1 for s in sizes):
             raise ValueError(f"compile sizes must be positive token counts, got {list(sizes)!r}")
         self.runner = runner
@@ -287,13 +286,12 @@ class CompiledStep:
             seen = keys[None, None, :] <= pos[:, :, None]  # [B, Tb, L]
             masks = [seen if w is None else seen & (keys[None, None, :] > pos[:, :, None] - w) for w in self.windows]
         else:
-            from specdec.models.llama import _tree_mask
-            from specdec.tree import ancestor_mask, depths_of
+            from specdec.tree import ancestor_mask, depths_of, tree_mask
 
             parents = [list(p) + list(range(len(p) - 1, Tb - 1)) for p in batch.parents]  # padding: a chain below
             pos = start + torch.tensor([depths_of(p) for p in parents], device=device)
             ancestors = torch.stack([ancestor_mask(p) for p in parents]).to(device)  # [B, Tb, Tb]
-            masks = [_tree_mask(pos, ancestors, start[:, 0], L, w, additive=False)[:, 0] for w in self.windows]
+            masks = [tree_mask(pos, ancestors, start[:, 0], L, w, additive=False)[:, 0] for w in self.windows]
         mask = torch.zeros(len(masks), B, Tb, L, device=device).masked_fill_(~torch.stack(masks), float("-inf"))
         rows = torch.arange(batch.row_offset, batch.row_offset + B, device=device)
         with torch.inference_mode():

@@ -21,7 +21,7 @@ from specdec.models.compiled import DEFAULT_SIZES, CompiledStep, enforce_eager_d
 from specdec.models.cpu import native_bf16
 from specdec.models.kv_cache import KVCache, RowTable, grow
 from specdec.models.linear import KERNEL_NAMES, ONEDNN_MIN_ROWS, Linear
-from specdec.tree import ancestor_mask, depths_of
+from specdec.tree import ancestor_mask, depths_of, tree_mask
 
 log = logging.getLogger("specdec.runner")
 
@@ -384,7 +384,7 @@ class _Dense:
             if self.tree is None:
                 self.masks[window] = _attention_mask(self.pos, end, window, additive=self.small)
             else:
-                self.masks[window] = _tree_mask(self.pos, *self.tree, end, window, additive=self.small)
+                self.masks[window] = tree_mask(self.pos, *self.tree, end, window, additive=self.small)
         if self.small:
             out = _few_query_attention(q.transpose(1, 2), keys, values, self.masks[window])  # [B, H, T, hd]
         else:
@@ -506,23 +506,6 @@ def _attention_mask(pos: torch.Tensor, end: int, window: int | None, additive: b
     allowed = keys[None, None, :] <= pos[:, :, None]  # [B, T, end]
     if window is not None:
         allowed &= keys[None, None, :] > pos[:, :, None] - window
-    if additive:
-        return torch.zeros(allowed.shape, device=pos.device).masked_fill_(~allowed, float("-inf"))[:, None]
-    return allowed[:, None]
-
-
-def _tree_mask(pos: torch.Tensor, ancestors: torch.Tensor, start: torch.Tensor, end: int, window: int | None,
-               additive: bool) -> torch.Tensor:
-    """Mask [B, 1, T, end] for a tree pass: fed token i of row b sees the cached keys 0..start[b]-1
-    (within ``window`` of its position) and the fed tokens that are its ancestors or itself, at slots
-    start[b] + j. pos [B, T] positions by depth; ancestors [B, T, T] bool (tree.ancestor_mask)."""
-    B, T = pos.shape
-    keys = torch.arange(end, device=pos.device)
-    allowed = (keys[None, None, :] < start[:, None, None]).expand(B, T, end).clone()  # [B, T, end]
-    if window is not None:
-        allowed &= keys[None, None, :] > pos[:, :, None] - window
-    block = start[:, None] + torch.arange(T, device=pos.device)  # [B, T] slots of the fed tokens
-    allowed.scatter_(2, block[:, None, :].expand(B, T, T), ancestors)  # ancestors sit in the window (T < window)
     if additive:
         return torch.zeros(allowed.shape, device=pos.device).masked_fill_(~allowed, float("-inf"))[:, None]
     return allowed[:, None]
