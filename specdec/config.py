@@ -259,7 +259,9 @@ class SpeculativeConfig:
     # verify cost per node count (chains where trees lose); "chain": never; "tree": always (a backend
     # that cannot verify trees is an error). Depth: num_speculative_tokens.
     draft_tree: str = "auto"
-    draft_tree_max_nodes: int = 16  # nodes per tree at most (SGLang's speculative_num_draft_tokens)
+    # nodes per tree at most (SGLang's speculative_num_draft_tokens - 1); 7: a tree pass of 8 tokens,
+    # the size the compiled torch step verifies in (larger trees run eager)
+    draft_tree_max_nodes: int = 7
     draft_tree_top_k: int = 4  # children per node at most (SGLang's speculative_eagle_topk)
 
     def __post_init__(self) -> None:

@@ -92,7 +92,7 @@ class Measured:
     tokens: int = 0
     time_s: float = 0.0
     tau: float = 1.0  # tokens per verify pass, the recovered or bonus token included
-    mean_k: float = 0.0  # drafts per round that drafted (the controller may draft fewer than k)
+    mean_k: float = 0.0  # drafts per round that drafted (the controller may draft fewer than k; a tree round: its nodes)
     step_ms: float | None = None  # plain: ms per token end to end; speculative: the controller's 1-token step
     verify_steps: float | None = None  # the verify pass of mean_k + 1 tokens, in one-token steps (controller)
     error: str | None = None  # why this candidate could not run here

@@ -45,7 +45,7 @@ class Engine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
                  tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256,
                  adaptive: bool = False, strict_drafter: bool | None = None, logprobs_mode: str = "raw_logprobs",
-                 num_scheduler_steps: int = PLAIN_STEPS, draft_tree: str = "chain", draft_tree_max_nodes: int = 16,
+                 num_scheduler_steps: int = PLAIN_STEPS, draft_tree: str = "chain", draft_tree_max_nodes: int = 7,
                  draft_tree_top_k: int = 4):
         self.target = target
         self.drafter = drafter

@@ -106,7 +106,7 @@ class Admitted:
 class Scheduler:
     def __init__(self, max_num_seqs: int = 256, k: int = 0, controller: AdaptiveK | None = None,
                  num_scheduler_steps: int = PLAIN_STEPS, kv_bytes_per_token: int = 0, max_model_len: int = 0,
-                 draft_tree: str = "chain", draft_tree_max_nodes: int = 16, draft_tree_top_k: int = 4):
+                 draft_tree: str = "chain", draft_tree_max_nodes: int = 7, draft_tree_top_k: int = 4):
         """``k``: drafts asked per row (the most, with a ``controller``); ``kv_bytes_per_token``: the
         target's and the drafter's, for the KV budget that ``limit`` sets. ``draft_tree``: "chain"
         (never trees), "auto" (trees where the controller picks them) or "tree" (always); the engine
