@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from specdec.adaptive import AdaptiveK
-from specdec.config import SamplingParams
+from specdec.config import DRAFT_TREE_MODES, SamplingParams
 from specdec.detokenizer import Detokenizer
 from specdec.drafters.base import Drafter
 from specdec.host_memory import trim_heap
@@ -33,8 +33,6 @@ from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
 from specdec.verify import verify
 from specdec.verify_tree import verify_tree
-
-DRAFT_TREE_MODES = ("auto", "chain", "tree")
 
 __all__ = ["PLAIN_STEPS", "Engine", "check_num_scheduler_steps"]
 
