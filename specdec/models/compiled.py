@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.linear import Linear
-from specdec.models.timings import cache_dir
+from specdec.models.timings import cache_dir, isa_key
 
 if TYPE_CHECKING:
     from specdec.models.base import ForwardBatch, ModelRunner
@@ -51,7 +51,9 @@ CACHE_STEP = 256  # the scratch cache of the warm-up compile is laid out in thes
 ATTEND_STEP = 64  # the attended length L is a multiple of this: at most 63 masked keys more than needed
 # inductor's on-disk caches (generated code, compiled graphs) live beside specdec's other caches, not in
 # /tmp, so that a compile is once per machine; set before inductor first reads it. A value set stays.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+# One folder per instruction set (timings.isa_key): inductor's cache key does not name the ISA limits a
+# process runs under, and code generated under other limits gave NaN.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor" / isa_key()))
 EAGER_HINT = "pass enforce_eager=True (CLI: --enforce-eager; environment: SPECDEC_ENFORCE_EAGER=1) to run eager"
 
 

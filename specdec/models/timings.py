@@ -30,6 +30,15 @@ def cache_file(name: str) -> Path:
 ISA_ENV = ("SPECDEC_NO_NATIVE_BF16", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 
+def isa_key() -> str:
+    """A short name for the instructions generated code may use here: the CPU's features and the ISA
+    limits set in the environment (inductor's own cache key includes neither, and code compiled for
+    AVX-512 gave NaN under ATEN_CPU_CAPABILITY=avx2)."""
+    caps = torch.cpu.get_capabilities()
+    limits = [f"{name}={os.environ[name]}" for name in ISA_ENV if os.environ.get(name)]
+    return hashlib.sha1(json.dumps([sorted((k, str(v)) for k, v in caps.items()), limits]).encode()).hexdigest()[:12]
+
+
 def machine_key() -> str:
     """The machine as timings depend on it: the CPU model and features, the kernels' ISA limits set
     in the environment, torch, the thread count."""
