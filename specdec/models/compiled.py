@@ -19,7 +19,7 @@ dynamic dims, so no batch compiles again after load. Batches of several rows, lo
 which path ran). The linears call the runner's own prepacked oneDNN weights (bf16) or ``w @ x^T``
 (float32) as extern kernels; norms, RoPE, residuals, cache writes and softmax are fused C++ loops.
 Inductor's FX graph and AOT autograd caches keep the compiled graphs on disk
-(TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/specdec/inductor): a second load compiles nothing.
+(TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/specdec/inductor/<isa key>): a second load compiles nothing.
 
 On CUDA the same graph is compiled with mode="reduce-overhead" (CUDA graphs); not tested here.
 """
