@@ -127,8 +127,9 @@ def test_kept_hidden_states_on_the_compiled_path(pair):
             r.forward(ForwardBatch.from_rows([PROMPT[:20]], [0], logits="none"))
             r.forward(ForwardBatch.from_rows([PROMPT[20:25]], [20], logits="all"))
         assert compiled.last_path == "compiled"
+        # the residual stream grows with depth: float32 reorderings differ relatively (AVX2 kernels: 3.5e-6)
         torch.testing.assert_close(compiled.hidden_states(0, 0, 25), eager.hidden_states(0, 0, 25),
-                                   atol=atol, rtol=0)
+                                   atol=atol, rtol=1e-5)
     finally:
         for r in (compiled, eager):
             r.kept_layers = []
