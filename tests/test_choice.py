@@ -18,9 +18,8 @@ from specdec.cli_common import CliError, build_speculative_config
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.merge import merge_proposals
 from specdec.models.load import load_model
-from tiny_models import make_model, perturbed_copy, random_prompts
+from tiny_models import SMALL_WORDS, make_model, perturbed_copy, random_prompts, small_vocab_pair
 
-SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: small enough for exact distribution tests
 ALL = ["suffix", "draft_model", "ngram"]
 
 
@@ -73,10 +72,7 @@ def test_greedy_with_layer_skip_in_the_list_equals_plain_decoding(models, caplog
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("choice_small")
-    target = make_model(root / "t", "llama", words=SMALL_WORDS, seed=3, init_std=0.5)
-    draft = perturbed_copy(target, root / "d", 0.05)
-    return str(target), str(draft), load_model(str(target)).hf_model
+    return small_vocab_pair(tmp_path_factory.mktemp("choice_small"))
 
 
 def test_sampled_outputs_follow_the_target_distribution(small_vocab, caplog):

@@ -13,9 +13,8 @@ from specdec.drafters.base import DraftProposal, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.models.load import load_model
 from specdec.sampling import SamplingBatch
-from tiny_models import make_model, perturbed_copy, random_prompts
+from tiny_models import SMALL_WORDS, make_model, perturbed_copy, random_prompts, small_vocab_pair
 
-SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: small enough for exact distribution tests
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +112,7 @@ def test_seeded_sampling_is_reproducible(models):
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("small")
-    target = make_model(root / "t", "llama", words=SMALL_WORDS, seed=3, init_std=0.5)
-    draft = perturbed_copy(target, root / "d", 0.05)
-    return str(target), str(draft), load_model(str(target)).hf_model
+    return small_vocab_pair(tmp_path_factory.mktemp("small"))
 
 
 @pytest.mark.parametrize("params", [

@@ -23,9 +23,8 @@ from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
 from specdec.sampling import probs_from_logits, sample
 from specdec.tree import DraftTree, TreeShape, block_parents
-from tiny_models import make_model, perturbed_copy, random_prompts
+from tiny_models import SMALL_WORDS, make_model, perturbed_copy, random_prompts, small_vocab_pair
 
-SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: small enough for exact distribution tests
 
 
 class DraftModelTrees(Drafter):
@@ -223,10 +222,7 @@ def test_seeded_sampled_output_does_not_depend_on_the_batch(models, sampled):
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
-    root = tmp_path_factory.mktemp("small")
-    target = make_model(root / "t", "llama", words=SMALL_WORDS, seed=3, init_std=0.5)
-    draft = perturbed_copy(target, root / "d", 0.05)
-    return str(target), str(draft), load_model(str(target)).hf_model
+    return small_vocab_pair(tmp_path_factory.mktemp("small"))
 
 
 @pytest.mark.parametrize("params, sampled", [

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 WORDS = [f"w{i}" for i in range(120)]
+SMALL_WORDS = [f"w{i}" for i in range(20)]  # V = 23: small enough for exact distribution tests
 
 
 def make_tokenizer(folder: Path, words: list[str] = WORDS) -> None:
@@ -165,3 +166,13 @@ def remapped_copy(src: Path, dst: Path, words: list[str], scale: float = 0.0, se
             p.add_(scale * torch.randn(p.shape, generator=g))
     model.save_pretrained(dst, safe_serialization=True)
     return dst
+
+
+def small_vocab_pair(root: Path) -> tuple[str, str, torch.nn.Module]:
+    """A sharp target over SMALL_WORDS and a draft close to it (chi-square tests of whole engines):
+    (target folder, draft folder, the target's transformers model)."""
+    from specdec.models.load import load_model
+
+    target = make_model(root / "t", "llama", words=SMALL_WORDS, seed=3, init_std=0.5)
+    draft = perturbed_copy(target, root / "d", 0.05)
+    return str(target), str(draft), load_model(str(target)).hf_model
