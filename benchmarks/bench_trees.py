@@ -9,7 +9,7 @@ outputs are checked against plain decoding token for token (near-ties aside).
 
     python benchmarks/bench_trees.py [--model specdec/demo-target] [--draft specdec/demo-draft]
         [--head specdec/demo-eagle3] [--methods draft_model suffix eagle3] [--sets code_heldout
-        ../shared/data/spec_bench/question.jsonl] [-k 4] [--nodes 16] [--top-k 4]
+        "$SPEC_BENCH"] [-k 4] [--nodes 16] [--top-k 4]
         [--temperature 0] [--num-prompts 8] [--max-tokens 128] [--backend torch] [--json]
 """
 

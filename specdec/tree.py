@@ -57,11 +57,7 @@ class DraftTree:
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (empty for the root, -1)."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        return root_path(self.parents, node)
 
     def best_chain(self) -> list[int]:
         """The root-to-leaf path the drafter scores highest (the longest when unscored): the fallback
@@ -88,6 +84,15 @@ class TreeShape:
     def __post_init__(self) -> None:
         if not (self.num_nodes >= 1 and self.max_depth >= 1 and self.max_children >= 1):
             raise ValueError(f"a tree shape needs num_nodes, max_depth and max_children >= 1, got {self}")
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to ``node`` (empty for the root, -1), given each node's parent."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 def block_parents(num_fed: int, tree: DraftTree) -> list[int]:

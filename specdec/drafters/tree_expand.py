@@ -38,7 +38,7 @@ import torch
 
 from specdec.sampling import SamplingBatch, exponentials, probs_from_logits
 from specdec.sequence import Sequence
-from specdec.tree import DraftTree, TreeShape, static_tree
+from specdec.tree import DraftTree, TreeShape, root_path, static_tree
 
 SIBLINGS = ("top_k", "sampled")
 
@@ -95,11 +95,7 @@ class _Growth:
         return sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], self.depth[i], i))
 
     def path(self, node: int) -> list[int]:
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = self.parents[node]
-        return out[::-1]
+        return root_path(self.parents, node)
 
     def block(self, expand: list[int]) -> Block:
         """The expanded nodes with their ancestors, in node order (topological), parents re-indexed."""

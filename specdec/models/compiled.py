@@ -39,6 +39,7 @@ from torch import nn
 
 from specdec.models.linear import Linear
 from specdec.models.timings import cache_dir, isa_key
+from specdec.tree import ancestor_mask, depths_of, tree_mask
 
 if TYPE_CHECKING:
     from specdec.models.base import ForwardBatch, ModelRunner
@@ -288,8 +289,6 @@ class CompiledStep:
             seen = keys[None, None, :] <= pos[:, :, None]  # [B, Tb, L]
             masks = [seen if w is None else seen & (keys[None, None, :] > pos[:, :, None] - w) for w in self.windows]
         else:
-            from specdec.tree import ancestor_mask, depths_of, tree_mask
-
             parents = [list(p) + list(range(len(p) - 1, Tb - 1)) for p in batch.parents]  # padding: a chain below
             pos = start + torch.tensor([depths_of(p) for p in parents], device=device)
             ancestors = torch.stack([ancestor_mask(p) for p in parents]).to(device)  # [B, Tb, Tb]
