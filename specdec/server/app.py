@@ -276,7 +276,7 @@ def build_app(llm: LLM | None = None, *, served_model_name: str | None = None, a
     @app.get("/health")
     async def health() -> Response:
         if not server.engine.alive:
-            raise P.ApiError(503, "the engine loop is not running", type="server_error")
+            raise _unavailable(server)
         return Response(status_code=200)
 
     @app.get("/metrics", dependencies=[] if server.limits.metrics_public else auth)
@@ -385,7 +385,7 @@ async def _generate(server: OpenAIServer, reply: _Reply, prompts: list[Prompt], 
         raise P.ApiError(429, "the server is busy; retry later", code="rate_limit_exceeded", type="server_error",
                          headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RuntimeError:
-        raise P.ApiError(503, "the engine loop is not running", type="server_error") from None
+        raise _unavailable(server) from None
     rid = P.new_id("cmpl" if reply.kind == "completion" else "chatcmpl")
     choices = [_Choice(server, reply, i, prompts[i // reply.n].token_ids) for i in range(handle.num_choices)]
     if reply.body.stream:
@@ -464,11 +464,29 @@ class _Usage:
         return P.usage(self.prompt_tokens, self.completion_tokens, self.spec)
 
 
+_UNAVAILABLE = {  # engine state -> what /health and a refused request say (503)
+    "restarting": "the engine stopped and is restarting; retry in a few seconds",
+    "failed": "the engine stopped and could not be restarted; the server's log says why",
+}
+
+
+def _unavailable(server: OpenAIServer) -> P.ApiError:
+    """503 while no engine serves: restarting (retry soon), failed for good, or stopped."""
+    state = server.engine.state
+    message = _UNAVAILABLE.get(state, "the engine loop is not running")
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if state == "restarting" else None
+    return P.ApiError(503, message, code="engine_unavailable", type="server_error", headers=headers)
+
+
 def _request_failed(e: BaseException, rid: str) -> P.ApiError:
-    """What the client learns of a failure: the engine's safe message, or only a request id."""
+    """What the client learns of a failure: the engine's safe message, or only a request id. A 503 (the
+    engine died under it) says when to retry."""
     if isinstance(e, RequestError):
         message = e.message if e.status < 500 else f"{e.message} (request id {rid})"
-        return P.ApiError(e.status, message, type="invalid_request_error" if e.status < 500 else "server_error")
+        gone = e.status == 503
+        return P.ApiError(e.status, message, code="engine_unavailable" if gone else None,
+                          type="invalid_request_error" if e.status < 500 else "server_error",
+                          headers={"Retry-After": str(RETRY_AFTER_S)} if gone else None)
     log.error("request %s failed", rid, exc_info=e)
     return P.ApiError(500, f"generation failed (request id {rid}); the server logged the details", type="server_error")
 

@@ -315,6 +315,11 @@ class AsyncEngine(Admission):
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def state(self) -> str:
+        """"serving", or "stopped" (a loop in a thread is not restarted; ``EngineProcess`` restarts its process)."""
+        return "serving" if self.alive else "stopped"
+
     def submit(self, prompts: list[Prompt | tuple], arrival: float | None = None) -> RequestHandle:
         """Queue one request (its choices: ``n`` per prompt, each a sequence); see ``Admission.check``."""
         if not self.alive:

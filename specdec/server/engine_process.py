@@ -19,8 +19,15 @@ the rounds of everyone else's; in its own process it cannot. The two talk over o
 
 In the engine process the loop is ``AsyncEngine`` itself; its request handles put their events in an
 outbox sent once a pass. The process's main thread reads the pipe and compiles grammars (llguidance
-releases the GIL while it compiles), so neither runs on the engine thread. If the engine process
-dies, every request in flight fails with 503 and /health turns 503.
+releases the GIL while it compiles), so neither runs on the engine thread.
+
+The HTTP side's supervisor thread reads the pipe and watches the process (its sentinel, so a death
+is seen at once, killed or out of memory). When the engine dies, every request in flight fails with
+503 (a stream gets an error event and ends), /health answers 503 while a new engine process loads,
+and the server serves again once it is ready. Restarts back off exponentially
+(``ServerLimits.engine_restart_backoff``, doubling) and are bounded: after
+``ServerLimits.engine_restarts`` failures in a row (a launch that fails, or an engine that dies within
+``STABLE_AFTER_S`` of loading) the server stops trying and /health stays 503.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 import threading
 import time
+from dataclasses import fields
+from multiprocessing.connection import wait
 from typing import Any
 
 from specdec.server.async_engine import (
@@ -39,117 +49,224 @@ from specdec.server.limits import ServerLimits
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 1800.0  # loading (or converting) a large model may take minutes
+STABLE_AFTER_S = 60.0  # an engine that served this long before dying starts a fresh count of failures
+BACKOFF_CAP_S = 30.0
+POLL_S = 0.5  # how often a wait checks whether the server is stopping
+# what a request in flight learns when its engine dies (the word "stopped" is what clients match on)
+ENGINE_DIED = "the engine stopped unexpectedly while running this request and is restarting; retry the request"
+ENGINE_GONE = "the engine stopped unexpectedly while running this request"
 
 
 class EngineProcess(Admission):
     """The HTTP side of an engine process: the same surface as ``AsyncEngine`` (submit, abort, alive,
-    snapshot, hooks). Constructing it starts the process and waits until the model is loaded; a model
-    that cannot be loaded is a ValueError with the engine's message. The engine runs as many torch
-    threads as this process has set (``specdec serve --threads``)."""
+    snapshot, hooks) plus ``state`` ("serving", "restarting", "failed", "stopped") and ``restarts``.
+    Constructing it starts the process and waits until the model is loaded; a model that cannot be
+    loaded is a ValueError with the engine's message. The engine runs as many torch threads as this
+    process has set (``specdec serve --threads``)."""
 
     def __init__(self, llm_kwargs: dict[str, Any], limits: ServerLimits | None = None, release_when_idle: bool = True):
         import torch
 
         limits = limits or ServerLimits()
         self.hooks = LoopHooks()
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch or OpenMP state forked
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_main, name="specdec-engine", daemon=True,
-                                 args=(child, llm_kwargs, limits, release_when_idle, torch.get_num_threads()))
-        self._proc.start()
-        child.close()
-        try:
-            if not self._conn.poll(START_TIMEOUT_S):
-                raise ValueError(f"the engine process did not load the model within {START_TIMEOUT_S:.0f} s")
-            msg = self._conn.recv()
-        except (EOFError, OSError):
-            msg = ("failed", "the engine process exited while loading the model (see the log above)")
+        self._args = (llm_kwargs, limits, release_when_idle, torch.get_num_threads())
+        self._state_lock = threading.Lock()  # state, _proc/_conn and the handles change together
+        self._stopping = threading.Event()
+        self._proc = self._conn = None
+        msg = self._launch()
         if msg[0] != "ready":
             self._proc.join(10)
             raise ValueError(msg[1])
         self.info: EngineInfo = msg[1]
         super().__init__(msg[2], limits)
         self._snapshot = Snapshot(kv_budget_bytes=self.budget.budget)
+        self._dead = Snapshot()  # counters of engine processes that died, added to the live one's
         self._handles: dict[int, list] = {}  # rid -> [handle, choices not finished]
         self._send_lock = threading.Lock()
-        self._reader: threading.Thread | None = None
-        self._running = True
+        self.state = "serving"
+        self.restarts = 0  # engine processes started again after one died
+        self._failures = 0  # failures in a row (launches that failed, engines that died soon after loading)
+        self._up_since = time.monotonic()
         self.error: BaseException | None = None
+        # Started here, not in start(): `specdec serve` lowers the HTTP process's priority once this
+        # returns, and on Linux a thread (and what it spawns: a restarted engine) keeps the priority of
+        # the thread that created it.
+        self._supervisor = threading.Thread(target=self._supervise, name="specdec-engine-pipe", daemon=True)
+        self._supervisor.start()
 
     # -- asyncio side ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._reader is None:
-            self._reader = threading.Thread(target=self._read, name="specdec-engine-pipe", daemon=True)
-            self._reader.start()
+        """Nothing to do: the supervisor runs from construction on (see ``__init__``)."""
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._send(("stop",))
+        self._stopping.set()
+        self._send(self._conn, ("stop",))
         self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout)
-        if self._reader is not None:
-            self._reader.join(timeout)
+        self._supervisor.join(timeout)
+        proc = self._proc  # the one that got the stop, or one a restart started meanwhile
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout)
         self._conn.close()
 
     @property
     def alive(self) -> bool:
-        return self._running and self._proc.is_alive()
+        return self.state == "serving"
 
     def submit(self, prompts: list[Prompt | tuple], arrival: float | None = None) -> RequestHandle:
-        """Queue one request in the engine process; see ``Admission.check``."""
-        if not self.alive:
-            raise RuntimeError("the engine process is not running")
-        prompts = self.check(prompts)
-        handle = RequestHandle(self, asyncio.get_running_loop(), sum(p.params.n for p in prompts))
-        self._handles[handle.rid] = [handle, handle.num_choices]
+        """Queue one request in the engine process; see ``Admission.check``. RuntimeError while no
+        engine serves (restarting, failed, stopped)."""
+        with self._state_lock:
+            if self.state != "serving":
+                raise RuntimeError(f"the engine is {self.state}")
+            prompts = self.check(prompts)
+            handle = RequestHandle(self, asyncio.get_running_loop(), sum(p.params.n for p in prompts))
+            self._handles[handle.rid] = [handle, handle.num_choices]
+            conn = self._conn
         # matchers stay here (they do not pickle): the engine process compiles the request's grammar again
         sent = [Prompt(p.token_ids, p.params) for p in prompts]
-        if not self._send(("add", handle.rid, sent, arrival or time.perf_counter())):
-            self._handles.pop(handle.rid, None)
-            self._left_queue()
-            raise RuntimeError("the engine process is not running")
+        if not self._send(conn, ("add", handle.rid, sent, arrival or time.perf_counter())):
+            with self._state_lock:
+                if self._handles.pop(handle.rid, None) is not None:  # else the supervisor failed it already
+                    self._left_queue()
+                    raise RuntimeError("the engine process is not running")
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
         if self._handles.pop(handle.rid, None) is not None:
-            self._send(("abort", handle.rid))
+            self._send(self._conn, ("abort", handle.rid))
 
     def snapshot(self) -> Snapshot:
-        return self._snapshot
+        """The live engine's snapshot, its counters added to those of engines that died."""
+        return _added(self._dead, self._snapshot)
 
-    def _send(self, msg: tuple) -> bool:
+    def _send(self, conn, msg: tuple) -> bool:
         try:
             with self._send_lock:
-                self._conn.send(msg)
+                conn.send(msg)
             return True
         except (OSError, ValueError):  # the engine process is gone, or the pipe closed
             return False
 
-    # -- the thread reading the pipe ----------------------------------------------------------------
+    # -- the supervisor thread: read the pipe, watch the process, restart it ------------------------
 
-    def _read(self) -> None:
+    def _supervise(self) -> None:
         try:
             while True:
-                try:
-                    msg = self._conn.recv()
-                except (EOFError, OSError):
+                self._read(self._conn, self._proc)
+                if self._stopping.is_set() or not self._restart():
                     break
-                if msg[0] == "stopped":
-                    break
-                _, events, hooks, dequeued, self._snapshot = msg
-                for _ in range(dequeued):
-                    self._left_queue()
-                for name, arg in hooks:
-                    self._hook(name, arg)
-                for rid, ev in events:
-                    self._deliver(rid, ev)
+        except Exception:  # a bug here must not leave requests hanging
+            log.exception("the engine supervisor failed")
+            self.state = "failed"
         finally:
-            self._running = False
-            for handle, _ in list(self._handles.values()):
+            with self._state_lock:
+                if self.state != "failed":
+                    self.state = "stopped"
+                handles, self._handles = list(self._handles.values()), {}
+            for handle, _ in handles:
                 handle._post(Event(0, "", [], error=RequestError(503, "the engine stopped")))
-            self._handles.clear()
+
+    def _read(self, conn, proc) -> None:
+        """Deliver the engine's messages until it stops or dies."""
+        while True:
+            ready = wait([conn, proc.sentinel])
+            if conn not in ready and not conn.poll():  # dead, and nothing left in the pipe
+                return
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] == "stopped":
+                return
+            _, events, hooks, dequeued, self._snapshot = msg
+            for _ in range(dequeued):
+                self._left_queue()
+            for name, arg in hooks:
+                self._hook(name, arg)
+            for rid, ev in events:
+                self._deliver(rid, ev)
+
+    def _restart(self) -> bool:
+        """After an engine died: fail its requests, then start engines until one loads (backing off) or
+        the failures in a row pass ``limits.engine_restarts``. False when giving up (or stopping)."""
+        old = self._proc
+        old.join(1.0)
+        if old.is_alive():  # its loop ended ("stopped") but the process lingers
+            old.kill()
+            old.join(5.0)
+        if time.monotonic() - self._up_since >= STABLE_AFTER_S:
+            self._failures = 0
+        self._failures += 1
+        limit = self.limits.engine_restarts
+        again = self._failures <= limit
+        with self._state_lock:
+            self.state = "restarting" if again else "failed"
+            handles, self._handles = list(self._handles.values()), {}
+            with self._lock:  # Admission's count: what was queued there is failed now
+                self._num_queued = 0
+            self._dead, self._snapshot = _added(self._dead, self._snapshot), Snapshot(kv_budget_bytes=self.budget.budget)
+        self._conn.close()
+        log.error("the engine process died (%s) with %d requests in flight; failing them with 503", _exit(old),
+                  len(handles))
+        error = RequestError(503, ENGINE_DIED if again else ENGINE_GONE)
+        for handle, _ in handles:
+            handle._post(Event(0, "", [], error=error))
+        while self._failures <= limit:
+            delay = min(BACKOFF_CAP_S, self.limits.engine_restart_backoff * 2 ** (self._failures - 1))
+            log.warning("restarting the engine process in %.1f s (attempt %d of at most %d in a row)", delay,
+                        self._failures, limit)
+            if self._stopping.wait(delay):
+                return False
+            began = time.monotonic()
+            msg = self._launch()
+            if self._stopping.is_set():
+                self._proc.kill()
+                return False
+            if msg[0] == "ready":
+                with self._state_lock:
+                    self.budget = msg[2]
+                    self._snapshot = Snapshot(kv_budget_bytes=self.budget.budget)
+                    self.state, self._up_since = "serving", time.monotonic()
+                    self.restarts += 1
+                log.warning("the engine process restarted in %.1f s; serving again", time.monotonic() - began)
+                return True
+            log.error("the engine process could not be restarted: %s", msg[1])
+            self._proc.join(5.0)
+            self._conn.close()
+            self._failures += 1
+        with self._state_lock:
+            self.state = "failed"
+        log.error("the engine process failed %d times in a row; not restarting it again (/health answers 503)",
+                  self._failures)
+        return False
+
+    def _launch(self) -> tuple:
+        """Start an engine process (it becomes ``_proc``/``_conn`` at once, so ``stop`` can end it) and
+        wait for its first message: ("ready", ...) or ("failed", message)."""
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch or OpenMP state forked
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_engine_main, name="specdec-engine", daemon=True, args=(child, *self._args))
+        with self._state_lock:
+            self._proc, self._conn = proc, conn
+        proc.start()
+        child.close()
+        died = ("failed", "the engine process exited while loading the model (see the log above)")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._stopping.is_set():
+            ready = wait([conn, proc.sentinel], timeout=POLL_S)
+            if conn in ready or (ready and conn.poll()):
+                try:
+                    return conn.recv()
+                except (EOFError, OSError):
+                    return died
+            if ready:
+                return died
+            if time.monotonic() > deadline:
+                proc.kill()
+                return ("failed", f"the engine process did not load the model within {START_TIMEOUT_S:.0f} s")
+        return ("failed", "the server is stopping")
 
     def _deliver(self, rid: int, ev: Event) -> None:
         entry = self._handles.get(rid)
@@ -167,6 +284,30 @@ class EngineProcess(Admission):
             getattr(self.hooks, name)(arg)
         except Exception:
             log.exception("a metrics hook failed")
+
+
+def _added(dead: Snapshot, live: Snapshot) -> Snapshot:
+    """``live`` with the counters of ``dead`` added (the gauges are the live engine's)."""
+    out = Snapshot(**{f.name: getattr(live, f.name) for f in fields(Snapshot)})
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens"):
+        setattr(out, name, getattr(dead, name) + getattr(live, name))
+    a, b = dead.num_accepted_tokens_per_pos, live.num_accepted_tokens_per_pos
+    out.num_accepted_tokens_per_pos = [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0)
+                                       for i in range(max(len(a), len(b)))]
+    for name in ("num_rounds_per_method", "num_draft_tokens_per_method", "num_accepted_tokens_per_method"):
+        a, b = getattr(dead, name), getattr(live, name)
+        setattr(out, name, {m: a.get(m, 0) + b.get(m, 0) for m in sorted(set(a) | set(b))})
+    return out
+
+
+def _exit(proc) -> str:
+    code = proc.exitcode
+    if code is None:
+        return "still running; killed"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        return f"killed by {name}" + (": killed, or out of memory" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
 
 
 # -- the engine process ---------------------------------------------------------------------------

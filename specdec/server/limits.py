@@ -39,6 +39,8 @@ class ServerLimits:
     allowed_hosts: tuple[str, ...] | None = None  # besides loopback names; None: see hosts_for
     metrics_public: bool = False  # /metrics without the API key
     enable_docs: bool = False  # /docs, /redoc, /openapi.json
+    engine_restarts: int = 5  # an engine process that dies is started again, up to this many failures in a row
+    engine_restart_backoff: float = 0.5  # seconds before the first restart; doubles with each failure in a row
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_requests", "max_num_batched_tokens",
@@ -58,6 +60,10 @@ class ServerLimits:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and value > 0,
                    f"{name} must be a number of seconds > 0, got {value!r}")
+        _check(isinstance(self.engine_restarts, int) and not isinstance(self.engine_restarts, bool)
+               and self.engine_restarts >= 0, f"engine_restarts must be an integer >= 0, got {self.engine_restarts!r}")
+        _check(isinstance(self.engine_restart_backoff, (int, float)) and self.engine_restart_backoff >= 0,
+               f"engine_restart_backoff must be a number of seconds >= 0, got {self.engine_restart_backoff!r}")
         limit = self.limit_concurrency
         _check(limit is None or (isinstance(limit, int) and limit >= 1),
                f"limit_concurrency must be an integer >= 1 or None, got {limit!r}")

@@ -26,7 +26,8 @@ prometheus_client.disable_created_metrics()  # no *_created series (vLLM does th
 
 
 class _EngineCollector:
-    """Speculative-decoding counters, queue and KV-budget gauges, read from the engines when scraped."""
+    """Speculative-decoding counters, queue and KV-budget gauges, and whether the engine is up, read
+    from the engine loop when scraped."""
 
     def __init__(self, loop):
         self.loop = loop  # AsyncEngine or EngineProcess: anything with snapshot()
@@ -68,6 +69,11 @@ class _EngineCollector:
         yield GaugeMetricFamily("specdec:kv_cache_reserved_bytes",
                                 "KV cache memory the admitted requests may hold (the caches' peak shape).",
                                 value=s.kv_reserved_bytes)
+        yield GaugeMetricFamily("specdec:engine_up", "1 while the engine serves requests; 0 while its process "
+                                "restarts, after restarts failed, or once stopped.", value=int(self.loop.alive))
+        yield CounterMetricFamily("specdec:engine_restarts", "Engine processes started again after one died "
+                                  "(killed, out of memory); the counters above carry over.",
+                                  value=getattr(self.loop, "restarts", 0))
 
 
 class ServerMetrics:
