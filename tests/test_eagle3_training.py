@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import WORDS, make_model
+from tiny_models import SMALL_WORDS, WORDS, make_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,6 +110,25 @@ def test_the_training_time_test_sees_what_a_chain_sees(tiny):
             k, v = torch.cat([k, k2], 2), torch.cat([v, v2], 2)
             torch.testing.assert_close(logits[:, -1], outs[j][:, p], rtol=1e-4, atol=1e-4)
     assert model.to_draft.numel() == head.config.vocab_size
+
+
+def test_a_vocabulary_smaller_than_the_top_k_keeps_all_of_it(tmp_path):
+    """--topk 32 (the default) on a 23-token target: the soft labels keep all 23 tokens, training runs and
+    the head loads (it crashed in build_cache with "selected index k out of range")."""
+    target = make_model(tmp_path / "target", layers=4, hidden=64, seed=3, words=SMALL_WORDS)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = random.Random(0)
+    for i in range(6):
+        (data / f"doc{i}.py").write_text(" ".join(rng.choice(SMALL_WORDS) for _ in range(200)))
+    s = run((target, data), tmp_path / "h", "--max-steps", "4")
+    assert s["vocab"] == 23 and s["topk"] == 23 and s["draft_vocab"] == 23
+    assert s["train_loss"] == s["train_loss"] and s["held_out_loss"] == s["held_out_loss"]  # not nan
+    head, _ = load((target, data), tmp_path / "h")
+    assert head.config.draft_vocab_size == 23
+    assert "its top 23 tokens" in (tmp_path / "h" / "README.md").read_text()
+    with pytest.raises(ValueError, match="--topk and --cache-batch must be >= 1"):
+        run((target, data), tmp_path / "x", "--max-steps", "0", "--topk", "0")
 
 
 def test_bad_input_says_what_is_wrong(tiny, tmp_path):

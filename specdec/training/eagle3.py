@@ -123,6 +123,8 @@ def build_cache(target, windows: torch.Tensor, n_train: int, layer_ids: list[int
                 bf16: bool, device, log) -> FeatureCache:
     """Run the target over ``windows`` [N, T] once: kept layer inputs and top-k log-probabilities."""
     N, T = windows.shape
+    if not 1 <= topk <= target.config.vocab_size:
+        raise ValueError(f"topk must be in 1..{target.config.vocab_size} (the target's vocabulary), got {topk}")
     feats, ids, logps = [], [], []
     t0 = time.time()
     for i in range(0, N, batch):
@@ -325,6 +327,9 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     if draft_vocab > vocab:
         raise ValueError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary ({vocab} tokens); "
                          f"pass at most {vocab}, or 0 for all of it")
+    topk = min(cfg.topk, vocab)  # soft labels: at most every token the target has
+    if topk < cfg.topk:
+        log(f"--topk {cfg.topk} is more than the target's vocabulary ({vocab} tokens): keeping all {vocab}")
     tokenizer = load_tokenizer(target_path)
     log(f"target {cfg.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters, {n_layers} "
         f"layers, vocabulary {vocab}; features from layers {layer_ids}; bf16={bf16}")
@@ -341,7 +346,7 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     log(f"data: {len(train_tokens):,} train tokens -> {len(train_w)} windows of {cfg.seq_len}; "
         f"{len(val_tokens):,} held-out tokens -> {len(val_w)} windows")
     t0 = time.time()
-    cache = build_cache(target, torch.cat([train_w, val_w]), len(train_w), layer_ids, cfg.topk, cfg.cache_batch,
+    cache = build_cache(target, torch.cat([train_w, val_w]), len(train_w), layer_ids, topk, cfg.cache_batch,
                         bf16, d.device, log)
     cache_s = time.time() - t0
     val_idx = torch.arange(len(train_w), len(train_w) + len(val_w)) if len(val_w) else None
@@ -352,7 +357,7 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     mass = torch.zeros(vocab, dtype=torch.float64)
     mass.index_add_(0, cache.top_ids[:n_tr].flatten(), cache.top_logp[:n_tr].flatten().double().exp())
     coverage = (mass[draft_ids].sum() / mass.sum()).item()
-    log(f"draft vocabulary: {draft_vocab} of {vocab} tokens, covering {coverage:.2%} of the target's top-{cfg.topk} "
+    log(f"draft vocabulary: {draft_vocab} of {vocab} tokens, covering {coverage:.2%} of the target's top-{topk} "
         "probability mass on the training windows")
     torch.manual_seed(cfg.seed)
     hc = Eagle3Config.for_target(tc, draft_vocab_size=draft_vocab, layer_ids=layer_ids,
@@ -389,7 +394,7 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     else:
         log("max_steps 0: writing the untrained head")
         r = LoopResult(0, 0, float("nan"), float("nan"), float("nan"), 0.0, True, d.world_size)
-    summary = r.summary("loss", parameters=n_params, bf16=bf16, draft_vocab=draft_vocab, vocab=vocab,
+    summary = r.summary("loss", parameters=n_params, bf16=bf16, draft_vocab=draft_vocab, vocab=vocab, topk=topk,
                         layer_ids=layer_ids, coverage=coverage, train_windows=n_tr, cache_s=cache_s,
                         train_tokens_cached=n_tr * cfg.seq_len)
 
@@ -434,7 +439,7 @@ def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "
                             "probability mass on the training windows)",
         "trained parameters": s["parameters"],
         "objective": f"training-time test over {cfg.ttt_steps} steps, forward KL to the target's distribution on the "
-                     f"draft vocabulary (its top {cfg.topk} tokens and the rest as one bucket), step j weighted "
+                     f"draft vocabulary (its top {s['topk']} tokens and the rest as one bucket), step j weighted "
                      f"{cfg.step_decay:g}^j",
         "data": describe_sources(cfg.data),
         "windows cached": f"{s['train_windows']:,} x {cfg.seq_len} tokens ({s['train_tokens_cached']:,} tokens)",
