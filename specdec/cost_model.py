@@ -19,6 +19,7 @@ Conventions:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 
@@ -124,8 +125,6 @@ def tree_node_values(rank_probs: Sequence[Sequence[float]], num_nodes: int,
     ``rank_probs[d-1]`` (so the depth is at most len(rank_probs)), picked best first: a node may join
     once its parent and its next-better sibling have. Returns (value, depth, rank) per node, in
     the order picked (values non-increasing when p falls with rank)  [<= num_nodes]."""
-    import heapq
-
     D = len(rank_probs)
     if D == 0 or num_nodes <= 0:
         return []
@@ -160,11 +159,3 @@ def tree_expected_tokens(rank_probs: Sequence[Sequence[float]], max_nodes: int,
     out += [out[-1]] * (max_nodes + 1 - len(out))
     return out
 
-
-def tree_shape_of(rank_probs: Sequence[Sequence[float]], num_nodes: int,
-                  max_children: int | None = None) -> tuple[int, int]:
-    """(depth, most children of one node) of the best tree of ``num_nodes`` nodes."""
-    values = tree_node_values(rank_probs, num_nodes, max_children)
-    if not values:
-        return 0, 0
-    return max(d for _, d, _ in values), max(j for _, _, j in values)

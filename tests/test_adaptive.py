@@ -4,7 +4,9 @@ import collections
 
 import pytest
 
-from specdec.adaptive import PLAIN_SAMPLES, PROBE_BUDGET, AdaptiveK, PositionStats, Timing
+from specdec.adaptive import AdaptiveK, PositionStats, Timing, choose_k
+from specdec.adaptive.measure import PLAIN_SAMPLES, wilson_upper
+from specdec.adaptive.probe import PROBE_BUDGET
 from specdec.cost_model import expected_tokens, round_cost, speedup
 
 
@@ -23,10 +25,10 @@ def test_the_controller_computes_the_cost_models_speedup_from_measured_costs():
     ctrl = AdaptiveK(4)
     for T, t in [(1, 0.010), (2, 0.011), (3, 0.012), (4, 0.013), (5, 0.014)]:
         ctrl.verify_time.setdefault((1, T), Timing(skip=0)).update(t)
-    ctrl.draft_time.setdefault(1, Timing(skip=0)).update(0.002)
+    ctrl.costs.draft_time.setdefault(1, Timing(skip=0)).update(0.002)
     alpha = 0.7
     for k in range(1, 5):
-        got = ctrl.predicted_speedup(1, k, [alpha] * 4)
+        got = ctrl.speedups(1, [[alpha] * 4])[k]
         assert got == pytest.approx(speedup(expected_tokens([alpha] * k, k), round_cost(k, 0.2, 1 + 0.1 * k)))
 
 
@@ -66,20 +68,20 @@ def test_useless_drafts_switch_speculation_off_and_probes_back_off():
 def test_while_off_the_cost_model_waits_for_the_next_probe_or_batch_size(monkeypatch):
     ctrl = AdaptiveK(4)
     feed(ctrl, 60, accept=lambda k: 0, per_token=0.004)  # useless drafts: speculation switches off
-    assert ctrl.off_rounds > 0 and not ctrl.probing
+    assert ctrl.prober.off_rounds > 0 and not ctrl.prober.probing
     calls = []
-    speedups = ctrl._speedups
-    monkeypatch.setattr(ctrl, "_speedups", lambda B, alphas: calls.append(B) or speedups(B, alphas))
+    speedups = ctrl.speedups
+    monkeypatch.setattr(ctrl, "speedups", lambda B, alphas: calls.append(B) or speedups(B, alphas))
     plain_rounds = 0
-    while not ctrl.probe_due(1) or ctrl.since_probe_rounds + 1 < ctrl.probe_interval:
+    while not ctrl.prober.due(1, ctrl.costs, 4) or ctrl.prober.since_rounds + 1 < ctrl.prober.interval:
         assert ctrl.choose([0]) == [0]
         ctrl.record([0], [0], [0], 0.0, 0.010)
         plain_rounds += 1
         assert plain_rounds < 1000
     assert calls == []
-    assert ctrl.choose([0]) == [1] and ctrl.probing  # the probe, on schedule
+    assert ctrl.choose([0]) == [1] and ctrl.prober.probing  # the probe, on schedule
     ctrl.record([0], [1], [0], 0.001, 0.014)
-    assert ctrl.choose([0]) == [0] and calls == [1]  # the probe's result is weighed
+    assert ctrl.choose([0]) == [0] and calls == [1, 1]  # the probe's result is weighed (estimate and bound)
     feed(ctrl, PLAIN_SAMPLES + 3, accept=lambda k: 0, batch=2)  # another batch size is weighed anew
     assert 2 in calls
 
@@ -90,16 +92,18 @@ def test_probes_cost_at_most_their_budget_of_the_plain_time():
     replace stays within PROBE_BUDGET of the time, however many rounds run."""
     ctrl = AdaptiveK(4)
     plain_s = excess_s = 0.0
+    last = 0
     for r in range(3000):
         k = ctrl.choose([0])[0]
         if k == 0:
             ctrl.record([0], [0], [0], 0.0, 0.010)
             plain_s += 0.010
         else:
-            draft, verify = 0.040 + 0.002 * k, 0.010 + 0.004 * k
+            draft, verify = (0.040 if last == 0 else 0.0) + 0.002 * k, 0.010 + 0.004 * k
             ctrl.record([0], [k], [0], draft, verify)
             if r > 100:  # past the first rounds, which learn that speculation does not pay
                 excess_s += draft + verify - 0.010
+        last = k
     assert excess_s > 0  # it does probe
     assert excess_s <= 1.2 * PROBE_BUDGET * plain_s
 
@@ -108,9 +112,9 @@ def test_multi_step_plain_rounds_count_every_step_towards_the_next_probe():
     one, four = AdaptiveK(4), AdaptiveK(4)
     for ctrl, steps in ((one, 1), (four, 4)):
         feed(ctrl, 40, accept=lambda k: 0, per_token=0.004)
-        ctrl.since_probe_s = 0.0
+        ctrl.prober.since_s = 0.0
         ctrl.record([0], [0], [0], 0.0, 0.010, num_steps=steps)
-    assert four.since_probe_s == pytest.approx(4 * one.since_probe_s)
+    assert four.prober.since_s == pytest.approx(4 * one.prober.since_s)
 
 
 def test_no_probe_where_no_acceptance_could_pay():
@@ -139,10 +143,10 @@ def test_a_round_after_plain_ones_does_not_time_drafting():
     for _ in range(5):
         ctrl.record([0], [0], [0], 0.0, 0.010)
     ctrl.record([0], [1], [1], 0.050, 0.011)  # the probe: 50 ms of catching up, then one draft
-    assert 1 not in ctrl.draft_time
+    assert 1 not in ctrl.costs.draft_time
     for _ in range(3):  # steady drafting: timed (the first sample builds kernels and is skipped)
         ctrl.record([0], [2], [2], 0.002, 0.012)
-    assert ctrl.draft_time[1].value == pytest.approx(0.001)
+    assert ctrl.costs.draft_time[1].value == pytest.approx(0.001)
 
 
 def test_the_controller_picks_the_k_the_cost_model_says_is_best():

@@ -14,7 +14,7 @@ from specdec.cost_model import (
     round_cost,
     speedup,
     tree_expected_tokens,
-    tree_shape_of,
+    tree_node_values,
 )
 
 rates = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
@@ -113,8 +113,8 @@ def test_tree_expected_tokens_by_hand():
     # then (d2 under r2) 0.15 and (d2 r2 under r1) 0.15
     p = [[0.5, 0.3], [0.5, 0.3]]
     assert tree_expected_tokens(p, 5) == pytest.approx([1.0, 1.5, 1.8, 2.05, 2.2, 2.35])
-    assert tree_shape_of(p, 1) == (1, 1)
-    assert tree_shape_of(p, 3) == (2, 2)
+    # (value, depth, rank) best first: a tree of 3 nodes is 2 deep and 2 wide
+    assert tree_node_values(p, 3) == [(0.5, 1, 1), (0.3, 1, 2), (0.25, 2, 1)]
     # a tree that cannot grow further (2 depths x 2 children = 6 nodes) keeps its value
     full = tree_expected_tokens(p, 9)
     assert full[6:] == [full[6]] * 4 and full[6] == pytest.approx(1 + 0.8 + 0.8 * 0.8)

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from specdec.adaptive import DECAY, TREE_DECIDE_ROUNDS, AdaptiveK, Timing
-from specdec.cost_model import rank_acceptance, speedup, tree_expected_tokens, tree_shape_of
+from specdec.adaptive import DECAY, AdaptiveK, Timing
+from specdec.adaptive.trees import TREE_DECIDE_ROUNDS
+from specdec.cost_model import rank_acceptance, speedup, tree_expected_tokens, tree_node_values
 from specdec.tree import DraftTree
 
 
@@ -19,8 +20,8 @@ def measured(t1: float, slope: float, batch: int = 1, draft: float = 0.0005, k: 
         em = ctrl.verify_time.setdefault((batch, T), Timing(skip=0))
         for _ in range(4):
             em.update(t1 * (1 + slope * (T - 1)))
-    ctrl.draft_time.setdefault(batch, Timing(skip=0)).update(draft)
-    ctrl.plain_measured_at[batch] = 0
+    ctrl.costs.draft_time.setdefault(batch, Timing(skip=0)).update(draft)
+    ctrl.costs.plain_measured_at[batch] = 0
     return ctrl
 
 
@@ -47,18 +48,19 @@ def test_the_shape_is_the_cost_models_best_tree():
     t1, slope, draft = 0.010, 0.02, 0.0004
     ctrl = measured(t1, slope, draft=draft)
     shape = ctrl.choose_tree([0], 12, 3, 4, force=False)
-    alphas = ctrl._mean_alphas([0], 4)
-    p = [rank_acceptance(a, 3, ctrl.sibling_rate()) for a in alphas]
-    line = ctrl.tree_verify_line(1)
+    alphas = ctrl.acceptance.mean_alphas([0], 4)
+    p = [rank_acceptance(a, 3, ctrl.trees.sibling_rate()) for a in alphas]
+    line = ctrl.costs.tree_verify_line(1)
     s = {}
     for limit in range(1, 5):
         E = tree_expected_tokens(p[:limit], 12, 3)
         for n in range(1, 13):
-            depth, width = tree_shape_of(p[:limit], n, 3)
+            nodes = tree_node_values(p[:limit], n, 3)  # (value, depth, rank)
+            depth, width = max(d for _, d, _ in nodes), max(j for _, _, j in nodes)
             s[(n, depth, width)] = speedup(E[n], depth * 1.25 * draft + line(n + 1), t1)
     best = max(s, key=s.get)
     assert (shape.num_nodes, shape.max_depth, shape.max_children) == best
-    assert best[2] >= 2 and s[best] > 1.05 * max(ctrl._speedups(1, [alphas]))
+    assert best[2] >= 2 and s[best] > 1.05 * max(ctrl.speedups(1, [alphas]))
 
 
 def test_force_always_returns_a_tree_within_the_limits():
@@ -98,7 +100,7 @@ def test_trees_whose_siblings_catch_nothing_fall_back_to_chains():
             a = accepted(shape.max_depth)
             ctrl.record_tree([0], [tree.num_nodes], [a], 0.0005 * shape.max_depth,
                              0.0094 * (1 + 0.015 * tree.num_nodes), trees=[tree], paths=[_first_children(tree)[:a]])
-    assert chosen[0] is not None and ctrl.sibling_rate() < 0.25
+    assert chosen[0] is not None and ctrl.trees.sibling_rate() < 0.25
     assert sum(s is not None for s in chosen[-50:]) <= 5
 
 
@@ -130,7 +132,8 @@ def test_tree_passes_timed_steeper_than_the_chain_line_switch_trees_off():
     for _ in range(TREE_DECIDE_ROUNDS):  # the tree pass costs 3 steps: no tree pays
         assert ctrl.choose_tree([0], 16, 4, 4, force=False) == shape  # the decision stands a few rounds
         ctrl.record_tree([0], [shape.num_nodes], [3], 0.002, 3 * 0.0094)
-    assert ctrl.verify_ratio(1, shape.num_nodes + 1) > 2
+    line = ctrl.costs.tree_verify_line(1)
+    assert line(shape.num_nodes + 1) / line(1) > 2
     assert ctrl.choose_tree([0], 16, 4, 4, force=False) is None
 
 
@@ -140,33 +143,21 @@ def test_trees_accepting_as_predicted_keep_the_calibration_and_record_tokens_per
         shape = ctrl.choose_tree([0, 1], 16, 4, 4, force=False)
         assert shape is not None
         n = shape.num_nodes
-        expected = ctrl._tree_prior[n] - 1  # accept, on average, what the model predicts
+        expected = ctrl.trees.prior[n] - 1  # accept, on average, what the model predicts
         lo = int(expected)
         acc = [lo, lo + 1] if expected - lo > 0.5 else [lo, lo]
         ctrl.record_tree([0, 1], [n, n], acc, 0.002, 0.0094 * 1.2)
-    assert ctrl.tree_calibration() == pytest.approx(1.0, abs=0.25)
-    assert sum(em.value for em in ctrl.tree_tokens.values()) > 0 and all(N <= 16 for N in ctrl.tree_tokens)
-    assert 2 in {b for b, _ in ctrl.tree_verify_time} and 2 in ctrl.tree_draft_time
-
-
-def test_verify_ratio_says_whether_the_backend_is_flat():
-    ctrl = AdaptiveK(4)
-    assert ctrl.verify_ratio(1, 5) is None and ctrl.is_flat(1, 5) is None
-    ctrl.verify_time[(1, 1)] = Timing(skip=0)
-    ctrl.verify_time[(1, 1)].update(0.004)
-    assert ctrl.verify_ratio(1, 5) is None  # one length: no curve yet
-    ctrl.verify_time[(1, 5)] = Timing(skip=0)
-    ctrl.verify_time[(1, 5)].update(0.006)
-    assert ctrl.verify_ratio(1, 5) == pytest.approx(1.5) and ctrl.is_flat(1, 5) is False
-    assert measured(0.0094, 0.01).is_flat(1, 17) is True
+    assert ctrl.trees.calibration() == pytest.approx(1.0, abs=0.25)
+    assert sum(em.value for em in ctrl.trees.tokens.values()) > 0 and all(N <= 16 for N in ctrl.trees.tokens)
+    assert 2 in {b for b, _ in ctrl.costs.tree_verify_time} and 2 in ctrl.costs.tree_draft_time
 
 
 def test_the_decision_is_not_weighed_again_while_nothing_it_reads_changes(monkeypatch):
     """Speculation off, plain rounds: the tree decision is kept, not recomputed every round."""
     ctrl = measured(0.0040, 0.16)
     calls = []
-    decide = ctrl._decide_tree
-    monkeypatch.setattr(ctrl, "_decide_tree", lambda *a: calls.append(a) or decide(*a))
+    decide = ctrl.trees.decide
+    monkeypatch.setattr(ctrl.trees, "decide", lambda *a: calls.append(a) or decide(*a))
     for _ in range(50):
         assert ctrl.choose_tree([0], 16, 4, 4, force=False) is None
         ctrl.record([0], [0], [0], 0.0, 0.004)
@@ -183,10 +174,12 @@ def test_tree_rounds_teach_the_chains_acceptance_and_the_siblings_rate():
     tree = DraftTree([10, 11, 12, 13, 14], [-1, -1, 0, 0, 2])
     ctrl = AdaptiveK(4)
     ctrl.record_tree([0, 1, 2], [5, 5, 5], [2, 1, 0], 0.001, 0.01, trees=[tree] * 3, paths=[[0, 3], [1], []])
-    assert ctrl.seqs[0].reached == [1.0, 1.0, 0.0] and ctrl.seqs[0].accepted == [1.0, 0.0, 0.0]
-    assert ctrl.seqs[1].reached == [1.0, 0.0, 0.0] and ctrl.seqs[1].accepted == [0.0, 0.0, 0.0]
+    seqs = ctrl.acceptance.seqs
+    assert seqs[0].reached == [1.0, 1.0, 0.0] and seqs[0].accepted == [1.0, 0.0, 0.0]
+    assert seqs[1].reached == [1.0, 0.0, 0.0] and seqs[1].accepted == [0.0, 0.0, 0.0]
     d = DECAY ** (1 / 3)  # decayed per row, as the batch-wide acceptance counts are
-    assert ctrl.sibling_tried == pytest.approx((d + 1) * d + 1) and ctrl.sibling_caught == pytest.approx((d + 1) * d)
+    assert ctrl.trees.sibling_tried == pytest.approx((d + 1) * d + 1)
+    assert ctrl.trees.sibling_caught == pytest.approx((d + 1) * d)
 
 
 def _full_tree(depth: int, width: int) -> DraftTree:
@@ -220,17 +213,21 @@ def test_the_measured_rates_converge_to_the_true_ones():
             path.append(hit)
             node = hit
         ctrl.record_tree([0], [tree.num_nodes], [len(path)], 0.001, 0.01, trees=[tree], paths=[path])
-    assert ctrl.sibling_rate() == pytest.approx(0.6, abs=0.1)
-    assert ctrl._batch_alphas()[0] == pytest.approx(0.7, abs=0.1)
+    assert ctrl.trees.sibling_rate() == pytest.approx(0.6, abs=0.1)
+    assert ctrl.acceptance.batch_alphas(3)[0] == pytest.approx(0.7, abs=0.1)
 
 
 def test_after_tree_rounds_the_chain_is_weighed_anew():
-    """Chains switched off on a bad early round, then trees ran and measured good acceptance: when trees
-    stop paying, choose() weighs chains again instead of keeping the old 'off' until a probe."""
+    """Chains switched off after rounds that accepted nothing, then trees ran and measured good
+    acceptance: when trees stop paying, choose() weighs chains again instead of keeping the old 'off'
+    until a probe."""
     ctrl = measured(0.010, 0.05)
-    ctrl.record([0], [2], [0], 0.001, 0.011)
-    ctrl.record([0], [2], [0], 0.001, 0.011)
-    assert ctrl.choose([0]) == [0] and ctrl.off_rounds > 0  # the chain is off
+    for _ in range(40):
+        k = ctrl.choose([0])[0]
+        if k == 0:
+            break
+        ctrl.record([0], [k], [0], 0.0005 * k, 0.010 * (1 + 0.05 * k))
+    assert k == 0 and ctrl.prober.off_rounds > 0  # the chain is off
     tree = _full_tree(4, 2)
     first = [0, 2, 6, 14]  # the first children's path, accepted to the end
     for _ in range(20):

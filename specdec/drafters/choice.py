@@ -53,8 +53,8 @@ import time
 from dataclasses import dataclass, field
 from itertools import combinations
 
-from specdec.adaptive import (DECAY, PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIOR_WEIGHT, PositionStats,
-                              Timing)
+from specdec.adaptive import DECAY, PositionStats, Timing
+from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIOR_WEIGHT
 from specdec.cost_model import expected_tokens, round_cost, speedup
 from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees
 from specdec.drafters.merge import merge_proposals

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.adaptive import PRIOR_ALPHA, PRIOR_DRAFT_COST
+from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST
 from specdec.cost_model import best_k, expected_tokens, predicted_speedups
 from specdec.models import timings
 from specdec.models.base import ForwardBatch

@@ -1,0 +1,175 @@
+"""How the controller chooses k for a chain round, and the AdaptiveK object the engine talks to.
+
+Each round the batch drafts one k (a verify pass runs k + 1 tokens for every row as soon as one row
+drafts k, and a draft step costs the same for the batch however many rows draft):
+
+    S(k) = mean_b E_b(k) · t_v(B, 1) / (k · t_d(B) + t_v(B, k + 1)),   S(0) = 1 (plain decoding)
+
+with E_b(k) from each sequence's measured acceptance per position and the costs measured at this
+batch size (measure.py). The batch drafts the k of the highest estimated S(k) where that beats plain
+decoding, and also where it does not but S at the upper confidence bound of the drafter's acceptance
+says some k may (``choose_k``): a drafter is given up only once the bound, from the samples seen, is
+at or below break-even at every k, so a few unlucky early rounds do not switch off a drafter that
+pays. Once off, probes (probe.py) bring it back where the text has become easier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specdec.adaptive.measure import Acceptance, Costs, Timing
+from specdec.adaptive.probe import Prober, can_ever_pay
+from specdec.adaptive.trees import TreeChooser
+from specdec.cost_model import mean_expected_tokens, round_cost, speedup
+from specdec.tree import DraftTree, TreeShape
+
+
+def choose_k(estimated: Sequence[float], upper: Sequence[float]) -> int:
+    """The k to draft from S(0..k_max) estimated (each sequence's acceptance) and at the upper bound of
+    the drafter's acceptance: the k >= 1 of the highest estimate (the smallest of equals) where that
+    estimate beats plain decoding, or where only the bound says some k may: drafting is how the
+    estimate learns whether it does. 0 (plain decoding) where neither does."""
+    best = max(range(1, len(estimated)), key=estimated.__getitem__, default=0)
+    if best and (estimated[best] > 1.0 or max(upper[1:]) > 1.0):
+        return best
+    return 0
+
+
+class AdaptiveK:
+    """The adaptive controller of one engine: ``choose`` (or ``choose_tree``) before a round,
+    ``record`` (or ``record_tree``) after it, ``release`` when sequences finish."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.acceptance = Acceptance()
+        self.costs = Costs()
+        self.prober = Prober()
+        self.trees = TreeChooser(self.acceptance, self.costs)
+        self.rounds = 0  # rounds recorded
+        self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
+        self._version = 0  # drafting rounds recorded: what the tree decision reads changes with them
+
+    # -- what the engine, the drafter choice and the demo read -------------------------------------
+
+    @property
+    def verify_time(self) -> dict[tuple[int, int], Timing]:
+        """(B, T) -> seconds of a chain verify pass of T tokens per row at batch size B."""
+        return self.costs.verify_time
+
+    def verify_line(self, B: int):
+        """T -> seconds of a verify pass with T tokens per row at batch size B (measure.fit_line)."""
+        return self.costs.verify_line(B)
+
+    def measuring_plain(self, batch: int) -> bool:
+        """Whether this batch size's first plain steps are still being timed. The engine takes them one
+        a round, so that speculation starts after PLAIN_SAMPLES + 1 tokens."""
+        return self.costs.measuring_plain(batch)
+
+    def can_ever_pay(self, B: int) -> bool:
+        return can_ever_pay(self.costs, B, self.k_max)
+
+    # -- decisions ---------------------------------------------------------------------------------
+
+    def choose(self, seq_ids: list[int]) -> list[int]:
+        """k per row (one k for the batch): 0 while this batch size's plain step is timed, while
+        speculation is off (but for probes), else ``choose_k``."""
+        B = len(seq_ids)
+        if self.costs.plain_due(B, self.rounds):
+            return [0] * B  # every speedup at this batch size is relative to a fresh plain step of it
+        was_probe, self.prober.probing = self.prober.probing, False
+        if self.prober.holds_off(B, was_probe):
+            best = 0  # off: plain rounds teach the estimates nothing, so the decision waits for a probe
+        else:
+            estimated = self.speedups(B, self.acceptance.per_seq(seq_ids, self.k_max))
+            best = choose_k(estimated, self.speedups(B, [self.acceptance.upper(self.k_max)]))
+        if best == 0:
+            return [self.prober.off(B, was_probe, self.costs, self.k_max)] * B
+        self.prober.on()
+        return [best] * B
+
+    def speedups(self, B: int, alphas_per_seq: list[list[float]]) -> list[float]:
+        """S(k) for k = 0..k_max at batch size B for sequences whose acceptance is ``alphas_per_seq``."""
+        K = max([self.k_max] + [len(a) for a in alphas_per_seq])
+        tokens = mean_expected_tokens(alphas_per_seq, K)  # E(k), mean over the batch
+        line = self.costs.verify_line(B)
+        t1 = line(1)
+        c = self.costs.draft_cost(B, t1)
+        return [1.0] + [speedup(tokens[k], round_cost(k, c, line(k + 1)), t1) for k in range(1, K + 1)]
+
+    def choose_tree(self, seq_ids: list[int], max_nodes: int, top_k: int, max_depth: int,
+                    force: bool = False) -> TreeShape | None:
+        """The tree the batch drafts this round, or None: draft a chain (then ``choose`` decides k).
+
+        Call it each round in which the batch may draft a tree (SpeculativeConfig.draft_tree "auto",
+        a drafter that can branch, a backend that verifies trees), before ``choose``; one shape for
+        every row. ``max_nodes``: draft_tree_max_nodes; ``top_k``: draft_tree_top_k (children per node
+        at most); ``max_depth``: num_speculative_tokens. None while this batch size's plain steps are
+        timed, and where no tree beats the best chain (trees.py); ``force`` (draft_tree "tree"):
+        always a shape, the best one that branches. After the round, report it with ``record_tree``."""
+        if not force and self.costs.plain_due(len(seq_ids), self.rounds):
+            return None
+        B = len(seq_ids)
+        return self.trees.choose(seq_ids, max_nodes, top_k, max_depth, force, self._version, self.rounds,
+                                 lambda alphas: max(self.speedups(B, [alphas])))
+
+    # -- measurements ------------------------------------------------------------------------------
+
+    def record(self, seq_ids: list[int], num_draft: list[int], num_accepted: list[int],
+               draft_time_s: float, verify_time_s: float | None, num_steps: int = 1) -> None:
+        """Report a round: per row the drafts it verified and how many were accepted; the round's
+        drafting time and its verify pass's time (None: the pass did more than verify, it carried a
+        new prompt; not timed). A plain round of several steps in one runner call gives the time per
+        step and ``num_steps``."""
+        B = len(seq_ids)
+        k_round = max(num_draft)
+        self.rounds += 1
+        if verify_time_s is not None:
+            if k_round == 0:
+                self.costs.plain_measured_at[B] = self.rounds
+                self.prober.record_plain(verify_time_s * num_steps)
+            elif self.prober.probing and B == self.prober.off_batch:
+                tokens = sum(1 + min(n, d) for n, d in zip(num_accepted, num_draft)) / B
+                self.prober.record_probe(B, draft_time_s + verify_time_s - tokens * self.costs.verify_line(B)(1))
+            self.costs.verify_time.setdefault((B, k_round + 1), Timing()).update(verify_time_s)
+        # A round right after plain ones first feeds the drafter everything it missed (a draft model
+        # catches up on every token since its last proposal): a cost of switching on, not of drafting.
+        # Timed with the rest, a probe after a plain stretch looks far dearer than steady drafting.
+        if k_round > 0:
+            self._version += 1
+            if self.last_k > 0:
+                self.costs.draft_time.setdefault(B, Timing()).update(draft_time_s / k_round)
+        self.last_k = k_round
+        for sid, nd, na in zip(seq_ids, num_draft, num_accepted):
+            if nd > 0:
+                self.acceptance.record(sid, nd, na, B)
+
+    def record_tree(self, seq_ids: list[int], num_nodes: list[int], num_accepted: list[int],
+                    draft_s: float, verify_s: float | None, trees: list[DraftTree | None] | None = None,
+                    paths: list[list[int]] | None = None) -> None:
+        """Report a tree round (instead of ``record``): per row, the nodes its tree had (0: the row drafted
+        nothing) and the nodes on its accepted path (the bonus or recovered token not counted); the
+        round's drafting time and its verify pass's time (None: the pass carried a prompt, not timed).
+
+        ``trees`` and ``paths`` (optional, recommended): each row's DraftTree (None: no tree) and its
+        accepted node indices, root's child first (verify_tree's ``accepted_nodes``), siblings in the
+        drafter's rank order. From them the controller learns what a chain would have accepted (the
+        first children's path) and how often a sibling catches what the ranks before it missed."""
+        B = len(seq_ids)
+        n_round = max(num_nodes) if num_nodes else 0
+        self.rounds += 1
+        if n_round == 0:
+            self.last_k = 0
+            return
+        self._version += 1
+        self.prober.on()  # a chain switched off was decided before these drafts: weigh it anew next time
+        if verify_s is not None:
+            self.costs.tree_verify_time.setdefault((B, n_round + 1), Timing()).update(verify_s)
+        if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first
+            self.costs.tree_draft_time.setdefault(B, Timing()).update(draft_s / max(self.trees.depth, 1))
+        self.last_k = n_round
+        if trees is not None and paths is not None:
+            self.trees.learn(seq_ids, trees, paths)
+        self.trees.record(num_nodes, num_accepted)
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.acceptance.release(seq_ids)

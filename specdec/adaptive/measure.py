@@ -1,0 +1,225 @@
+"""What the controller measures: acceptance per draft position (a point estimate and an upper
+confidence bound) and costs (the verify pass per length, a draft step, a tree level), per batch size.
+
+Acceptance is conditional per position, alpha_i = P(x_i accepted | x_1..x_{i-1} accepted), from
+decayed counts: rounds that reached position i and rounds that accepted it. The upper bound is the
+Wilson score bound on those counts (``wilson_upper``): it is wide after a few rounds and narrows as
+samples come, so the controller can tell "this drafter cannot pay" from "too few samples to say".
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_WEIGHT, prior_verify_line
+
+DECAY = 0.95  # per round a sequence drafts: older rounds weigh less, so its estimate follows its text
+BATCH_DECAY = 0.99  # per round, over every sequence: ~100 rounds of samples, enough for the bound to
+#                     tell a drafter at 0.05 from one at 0.1 (the break-even of a flat verify pass)
+Z = 1.645  # the one-sided 95% bound: speculation stops when even this optimistic acceptance cannot pay
+PLAIN_SAMPLES = 3  # plain steps timed at a batch size before it may speculate: the fastest of one or
+#                    two samples is a poor baseline beside the fastest of eight speculative rounds
+REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
+
+
+class Timing:
+    """A wall-time estimate: the mean of the last ``window`` samples, skipping the first ``skip``
+    (the first pass at a new shape also builds its kernels). The mean, not the median or the
+    minimum, because throughput is tokens over the sum of round times, and a speculative round's
+    time is skewed (most rounds feed the drafter one or two tokens, some a newcomer's prompt)."""
+
+    def __init__(self, window: int = 16, skip: int = 1):
+        self.samples: deque[float] = deque(maxlen=window)
+        self.skip = skip
+        self.value: float | None = None  # the mean, kept current: the controller reads it ~10 times a round
+
+    def update(self, x: float) -> None:
+        if self.skip > 0:
+            self.skip -= 1
+        else:
+            self.samples.append(x)
+            self.value = statistics.fmean(self.samples)
+
+
+def wilson_upper(p: float, n: float, z: float = Z) -> float:
+    """The Wilson score upper bound of a rate observed as ``p`` over ``n`` (possibly fractional,
+    decayed) samples; 1.0 with no samples. Unlike p + z·sqrt(p(1-p)/n) it is not 0 wide at p = 0:
+    three rejections in three rounds still leave 0.47 possible at z = 1.645."""
+    if n <= 0.0:
+        return 1.0
+    z2n = z * z / n
+    centre = p + z2n / 2
+    half = z * math.sqrt(p * (1.0 - p) / n + z2n / (4 * n))
+    return min(1.0, (centre + half) / (1.0 + z2n))
+
+
+@dataclass
+class PositionStats:
+    """Decayed counts per draft position: rounds that reached position i (drafted it with 1..i-1
+    accepted) and rounds that accepted it."""
+
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def update(self, num_draft: int, num_accepted: int, decay: float) -> None:
+        if len(self.reached) < num_draft:
+            grow = num_draft - len(self.reached)
+            self.reached += [0.0] * grow
+            self.accepted += [0.0] * grow
+        for i in range(len(self.reached)):
+            self.reached[i] *= decay
+            self.accepted[i] *= decay
+        for i in range(min(num_draft, num_accepted + 1)):
+            self.reached[i] += 1.0
+        for i in range(num_accepted):
+            self.accepted[i] += 1.0
+
+    def counts(self, i: int) -> tuple[float, float]:
+        """(accepted, reached) at position i (0-based)."""
+        if i < len(self.reached):
+            return self.accepted[i], self.reached[i]
+        return 0.0, 0.0
+
+    def alphas(self, k: int, prior: list[float], weight: float) -> list[float]:
+        """Conditional acceptance alpha_1..alpha_k: alpha_1 smoothed towards ``prior[0]``, each later
+        one towards the estimate before it. A position the sequence has not reached lately (its
+        counts decay) thus follows the one before, instead of staying at an old low value that no
+        round would ever correct once k had dropped below it."""
+        out = []
+        for i in range(k):
+            a, r = self.counts(i)
+            toward = prior[0] if i == 0 else out[-1]
+            out.append((a + weight * toward) / (r + weight))
+        return out
+
+    def upper(self, k: int, z: float = Z) -> list[float]:
+        """Upper confidence bounds of alpha_1..alpha_k, each position's Wilson bound over its own
+        samples alone (1.0 where it has none: a position never reached could accept everything)."""
+        out = []
+        for i in range(k):
+            a, r = self.counts(i)
+            out.append(wilson_upper(a / r, r, z) if r > 0 else 1.0)
+        return out
+
+
+class Acceptance:
+    """Acceptance per sequence (its own decayed counts, smoothed towards the batch's: what k to draft)
+    and over every sequence (the drafter's rates, over a longer horizon: the prior of a sequence that
+    has drafted little, and the samples behind the upper bound that decides whether to draft at all)."""
+
+    def __init__(self):
+        self.batch = PositionStats()
+        self.seqs: dict[int, PositionStats] = {}
+
+    def seq(self, sid: int) -> PositionStats:
+        return self.seqs.setdefault(sid, PositionStats())
+
+    def record(self, sid: int, num_draft: int, num_accepted: int, batch_size: int) -> None:
+        self.seq(sid).update(num_draft, num_accepted, DECAY)
+        self.batch.update(num_draft, num_accepted, BATCH_DECAY ** (1.0 / max(batch_size, 1)))  # per round
+
+    def batch_alphas(self, k: int) -> list[float]:
+        """The batch's alpha_1..alpha_k; a position never reached keeps the last measured rate, not
+        the optimistic prior."""
+        alphas = self.batch.alphas(k, [PRIOR_ALPHA] * k, 1.0)
+        for i in range(1, k):
+            if i >= len(self.batch.reached) or self.batch.reached[i] < 1e-3:
+                alphas[i] = alphas[i - 1]
+        return alphas
+
+    def per_seq(self, seq_ids: list[int], k: int) -> list[list[float]]:
+        """Per sequence: its alpha_1..alpha_k, smoothed towards the batch's."""
+        prior = self.batch_alphas(k)
+        return [self.seq(sid).alphas(k, prior, PRIOR_WEIGHT) for sid in seq_ids]
+
+    def upper(self, k: int) -> list[float]:
+        """The drafter's alpha_1..alpha_k at their upper confidence bounds (``PositionStats.upper``)."""
+        return self.batch.upper(k)
+
+    def mean_alphas(self, seq_ids: list[int], depth: int) -> list[float]:
+        """The batch's conditional acceptance per depth: each sequence's estimate, averaged per position
+        (one tree shape serves the batch)."""
+        prior = self.batch_alphas(depth) if depth else []
+        rows = [self.seq(sid).alphas(depth, prior, PRIOR_WEIGHT) for sid in seq_ids]
+        if not rows:
+            return prior
+        return [sum(col) / len(rows) for col in zip(*rows)]
+
+    def release(self, seq_ids: list[int]) -> None:
+        for sid in seq_ids:
+            self.seqs.pop(sid, None)
+
+
+def fit_line(known: list[tuple[int, float]]):
+    """T -> seconds through measured (T, seconds) points sorted by T: the least-squares line (single
+    timings are noisy enough to make k = 3 look cheaper than k = 2), never below the plain step
+    (T = 1, when measured), which it returns exactly; with one point, the prior slope from it; with
+    none, the prior line in one-token steps (only ratios matter)."""
+    if not known:
+        return prior_verify_line
+    plain = known[0][1] if known[0][0] == 1 else None
+    if len(known) == 1:
+        t0, v0 = known[0]
+        scale = v0 / prior_verify_line(t0)
+        return lambda T: scale * prior_verify_line(T)
+    n = len(known)
+    mt = sum(t for t, _ in known) / n
+    mv = sum(v for _, v in known) / n
+    slope = sum((t - mt) * (v - mv) for t, v in known) / sum((t - mt) ** 2 for t, _ in known)
+    floor = plain or 0.0
+    return lambda T: plain if T == 1 and plain is not None else max(mv + slope * (T - mt), floor)
+
+
+TREE_DRAFT_PRIOR = 1.25  # a tree's draft time per level, in chain draft steps, until measured (wider feeds)
+
+
+class Costs:
+    """Wall times per batch size B: verify passes by tokens per row T (chains' and trees'), a chain's
+    draft time per drafted position, a tree's per level, and when the plain step was last timed."""
+
+    def __init__(self):
+        self.verify_time: dict[tuple[int, int], Timing] = {}  # (B, T) -> seconds per chain verify pass
+        self.tree_verify_time: dict[tuple[int, int], Timing] = {}  # (B, 1 + N) -> seconds per tree pass
+        self.draft_time: dict[int, Timing] = {}  # B -> seconds per drafted position
+        self.tree_draft_time: dict[int, Timing] = {}  # B -> seconds per tree level drafted
+        self.plain_measured_at: dict[int, int] = {}  # B -> the round its plain step was last timed
+
+    def verify_line(self, B: int):
+        """T -> seconds of a chain verify pass with T tokens per row (``fit_line`` through the lengths
+        measured at batch size B)."""
+        return fit_line(sorted((t, em.value) for (b, t), em in self.verify_time.items()
+                               if b == B and em.value is not None))
+
+    def tree_verify_line(self, B: int):
+        """T -> seconds of a verify pass of T tokens per row at batch size B through every length
+        measured there, chain passes and tree passes alike (a tree of N nodes is a pass of 1 + N)."""
+        points: dict[int, float] = {}
+        for table in (self.verify_time, self.tree_verify_time):
+            for (b, t), em in table.items():
+                if b == B and em.value is not None:
+                    points[t] = em.value if t not in points else (points[t] + em.value) / 2
+        return fit_line(sorted(points.items()))
+
+    def draft_cost(self, B: int, t1: float) -> float:
+        """Seconds per drafted position at batch size B; PRIOR_DRAFT_COST plain steps until measured."""
+        e = self.draft_time.get(B)
+        return PRIOR_DRAFT_COST * t1 if e is None or e.value is None else e.value
+
+    def tree_draft_cost(self, B: int, t1: float) -> float:
+        """Seconds per tree level at batch size B; TREE_DRAFT_PRIOR chain draft steps until measured."""
+        e = self.tree_draft_time.get(B)
+        return TREE_DRAFT_PRIOR * self.draft_cost(B, t1) if e is None or e.value is None else e.value
+
+    def measuring_plain(self, B: int) -> bool:
+        """Whether this batch size's first PLAIN_SAMPLES plain steps are still being timed."""
+        plain = self.verify_time.get((B, 1))
+        return plain is None or len(plain.samples) < PLAIN_SAMPLES
+
+    def plain_due(self, B: int, rounds: int) -> bool:
+        """Whether batch size B decodes plainly this round to time its plain step: at first, and
+        again once the last timing is REFRESH_ROUNDS rounds old (every S is relative to it)."""
+        stale = rounds - self.plain_measured_at.get(B, -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
+        return stale or self.measuring_plain(B)
