@@ -1,0 +1,333 @@
+"""Where a speculative round's time goes: its wall time against the time inside the backend's forward
+calls, by phase, at batch 1.
+
+Each configuration (plain decoding, then the drafter at each k, fixed) runs the same prompts, greedy,
+one prompt at a time, the configurations alternating prompt by prompt after one warm-up each. The
+benchmark wraps the runner objects' ``forward`` / ``greedy_steps`` (the target's and the draft's),
+``Engine.step`` (one round), the verify batch's construction and the verifier call, and splits each
+round into:
+
+- draft kernel: inside the draft runner's forward / greedy_steps calls
+- draft host: the rest of the round before the verify batch is built (scheduling, the drafter's own work)
+- verify kernel: inside the target's forward call
+- verify host: building the verify batch, then the logits' processing and the verifier (accept)
+- commit/update: after the verifier: appending tokens, the drafter's observe, counters, the controller
+
+"kernel" is the runner call as a whole (for llama.cpp, also the runner's own batch and logits
+handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds that prefilled a prompt
+(the target's or the draft's) are left out. Plain decoding runs several greedy steps per call
+(``greedy_steps``): its row gives ms per token. The share outside the kernels is what host code costs.
+
+    python benchmarks/round_cost.py [--model specdec/demo-target] [--draft specdec/demo-draft]
+        [--backends llama.cpp,torch] [--ks 2,4] [--num-prompts 4] [--max-tokens 64] [--threads 2]
+
+``--model`` takes the stand-in too (benchmarks/make_standin.py): its HF folder, or a GGUF file for
+llama.cpp (``--gguf`` per backend: ``--model-llama.cpp X.gguf``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+PROMPTS = Path(__file__).resolve().parent / "prompts" / "code_heldout.jsonl"
+PHASES = ("draft_kernel", "draft_host", "verify_kernel", "verify_host", "update")
+
+
+@dataclass
+class Round:
+    """One ``Engine.step`` of a configuration, in seconds."""
+
+    wall: float
+    tokens: int
+    draft_kernel: float = 0.0
+    draft_host: float = 0.0
+    verify_kernel: float = 0.0
+    verify_host: float = 0.0
+    update: float = 0.0
+    decode: float = 0.0  # of the kernels, the time inside llama_decode (llama.cpp runners)
+    plain: bool = False  # a greedy_steps round: no draft, several steps in one call
+    drafted: bool = True
+
+    @property
+    def kernel(self) -> float:
+        return self.draft_kernel + self.verify_kernel
+
+
+@dataclass
+class Recorder:
+    """The intervals of one ``Engine.step``: (kind, start, end) of each wrapped call."""
+
+    events: list[tuple[str, float, float, int]] = field(default_factory=list)
+    rounds: list[Round] = field(default_factory=list)
+    skipped: int = 0  # rounds that prefilled
+    wrapped: list[tuple[object, str, object]] = field(default_factory=list)  # (object, name, what it held)
+
+    def wrap(self, obj, name: str, kind: str, tokens_of: Callable | None = None) -> None:
+        """Replace ``obj.name`` (on the object, not its class) by a timed call, until ``unwrap``."""
+        inner = getattr(obj, name)
+        self.wrapped.append((obj, name, obj.__dict__.get(name)))
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                n = tokens_of(*args, **kwargs) if tokens_of else 0
+                self.events.append((kind, t0, time.perf_counter(), n))
+
+        setattr(obj, name, timed)
+
+    def unwrap(self) -> None:
+        for obj, name, held in reversed(self.wrapped):
+            if held is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, held)
+        self.wrapped.clear()
+
+    def close_round(self, t0: float, t1: float, tokens: int, max_feed: int) -> None:
+        """Turn the events of the step [t0, t1] into a ``Round``; a step that prefilled is counted apart."""
+        ev, self.events = self.events, []
+        kinds = [e[0] for e in ev]
+        span = lambda e: e[2] - e[1]  # noqa: E731
+        target = [e for e in ev if e[0] == "target"]
+        # the target's prompt prefill, or a forward that fed a prompt (the draft model's catch-up)
+        if "prefill" in kinds or any(e[3] > max_feed for e in ev if e[0] in ("target", "draft")):
+            self.skipped += 1
+            return
+        decode = covered([e for e in ev if e[0] == "decode"])
+        steps = [e for e in ev if e[0] == "target_steps"]
+        if steps:
+            self.rounds.append(Round(t1 - t0, tokens, verify_kernel=sum(map(span, steps)),
+                                     verify_host=t1 - t0 - sum(map(span, steps)), decode=decode, plain=True,
+                                     drafted=False))
+            return
+        draft = covered([e for e in ev if e[0] == "draft"])  # greedy_steps may call forward: counted once
+        built = next((e[1] for e in ev if e[0] == "verify_batch"), None)
+        accepted = next((e[2] for e in ev if e[0] == "accept"), None)
+        if built is None or accepted is None or not target:
+            self.skipped += 1  # a round of another shape (a tree round): not what this table splits
+            return
+        fwd = target[-1]
+        self.rounds.append(Round(
+            t1 - t0, tokens, draft_kernel=draft, draft_host=built - t0 - draft, verify_kernel=span(fwd),
+            verify_host=(fwd[1] - built) + (accepted - fwd[2]), update=t1 - accepted, decode=decode,
+            drafted=any(k == "draft" for k in kinds)))
+
+
+def covered(events: list[tuple[str, float, float, int]]) -> float:
+    """Seconds covered by the events' intervals, nested or overlapping ones counted once."""
+    total, end = 0.0, float("-inf")
+    for _, a, b, _ in sorted(events, key=lambda e: e[1]):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def fed_tokens(batch, *args, **kwargs) -> int:
+    return sum(batch.lengths)
+
+
+@contextmanager
+def instrumented(llm, recorder: Recorder):
+    """Time ``llm``'s rounds into ``recorder``: its runners' calls, its engine's steps, and (for the
+    duration) the verify batch's construction and the verifier as the engine module calls them."""
+    import specdec.engine as engine_module
+    from specdec.scheduler import RoundBatch
+
+    engine = llm.engine
+    recorder.wrap(engine.target, "forward", "target", fed_tokens)
+    recorder.wrap(engine.target, "greedy_steps", "target_steps")
+    if hasattr(engine.target, "_decode"):
+        recorder.wrap(engine.target, "_decode", "decode")
+    drafter = engine.drafter
+    runner = getattr(drafter, "runner", None)
+    if runner is not None and runner is not engine.target and hasattr(runner, "forward"):
+        recorder.wrap(runner, "forward", "draft", fed_tokens)
+        if hasattr(runner, "greedy_steps"):
+            recorder.wrap(runner, "greedy_steps", "draft")
+        if hasattr(runner, "_decode"):
+            recorder.wrap(runner, "_decode", "decode")
+    recorder.wrap(engine, "_prefill", "prefill")
+    max_feed = 1 + max(engine.k, 0)
+    step = engine.step
+
+    def timed_step():
+        t0 = time.perf_counter()
+        gained = step()
+        t1 = time.perf_counter()
+        recorder.close_round(t0, t1, sum(len(t) for _, t in gained), max_feed)
+        return gained
+
+    engine.step = timed_step
+    recorder.wrapped.append((engine, "step", None))
+    verify, verify_batch = engine_module.verify, RoundBatch.verify_batch
+
+    def timed_verify(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = verify(*args, **kwargs)
+        recorder.events.append(("accept", t0, time.perf_counter(), 0))
+        return out
+
+    def timed_verify_batch(self, *args, **kwargs):
+        recorder.events.append(("verify_batch", time.perf_counter(), 0.0, 0))
+        return verify_batch(self, *args, **kwargs)
+
+    engine_module.verify, RoundBatch.verify_batch = timed_verify, timed_verify_batch
+    try:
+        yield
+    finally:
+        engine_module.verify, RoundBatch.verify_batch = verify, verify_batch
+        recorder.unwrap()
+
+
+@dataclass
+class Config:
+    backend: str
+    k: int  # 0: plain decoding
+    name: str
+    llm: object = None
+    recorder: Recorder = field(default_factory=Recorder)
+    generate_s: float = 0.0  # wall time of the generate calls (tokenizing and detokenizing included)
+    tokens: int = 0
+
+
+def load_prompts(n: int, tokenizer, max_prompt: int) -> list[list[int]]:
+    rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()][:n]
+    return [tokenizer.encode(p)[-max_prompt:] for p in rows]
+
+
+def build(args) -> list[Config]:
+    from specdec import LLM
+
+    configs = []
+    for backend in args.backends:
+        model = args.model_llamacpp if backend == "llama.cpp" and args.model_llamacpp else args.model
+        for k in [0, *args.ks]:
+            spec = None if k == 0 else {"method": args.method, "model": args.draft, "num_speculative_tokens": k,
+                                        "adaptive": False, "draft_tree": "chain"}
+            name = f"{backend} plain" if k == 0 else f"{backend} {args.method} k={k}"
+            c = Config(backend, k, name)
+            c.llm = LLM(model=model, backend=backend, speculative_config=spec, enforce_eager=args.enforce_eager)
+            configs.append(c)
+    return configs
+
+
+def run(configs: list[Config], prompts: list[list[int]], max_tokens: int) -> None:
+    from specdec import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for c in configs:  # warm-up: kernels, the compiled step, the first steps
+        c.llm.generate([{"prompt_token_ids": prompts[0]}], params)
+    for i, ids in enumerate(prompts):
+        order = configs[i % len(configs):] + configs[:i % len(configs)]
+        for c in order[::-1] if i % 2 else order:
+            with instrumented(c.llm, c.recorder):
+                t0 = time.perf_counter()
+                out = c.llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+                c.generate_s += time.perf_counter() - t0
+            c.tokens += len(out.token_ids)
+
+
+def table(configs: list[Config]) -> str:
+    """One row per configuration: ms per round (plain: per token) by phase, and the share outside the kernels."""
+    head = ("| configuration | rounds | tokens/round | ms/round | draft kernel | draft host | verify kernel | "
+            "verify host | commit/update | outside kernels | in llama_decode | tok/s (generate) |")
+    lines = [head, "| --- " * 12 + "|"]
+    for c in configs:
+        rs = [r for r in c.recorder.rounds if r.plain == (c.k == 0)]
+        if not rs:
+            lines.append(f"| {c.name} | 0 | | | | | | | | | | |")
+            continue
+        n = len(rs)
+        toks = sum(r.tokens for r in rs)
+        per = (lambda x: 1e3 * x / toks) if c.k == 0 else (lambda x: 1e3 * x / n)  # noqa: E731
+        wall = sum(r.wall for r in rs)
+        cells = [per(sum(getattr(r, p) for r in rs)) for p in PHASES]
+        kernel = sum(r.kernel for r in rs)
+        decode = sum(r.decode for r in rs)
+        outside = 1 - kernel / wall if wall else 0.0
+        label = c.name + (" (per token)" if c.k == 0 else "")
+        lines.append(
+            f"| {label} | {n} | {toks / n:.2f} | {per(wall):.2f} | "
+            + " | ".join(f"{x:.2f}" for x in cells)
+            + f" | {outside:.0%} | {f'{decode / kernel:.0%} of kernel' if decode else '-'} | "
+            f"{c.tokens / c.generate_s:.1f} |")
+    return "\n".join(lines)
+
+
+def cpu_path() -> str:
+    """The CPU and the vector extensions its kernels can use, in a few words."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({' + '.join(isa) or 'no AVX2'})"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="specdec/demo-target", help="target: a name, HF folder or GGUF file")
+    ap.add_argument("--model-llamacpp", default=None, help="the target for llama.cpp only (e.g. the stand-in's GGUF)")
+    ap.add_argument("--draft", default="specdec/demo-draft")
+    ap.add_argument("--method", default="draft_model", help="a model drafter: draft_model (eagle3 with its head)")
+    ap.add_argument("--backends", default="llama.cpp,torch")
+    ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept (the last ones)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--enforce-eager", action="store_true", help="torch: eager, not the compiled step")
+    args = ap.parse_args(argv)
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in args.backends if b not in ("llama.cpp", "torch")]
+    if bad or not args.backends:
+        ap.error(f"--backends takes llama.cpp and/or torch, got {args.backends}")
+    try:
+        args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    except ValueError:
+        ap.error(f"--ks takes integers, got {args.ks!r}")
+    if any(k < 1 for k in args.ks):
+        ap.error(f"--ks must be at least 1, got {args.ks}")
+    for name in ("num_prompts", "max_tokens", "max_prompt", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    configs = build(args)
+    prompts = load_prompts(args.num_prompts, configs[0].llm.tokenizer, args.max_prompt)
+    t0 = time.perf_counter()
+    run(configs, prompts, args.max_tokens)
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, batch 1, {args.threads} threads, "
+          f"configurations alternating; {time.perf_counter() - t0:.0f} s; {cpu_path()}")
+    print("ms per round (plain: per token) by phase; kernel = inside the runners' forward / greedy_steps calls; "
+          f"rounds that prefilled left out ({', '.join(f'{c.name} {c.recorder.skipped}' for c in configs)})")
+    print(table(configs))
+    for c in configs:
+        undrafted = sum(not r.drafted for r in c.recorder.rounds if not r.plain)
+        if c.k and undrafted:
+            print(f"{c.name}: {undrafted} rounds drafted nothing")
+        m = c.llm.get_metrics()
+        if c.k:
+            print(f"{c.name}: τ {m['mean_acceptance_length']:.2f}, acceptance {m['acceptance_rate']:.1%}")
+
+
+if __name__ == "__main__":
+    main()
