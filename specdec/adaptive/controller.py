@@ -7,8 +7,8 @@ drafts k, and a draft step costs the same for the batch however many rows draft)
 
 with E_b(k) from each sequence's measured acceptance per position and the costs measured at this
 batch size (measure.py). The batch drafts the k of the highest estimated S(k) where that beats plain
-decoding, and also where it does not but S at the upper confidence bound of the drafter's acceptance
-says some k may (``choose_k``): a drafter is given up only once the bound, from the samples seen, is
+decoding; where it does not but S at the upper confidence bound of the drafter's acceptance says
+some k may, it keeps drafting (``choose_k``): a drafter is given up only once the bound, from the samples seen, is
 at or below break-even at every k, so a few unlucky early rounds do not switch off a drafter that
 pays. Once off, probes (probe.py) bring it back where the text has become easier.
 """
@@ -24,15 +24,24 @@ from specdec.cost_model import mean_expected_tokens, round_cost, speedup
 from specdec.tree import DraftTree, TreeShape
 
 
-def choose_k(estimated: Sequence[float], upper: Sequence[float]) -> int:
-    """The k to draft from S(0..k_max) estimated (each sequence's acceptance) and at the upper bound of
-    the drafter's acceptance: the k >= 1 of the highest estimate (the smallest of equals) where that
-    estimate beats plain decoding, or where only the bound says some k may: drafting is how the
-    estimate learns whether it does. 0 (plain decoding) where neither does."""
-    best = max(range(1, len(estimated)), key=estimated.__getitem__, default=0)
-    if best and (estimated[best] > 1.0 or max(upper[1:]) > 1.0):
+def choose_k(estimated: Sequence[float], upper: Sequence[float], hopeful: Sequence[float] | None = None) -> int:
+    """The k to draft, from three views of S(0..k_max): ``estimated`` (each sequence's acceptance, the
+    measured costs), ``upper`` (the drafter's acceptance at its confidence bound, lengths not yet timed
+    at the cost of the longest that was) and ``hopeful`` (the estimated acceptance at those optimistic
+    costs; default ``estimated``). The k >= 1 of the highest estimate where that beats plain
+    decoding; else, where some k may still pay at the bound, the k >= 1 the hopeful view likes best
+    (drafting is how the estimates learn whether it pays: position 1 and the lengths not yet timed,
+    without betting on deep positions the bound knows nothing of); else 0, plain decoding. Ties: the
+    smallest k."""
+    if len(estimated) < 2:
+        return 0
+    best = max(range(1, len(estimated)), key=estimated.__getitem__)
+    if estimated[best] > 1.0:
         return best
-    return 0
+    if max(upper[1:]) <= 1.0:
+        return 0
+    hopeful = estimated if hopeful is None else hopeful
+    return max(range(1, len(hopeful)), key=hopeful.__getitem__)
 
 
 class AdaptiveK:
@@ -80,18 +89,25 @@ class AdaptiveK:
         if self.prober.holds_off(B, was_probe):
             best = 0  # off: plain rounds teach the estimates nothing, so the decision waits for a probe
         else:
-            estimated = self.speedups(B, self.acceptance.per_seq(seq_ids, self.k_max))
-            best = choose_k(estimated, self.speedups(B, [self.acceptance.upper(self.k_max)]))
+            alphas = self.acceptance.per_seq(seq_ids, self.k_max)
+            estimated = self.speedups(B, alphas)
+            if max(estimated[1:]) > 1.0:
+                best = choose_k(estimated, estimated)
+            else:  # the estimate says no k pays: the bound decides whether to keep learning
+                hope = self.costs.optimistic_line(B)
+                best = choose_k(estimated, self.speedups(B, [self.acceptance.upper(self.k_max)], hope),
+                                self.speedups(B, alphas, hope))
         if best == 0:
             return [self.prober.off(B, was_probe, self.costs, self.k_max)] * B
         self.prober.on()
         return [best] * B
 
-    def speedups(self, B: int, alphas_per_seq: list[list[float]]) -> list[float]:
-        """S(k) for k = 0..k_max at batch size B for sequences whose acceptance is ``alphas_per_seq``."""
+    def speedups(self, B: int, alphas_per_seq: list[list[float]], line=None) -> list[float]:
+        """S(k) for k = 0..k_max at batch size B for sequences whose acceptance is ``alphas_per_seq``,
+        with the verify costs of ``line`` (default: the measured ``verify_line``)."""
         K = max([self.k_max] + [len(a) for a in alphas_per_seq])
         tokens = mean_expected_tokens(alphas_per_seq, K)  # E(k), mean over the batch
-        line = self.costs.verify_line(B)
+        line = line or self.costs.verify_line(B)
         t1 = line(1)
         c = self.costs.draft_cost(B, t1)
         return [1.0] + [speedup(tokens[k], round_cost(k, c, line(k + 1)), t1) for k in range(1, K + 1)]

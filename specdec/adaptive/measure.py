@@ -153,11 +153,14 @@ class Acceptance:
             self.seqs.pop(sid, None)
 
 
-def fit_line(known: list[tuple[int, float]]):
-    """T -> seconds through measured (T, seconds) points sorted by T: the least-squares line (single
-    timings are noisy enough to make k = 3 look cheaper than k = 2), never below the plain step
-    (T = 1, when measured), which it returns exactly; with one point, the prior slope from it; with
-    none, the prior line in one-token steps (only ratios matter)."""
+def fit_line(known: list[tuple[int, float]], plain_in_fit: bool = False):
+    """T -> seconds through measured (T, seconds) points sorted by T. T = 1 is the plain step, exactly
+    as measured; T > 1 the least-squares line through the verify passes measured (single timings are
+    noisy enough to make k = 3 look cheaper than k = 2), never below the plain step. The plain step
+    joins the fit only while fewer than two longer passes are known: a verify pass carries host work
+    a plain step does not, and a line through both turns that fixed cost into a slope (``plain_in_fit``:
+    always, for the tree line, whose passes of up to 1 + max_nodes tokens dwarf that cost). With one
+    point, the prior slope from it; with none, the prior line in one-token steps (only ratios matter)."""
     if not known:
         return prior_verify_line
     plain = known[0][1] if known[0][0] == 1 else None
@@ -165,10 +168,12 @@ def fit_line(known: list[tuple[int, float]]):
         t0, v0 = known[0]
         scale = v0 / prior_verify_line(t0)
         return lambda T: scale * prior_verify_line(T)
-    n = len(known)
-    mt = sum(t for t, _ in known) / n
-    mv = sum(v for _, v in known) / n
-    slope = sum((t - mt) * (v - mv) for t, v in known) / sum((t - mt) ** 2 for t, _ in known)
+    longer = [(t, v) for t, v in known if t > 1]
+    fit = longer if len(longer) >= 2 and not plain_in_fit else known
+    n = len(fit)
+    mt = sum(t for t, _ in fit) / n
+    mv = sum(v for _, v in fit) / n
+    slope = sum((t - mt) * (v - mv) for t, v in fit) / sum((t - mt) ** 2 for t, _ in fit)
     floor = plain or 0.0
     return lambda T: plain if T == 1 and plain is not None else max(mv + slope * (T - mt), floor)
 
@@ -201,7 +206,14 @@ class Costs:
             for (b, t), em in table.items():
                 if b == B and em.value is not None:
                     points[t] = em.value if t not in points else (points[t] + em.value) / 2
-        return fit_line(sorted(points.items()))
+        return fit_line(sorted(points.items()), plain_in_fit=True)
+
+    def optimistic_line(self, B: int):
+        """``verify_line`` up to the longest pass measured at batch size B, and flat beyond it: a
+        length not yet timed may cost no more than the longest one that was (so the bound may try it)."""
+        longest = max((t for (b, t), em in self.verify_time.items() if b == B and em.value is not None), default=None)
+        line = self.verify_line(B)
+        return line if longest is None else (lambda T: line(min(T, longest)))
 
     def draft_cost(self, B: int, t1: float) -> float:
         """Seconds per drafted position at batch size B; PRIOR_DRAFT_COST plain steps until measured."""

@@ -22,9 +22,9 @@ PRIOR_PROBE_COST = 1.0  # a probe's excess over plain decoding, in one-token ste
 
 def can_ever_pay(costs: Costs, B: int, k_max: int) -> bool:
     """Whether drafts accepted every time would beat plain decoding at batch size B with the measured
-    verify line and draft cost: S(k) = (k + 1) · t_1 / (k · c + t_v(k + 1)) > 1 for some k <= k_max.
+    draft cost and verify line (flat beyond the longest pass timed, ``Costs.optimistic_line``): S(k) = (k + 1) · t_1 / (k · c + t_v(k + 1)) > 1 for some k <= k_max.
     If not, no acceptance can make speculation pay here and probing only costs."""
-    line = costs.verify_line(B)
+    line = costs.optimistic_line(B)
     t1 = line(1)
     c = costs.draft_cost(B, t1)
     return any(speedup(k + 1.0, round_cost(k, c, line(k + 1)), t1) > 1.0 for k in range(1, k_max + 1))
