@@ -320,6 +320,12 @@ class SpeculativeConfig:
                f"draft_tree_max_nodes must be an integer in 1..{MAX_TREE_NODES}, got {self.draft_tree_max_nodes!r}")
         _check(_is_int(self.draft_tree_top_k) and self.draft_tree_top_k >= 1,
                f"draft_tree_top_k must be an integer >= 1, got {self.draft_tree_top_k!r}")
+        # a tree of N nodes is N levels deep at most, and a chain-drafting member drafts k levels
+        _check(self.draft_tree != "tree" or self.num_speculative_tokens <= self.draft_tree_max_nodes,
+               f"draft_tree='tree' verifies trees of at most draft_tree_max_nodes={self.draft_tree_max_nodes} "
+               f"nodes, so at most {self.draft_tree_max_nodes} levels, but num_speculative_tokens="
+               f"{self.num_speculative_tokens} asks for that many; raise draft_tree_max_nodes to "
+               f"{self.num_speculative_tokens} or lower num_speculative_tokens (draft_tree='auto' caps its trees' depth)")
         _check(self.draft_tokenizer_mapping in DRAFT_TOKENIZER_MAPPINGS,
                f"draft_tokenizer_mapping must be one of {DRAFT_TOKENIZER_MAPPINGS}, "
                f"got {short_repr(self.draft_tokenizer_mapping)}")

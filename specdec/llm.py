@@ -11,13 +11,14 @@ from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
 from specdec.detokenizer import TextStreamer
 from specdec.drafters import build_drafter
 from specdec.drafters.vocab_map import same_vocabulary
-from specdec.engine import PLAIN_STEPS, Engine, check_num_scheduler_steps
+from specdec.engine import Engine
 from specdec.logprobs import check_logprobs_mode
 from specdec.metrics import RequestSpecStats, SpecDecodingStats
 from specdec.models.choose import choose, choose_draft
 from specdec.models.load import load
 from specdec.models.resolve import resolve
 from specdec.outputs import CompletionOutput, RequestOutput, StreamDelta
+from specdec.scheduler import PLAIN_STEPS, check_num_scheduler_steps
 from specdec.sequence import Sequence
 
 Prompt = str | dict | list[int]

@@ -27,6 +27,7 @@ import torch
 from specdec.adaptive import AdaptiveK
 from specdec.models.base import ForwardBatch, pad_rows
 from specdec.models.llama import CACHE_LEN_STEP
+from specdec.policy import row_tree, seeded_k, tree_round
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape, block_parents
@@ -124,7 +125,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.plain_only: set[int] = set()  # sequences that decode plainly since the drafter failed on them
         self.draft_tree = draft_tree if k > 0 else "chain"
-        self.max_tree = TreeShape(draft_tree_max_nodes, max(k, 1), draft_tree_top_k)  # the most a row drafts
+        # the most a row drafts: k levels, and no more levels than nodes (SpeculativeConfig refuses
+        # draft_tree "tree" with k > draft_tree_max_nodes; "auto" trees are this deep at most)
+        self.max_tree = TreeShape(draft_tree_max_nodes, max(min(k, draft_tree_max_nodes), 1), draft_tree_top_k)
 
     @property
     def max_draft_positions(self) -> int:
@@ -202,7 +205,7 @@ class Scheduler:
         if self.kv is not None:
             self.kv.grow(len(self.running), self._kv_length(new))
         # With draft_tree="tree" newcomers get a prefill of their own: a round that carries a prompt
-        # verifies chains (tree_shapes), and a seeded row's draws must not depend on who joins.
+        # verifies chains (policy.tree_round), and a seeded row's round type must not depend on who joins.
         merged = (decoding and sum(s.num_prompt_tokens for s in new) <= MERGED_PREFILL_TOKENS
                   and all(s.params.prompt_logprobs is None for s in new) and self.draft_tree != "tree")
         return Admitted(new, merged, release)
@@ -260,51 +263,35 @@ class Scheduler:
         first token); drafts beyond the room left are wasted."""
         seqs = self.running
         ks = [self.k] * len(seqs)
-        if self.controller is not None:
-            # A seeded sampled request keeps k fixed: its random draws depend on k, and the
-            # controller's choices depend on timings, so only a fixed k makes the seed reproducible.
+        if self.controller is not None:  # the seeds rule: a seeded sampled row keeps k (policy.seeded_k)
             chosen = self.controller.choose([s.seq_id for s in seqs])
-            ks = [self.k if s.params.seed is not None and not s.params.greedy else c for s, c in zip(seqs, chosen)]
+            ks = [seeded_k(s.params, self.k, c) for s, c in zip(seqs, chosen)]
         return [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0 else max(0, min(k, s.room - 1))
                 for k, s in zip(ks, seqs)]
 
     def tree_shapes(self) -> list[TreeShape | None] | None:
         """The draft tree each running row may propose this round (None: it drafts nothing), or None
-        for a chain round (then ``num_wanted`` asks k per row). Asked before ``num_wanted``: the
-        controller sizes a tree first and chooses k only for a chain round.
+        for a chain round (then ``num_wanted`` asks k per row). Whether the round verifies trees is
+        ``policy.tree_round``'s to say, each row's shape ``policy.row_tree``'s (a seeded sampled row:
+        the largest tree; a row with a logits processor or logprobs: a chain); the controller sizes
+        the others' tree from the measured verify cost per node count (no controller: the largest)."""
+        seqs, full = self.running, self.max_tree
 
-        A round verifies trees only when every row can: rows with logits processors (penalties,
-        grammars, bias: their logits are processed per drafted prefix, ``process_verify_logits``) or
-        logprobs, and prompts merged into the pass, take the chain round. With "auto" the controller
-        picks trees or chains and sizes the tree from the measured verify cost per node count (no
-        controller: chains); a seeded sampled row takes chains then (its draws must not depend on
-        timings). With "tree" a seeded sampled row always gets the largest tree (as it keeps k fixed
-        in chains); the others get the controller's shape."""
-        seqs = self.running
-        if self.draft_tree == "chain" or not seqs:
-            return None
-        for s in seqs:
-            if len(s.token_ids) - s.num_computed != 1 or s.processor is not None or s.params.logprobs is not None:
-                return None  # a merged prompt, or logits a chain round processes or reports
+        def controller_tree(force: bool) -> TreeShape | None:
+            if self.controller is None:
+                return None
+            return self.controller.choose_tree([s.seq_id for s in seqs], max_nodes=full.num_nodes,
+                                               top_k=full.max_children, max_depth=full.max_depth, force=force)
+
         # a row's first token comes from a plain pass (num_wanted); each accepted path leaves room for its bonus
-        depth = [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0
-                 else min(self.max_tree.max_depth, s.room - 1) for s in seqs]
-        if max(depth) <= 0:
+        depth = [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0 else s.room - 1 for s in seqs]
+        if max(depth, default=0) <= 0:
             return None
-        seeded = [s.params.seed is not None and not s.params.greedy for s in seqs]
-        full = self.max_tree
-        shape = full if self.draft_tree == "tree" else None
-        if self.controller is not None and (self.draft_tree == "tree" or not any(seeded)):
-            shape = self.controller.choose_tree([s.seq_id for s in seqs], max_nodes=full.num_nodes,
-                                                top_k=full.max_children, max_depth=full.max_depth,
-                                                force=self.draft_tree == "tree") or shape
+        carries_prompt = any(len(s.token_ids) - s.num_computed != 1 for s in seqs)
+        shape = tree_round(self.draft_tree, seqs, carries_prompt, controller_tree, full)
         if shape is None:
             return None
-        shapes: list[TreeShape | None] = []
-        for d, fixed in zip(depth, seeded):
-            row = full if fixed else shape
-            shapes.append(TreeShape(row.num_nodes, min(d, row.max_depth), row.max_children) if d > 0 else None)
-        return shapes
+        return [row_tree(s, d, shape, full) for s, d in zip(seqs, depth)]
 
     def num_plain_steps(self, batch: RoundBatch) -> int:
         """How many plain steps this round may take in one runner call: several only when it drafts

@@ -208,7 +208,10 @@ def test_tree_shapes_per_row_and_when_a_round_takes_chains():
     sched.running[0].num_computed = 0  # a merged prompt rides in the pass: chains
     assert sched.tree_shapes() is None
     sched.running = [_decoding(greedy), _decoding(SamplingParams(temperature=0, max_tokens=20, logprobs=2))]
-    assert sched.tree_shapes() is None  # logprobs: chains
+    assert sched.tree_shapes() == [TreeShape(8, 3, 2), TreeShape(3, 3, 1)]  # logprobs: a chain in the tree round
+    deep = Scheduler(k=9, draft_tree="tree", draft_tree_max_nodes=5)
+    deep.running = [_decoding(greedy)]
+    assert deep.tree_shapes() == [TreeShape(5, 5, 4)]  # no more levels than nodes
     auto = Scheduler(k=3, draft_tree="auto")
     auto.running = [_decoding(greedy)]
     assert auto.tree_shapes() is None  # auto without a controller: chains

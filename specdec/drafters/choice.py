@@ -35,7 +35,8 @@ shifts finds the method that now pays.
 Seeded sampled requests draft only with the listed lookups (their one-hot drafts race plain
 decoding's own draws, verify._exact_match, so the output is the seed's plain output whatever the
 batch and the timings); with no lookup listed, only with the first method listed. Timings must not
-steer a seeded request's random draws, as the scheduler keeps their k fixed for the same reason.
+steer a seeded request's random draws, as the scheduler keeps their k fixed for the same reason
+(the seeds rule, ``policy.seeded_members``).
 
 Sub-drafters that do not draft a row still see it: a model is called with num_draft 0 for the rows
 that are not its own and catches up on them (and on rounds it skipped) the next time it runs; a
@@ -59,11 +60,11 @@ from specdec.cost_model import expected_tokens, round_cost, speedup
 from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees
 from specdec.drafters.merge import merge_proposals
 from specdec.metrics import NO_DRAFT
+from specdec.policy import LOOKUP_METHODS, is_seeded, seeded_members
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
 
-LOOKUP_METHODS = frozenset({"ngram", "suffix"})  # run no model: cost ~0, their drafts are seen before choosing
 EXPLORE = 1.0  # optimism: standard errors of a request's own acceptance estimate added to it
 
 
@@ -103,6 +104,7 @@ class ChoosingDrafter(Drafter):
         self.parts = {m: MethodState(d, m in LOOKUP_METHODS) for m, d in drafters.items()}
         self.lookups = [m for m in self.methods if m in LOOKUP_METHODS]
         self.models = [m for m in self.methods if m not in LOOKUP_METHODS]
+        self.seeded = seeded_members(self.methods)  # the methods a seeded sampled row may draft with
         self.controller = None  # AdaptiveK: measured verify-pass times
         self.requests: dict[int, RequestState] = {}
         self.rounds_per_method = {m: 0 for m in self.methods}  # (sequence, round) pairs each method drafted
@@ -185,8 +187,8 @@ class ChoosingDrafter(Drafter):
         for b, (s, want) in enumerate(zip(seqs, num_draft)):
             req = self.requests.setdefault(s.seq_id, RequestState())
             offers.append(self._offers(b, s, want, req, parts) if want > 0 else {})
-            fixed = self._seeded(s) and not self.lookups  # whatever it costs: its draws must not follow timings
-            forced.append(self.methods[0] if fixed and offers[-1] else None)
+            fixed = is_seeded(s.params) and not self.lookups  # whatever it costs: its draws must not follow timings
+            forced.append(self.seeded[0] if fixed and offers[-1] else None)
 
         # 3. the set of model methods to run, and each row's method under it
         return parts, self._choose(offers, forced, line, t1, costs, switch, B)
@@ -244,8 +246,8 @@ class ChoosingDrafter(Drafter):
                 parts: dict[str, DraftProposal]) -> dict[str, Offer]:
         """method -> what it offers row b: lookups that found a draft, and the model methods."""
         allowed = self.methods
-        if self._seeded(s):  # no timing may steer its draws
-            allowed = self.lookups or self.methods[:1]
+        if is_seeded(s.params):  # no timing may steer its draws (the seeds rule, policy.py)
+            allowed = self.seeded
         out = {}
         for m in allowed:
             length = parts[m].num_draft_tokens[b] if self.parts[m].lookup else want
@@ -258,11 +260,6 @@ class ChoosingDrafter(Drafter):
                     alphas[i] = min(1.0, a + EXPLORE * math.sqrt(a * (1.0 - a) / (1.0 + n)))
                 out[m] = Offer(expected_tokens(alphas, length), length)
         return out
-
-    @staticmethod
-    def _seeded(s: Sequence) -> bool:
-        """A seeded sampled request: its output must not depend on the batch or on timings."""
-        return s.params.seed is not None and not s.params.greedy
 
     def _choose(self, offers: list[dict[str, Offer]], forced: list[str | None], line, t1: float,
                 costs: dict[str, float], switch: dict[str, float], B: int) -> list[str | None]:

@@ -13,6 +13,10 @@ sampled model draft, a suffix row's q is its one-hot, so the verifier's rule sta
 
 Trees (``propose_tree``): the same choice per row (the suffix chain's score), then the suffix
 trie's tree for the rows it takes and the model's tree (its chain where it cannot branch) for the rest.
+
+A seeded sampled row drafts with the suffix tries alone, whatever its score (``policy.seeded_members``):
+the score reads the global trie, which earlier and running requests' outputs fill, so it must not
+decide how the row draws; the tries' one-hot drafts leave the row its plain output.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees
 from specdec.drafters.merge import merge_proposals
 from specdec.drafters.suffix import SuffixDrafter
+from specdec.policy import is_seeded, seeded_members
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
@@ -30,6 +35,7 @@ class HybridDrafter(Drafter):
         if min_score < 0:
             raise ValueError(f"min_score must be >= 0, got {min_score}")
         self.suffix, self.model, self.min_score = suffix, model, min_score
+        self.seeded_suffix = seeded_members(["suffix", model.method])[0] == "suffix"  # who drafts seeded rows
         self.suffix_rows = 0  # sequence-rounds drafted from the suffix tries, and by the model
         self.model_rows = 0
 
@@ -42,7 +48,10 @@ class HybridDrafter(Drafter):
                 rows.append([])
                 continue
             draft, score = self.suffix.draft(s, want)
-            rows.append(draft if draft and score >= min(self.min_score, want) else None)
+            if is_seeded(s.params):
+                rows.append(draft if self.seeded_suffix else None)
+            else:
+                rows.append(draft if draft and score >= min(self.min_score, want) else None)
         model_want = [want if r is None else 0 for r, want in zip(rows, num_draft)]
         self.suffix_rows += sum(1 for r in rows if r)
         self.model_rows += sum(1 for w in model_want if w)
@@ -72,6 +81,8 @@ class HybridDrafter(Drafter):
                 continue
             tree, score = self.suffix.draft_tree(s, shape)
             take = tree is not None and score >= min(self.min_score, shape.max_depth)
+            if is_seeded(s.params):
+                take = self.seeded_suffix
             trees.append(tree if take else None)
             model_shapes.append(None if take else shape)
         self.suffix_rows += sum(1 for t in trees if t is not None)

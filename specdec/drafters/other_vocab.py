@@ -16,7 +16,9 @@ Vocabularies", chosen by ``draft_tokenizer_mapping``:
   [B, k, V_target], zero off the intersection: the standard rule is exact for it.
 - ``"auto"``: the first rounds alternate the two; the one with more accepted tokens per drafting
   row-round is kept, the faster-drafting one when they are within 5% (``mapping`` says which, and it
-  is logged).
+  is logged). A round in which a seeded sampled row drafts runs ``"string"`` (``policy.SEEDED_MAPPING``):
+  the measured choice follows other requests and timings, which must not steer the row's draws, and
+  string drafts leave it its plain output.
 
 The draft sees each sequence's history as text re-encoded with its own tokenizer (``TextView``):
 the part more than ``MARGIN`` target tokens back is frozen once re-encoding shows it stable, and
@@ -37,6 +39,7 @@ from specdec.drafters.base import DraftProposal, Drafter
 from specdec.drafters.draft_model import CATCH_UP_TOGETHER
 from specdec.drafters.vocab_map import REPLACEMENT, VocabMap, decode, encode, encode_continuation, encode_start
 from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.policy import SEEDED_MAPPING, is_seeded
 from specdec.sampling import SamplingBatch, argmax
 from specdec.sequence import Sequence
 
@@ -80,6 +83,8 @@ class OtherVocabDrafter(Drafter):
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         t0 = time.perf_counter()
         mapping = self.mapping or self._trial()
+        if self.requested == "auto" and any(n and is_seeded(s.params) for s, n in zip(seqs, num_draft)):
+            mapping = SEEDED_MAPPING  # the seeds rule (policy.py): the row's mapping never follows the batch
         proposal = self._propose(mapping, seqs, num_draft, sb)
         stats = self.measured[mapping]
         stats[2] += 1

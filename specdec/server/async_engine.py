@@ -42,6 +42,7 @@ from specdec.engine import Engine
 from specdec.detokenizer import TextStreamer
 from specdec.metrics import RequestSpecStats
 from specdec.outputs import PositionLogprobs
+from specdec.policy import is_seeded
 from specdec.sampling import SamplingBatch, probs_from_logits
 from specdec.sequence import Sequence
 from specdec.scheduler import KvBudget
@@ -232,7 +233,7 @@ class _Attempt:
         a = cls()
         for s in seqs:
             a.lengths[s.seq_id] = len(s.token_ids)
-            if s.params.seed is not None and not s.params.greedy:  # only seeded outputs must repeat exactly
+            if is_seeded(s.params):  # only seeded outputs must repeat exactly (policy.py)
                 a.states[s.seq_id] = s.generator.get_state()
         return a
 
