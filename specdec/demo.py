@@ -45,6 +45,15 @@ SUFFIX_K = 16
 # (every draft accepted), so its candidates draft from each request's own prompt and output only.
 OWN_TEXT_ONLY = {"suffix_decoding_max_cached_requests": 0}
 MIN_ROUNDS = 10  # rounds that drafted, at least, before the acceptance measured is kept for backend=auto
+# The final comparison (``final_comparison``): a ratio more than EXPLAIN_BAND away from what τ and the
+# costs predict (``expected_ratio``), or plain backends whose ratio moved that much since the probe, is
+# measured again, up to FINAL_EXTRA_ROUNDS times, and flagged if it stays so.
+EXPLAIN_BAND = 1.3
+FINAL_EXTRA_ROUNDS = 2
+# A backend whose verify pass of k + 1 tokens costs more than (k + 1) / CANNOT_PAY one-token steps is out
+# of arithmetic: a round with every draft accepted would gain less than CANNOT_PAY, and real rounds accept
+# fewer and pay for their drafting, so nothing is left.
+CANNOT_PAY = 1.5
 
 
 @dataclass(frozen=True)
@@ -405,8 +414,12 @@ def explain(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = N
     if spec is None:
         return "; ".join(parts) + (f" -> no speculative configuration ran; plain {plain.candidate.backend} "
                                    "is the fastest")
-    parts.append(f"{spec.candidate.method_name} gets {spec.tau:.2f} tokens per verify pass "
-                 f"(drafting {spec.mean_k:.1f} a round)")
+    if spec.mean_k:
+        parts.append(f"{spec.candidate.method_name} gets {spec.tau:.2f} tokens per verify pass "
+                     f"(drafting {spec.mean_k:.1f} a round)")
+    else:
+        parts.append(f"{spec.candidate.method_name} drafted nothing (the controller found no k that pays here): it "
+                     "ran as plain decoding")
     if choice.speedup > 1.0:
         verdict = (f"{spec.candidate.name} is {choice.speedup:.2f}x plain {plain.candidate.backend} "
                    f"(the fastest plain backend)")
@@ -417,4 +430,178 @@ def explain(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = N
     if noisy:  # still, after the extra rounds
         verdict += (f" (noisy: {', '.join(noisy)} measured faster over plain on the same backend than τ allows; "
                     "another job shared the CPU: run it again when the machine is quiet)")
-    return "; ".join(parts) + " -> " + verdict
+    text = "; ".join(parts) + " -> " + verdict
+    why_not = cannot_pay(costs, k) if costs else {}
+    return text + "".join(f". {line}" for line in why_not.values())
+
+
+def cannot_pay(costs: dict[str, tuple[float, float]], k: int = VERIFY_K) -> dict[str, str]:
+    """Per backend out of arithmetic here (its verify pass of k + 1 tokens costs about k + 1 one-token
+    steps, ``costs`` as ``forward_costs`` gives them), the sentence that says speculation cannot pay on
+    it and why. A round emits at most k + 1 tokens for that pass, so (k + 1) / steps bounds its gain."""
+    out = {}
+    for backend, (t1, tk) in costs.items():
+        steps = tk / t1 if t1 > 0 else 0.0
+        if steps and (k + 1) / steps < CANNOT_PAY:
+            out[backend] = (f"On this CPU {backend} is out of arithmetic: a verify pass of {k + 1} tokens costs "
+                            f"{steps:.2f} one-token steps, so even a round with every draft accepted is at most "
+                            f"{(k + 1) / steps:.2f}x plain before drafting costs: speculation cannot pay on it here "
+                            "(a CPU with spare arithmetic, more cores or AVX-512 / AMX, verifies flatter)")
+    return out
+
+
+# -- the final comparison ----------------------------------------------------------------------------
+
+
+def expected_ratio(tau: float, drafted_rounds: int, plain_steps: int, verify_steps: float,
+                   draft_steps: float) -> float:
+    """The speedup over plain decoding on the same backend that τ and the costs explain: rounds that
+    drafted emit τ tokens for a verify pass of ``verify_steps`` one-token steps plus ``draft_steps`` of
+    drafting; rounds that drafted nothing emit one token per step."""
+    tokens = drafted_rounds * tau + plain_steps
+    steps = drafted_rounds * (verify_steps + draft_steps) + plain_steps
+    return tokens / steps if steps > 0 else 1.0
+
+
+@dataclass
+class FinalFigures:
+    """What the final comparison measured, and what the costs say it should have."""
+
+    ratio: float  # speculative over plain on the same backend, decoding alone (prefill left out)
+    tau: float
+    drafted_rounds: int
+    plain_steps: int  # rounds that drafted nothing (one token each)
+    verify_steps: float | None  # the verify pass of the drafts per round + 1 tokens, in one-token steps
+    draft_steps: float | None  # drafting per round that drafted, in one-token steps
+    plain_ratio: float | None = None  # fastest plain backend over the same backend's plain: now ...
+    probe_plain_ratio: float | None = None  # ... and in the probe
+
+    @property
+    def expected(self) -> float | None:
+        if self.verify_steps is None or self.draft_steps is None:
+            return None
+        return expected_ratio(self.tau, self.drafted_rounds, self.plain_steps, self.verify_steps, self.draft_steps)
+
+
+def doubts(f: FinalFigures, band: float = EXPLAIN_BAND) -> list[str]:
+    """Why the final figures cannot be trusted as measured ([] when τ and the costs explain them): a
+    ratio over τ allows, a ratio ``band`` away from what τ and the costs predict, plain backends whose
+    ratio moved by ``band`` since the probe."""
+    out = []
+    if f.ratio > PLAUSIBLE * f.tau:
+        out.append(f"{f.ratio:.2f}x over plain on the same backend is more than τ {f.tau:.2f} allows")
+    elif f.expected is not None and not f.expected / band <= f.ratio <= f.expected * band:
+        out.append(f"{f.ratio:.2f}x over plain on the same backend where τ {f.tau:.2f} and the measured costs "
+                   f"predict {f.expected:.2f}x")
+    if f.plain_ratio and f.probe_plain_ratio:
+        moved = f.plain_ratio / f.probe_plain_ratio
+        if not 1 / band <= moved <= band:
+            out.append(f"the plain backends measured {f.plain_ratio:.2f}x apart now and "
+                       f"{f.probe_plain_ratio:.2f}x in the probe")
+    return out
+
+
+def final_figures(result, spec_llm, choice: DemoChoice | None = None, peer: str | None = None,
+                  costs: dict[str, tuple[float, float]] | None = None, k: int = VERIFY_K) -> FinalFigures:
+    """``FinalFigures`` of a ``bench.BenchResult`` of plain (same backend) vs ``spec_llm``: τ and rounds
+    from its metrics; the verify pass and the one-token step from the adaptive controller's measured
+    line, else from ``costs`` (``forward_costs``, interpolated between 1 and k + 1 tokens); ``peer``:
+    the fastest plain backend's name in the result, compared with the probe's plain figures in ``choice``."""
+    m = result.spec_metrics
+    drafted, passes = m["num_drafts"], m["num_verify_passes"]
+    mean_k = m["num_draft_tokens"] / drafted if drafted else 0.0
+    verify_steps = draft_steps = None
+    controller = spec_llm.engine.controller
+    backend = spec_llm.backend
+    if controller is not None and any(b == 1 for b, _ in controller.verify_time):
+        line = controller.verify_line(1)
+        step = line(1)
+        verify_steps = line(round(mean_k) + 1) / step
+    elif costs and backend in costs:
+        step, tk = costs[backend][0] / 1e3, costs[backend][1] / 1e3
+        verify_steps = 1 + (tk / step - 1) * mean_k / k
+    if verify_steps is not None:
+        draft_steps = (m["draft_time_s"] / drafted / step) if drafted else 0.0
+    plain_ratio = probe_ratio = None
+    if peer is not None and choice is not None:
+        fast, same = choice.plain, choice.plain_on(backend)
+        peers = result.peers()
+        if same is not None and peer in peers and result.ar_tokens_per_s:
+            plain_ratio = peers[peer]["tokens_per_s"] / result.ar_tokens_per_s
+            probe_ratio = fast.tokens_per_s / same.tokens_per_s if same.tokens_per_s else None
+    return FinalFigures(result.decode_speedup, m["mean_acceptance_length"], drafted, max(0, passes - drafted),
+                        verify_steps, draft_steps, plain_ratio, probe_ratio)
+
+
+def final_comparison(plain_llm, spec_llm, prompts: list, params: SamplingParams, peers: dict | None = None,
+                     choice: DemoChoice | None = None, costs: dict[str, tuple[float, float]] | None = None,
+                     extra_rounds: int = FINAL_EXTRA_ROUNDS) -> dict:
+    """Plain decoding on the speculative side's backend (and ``peers``: the fastest plain backend)
+    against ``spec_llm`` on ``prompts``, alternating prompt by prompt after a warm-up (bench.run_bench).
+    Figures that τ and the costs cannot explain (``doubts``) are measured again, up to ``extra_rounds``
+    times, each prompt and side keeping its fastest run (noise only ever adds time). Returns the bench's
+    dict with "remeasured" (extra runs), "doubts" (what still does not add up: report, do not trust) and
+    "expected_speedup" (τ and the costs' ratio on the same backend, or None)."""
+    from specdec.bench import run_bench
+
+    peer = next(iter(peers), None) if peers else None
+    result = run_bench(plain_llm, spec_llm, prompts, params, peers=peers)
+    figures = final_figures(result, spec_llm, choice, peer, costs)
+    tries = 0
+    while doubts(figures) and tries < extra_rounds:
+        result = _fastest(result, run_bench(plain_llm, spec_llm, prompts, params, warmup=0, peers=peers))
+        figures = final_figures(result, spec_llm, choice, peer, costs)
+        tries += 1
+    out = result.as_dict()
+    out.update(remeasured=tries, doubts=doubts(figures), expected_speedup=figures.expected)
+    return out
+
+
+def _fastest(a, b):
+    """Per prompt and side, the faster of two BenchResults' runs (greedy: the same tokens); b's metrics."""
+    from dataclasses import replace
+
+    runs = []
+    for x, y in zip(a.runs, b.runs):
+        r = replace(x, peer_tokens=dict(x.peer_tokens), peer_time_s=dict(x.peer_time_s))
+        if y.ar_time_s < x.ar_time_s:
+            r.ar_tokens, r.ar_time_s, r.ar_prefill_s = y.ar_tokens, y.ar_time_s, y.ar_prefill_s
+        if y.spec_time_s < x.spec_time_s:
+            r.spec_tokens, r.spec_time_s, r.spec_prefill_s = y.spec_tokens, y.spec_time_s, y.spec_prefill_s
+            r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens = (y.num_drafts, y.num_draft_tokens,
+                                                                       y.num_accepted_tokens)
+        for name, t in y.peer_time_s.items():
+            if t < r.peer_time_s.get(name, float("inf")):
+                r.peer_time_s[name], r.peer_tokens[name] = t, y.peer_tokens[name]
+        runs.append(r)
+    return replace(b, runs=runs)
+
+
+def acceptance_text(metrics: dict) -> str:
+    """The speculative run's acceptance in words: τ and the acceptance rate, or that it drafted nothing
+    (no acceptance to speak of: 0 of 0 drafts is not a 0% rate)."""
+    if not metrics.get("num_draft_tokens"):
+        return "drafted nothing: the adaptive controller found no k that pays here, so every step was plain decoding"
+    return (f"τ {metrics['mean_acceptance_length']:.2f} tokens per verify pass; {metrics['acceptance_rate']:.1%} of "
+            f"{metrics['num_draft_tokens']} drafted tokens accepted")
+
+
+def final_lines(r: dict, fast_backend: str, backend: str, speedup: float, peer: str | None) -> list[str]:
+    """The few lines under the final table: the speedup over the fastest plain backend (and over the
+    same backend's plain), whether the figures add up, acceptance, greedy equality."""
+    again = f", measured {r['remeasured'] + 1} times" if r.get("remeasured") else ""
+    lines = [f"speedup: {speedup:.2f}x over plain {fast_backend}, the fastest plain backend here (alternating prompt "
+             f"by prompt after a warm-up{again})"]
+    if peer is not None:
+        lines.append(f"over plain {backend}, the same backend: {r['speedup']:.2f}x")
+    if r.get("doubts"):
+        lines.append("not to be trusted: " + "; ".join(r["doubts"]) + " (another job shared the CPU: run it again "
+                     "when the machine is quiet)")
+    elif r.get("expected_speedup"):
+        lines.append(f"as τ and the measured costs predict ({r['expected_speedup']:.2f}x on {backend}, "
+                     "decoding alone)")
+    lines.append(acceptance_text(r["spec"]["metrics"]))
+    gm = r.get("greedy_match")
+    if gm is not None:
+        lines.append(f"greedy outputs equal to plain decoding: {gm['matched'] + gm['near_ties']}/{gm['total']} prompts")
+    return lines
