@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdec.models.base import ForwardBatch
-from specdec.models.llama import FEW_QUERIES, LlamaRunner, _attention_mask, _few_query_attention
+from specdec.models.layers import FEW_QUERIES, attention_mask, few_query_attention
+from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
 from tiny_models import make_model
 
@@ -169,8 +170,8 @@ def test_few_query_attention_equals_sdpa(kv_heads, window):
     pos = torch.tensor([[7], [3], [10]]) - torch.arange(T - 1, -1, -1)  # rows at different positions
     pos = pos.clamp(min=0)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=_attention_mask(pos, end, window), enable_gqa=kv_heads != H)
-    out = _few_query_attention(q, k, v, _attention_mask(pos, end, window, additive=True))
+        q, k, v, attn_mask=attention_mask(pos, end, window), enable_gqa=kv_heads != H)
+    out = few_query_attention(q, k, v, attention_mask(pos, end, window, additive=True))
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
 
 

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.models.kv_cache import CACHE_STEP
 from specdec.sampling import argmax
+
+BACKENDS = ("llama.cpp", "torch")  # the runners' names (ModelRunner.backend): llamacpp.py, llama.py
 
 
 def pad_rows(rows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -89,6 +92,12 @@ class ModelRunner(ABC):
     casts_weights: bool = False  # True: the weights were cast at load to a dtype specdec chose (dtype_choice.py)
     can_keep_hidden_states: bool = False  # honours keep_hidden_states (EAGLE-3 heads read the target's states)
     can_verify_trees: bool = False  # honours ForwardBatch.parents and compact (draft trees, tree.py)
+    cache_step: int = CACHE_STEP  # the KV cache grows in steps of this many positions (round_cache_len)
+
+    def round_cache_len(self, n: int) -> int:
+        """The cache length a row of ``n`` positions makes this runner reserve: n rounded up to ``cache_step``
+        (what a KV budget counts)."""
+        return -(-n // self.cache_step) * self.cache_step
 
     @abstractmethod
     def describe(self) -> str:

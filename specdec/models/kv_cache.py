@@ -19,6 +19,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+CACHE_STEP = 256  # caches grow in steps of this many positions, not one token at a time
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_rows: int, num_kv_heads: int, max_len: int, head_dim: int,

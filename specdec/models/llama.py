@@ -1,33 +1,37 @@
 """A lean PyTorch forward for Llama-family checkpoints (Llama, Qwen2, Qwen3, Mistral).
 
 Weights come from the transformers model that load.py loads (``LoadedModel``); this
-module re-packs them (fused q/k/v and gate/up projections) and runs its own
-forward over its own KV cache, written by absolute position. Logits match
-transformers' forward within float32 rounding.
+module re-packs them (fused q/k/v and gate/up projections, ``layers.ModelWeights``) and
+runs the layer math of layers.py over its own KV cache, written by absolute position:
+eagerly for any batch (the attention layouts below), or through the compiled step
+(compiled.py) for one row of a few tokens. Logits match transformers' forward within
+float32 rounding.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
 from specdec.models.compiled import DEFAULT_SIZES, CompiledStep, enforce_eager_default
 from specdec.models.cpu import native_bf16
-from specdec.models.kv_cache import KVCache, RowTable, grow
+from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
+from specdec.models.layers import (FEW_QUERIES, Dims, LayerWeights, ModelWeights, attention, attention_mask, decoder,
+                                   logits, rope_tables)
 from specdec.models.linear import KERNEL_NAMES, ONEDNN_MIN_ROWS, Linear
 from specdec.tree import ancestor_mask, depths_of, tree_mask
 
 log = logging.getLogger("specdec.runner")
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+CACHE_LEN_STEP = CACHE_STEP  # scheduler.py's import until it asks the runner (ModelRunner.round_cache_len)
 CACHE_RESIDENT_BYTES = 16 << 20  # weights up to this size stay in a server CPU's caches between tokens
-CACHE_LEN_STEP = 256  # grow the cache in steps, not one token at a time
 
 
 @dataclass
@@ -40,20 +44,6 @@ class LoadedModel:
     tokenizer: object | None  # transformers tokenizer, or None when the folder ships none
 
 
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [D]
-    qkv: Linear  # D -> (H + 2*KVH) * hd
-    q_norm: torch.Tensor | None  # [hd], Qwen3 only
-    k_norm: torch.Tensor | None
-    o: Linear  # H * hd -> D
-    post_norm: torch.Tensor  # [D]
-    gate_up: Linear  # D -> 2 * I
-    down: Linear  # I -> D
-    sliding_window: int | None
-
-
-FEW_QUERIES = 16  # up to this many queries per row, batched attention uses _few_query_attention
 PACK_BELOW = 0.75  # ragged rows are packed when their real tokens are at most this share of B * T
 
 
@@ -74,6 +64,7 @@ class LlamaRunner(ModelRunner):
         model = loaded.hf_model
         inner = model.model
         self.config = cfg
+        self.name = os.path.basename(os.path.normpath(loaded.path)) or loaded.path  # for messages
         self.tokenizer = loaded.tokenizer
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype  # of the weights
@@ -81,12 +72,11 @@ class LlamaRunner(ModelRunner):
         # weights are (CPU kernels for half-precision elementwise ops and attention are slower than
         # float32 ones), the weights' dtype elsewhere. With bf16 weights each matrix product reads
         # half the bytes, takes its input rounded to bf16 and gives a bf16 result (logits included).
-        self.compute_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.hidden_size = cfg.hidden_size
-        self.eps = cfg.rms_norm_eps
+        compute_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        dims = Dims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                    num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+                    eps=cfg.rms_norm_eps, compute_dtype=compute_dtype)
         self.num_layers = cfg.num_hidden_layers
         limit = cfg.max_position_embeddings
         if max_model_len is not None and max_model_len > limit:
@@ -95,18 +85,21 @@ class LlamaRunner(ModelRunner):
 
         from transformers.activations import ACT2FN
 
-        self.act = ACT2FN[cfg.hidden_act]
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.min_rows = ONEDNN_MIN_ROWS if weight_bytes > CACHE_RESIDENT_BYTES else 1
         with torch.no_grad():
-            self.embed = inner.embed_tokens.weight.detach()  # [V_rows, D]
-            rows = self.embed.shape[0]
-            tok_len = len(loaded.tokenizer) if loaded.tokenizer is not None else rows
-            self.vocab_size = min(vocab_size or tok_len, rows)
-            self.lm_head = self._linear(model.lm_head.weight[: self.vocab_size], None)  # D -> V; ids past the tokenizer cut
-            self.final_norm = self._act(inner.norm.weight)
-            self.layers = [self._pack_layer(i, layer, cfg) for i, layer in enumerate(inner.layers)]
-        self._init_rope(inner.rotary_emb, cfg)
+            embed = inner.embed_tokens.weight.detach()  # [V_rows, D]
+            tok_len = len(loaded.tokenizer) if loaded.tokenizer is not None else embed.shape[0]
+            self.vocab_size = min(vocab_size or tok_len, embed.shape[0])
+            act = lambda t: t.detach().to(compute_dtype)  # noqa: E731
+            # the weights the layer math (layers.py) reads, eager or compiled
+            self.model = ModelWeights(
+                dims=dims, embed=embed, layers=[self._pack_layer(i, layer, cfg, act) for i, layer in enumerate(inner.layers)],
+                final_norm=act(inner.norm.weight),
+                lm_head=self._linear(model.lm_head.weight[: self.vocab_size], None),  # D -> V; ids past the tokenizer cut
+                act=ACT2FN[cfg.hidden_act], inv_freq=inner.rotary_emb.inv_freq.detach().float().to(self.device),
+                rope_scaling=float(inner.rotary_emb.attention_scaling))
+        self._init_rope(cfg)
         self.cache: KVCache | None = None
         self.rows = RowTable()
         self.kept_layers: list[int] = []  # keep_hidden_states' layer ids, in the order they are concatenated
@@ -120,6 +113,19 @@ class LlamaRunner(ModelRunner):
         if not self.enforce_eager:
             self.compiled = CompiledStep(self, self.compile_sizes)
 
+    @property
+    def layers(self) -> list[LayerWeights]:
+        return self.model.layers
+
+    @property
+    def lm_head(self) -> Linear:
+        return self.model.lm_head
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The residual stream's, norms', RoPE's, attention's and the KV cache's dtype."""
+        return self.model.dims.compute_dtype
+
     def describe(self) -> str:
         """The compute path in one line: the ISA (or device), the weights' dtype, the product kernel."""
         dtype = str(self.dtype).removeprefix("torch.")
@@ -130,7 +136,7 @@ class LlamaRunner(ModelRunner):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def _pack_layer(self, i: int, layer, cfg) -> LayerWeights:
+    def _pack_layer(self, i: int, layer, cfg, act) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
 
         def cat(mods, attr):
@@ -145,13 +151,13 @@ class LlamaRunner(ModelRunner):
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         return LayerWeights(
-            input_norm=self._act(layer.input_layernorm.weight),
+            input_norm=act(layer.input_layernorm.weight),
             qkv=self._linear(cat([attn.q_proj, attn.k_proj, attn.v_proj], "weight"),
                              cat([attn.q_proj, attn.k_proj, attn.v_proj], "bias")),
-            q_norm=None if q_norm is None else self._act(q_norm.weight),
-            k_norm=None if k_norm is None else self._act(k_norm.weight),
+            q_norm=None if q_norm is None else act(q_norm.weight),
+            k_norm=None if k_norm is None else act(k_norm.weight),
             o=self._linear(attn.o_proj.weight, attn.o_proj.bias),
-            post_norm=self._act(layer.post_attention_layernorm.weight),
+            post_norm=act(layer.post_attention_layernorm.weight),
             gate_up=self._linear(cat([mlp.gate_proj, mlp.up_proj], "weight"), cat([mlp.gate_proj, mlp.up_proj], "bias")),
             down=self._linear(mlp.down_proj.weight, mlp.down_proj.bias),
             sliding_window=window,
@@ -160,30 +166,21 @@ class LlamaRunner(ModelRunner):
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         return Linear(weight.detach(), None if bias is None else bias.detach(), self.min_rows)
 
-    def _act(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(self.compute_dtype)
-
-    def _init_rope(self, rotary_emb, cfg) -> None:
+    def _init_rope(self, cfg) -> None:
         params = getattr(cfg, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise ValueError(f"RoPE type {rope_type!r} is not supported (its frequencies change with length); "
                              f"supported: {', '.join(STATIC_ROPE_TYPES)}")
-        self.inv_freq = rotary_emb.inv_freq.detach().float().to(self.device)  # [hd / 2]
-        self.rope_scaling = float(rotary_emb.attention_scaling)
-        self.cos = self.sin_signed = torch.empty(0, self.head_dim)
-        self._grow_rope(min(self.max_model_len, 2 * CACHE_LEN_STEP))
+        self.cos = self.sin_signed = torch.empty(0, self.model.dims.head_dim)
+        self._grow_rope(min(self.max_model_len, 2 * CACHE_STEP))
 
     def _grow_rope(self, length: int) -> None:
         if length <= self.cos.shape[0]:
             return
+        m = self.model
         pos = torch.arange(length, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq[None, :]  # [L, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [L, hd]
-        self.cos = (emb.cos() * self.rope_scaling).to(self.compute_dtype)
-        sin = emb.sin() * self.rope_scaling
-        half = self.head_dim // 2  # rotate_half(x) = cat(-x2, x1) = roll(x, half) * [-1]*half + [1]*half
-        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(self.compute_dtype)
+        self.cos, self.sin_signed = rope_tables(pos, m.inv_freq, m.rope_scaling, m.dims.compute_dtype)  # [L, hd]
 
     # -- cache -----------------------------------------------------------------------------------
 
@@ -191,12 +188,13 @@ class LlamaRunner(ModelRunner):
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
         def make(rows: int, max_len: int) -> KVCache:
-            return KVCache(self.num_layers, rows, self.num_kv_heads, max_len, self.head_dim, self.compute_dtype,
-                           self.device, state_width=len(self.kept_layers) * self.hidden_size)
+            d = self.model.dims
+            return KVCache(self.num_layers, rows, d.num_kv_heads, max_len, d.head_dim, d.compute_dtype,
+                           self.device, state_width=len(self.kept_layers) * d.hidden_size)
 
         if self.compiled is not None:  # the compiled graph traced the cache's rows as a dynamic dim, >= 2
             num_rows = max(num_rows, 2)
-        self.cache = grow(self.cache, num_rows, length, CACHE_LEN_STEP, make)
+        self.cache = grow(self.cache, num_rows, length, self.cache_step, make)
         self._grow_rope(self.cache.max_len)
 
     def release(self) -> None:
@@ -241,7 +239,7 @@ class LlamaRunner(ModelRunner):
         return self.cache.states[row, start:end]
 
     def token_embedding(self) -> torch.Tensor:
-        return self.embed  # [V_rows, D]
+        return self.model.embed  # [V_rows, D]
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -270,38 +268,14 @@ class LlamaRunner(ModelRunner):
             attention = _Dense(batch.start, batch.lengths if ragged else None, T, batch.row_offset, self.device)
         self.reserve(batch.row_offset + B, attention.end)
         cos, sin = attention.rope(self.cos, self.sin_signed)  # broadcastable to q and k
-        H, KVH, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        cd = self.compute_dtype
-
-        x = F.embedding(attention.tokens(batch.token_ids), self.embed).to(cd)  # [B, T, D] or [N, D]
-        lead = x.shape[:-1]  # (B, T) or (N,)
-        kept: dict[int, torch.Tensor] = {}  # layer id -> its input x (x is rebound, never written in place)
-        for li, w in enumerate(self.layers[: batch.num_layers or self.num_layers]):
-            if self.kept_layers and li in self.kept_layers:
-                kept[li] = x
-            h = F.rms_norm(x, (self.hidden_size,), w.input_norm, self.eps)
-            qkv = w.qkv(h)  # [*lead, (H + 2*KVH) * hd], in the weights' dtype
-            qk = qkv[..., : (H + KVH) * hd].view(*lead, H + KVH, hd).to(cd)
-            v = qkv[..., (H + KVH) * hd :].view(*lead, KVH, hd)  # cast as it is written into the cache
-            if w.q_norm is not None:
-                qk = torch.cat([F.rms_norm(qk[..., :H, :], (hd,), w.q_norm, self.eps),
-                                F.rms_norm(qk[..., H:, :], (hd,), w.k_norm, self.eps)], dim=-2)
-            # RoPE on q and k at once: x cos + rotate_half(x) sin, with rotate_half's sign folded into sin
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, dims=-1), sin)  # [*lead, H + KVH, hd]
-            q, k = qk[..., :H, :], qk[..., H:, :]
-            attn = attention.attend(self.cache, li, q, k, v, w.sliding_window)  # [*lead, H, hd]; k, v now cached
-            x = x + w.o(attn.reshape(*lead, H * hd))  # promotes a bf16 product to x's float32
-            h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-            gate, up = w.gate_up(h).chunk(2, dim=-1)  # [*lead, I] each, in the weights' dtype
-            x = x + w.down(self.act(gate) * up)
-
+        x, kept = decoder(self.model, attention.tokens(batch.token_ids), cos, sin,
+                          lambda li, q, k, v, window: attention.attend(self.cache, li, q, k, v, window),
+                          batch.num_layers or self.num_layers, self.kept_layers)  # [B, T, D] or [N, D]
         if kept and len(kept) == len(set(self.kept_layers)):  # a layer subset (layer_skip) keeps nothing
             attention.store(self.cache.states, torch.cat([kept[i] for i in self.kept_layers], dim=-1).float())
         if batch.logits_index is None:
             return None
-        x = attention.select(x, batch.logits_index)  # [B, D] or [B, L, D]
-        x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        return self.lm_head(x).float()  # [B, V] or [B, L, V]
+        return logits(self.model, attention.select(x, batch.logits_index))  # [B, V] or [B, L, V]
 
     @torch.inference_mode()
     def compact(self, rows: Sequence[int], start: Sequence[int], keep: Sequence[Sequence[int]]) -> None:
@@ -309,7 +283,8 @@ class LlamaRunner(ModelRunner):
             self.cache.compact(r, s, kept)
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.compute_dtype).bits // 8
+        d = self.model.dims
+        return 2 * self.num_layers * d.num_kv_heads * d.head_dim * torch.finfo(d.compute_dtype).bits // 8
 
 
 class _Dense:
@@ -382,15 +357,10 @@ class _Dense:
         keys, values = cache.k[li, r0:r1, :, :end], cache.v[li, r0:r1, :, :end]  # [B, KVH, end, hd]
         if window not in self.masks:
             if self.tree is None:
-                self.masks[window] = _attention_mask(self.pos, end, window, additive=self.small)
+                self.masks[window] = attention_mask(self.pos, end, window, additive=self.small)
             else:
                 self.masks[window] = tree_mask(self.pos, *self.tree, end, window, additive=self.small)
-        if self.small:
-            out = _few_query_attention(q.transpose(1, 2), keys, values, self.masks[window])  # [B, H, T, hd]
-        else:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.masks[window],
-                                                 enable_gqa=keys.shape[1] != q.shape[2])
-        return out.transpose(1, 2)
+        return attention(q.transpose(1, 2), keys, values, self.masks[window]).transpose(1, 2)  # [B, T, H, hd]
 
 
 @dataclass
@@ -471,7 +441,7 @@ class _Packed:
 
     def _mask(self, key, pos: torch.Tensor, end: int, window: int | None, additive: bool):
         if (key, window) not in self.masks:
-            self.masks[(key, window)] = _attention_mask(pos, end, window, additive=additive)
+            self.masks[(key, window)] = attention_mask(pos, end, window, additive=additive)
         return self.masks[(key, window)]
 
     def attend(self, cache: KVCache, li: int, q, k, v, window: int | None) -> torch.Tensor:
@@ -483,43 +453,14 @@ class _Packed:
             qs = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[sr.gather]  # [S, Ts, H, hd]
             keys = cache.k[li][sr.cache_rows, :, : sr.end]  # [S, KVH, end, hd]
             values = cache.v[li][sr.cache_rows, :, : sr.end]
-            o = _few_query_attention(qs.transpose(1, 2), keys, values, self._mask("short", sr.pos, sr.end, window, True))
+            o = attention(qs.transpose(1, 2), keys, values, self._mask("short", sr.pos, sr.end, window, True))
             out[sr.dst] = o.transpose(1, 2)[sr.real]  # [S, Ts, H, hd] -> the real tokens
         for r in self.long:
             end = r.start + r.length
             pos = self.pos[r.offset : r.offset + r.length][None]  # [1, n]
             keys, values = cache.k[li, r.cache_row : r.cache_row + 1, :, :end], cache.v[li, r.cache_row : r.cache_row + 1, :, :end]
-            o = F.scaled_dot_product_attention(q[r.offset : r.offset + r.length].transpose(0, 1)[None], keys, values,
-                                               attn_mask=self._mask(r.cache_row, pos, end, window, False),
-                                               enable_gqa=keys.shape[1] != q.shape[1])  # [1, H, n, hd]
+            o = attention(q[r.offset : r.offset + r.length].transpose(0, 1)[None], keys, values,
+                          self._mask(r.cache_row, pos, end, window, False))  # [1, H, n, hd]
             out[r.offset : r.offset + r.length] = o[0].transpose(0, 1)
         return out
 
-
-def _attention_mask(pos: torch.Tensor, end: int, window: int | None, additive: bool = False) -> torch.Tensor | None:
-    """Mask [B, 1, T, end]: query at position p sees keys p - window < j <= p. Boolean, or with
-    ``additive`` float32 with 0 where a key is seen and -inf where not."""
-    B, T = pos.shape
-    if B == 1 and T == 1 and (window is None or end <= window) and not additive:
-        return None  # one query at the last position sees every key
-    keys = torch.arange(end, device=pos.device)
-    allowed = keys[None, None, :] <= pos[:, :, None]  # [B, T, end]
-    if window is not None:
-        allowed &= keys[None, None, :] > pos[:, :, None] - window
-    if additive:
-        return torch.zeros(allowed.shape, device=pos.device).masked_fill_(~allowed, float("-inf"))[:, None]
-    return allowed[:, None]
-
-
-def _few_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hd) + bias) v, as SDPA computes it, in two batched matmuls.
-
-    q [B, H, T, hd]; k, v [B, KVH, end, hd] with H a multiple of KVH (grouped queries share their
-    KV head: the G = H / KVH query heads of a group are stacked as G * T rows); bias [B, 1, T, end]."""
-    B, H, T, hd = q.shape
-    KVH, end = k.shape[1], k.shape[2]
-    G = H // KVH
-    scores = torch.matmul(q.reshape(B, KVH, G * T, hd), k.transpose(-1, -2))  # [B, KVH, G*T, end]
-    scores = scores.view(B, KVH, G, T, end).mul_(hd ** -0.5).add_(bias[:, :, None])  # bias per row and query
-    probs = torch.softmax(scores, dim=-1).view(B, KVH, G * T, end)
-    return torch.matmul(probs, v).view(B, H, T, hd)
