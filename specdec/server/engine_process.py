@@ -206,7 +206,8 @@ class EngineProcess(Admission):
             handles, self._handles = list(self._handles.values()), {}
             with self._lock:  # Admission's count: what was queued there is failed now
                 self._num_queued = 0
-            self._dead, self._snapshot = _added(self._dead, self._snapshot), Snapshot(kv_budget_bytes=self.budget.budget)
+            self._dead = _added(self._dead, self._snapshot)
+            self._snapshot = Snapshot(kv_budget_bytes=self.budget.budget)
         self._conn.close()
         log.error("the engine process died (%s) with %d requests in flight; failing them with 503", _exit(old),
                   len(handles))
