@@ -16,8 +16,9 @@ The engine carries these decisions out (engine.py); ``RoundBatch`` is what one r
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -25,6 +26,7 @@ from itertools import islice
 import torch
 
 from specdec.adaptive import AdaptiveK
+from specdec.drafters.base import Drafter, KvUse
 from specdec.models.base import ForwardBatch, pad_rows
 from specdec.models.llama import CACHE_LEN_STEP
 from specdec.policy import row_tree, seeded_k, tree_round
@@ -52,22 +54,35 @@ class KvBudget:
     The runners keep their caches at the most rows and the longest length reached since they were
     last released (rows x length x bytes per position), so a request may join only while
     max(peak rows, rows with it) x max(peak length, its length) still fits the budget. A row counts
-    while its sequence is in the batch: a finished one until it is retired. Bytes per position are
-    the target's plus the drafter's (``Drafter.kv_bytes_per_token``). The server's HTTP side checks
-    requests against the same object (``check``) before they join the queue.
+    while its sequence is in the batch: a finished one until it is retired. A row of the target's
+    cache spans ``positions``: its tokens and a verify pass; each of the drafter's caches
+    (``Drafter.kv_use``) what it says it holds for that many tokens: another tokenizer's spelling,
+    the drafts it feeds, its tree blocks, a head's slots and kept states. The server's HTTP side
+    checks requests against the same object (``check``) before they join the queue.
     """
 
-    def __init__(self, budget: int, bytes_per_token: int, max_rows: int, max_model_len: int, k: int):
-        self.budget, self.bytes_per_token, self.max_rows = budget, bytes_per_token, max_rows
-        self.max_model_len, self.k = max_model_len, k
+    def __init__(self, budget: int, bytes_per_token: int, max_rows: int, max_model_len: int, k: int,
+                 drafter: Iterable[KvUse] = ()):
+        """``bytes_per_token``: the target's per position; ``k``: positions a verify pass writes past a
+        row's history (drafts or tree nodes); ``drafter``: the drafter's caches."""
+        self.budget, self.target_bytes, self.max_rows = budget, bytes_per_token, max_rows
+        self.max_model_len, self.k, self.drafter = max_model_len, k, tuple(drafter)
         self.peak_rows = self.peak_len = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes per target position of a row, all caches, not counting what a round writes past it."""
+        return self.target_bytes + sum(math.ceil(u.bytes_per_position * u.per_token) for u in self.drafter)
 
     def positions(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """KV positions a sequence may reach: prompt + output (within the context) + a verify pass."""
         return round_up(min(num_prompt_tokens + max_tokens, self.max_model_len) + self.k + 1)
 
     def bytes_for(self, rows: int, length: int) -> int:
-        return rows * length * self.bytes_per_token
+        """Bytes of ``rows`` rows whose target cache spans ``length`` positions (``positions``), at
+        most ``length - k - 1`` tokens each."""
+        tokens = max(length - self.k - 1, 0)
+        return rows * (length * self.target_bytes + sum(u.bytes(tokens) for u in self.drafter))
 
     @property
     def reserved(self) -> int:
@@ -107,9 +122,11 @@ class Admitted:
 class Scheduler:
     def __init__(self, max_num_seqs: int = 256, k: int = 0, controller: AdaptiveK | None = None,
                  num_scheduler_steps: int = PLAIN_STEPS, kv_bytes_per_token: int = 0, max_model_len: int = 0,
-                 draft_tree: str = "chain", draft_tree_max_nodes: int = 7, draft_tree_top_k: int = 4):
+                 draft_tree: str = "chain", draft_tree_max_nodes: int = 7, draft_tree_top_k: int = 4,
+                 drafter: Drafter | None = None):
         """``k``: drafts asked per row (the most, with a ``controller``); ``kv_bytes_per_token``: the
-        target's and the drafter's, for the KV budget that ``limit`` sets. ``draft_tree``: "chain"
+        target's, and ``drafter``'s caches (``Drafter.kv_use``), for the KV budget that ``limit`` sets
+        (without ``drafter``: the drafter's too, per position). ``draft_tree``: "chain"
         (never trees), "auto" (trees where the controller picks them) or "tree" (always); the engine
         passes "chain" where the drafter or the target cannot do trees. A tree has at most
         ``draft_tree_max_nodes`` nodes, ``k`` levels and ``draft_tree_top_k`` children per node."""
@@ -118,7 +135,7 @@ class Scheduler:
         check_num_scheduler_steps(num_scheduler_steps)
         self.max_num_seqs = max_num_seqs
         self.k, self.controller, self.num_scheduler_steps = k, controller, num_scheduler_steps
-        self.kv_bytes_per_token, self.max_model_len = kv_bytes_per_token, max_model_len
+        self.kv_bytes_per_token, self.max_model_len, self.drafter = kv_bytes_per_token, max_model_len, drafter
         self.max_num_batched_tokens: int | None = None  # None: no bound (LLM.generate)
         self.kv: KvBudget | None = None  # None: no bound (LLM.generate)
         self.waiting: deque[list[Sequence]] = deque()  # requests; aborted ones stay until admission skips them
@@ -137,8 +154,11 @@ class Scheduler:
     def limit(self, kv_cache_memory: int | None = None, max_num_batched_tokens: int | None = None) -> KvBudget | None:
         """Bound admission by KV memory (bytes) and prompt tokens a round (a server's limits)."""
         self.max_num_batched_tokens = max_num_batched_tokens
+        drafter = [] if self.drafter is None or self.k == 0 else self.drafter.kv_use(
+            self.k, None if self.draft_tree == "chain" else self.max_tree)
         self.kv = None if kv_cache_memory is None else KvBudget(
-            kv_cache_memory, self.kv_bytes_per_token, self.max_num_seqs, self.max_model_len, self.max_draft_positions)
+            kv_cache_memory, self.kv_bytes_per_token, self.max_num_seqs, self.max_model_len, self.max_draft_positions,
+            drafter)
         return self.kv
 
     # -- the queue ----------------------------------------------------------------------------------

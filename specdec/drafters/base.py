@@ -9,6 +9,7 @@ and ``observe`` with what was accepted.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -33,6 +34,25 @@ class DraftProposal:
     def from_rows(cls, rows: list[list[int]], device: torch.device | str) -> DraftProposal:
         """Pack per-row deterministic drafts (possibly empty) into a right-padded [B, longest row] proposal."""
         return cls(pad_rows(rows, device), None, [len(r) for r in rows])  # [B, k]
+
+
+@dataclass(frozen=True)
+class KvUse:
+    """One cache a drafter keeps (or keeps in the target's cache), per row: for a row of n target tokens
+    it spans ceil(per_token x n) + extra positions, allocated in steps of ``step``, each position of
+    ``bytes_per_position``. What the scheduler's KV budget counts beside the target's own cache."""
+
+    bytes_per_position: int
+    per_token: float = 1.0  # its positions per target token (a draft with another tokenizer spells more)
+    extra: int = 0  # positions a round writes past the history: drafts fed, tree blocks, a head's slots
+    step: int = 1  # the cache grows in steps of this many positions
+
+    def positions(self, num_tokens: int) -> int:
+        n = math.ceil(self.per_token * num_tokens - 1e-9) + self.extra
+        return -(-n // self.step) * self.step
+
+    def bytes(self, num_tokens: int) -> int:
+        return self.bytes_per_position * self.positions(num_tokens)
 
 
 class Drafter(ABC):
@@ -62,10 +82,21 @@ class Drafter(ABC):
         """Receive the engine's adaptive controller (AdaptiveK, or None when k is fixed): its measured
         verify-pass costs, for a drafter that weighs several methods against each other (choice.py)."""
 
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        """What its caches hold per row when a round asks up to ``k`` drafts, or trees up to ``tree``
+        (None: chains only): one KvUse per cache ([]: it keeps none). The scheduler's KV budget counts
+        them beside the target's cache; a drafter never lets a cache outgrow what it says here."""
+        return []
+
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache of its own that one position of one sequence takes (0: it keeps none), for
-        the scheduler's KV budget beside the target's."""
-        return 0
+        """Bytes its caches take per target token of one row (0: it keeps none), not counting the
+        positions a round writes past the history (``kv_use`` says all)."""
+        return sum(math.ceil(u.bytes_per_position * u.per_token) for u in self.kv_use(0))
+
+
+def runner_kv(runner, per_token: float = 1.0, extra: int = 0) -> KvUse:
+    """A model runner's own KV cache as a KvUse: its bytes per position, the steps it grows in."""
+    return KvUse(runner.kv_bytes_per_token(), per_token, extra, runner.cache_step)
 
 
 def grew_from(tokens: list[int], history: list[int], tail_check: int = 8) -> bool:

@@ -57,7 +57,7 @@ from itertools import combinations
 from specdec.adaptive import DECAY, PositionStats, Timing
 from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIOR_WEIGHT
 from specdec.cost_model import expected_tokens, round_cost, speedup
-from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees
+from specdec.drafters.base import DraftProposal, Drafter, KvUse, chains_as_trees
 from specdec.drafters.merge import merge_proposals
 from specdec.metrics import NO_DRAFT
 from specdec.policy import LOOKUP_METHODS, is_seeded, seeded_members
@@ -237,8 +237,8 @@ class ChoosingDrafter(Drafter):
         for part in self.parts.values():
             part.drafter.bind(controller)
 
-    def kv_bytes_per_token(self) -> int:
-        return sum(part.drafter.kv_bytes_per_token() for part in self.parts.values())
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        return [use for part in self.parts.values() for use in part.drafter.kv_use(k, tree)]
 
     # -- the choice -------------------------------------------------------------------------------
 

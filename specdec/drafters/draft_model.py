@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.autoregressive import draft_autoregressive
-from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees, grew_from
+from specdec.drafters.base import DraftProposal, Drafter, KvUse, chains_as_trees, grew_from, runner_kv
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingBatch
@@ -25,6 +25,12 @@ from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
 
 CATCH_UP_TOGETHER = 4  # newcomers' chunks up to this long ride along in the running rows' forward
+
+
+def tree_block_size(tree: TreeShape) -> int:
+    """The most nodes one tree pass of ``tree_expand.draft_tree`` feeds a row within ``tree``: the nodes
+    it expands (at most max_children at a level, or a sampled tree's fixed shape) and their ancestors."""
+    return max(tree.num_nodes, tree.max_children * max(tree.max_depth - 1, 1))
 
 
 class DraftModelDrafter(Drafter):
@@ -165,8 +171,11 @@ class DraftModelDrafter(Drafter):
         self.rank_acceptance.observe(seqs, num_accepted)
         self.q_calibration.observe(seqs, num_accepted)
 
-    def kv_bytes_per_token(self) -> int:
-        return self.runner.kv_bytes_per_token()
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        """Its cache holds each history, then a chain's fed drafts (k - 1, and the padding position past
+        the longest row of a catch-up: k in all) or a tree pass's block and its padding position."""
+        block = tree_block_size(tree) + 1 if tree is not None and self.can_draft_trees else 0
+        return [runner_kv(self.runner, extra=max(k, block))]
 
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.drafters.autoregressive import draft_autoregressive
-from specdec.drafters.base import DraftProposal, Drafter, grew_from
+from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models.base import ModelRunner
 from specdec.models.eagle3 import Eagle3Head, rotate
@@ -340,10 +340,16 @@ class Eagle3Drafter(Drafter):
         self.done.clear()
         self.seen.clear()
 
-    def kv_bytes_per_token(self) -> int:
-        """The head's KV (one layer, float32) plus the target's kept layer inputs (float32), per position."""
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        """The head's KV (one layer, float32): each history and the slots a round reserves past it (k + 1
+        for a chain, a tree's candidate pool + 1: ``_start``); and the target's kept layer inputs
+        (float32), in the target's cache: at its positions, the history and a verify pass's."""
         c = self.head.config
-        return 2 * c.num_key_value_heads * c.head_dim * 4 + len(c.layer_ids) * c.target_hidden_size * 4
+        pool = tree.max_children + (tree.max_depth - 1) * tree.max_children ** 2 if tree is not None else 0
+        head = KvUse(2 * c.num_key_value_heads * c.head_dim * 4, extra=max(k, pool) + 1, step=CACHE_LEN_STEP)
+        verify = max(k, tree.num_nodes if tree is not None else 0) + 1
+        states = KvUse(len(c.layer_ids) * c.target_hidden_size * 4, extra=verify, step=self.target.cache_step)
+        return [head, states]
 
     # -- the head's passes -----------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ decide how the row draws; the tries' one-hot drafts leave the row its plain outp
 
 from __future__ import annotations
 
-from specdec.drafters.base import DraftProposal, Drafter, chains_as_trees
+from specdec.drafters.base import DraftProposal, Drafter, KvUse, chains_as_trees
 from specdec.drafters.merge import merge_proposals
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.policy import is_seeded, seeded_members
@@ -108,5 +108,5 @@ class HybridDrafter(Drafter):
         self.suffix.release_memory()
         self.model.release_memory()
 
-    def kv_bytes_per_token(self) -> int:
-        return self.suffix.kv_bytes_per_token() + self.model.kv_bytes_per_token()
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        return self.suffix.kv_use(k, tree) + self.model.kv_use(k, tree)

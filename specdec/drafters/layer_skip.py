@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from specdec.drafters.autoregressive import draft_autoregressive
-from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.base import DraftProposal, Drafter, KvUse
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
+from specdec.tree import TreeShape
 
 
 class LayerSkipDrafter(Drafter):
@@ -43,7 +44,7 @@ class LayerSkipDrafter(Drafter):
 
         return draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min)
 
-    def kv_bytes_per_token(self) -> int:
-        """0: its keys and values live in the target's cache, at positions the target's verify pass
-        writes anyway (the module docstring), so the target's share of the budget covers them."""
-        return 0
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        """None of its own: its keys and values live in the target's cache, at positions the target's
+        verify pass writes anyway (the module docstring), so the target's share of the budget covers them."""
+        return []

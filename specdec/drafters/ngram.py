@@ -17,9 +17,10 @@ sequence, a rollback, a changed tail) is indexed from scratch.
 
 from __future__ import annotations
 
-from specdec.drafters.base import DraftProposal, Drafter, grew_from
+from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
+from specdec.tree import TreeShape
 
 TAIL_CHECK = 8  # tokens compared to tell a grown history from a changed one
 
@@ -42,6 +43,11 @@ class NgramDrafter(Drafter):
     def release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             self.index.pop(s.seq_id, None)
+
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        """No KV. Its index is host memory outside the KV budget: per running sequence a copy of the
+        history and one entry per distinct n-gram of it (n_min..n_max), freed when the sequence is."""
+        return []
 
     def _sync(self, seq: Sequence) -> NgramIndex:
         history = seq.token_ids

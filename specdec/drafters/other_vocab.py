@@ -35,13 +35,15 @@ import time
 import torch
 
 from specdec.drafters.autoregressive import draft_autoregressive
-from specdec.drafters.base import DraftProposal, Drafter
+from specdec.drafters.base import DraftProposal, Drafter, KvUse, runner_kv
 from specdec.drafters.draft_model import CATCH_UP_TOGETHER
-from specdec.drafters.vocab_map import REPLACEMENT, VocabMap, decode, encode, encode_continuation, encode_start
+from specdec.drafters.vocab_map import (COVERAGE_SAMPLE, REPLACEMENT, VocabMap, decode, encode, encode_continuation,
+                                        encode_start, token_texts)
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.policy import SEEDED_MAPPING, is_seeded
 from specdec.sampling import SamplingBatch, argmax
 from specdec.sequence import Sequence
+from specdec.tree import TreeShape
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ CONTEXT = 8  # tokens of history decoded before a re-encoded piece, so it is spe
 MARGIN = 16  # target tokens at the end of a history that are re-encoded every round (the rest is frozen)
 TRIAL_ROWS = 16  # auto: drafting row-rounds each mapping is measured over before one is kept
 NEAR = 0.05  # auto: acceptances this close (relative) count as a tie, which the cheaper mapping wins
+VIEW_START = 1  # draft tokens a view may hold beyond the history's text: the draft's BOS (encode_start)
 OFF_INTERSECTION = -1e30  # a target token's logit when the draft has no token of its text: probability 0
 
 
@@ -77,6 +80,7 @@ class OtherVocabDrafter(Drafter):
         self._to = d2t[self._from]  # [S] their target ids
         self.target_vocab = len(vocab_map.target_to_draft)
         self._all_shared = bool((d2t >= 0).all())  # every draft token has a target token of its text
+        self._per_token: float | None = None  # draft_tokens_per_token, measured when first asked
 
     # -- the round --------------------------------------------------------------------------------
 
@@ -96,7 +100,8 @@ class OtherVocabDrafter(Drafter):
         views = [self._view(s) for s in seqs]  # [B] each history in draft tokens
         k = max(num_draft)
         steps = self._string_steps(seqs, views, k) if mapping == "string" else k  # draft positions to run
-        rows = [b for b in range(B) if len(views[b]) + steps <= self.runner.max_model_len]  # the rest: no room
+        rows = [b for b in range(B) if len(views[b]) + steps <= self.runner.max_model_len
+                and len(views[b]) <= self._kv_share(seqs[b])]  # the rest: no room, or past their KV share
         self._last = mapping
         self.measured[mapping][0] += sum(1 for n in num_draft if n > 0)  # observe() adds what they accept
         drafts: list[list[int]] = [[] for _ in range(B)]
@@ -259,8 +264,29 @@ class OtherVocabDrafter(Drafter):
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
-    def kv_bytes_per_token(self) -> int:
-        return self.runner.kv_bytes_per_token()
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        """Its cache holds each history in the draft's tokens (``TextView``, at most ``_kv_share`` of
+        them: a row past it drafts nothing), then a round's draft steps and the padding position past
+        the longest row: 2k + 2 steps when string mode may run (``_string_steps``), k for the intersection."""
+        steps = k if self.requested == "intersection" else 2 * k + 2
+        return [runner_kv(self.runner, self.draft_tokens_per_token(), steps + 1 + VIEW_START)]
+
+    def draft_tokens_per_token(self) -> float:
+        """The draft tokens per target token that the KV budget counts: the mean over a spread sample
+        of the target's token texts spelt alone by the draft's tokenizer (at least 1, in eighths). Whole
+        texts spell fewer: 1.12 on this repository's README for the shipped vocab4k draft, 1.625 here."""
+        if self._per_token is None:
+            texts = [t for t in token_texts(self.target_tok, self.target_vocab) if t]
+            sample = texts[:: max(1, len(texts) // COVERAGE_SAMPLE)]
+            mean = sum(len(encode(self.draft_tok, t)) for t in sample) / max(len(sample), 1)
+            self._per_token = max(1.0, math.ceil(8 * mean) / 8)
+        return self._per_token
+
+    def _kv_share(self, s: Sequence) -> int:
+        """The draft tokens of history the KV budget counts for ``s``: per target token it may reach, and
+        the draft's start of text."""
+        n = min(s.num_prompt_tokens + s.params.max_tokens, s.max_len)
+        return math.ceil(self.draft_tokens_per_token() * n - 1e-9) + VIEW_START
 
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows

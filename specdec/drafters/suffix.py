@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import heapq
 
-from specdec.drafters.base import DraftProposal, Drafter, grew_from
+from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.ngram import TAIL_CHECK
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
@@ -114,6 +114,12 @@ class SuffixDrafter(Drafter):
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         for s in seqs:
             self.sync(s)
+
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        """No KV. Its tries are host memory outside the KV budget: one per running request over its prompt
+        and output, and the global one over the outputs of at most ``max_cached_requests`` requests, each
+        holding every substring of up to ``max_tree_depth`` tokens (at most that many nodes per token)."""
+        return []
 
     def release(self, seqs: list[Sequence]) -> None:
         """The request's trie goes; its output stays in the global trie, completed with the tokens of the
