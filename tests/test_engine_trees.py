@@ -269,18 +269,30 @@ def test_auto_with_the_controller_greedy_equal_plain_decoding(models):
     assert llm.get_metrics()["num_drafts"] > 0
 
 
-def test_logits_processors_take_the_chain_round(models):
-    """A row with a repetition penalty makes the round a chain round; its output still equals plain's."""
+def test_logits_processors_draft_a_chain_in_the_tree_round(models):
+    """A row with a repetition penalty drafts a chain inside the tree round (policy.row_tree), the other
+    row its tree: every round stays a tree round, and both outputs equal plain's."""
     prompts = random_prompts(2, [4, 9], seed=6)
     sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3),
            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
     llm = tree_llm(models["target"], models["near"])
+    asked = []
+    propose_tree = llm.engine.drafter.propose_tree
+
+    def recorded(seqs, shapes, sb):
+        asked.extend((s.params.repetition_penalty != 1.0, sh) for s, sh in zip(seqs, shapes) if sh is not None)
+        return propose_tree(seqs, shapes, sb)
+
+    llm.engine.drafter.propose_tree = recorded
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
     want = LLM(models["target"]).generate([{"prompt_token_ids": p} for p in prompts], sps)
     for p, w, o in zip(prompts, want, outs):
         assert_greedy_equal(models["hf"], p, w.outputs[0].token_ids, o.outputs[0].token_ids)
     m = llm.get_metrics()
-    assert m["num_drafts"] > m["num_tree_drafts"]  # the chain rounds while the penalized row ran
+    assert m["num_drafts"] == m["num_tree_drafts"] > 0  # no chain round
+    assert {penalized for penalized, _ in asked} == {True, False}
+    for penalized, shape in asked:
+        assert (shape.max_children == 1 and shape.num_nodes == shape.max_depth) == penalized
 
 
 def test_tree_option_errors(models):
@@ -294,8 +306,6 @@ def test_tree_option_errors(models):
 
 
 def test_tree_option_on_llamacpp_is_an_error(models, tmp_path):
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("gguf")
     from specdec.models.gguf import convert
     from specdec.models.llamacpp import LlamaCppRunner
     target = LlamaCppRunner(convert(models["target"], str(tmp_path / "t.gguf"), "f32"))
