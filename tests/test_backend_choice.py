@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-pytest.importorskip("llama_cpp")
-pytest.importorskip("gguf")
+# a required dependency (built by `make install`): a missing or broken build fails here, not as skips
+import llama_cpp  # noqa: E402, F401
 
 import torch  # noqa: E402
 

@@ -216,8 +216,6 @@ def test_processed_logprobs_with_penalties_equal_plain_decoding(models, method):
 
 def test_llamacpp_logprobs_and_prompt_logprobs_match_the_target(models, tmp_path):
     """The same on the llama.cpp backend (an f32 GGUF: logits within 1e-3 of transformers')."""
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("gguf")
     from specdec.models.gguf import convert
 
     gguf = convert(models["target"], str(tmp_path / "t.gguf"), "f32")

@@ -131,8 +131,6 @@ def test_stream_yields_every_choice(models):
 
 
 def test_llamacpp_choices_share_the_prefill(models, tmp_path):
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("gguf")
     from specdec.models.gguf import convert
 
     gguf = convert(models["target"], str(tmp_path / "t.gguf"), "f32")

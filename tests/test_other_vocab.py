@@ -216,8 +216,6 @@ def test_pairs_that_cannot_be_mapped_are_named(models, tmp_path):
 @pytest.fixture(scope="module")
 def gguf(models, small_pair, tmp_path_factory):
     """The pairs above as f32 GGUF files (each with its own tokenizer inside)."""
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("gguf")
     from specdec.models.gguf import convert
 
     root = tmp_path_factory.mktemp("other_vocab_gguf")

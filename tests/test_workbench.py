@@ -301,7 +301,6 @@ def test_verify_lossless_passes_on_the_engine(models):
 
 
 def test_verify_lossless_runs_on_the_llamacpp_backend(models, tmp_path):
-    pytest.importorskip("llama_cpp")
     from specdec.models.gguf import convert
 
     target = convert(models["small"], str(tmp_path / "t.gguf"), "f32")
