@@ -100,8 +100,9 @@ class Recorder:
         kinds = [e[0] for e in ev]
         span = lambda e: e[2] - e[1]  # noqa: E731
         target = [e for e in ev if e[0] == "target"]
-        # the target's prompt prefill, or a forward that fed a prompt (the draft model's catch-up)
-        if "prefill" in kinds or any(e[3] > max_feed for e in ev if e[0] in ("target", "draft")):
+        # a forward that fed more than a round's tokens: a prompt's prefill (the target's, or the draft
+        # model's catch-up)
+        if any(e[3] > max_feed for e in ev if e[0] in ("target", "draft")):
             self.skipped += 1
             return
         decode = covered([e for e in ev if e[0] == "decode"])
@@ -158,7 +159,6 @@ def instrumented(llm, recorder: Recorder):
             recorder.wrap(runner, "greedy_steps", "draft")
         if hasattr(runner, "_decode"):
             recorder.wrap(runner, "_decode", "decode")
-    recorder.wrap(engine, "_prefill", "prefill")
     max_feed = 1 + max(engine.k, 0)
     step = engine.step
 
