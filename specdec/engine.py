@@ -26,7 +26,7 @@ from specdec.detokenizer import Detokenizer
 from specdec.drafters.base import Drafter
 from specdec.drafters.checks import check_proposal, check_trees
 from specdec.host_memory import trim_heap
-from specdec.intake import Intake, prefill
+from specdec.intake import Intake
 from specdec.logprobs import TokenText, check_logprobs_mode, record_emitted
 from specdec.metrics import NO_DRAFT, SpecDecodingStats
 from specdec.models.base import ModelRunner, pad_rows
@@ -72,9 +72,9 @@ class Engine:
         tree_mode = policy.tree_mode(draft_tree, self.k, drafter, target)
         # adaptive: one k per round for the batch, from measured acceptance and costs; else k fixed
         controller = AdaptiveK(self.k) if adaptive and self.k > 0 else None
-        kv_bytes = target.kv_bytes_per_token() + (drafter.kv_bytes_per_token() if drafter is not None else 0)
-        self.scheduler = Scheduler(max_num_seqs, self.k, controller, num_scheduler_steps, kv_bytes,
-                                   target.max_model_len, tree_mode, draft_tree_max_nodes, draft_tree_top_k)
+        # the KV budget: the target's bytes per position, and what the drafter's caches hold (Drafter.kv_use)
+        self.scheduler = Scheduler(max_num_seqs, self.k, controller, num_scheduler_steps, target.kv_bytes_per_token(),
+                                   target.max_model_len, tree_mode, draft_tree_max_nodes, draft_tree_top_k, drafter)
         if drafter is not None:
             drafter.bind(controller)
         # A failing drafter degrades its sequences to plain decoding; strict (tests): it raises.
@@ -82,11 +82,11 @@ class Engine:
                                if strict_drafter is None else strict_drafter)
         self.drafter_failures = 0
         self.detokenizer = Detokenizer(tokenizer, eos_token_ids)
-        self.intake = Intake(target, self.scheduler, self.detokenizer)
         self.stats = SpecDecodingStats()
         self.device = target.device
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)  # logprobs.py
         self.token_text = TokenText(tokenizer)
+        self.intake = Intake(target, self.scheduler, self.detokenizer, self.token_text)
         self._last_sampling = None  # the previous round's SamplingBatch (RoundBatch.build reuses it)
 
     # -- requests (intake.py) and the batch (scheduler.py) ----------------------------------------
@@ -334,29 +334,8 @@ class Engine:
         return kept
 
     def _admit(self) -> None:
-        """Carry out the scheduler's admission (``Scheduler.admit``). A merged newcomer feeds its whole
-        prompt in the next verify pass (each row feeds what its cache lacks); the others are prefilled
-        now but their last token (``intake.prefill``), which the first round's verify pass feeds."""
-        admitted = self.scheduler.admit()
-        if admitted is None:
-            return
-        t0 = time.perf_counter()
-        if admitted.release_caches:
-            self._free_caches()  # the newcomers have no cache yet; nothing else runs (the budget already knows)
-        running, new = self.running, admitted.seqs
-        # room for the prompts now; the cache grows in steps as the outputs do
-        self.target.reserve(len(running), max(s.num_prompt_tokens for s in running)
-                            + self.scheduler.max_draft_positions + 1)
-        self.target.sync_rows([s.seq_id for s in running])
-        if admitted.merged:
-            for s in new:
-                s.num_computed = 0
-            return
-        prefill(self.target, running, new, len(running) - len(new), self.token_text)
-        elapsed = time.perf_counter() - t0
+        elapsed = self.intake.admit(self._free_caches)  # seconds prefilling newcomers
         self.stats.prefill_time_s += elapsed
-        for s in new:  # each newcomer waited for the whole prefill
-            s.stats.prefill_time_s += elapsed
 
     def _retire(self) -> None:
         done = self.scheduler.retire()

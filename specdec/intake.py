@@ -9,6 +9,8 @@ choice that shares one prefill.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from specdec.config import SamplingParams
@@ -22,9 +24,36 @@ from specdec.sequence import Sequence
 
 
 class Intake:
-    def __init__(self, target: ModelRunner, scheduler: Scheduler, detokenizer: Detokenizer):
-        self.target, self.scheduler, self.detokenizer = target, scheduler, detokenizer
+    def __init__(self, target: ModelRunner, scheduler: Scheduler, detokenizer: Detokenizer, token_text: TokenText):
+        self.target, self.scheduler, self.detokenizer, self.token_text = target, scheduler, detokenizer, token_text
         self._grammar_compiler = None
+
+    def admit(self, free_caches: Callable[[], None]) -> float:
+        """Carry out the scheduler's admission (``Scheduler.admit``); returns the seconds spent
+        prefilling. A merged newcomer feeds its whole prompt in the next verify pass (each row feeds
+        what its cache lacks); the others are prefilled now but their last token (``prefill``), which
+        the first round's verify pass feeds. ``free_caches``: the engine's, for caches held at an old
+        peak that nothing uses."""
+        admitted = self.scheduler.admit()
+        if admitted is None:
+            return 0.0
+        t0 = time.perf_counter()
+        if admitted.release_caches:
+            free_caches()  # the newcomers have no cache yet; nothing else runs (the budget already knows)
+        running, new = self.scheduler.running, admitted.seqs
+        # room for the prompts now; the cache grows in steps as the outputs do
+        self.target.reserve(len(running), max(s.num_prompt_tokens for s in running)
+                            + self.scheduler.max_draft_positions + 1)
+        self.target.sync_rows([s.seq_id for s in running])
+        if admitted.merged:
+            for s in new:
+                s.num_computed = 0
+            return 0.0
+        prefill(self.target, running, new, len(running) - len(new), self.token_text)
+        elapsed = time.perf_counter() - t0
+        for s in new:  # each newcomer waited for the whole prefill
+            s.stats.prefill_time_s += elapsed
+        return elapsed
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, grammar=None) -> Sequence:
         """Queue a request. ``grammar``: a compiled matcher for ``params.structured_outputs`` (a server
