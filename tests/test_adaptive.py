@@ -6,7 +6,7 @@ import pytest
 
 from specdec.adaptive import AdaptiveK, PositionStats, Timing, choose_k
 from specdec.adaptive.measure import PLAIN_SAMPLES, wilson_upper
-from specdec.adaptive.probe import PROBE_BUDGET
+from specdec.adaptive.probe import PROBE_BUDGET, can_ever_pay
 from specdec.cost_model import expected_tokens, round_cost, speedup
 
 
@@ -126,7 +126,7 @@ def test_no_probe_where_no_acceptance_could_pay():
         k = ctrl.choose([0])[0]
         drafted.append(k)
         ctrl.record([0], [k], [k], 0.010 * k, 0.010 * (k + 1))
-    assert not ctrl.can_ever_pay(1)
+    assert not can_ever_pay(ctrl.costs, 1, 4)
     assert max(drafted[200:]) == 0
 
 
@@ -175,11 +175,11 @@ def test_the_controller_picks_the_k_the_cost_model_says_is_best():
         k = ctrl.choose([0])[0]
         chosen.append(k)
         ctrl.record([0], [k], [accept(k)], 0.001 * k, 0.010 + 0.002 * k)
-    # Late rounds: mostly k = 2. A plain step now and then remeasures the baseline, and k = 3 comes
-    # back now and then: a position rarely reached is smoothed towards the one before it (0.9), so
-    # the controller tries it again (measured: 13-19% of rounds over seeds 0-4).
+    # Late rounds: mostly k = 2. A plain step now and then remeasures the baseline, a neighbouring k
+    # its verify pass, and k = 3 comes back now and then: a position rarely reached is smoothed
+    # towards the one before it (0.9), so the controller tries it again (and then its neighbour 4).
     late = collections.Counter(chosen[-100:])
-    assert late.most_common(1)[0][0] == best and late[best] >= 75 and set(late) <= {0, best, best + 1}
+    assert late.most_common(1)[0][0] == best and late[best] >= 75 and max(late) <= best + 2
 
 
 def test_position_stats_count_reached_and_accepted():

@@ -8,9 +8,9 @@ drafts k, and a draft step costs the same for the batch however many rows draft)
 with E_b(k) from each sequence's measured acceptance per position and the costs measured at this
 batch size (measure.py). The batch drafts the k of the highest estimated S(k) where that beats plain
 decoding; where it does not but S at the upper confidence bound of the drafter's acceptance says
-some k may, it keeps drafting (``choose_k``): a drafter is given up only once the bound, from the samples seen, is
-at or below break-even at every k, so a few unlucky early rounds do not switch off a drafter that
-pays. Once off, probes (probe.py) bring it back where the text has become easier.
+some k may, it keeps drafting (``choose_k``). A drafter is given up only once the bound, from the
+samples seen, is at or below break-even at every k, so a few unlucky early rounds do not switch off
+a drafter that pays. Once off, probes (probe.py) bring it back where the text has become easier.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdec.adaptive.measure import Acceptance, Costs, Timing
-from specdec.adaptive.probe import Prober, can_ever_pay
+from specdec.adaptive.probe import Prober
 from specdec.adaptive.trees import TreeChooser
 from specdec.cost_model import mean_expected_tokens, round_cost, speedup
 from specdec.tree import DraftTree, TreeShape
@@ -74,9 +74,6 @@ class AdaptiveK:
         a round, so that speculation starts after PLAIN_SAMPLES + 1 tokens."""
         return self.costs.measuring_plain(batch)
 
-    def can_ever_pay(self, B: int) -> bool:
-        return can_ever_pay(self.costs, B, self.k_max)
-
     # -- decisions ---------------------------------------------------------------------------------
 
     def choose(self, seq_ids: list[int]) -> list[int]:
@@ -100,7 +97,17 @@ class AdaptiveK:
         if best == 0:
             return [self.prober.off(B, was_probe, self.costs, self.k_max)] * B
         self.prober.on()
-        return [best] * B
+        return [self._refresh(B, best)] * B
+
+    def _refresh(self, B: int, k: int) -> int:
+        """k, or a neighbour k ± 1 whose verify pass has gone untimed for REFRESH_ROUNDS rounds: the
+        estimate compares k with its neighbours by their costs, and a cost measured under other
+        conditions (a loaded machine, a shorter cache) would otherwise never be corrected once its
+        k stopped being chosen. Two rounds every REFRESH_ROUNDS per neighbour at most."""
+        for n in (k + 1, k - 1):
+            if 1 <= n <= self.k_max and self.costs.stale(B, n + 1, self.rounds):
+                return n
+        return k
 
     def speedups(self, B: int, alphas_per_seq: list[list[float]], line=None) -> list[float]:
         """S(k) for k = 0..k_max at batch size B for sequences whose acceptance is ``alphas_per_seq``,
@@ -146,7 +153,7 @@ class AdaptiveK:
             elif self.prober.probing and B == self.prober.off_batch:
                 tokens = sum(1 + min(n, d) for n, d in zip(num_accepted, num_draft)) / B
                 self.prober.record_probe(B, draft_time_s + verify_time_s - tokens * self.costs.verify_line(B)(1))
-            self.costs.verify_time.setdefault((B, k_round + 1), Timing()).update(verify_time_s)
+            self.costs.record_verify(B, k_round + 1, verify_time_s, self.rounds)
         # A round right after plain ones first feeds the drafter everything it missed (a draft model
         # catches up on every token since its last proposal): a cost of switching on, not of drafting.
         # Timed with the rest, a probe after a plain stretch looks far dearer than steady drafting.

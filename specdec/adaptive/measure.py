@@ -26,10 +26,12 @@ REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many roun
 
 
 class Timing:
-    """A wall-time estimate: the mean of the last ``window`` samples, skipping the first ``skip``
-    (the first pass at a new shape also builds its kernels). The mean, not the median or the
-    minimum, because throughput is tokens over the sum of round times, and a speculative round's
-    time is skewed (most rounds feed the drafter one or two tokens, some a newcomer's prompt)."""
+    """A wall-time estimate: the median of the last ``window`` samples, skipping the first ``skip``
+    (the first pass at a new shape also builds its kernels). The median, not the mean: on a shared
+    machine one pass in a few is preempted for many times its length, and a mean of a few such
+    samples made a 5-token verify pass look 5x a plain step and switched off a drafter that paid
+    1.45x. What it times is not skewed otherwise: passes that carry a prompt are not timed, nor
+    the draft of a round after plain ones (the drafter's catch-up)."""
 
     def __init__(self, window: int = 16, skip: int = 1):
         self.samples: deque[float] = deque(maxlen=window)
@@ -41,7 +43,7 @@ class Timing:
             self.skip -= 1
         else:
             self.samples.append(x)
-            self.value = statistics.fmean(self.samples)
+            self.value = statistics.median(self.samples)
 
 
 def wilson_upper(p: float, n: float, z: float = Z) -> float:
@@ -191,6 +193,7 @@ class Costs:
         self.draft_time: dict[int, Timing] = {}  # B -> seconds per drafted position
         self.tree_draft_time: dict[int, Timing] = {}  # B -> seconds per tree level drafted
         self.plain_measured_at: dict[int, int] = {}  # B -> the round its plain step was last timed
+        self.timed_at: dict[tuple[int, int], int] = {}  # (B, T) -> the round a chain pass of T was last timed
 
     def verify_line(self, B: int):
         """T -> seconds of a chain verify pass with T tokens per row (``fit_line`` through the lengths
@@ -224,6 +227,18 @@ class Costs:
         """Seconds per tree level at batch size B; TREE_DRAFT_PRIOR chain draft steps until measured."""
         e = self.tree_draft_time.get(B)
         return TREE_DRAFT_PRIOR * self.draft_cost(B, t1) if e is None or e.value is None else e.value
+
+    def record_verify(self, B: int, T: int, seconds: float, rounds: int) -> None:
+        """A chain verify pass of T tokens per row at batch size B, at round ``rounds``."""
+        em = self.verify_time.setdefault((B, T), Timing())
+        em.update(seconds)
+        if em.value is not None:
+            self.timed_at[(B, T)] = rounds
+
+    def stale(self, B: int, T: int, rounds: int) -> bool:
+        """Whether a chain pass of T tokens at batch size B has not been timed for REFRESH_ROUNDS
+        rounds (or never): the machine's load or the cache length may have changed its cost since."""
+        return rounds - self.timed_at.get((B, T), -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
 
     def measuring_plain(self, B: int) -> bool:
         """Whether this batch size's first PLAIN_SAMPLES plain steps are still being timed."""
