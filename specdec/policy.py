@@ -1,8 +1,12 @@
 """The speculation policy in one place: the rules and priors that decide how a round speculates,
 read by the controller (adaptive/), the drafter choice (drafters/choice.py) and the backend choice
-(models/backend_choice.py)."""
+(models/backend_choice.py); the seeds rule and the tree-or-chain decision, read by the scheduler,
+the engine, the drafters that pick a member or a mapping, and the server."""
 
 from __future__ import annotations
+
+from specdec.config import DRAFT_TREE_MODES
+from specdec.tree import TreeShape
 
 # -- priors: what the cost model assumes until the controller has measured it ----------------------
 PRIOR_ALPHA = 0.6  # acceptance per draft position before anything is measured
@@ -61,8 +65,6 @@ def tree_mode(draft_tree: str, k: int, drafter, target) -> str:
     """The draft_tree mode an engine runs, decided once: "tree" needs a drafter that branches and a
     backend that verifies trees (else a ValueError); "auto" is "chain" where either cannot (llama.cpp
     verifies chains: such a target runs the drafter's chains)."""
-    from specdec.config import DRAFT_TREE_MODES
-
     if draft_tree not in DRAFT_TREE_MODES:
         raise ValueError(f"draft_tree must be one of {DRAFT_TREE_MODES}, got {draft_tree!r}")
     if drafter is None or k == 0 or draft_tree == "chain":
@@ -100,8 +102,6 @@ def row_tree(seq, depth: int, shape, full):
     """Row ``seq``'s tree shape in a tree round, ``depth`` levels at most (0: it drafts nothing):
     the largest tree ``full`` for a seeded sampled row (the round's ``shape`` for the others); a chain
     where its logits are processed or reported, as a chain round's are (processing.py, logprobs.py)."""
-    from specdec.tree import TreeShape
-
     if depth <= 0:
         return None
     row = full if is_seeded(seq.params) else shape
