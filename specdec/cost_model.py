@@ -1,6 +1,6 @@
 """The speculative cost model (docs/algorithm.md, "Cost model"): tokens a round emits, what the round
 costs, and the speedup over plain decoding that follows. Small pure functions, the one copy that the
-adaptive controller (specdec/adaptive.py), the workbench's profile and the tests use.
+adaptive controller (specdec/adaptive/), the workbench's profile and the tests use.
 
     E(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j        tokens per round, k drafts
     cost(k) = k·c + v(k)                   k draft steps of cost c, one verify pass of k+1 tokens per row
