@@ -20,13 +20,14 @@ read; the speculators layout (``layers.0.*``) loads too.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from specdec.models.layers import apply_rope, attention, rope_tables
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 KNOWN_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3Speculator", "Eagle3DraftModel")
@@ -241,33 +242,28 @@ class Eagle3Head(nn.Module):
         q = L.self_attn.q_proj(x).view(B, T, H, hd).transpose(1, 2)  # [B, H, T, hd]
         k = L.self_attn.k_proj(x).view(B, T, KVH, hd).transpose(1, 2)  # [B, KVH, T, hd]
         v = L.self_attn.v_proj(x).view(B, T, KVH, hd).transpose(1, 2)
-        cos, sin = self._rope(positions)  # [B, 1, T, hd]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        cos, sin = rope_tables(positions.to(self.inv_freq.device), self.inv_freq, 1.0, dt)  # [B, T, hd]
+        q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
         keys = k if past_k is None else torch.cat([past_k.to(dt), k], dim=2)  # [B, KVH, S + T, hd]
         values = v if past_v is None else torch.cat([past_v.to(dt), v], dim=2)
         if mask is None:
             S = keys.shape[2] - T
             mask = torch.ones(T, S + T, dtype=torch.bool, device=q.device).tril(S)[None].expand(B, T, S + T)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
-                                              enable_gqa=H != KVH, scale=1.0 / math.sqrt(hd))  # [B, H, T, hd]
+        attn = attention(q, keys, values, mask[:, None])  # [B, H, T, hd]
         a = L.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, H * hd)) + residual  # [B, T, D]
         m = L.post_attention_layernorm(a)
         g = L.mlp.down_proj(F.silu(L.mlp.gate_proj(m)) * L.mlp.up_proj(m)) + a  # [B, T, D]: pre-norm output
         logits = self.lm_head(self.norm(g)).float()  # [B, T, Vd]
         return logits, g, k, v
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # [B, T, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, hd]
-        dt = self.fc.weight.dtype
-        return emb.cos().to(dt), emb.sin().to(dt)
-
-    def to_target_logits(self, draft_logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V] (-inf off the draft vocab)."""
+    def to_target_logits(self, draft_logits: torch.Tensor, vocab_size: int | None = None,
+                         fill: float = float("-inf")) -> torch.Tensor:
+        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V], ``fill`` off the draft
+        vocabulary (a finite fill keeps a distribution where a grammar allows none of the draft's tokens)."""
         V = vocab_size or self.config.vocab_size
         if self.config.draft_vocab_size == V and not bool(self.d2t.any()):
             return draft_logits
-        out = draft_logits.new_full((*draft_logits.shape[:-1], V), float("-inf"))
+        out = draft_logits.new_full((*draft_logits.shape[:-1], V), fill)
         ids = self.draft_to_target
         keep = ids < V
         out[..., ids[keep]] = draft_logits[..., keep]
@@ -275,10 +271,10 @@ class Eagle3Head(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in Llama's rotate-half layout: x [..., hd] turned by the angles whose cos and sin are given."""
+    """RoPE (layers.apply_rope) from tables of cos and plain sin, x [..., hd]: drafters/eagle3.py builds
+    its tables this way; layers.rope_tables folds rotate_half's sign into sin once instead."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return apply_rope(x, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
 
 
 # -- files ------------------------------------------------------------------------------------------
