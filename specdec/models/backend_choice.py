@@ -41,15 +41,14 @@ from pathlib import Path
 from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST
 from specdec.cost_model import best_k, expected_tokens, predicted_speedups
 from specdec.models import timings
-from specdec.models.base import ForwardBatch
+from specdec.models.base import BACKENDS, ForwardBatch
+from specdec.models.compiled import enforce_eager_default
 from specdec.models.dtype_choice import dtype_for
 from specdec.models.gguf import checkpoint_digest
 from specdec.models.load import load
 from specdec.models.resolve import ModelSource, resolve
 
 ENV = "SPECDEC_AUTO_BACKEND"
-EAGER_ENV = "SPECDEC_ENFORCE_EAGER"  # set and not "0": the torch runner runs eager (models/compiled.py), other timings
-BACKENDS = ("llama.cpp", "torch")
 CONTEXT = 256  # positions cached before the timed forwards (fewer if the model is shorter)
 REPEATS = 5  # alternations of the backends
 BURST = 8  # forwards of one length in a row; the second half's median is kept (step times settle)
@@ -133,7 +132,7 @@ def torch_path(enforce_eager: bool | None = None) -> str:
     (``enforce_eager`` True, or None and $SPECDEC_ENFORCE_EAGER set and not "0"), else "compiled"
     (the few-token step compiled at load where the runner compiles it)."""
     if enforce_eager is None:
-        enforce_eager = os.environ.get(EAGER_ENV, "0") not in ("0", "")
+        enforce_eager = enforce_eager_default()
     return "eager" if enforce_eager else "compiled"
 
 

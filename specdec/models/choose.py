@@ -14,13 +14,14 @@ import os
 from dataclasses import dataclass
 
 from specdec.models import llamacpp_lib
+from specdec.models.base import BACKENDS as RUNNER_BACKENDS
 from specdec.models.backend_choice import auto_backend
 from specdec.models.dtype_choice import dtype_for
 from specdec.models.gguf import ARCHITECTURES
 from specdec.models.llamacpp_ext import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from specdec.models.resolve import ModelSource
 
-BACKENDS = ("auto", "torch", "llama.cpp")
+BACKENDS = ("auto", *RUNNER_BACKENDS)  # what callers may ask for
 LAYER_SKIP_NEEDS_TORCH = ("layer_skip runs the target's first layers, which the llama.cpp backend cannot do (it runs "
                           "whole models only); use backend='torch' with an HF checkpoint, or method draft_model, ngram "
                           "or suffix")

@@ -31,7 +31,6 @@ MIN_SEQUENCES = 4  # a context's first n_seq_max; it doubles as rows need (each 
 BATCH_TOKENS = 512  # tokens per llama_decode call; longer feeds are split
 MIN_CELLS = 1024  # KV cells of a new context
 MIN_UBATCH = 64  # fewest tokens per llama.cpp compute pass (n_ubatch)
-STATE_LEN_STEP = 256  # the kept hidden states grow in steps of this many positions
 KEEP_BYTES = 64 * 2**20  # release() clears a context whose KV cache is at most this large instead of freeing it
 # the dtype whose rounding a GGUF weight type resembles, for the near-tie threshold (specdec.near_tie):
 # llama.cpp rounds a product's activations to the weights' type (bf16, f16) or to 8-bit blocks (q8_0, k-quants)
@@ -192,7 +191,7 @@ class LlamaCppRunner(ModelRunner):
         """A context of ``cells`` KV cells for at least ``rows`` sequences; the sequences of the old one
         are copied over."""
         lib = self.lib
-        cells = -(-cells // 256) * 256
+        cells = self.round_cache_len(cells)
         n_seq = max(self.n_seq, MIN_SEQUENCES)
         while n_seq < rows:
             n_seq *= 2
@@ -283,7 +282,7 @@ class LlamaCppRunner(ModelRunner):
         old_rows, old_len = old.shape[:2] if old is not None else (0, 0)
         rows = max(num_seqs, self.n_seq, old_rows)
         # a long prompt grows it once; decoding doubles it now and then
-        cap = old_len if length <= old_len else max(-(-length // STATE_LEN_STEP) * STATE_LEN_STEP, 2 * old_len)
+        cap = old_len if length <= old_len else max(self.round_cache_len(length), 2 * old_len)
         new = np.zeros((rows, cap, len(self.kept_layers) * self.hidden_size), dtype=np.float32)
         if old is not None:
             new[:old_rows, :old_len] = old
