@@ -189,8 +189,8 @@ def build(source: str | Path, shape: Shape, out: str | Path, seed: int = 0, prog
     shape, notes = fit(shape, shape_of(config))
     for note in notes:
         progress(f"note: {note}")
-    if (out / "config.json").exists():
-        return out
+    if (out / "config.json").exists() and shape_of(json.loads((out / "config.json").read_text())) == shape:
+        return out  # built before at this shape
     state = {}
     for f in sorted(source.glob("*.safetensors")):
         state.update(load_file(str(f)))
@@ -249,7 +249,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Shape
         ap.add_argument(f"--{name}", type=int, default=None)
     ap.add_argument("--gguf", default="", help=f"comma-separated GGUF types to write: {','.join(GGUF_TYPES)}")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="folder for the HF stand-in (default ~/.cache/specdec/standin-SHAPE)")
+    ap.add_argument("--out", default=None, help="folder for the HF stand-in (default "
+                    "~/.cache/specdec/standin-SOURCE-SHAPE); GGUF files go beside it")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     dims = {f: getattr(args, f) for f in asdict(shape) if getattr(args, f, None) is not None}
@@ -269,8 +270,11 @@ def main(argv: list[str] | None = None) -> None:
     source = resolve(args.source)
     if source.is_gguf:
         raise SystemExit(f"--source must be an HF checkpoint folder, got the GGUF file {source.path}")
-    name = f"standin-{args.shape}" if args.out is None else Path(args.out).name
-    out = Path(args.out).expanduser() if args.out else Path("~/.cache/specdec").expanduser() / name
+    named = shape == SHAPES[args.shape]
+    dims = f"{shape.hidden}h-{shape.intermediate}i-{shape.heads}q{shape.kv_heads}kv-{shape.layers}l-{shape.head_dim}d"
+    name = f"standin-{Path(source.path).name}-{args.shape if named else dims}"
+    default = Path("~/.cache/specdec").expanduser() / name
+    out = Path(args.out).expanduser() if args.out else default
     hf = build(source.path, shape, out, args.seed)
     print(hf)
     types = [t for t in args.gguf.split(",") if t]

@@ -16,7 +16,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import specdec.demo as demo  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.bench import BenchResult, PromptRun  # noqa: E402
-from specdec.demo import FinalFigures, acceptance_text, cannot_pay, choose, doubts, expected_ratio, explain  # noqa: E402
+from specdec.demo import (FinalFigures, acceptance_text, cannot_pay, choose, doubts, expected_ratio,  # noqa: E402
+                          explain)
 from test_demo_choice import m  # noqa: E402  -- Measured records from injected figures
 from tiny_models import make_model  # noqa: E402
 
