@@ -591,11 +591,12 @@ def main(argv: list[str] | None = None) -> dict:
     log_path = Path(tempfile.mkdtemp(prefix="soak_")) / "server.log"
     server = Server(serve_args, args.threads, log_path)
     try:
-        print(f"server ready in {server.wait_ready(args.restart_timeout):.1f} s (log: {log_path})", flush=True)
+        ready_s = server.wait_ready(args.restart_timeout)
+        print(f"server ready in {ready_s:.1f} s (log: {log_path})", flush=True)
         summary = asyncio.run(soak(server, args))
     finally:
         server.stop()
-    summary["server"]["log"] = str(log_path)
+    summary["server"].update(log=str(log_path), first_start_s=ready_s)  # the model's load time, to compare restarts to
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
     print(table(summary))

@@ -75,7 +75,7 @@ class EngineProcess(Admission):
         self._proc = self._conn = None
         msg = self._launch()
         if msg[0] != "ready":
-            self._proc.join(10)
+            _reap(self._proc, 10)
             raise ValueError(msg[1])
         self.info: EngineInfo = msg[1]
         super().__init__(msg[2], limits)
@@ -102,12 +102,12 @@ class EngineProcess(Admission):
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._send(self._conn, ("stop",))
-        self._proc.join(timeout)
+        _reap(self._proc, timeout)
         self._supervisor.join(timeout)
         proc = self._proc  # the one that got the stop, or one a restart started meanwhile
         if proc.is_alive():
             proc.kill()
-            proc.join(timeout)
+            _reap(proc, timeout)
         self._conn.close()
 
     @property
@@ -192,10 +192,10 @@ class EngineProcess(Admission):
         """After an engine died: fail its requests, then start engines until one loads (backing off) or
         the failures in a row pass ``limits.engine_restarts``. False when giving up (or stopping)."""
         old = self._proc
-        old.join(1.0)
+        _reap(old, 1.0)
         if old.is_alive():  # its loop ended ("stopped") but the process lingers
             old.kill()
-            old.join(5.0)
+            _reap(old, 5.0)
         if time.monotonic() - self._up_since >= STABLE_AFTER_S:
             self._failures = 0
         self._failures += 1
@@ -234,7 +234,7 @@ class EngineProcess(Admission):
                 log.warning("the engine process restarted in %.1f s; serving again", time.monotonic() - began)
                 return True
             log.error("the engine process could not be restarted: %s", msg[1])
-            self._proc.join(5.0)
+            _reap(self._proc, 5.0)
             self._conn.close()
             self._failures += 1
         with self._state_lock:
@@ -251,8 +251,13 @@ class EngineProcess(Admission):
         proc = ctx.Process(target=_engine_main, name="specdec-engine", daemon=True, args=(child, *self._args))
         with self._state_lock:
             self._proc, self._conn = proc, conn
-        proc.start()
-        child.close()
+        try:
+            proc.start()
+        except OSError as e:  # no memory or no process slots left to start one
+            log.error("the engine process could not be started: %s", e)
+            return ("failed", "the engine process could not be started (see the log)")
+        finally:
+            child.close()
         died = ("failed", "the engine process exited while loading the model (see the log above)")
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._stopping.is_set():
@@ -287,18 +292,29 @@ class EngineProcess(Admission):
             log.exception("a metrics hook failed")
 
 
+_GAUGES = ("running", "waiting", "kv_budget_bytes", "kv_reserved_bytes")
+
+
 def _added(dead: Snapshot, live: Snapshot) -> Snapshot:
-    """``live`` with the counters of ``dead`` added (the gauges are the live engine's)."""
-    out = Snapshot(**{f.name: getattr(live, f.name) for f in fields(Snapshot)})
-    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens"):
-        setattr(out, name, getattr(dead, name) + getattr(live, name))
-    a, b = dead.num_accepted_tokens_per_pos, live.num_accepted_tokens_per_pos
-    out.num_accepted_tokens_per_pos = [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0)
-                                       for i in range(max(len(a), len(b)))]
-    for name in ("num_rounds_per_method", "num_draft_tokens_per_method", "num_accepted_tokens_per_method"):
-        a, b = getattr(dead, name), getattr(live, name)
-        setattr(out, name, {m: a.get(m, 0) + b.get(m, 0) for m in sorted(set(a) | set(b))})
-    return out
+    """``live`` with the counters of ``dead`` added: numbers, lists by position, dicts by key (the
+    gauges are the live engine's)."""
+    out = {}
+    for f in fields(Snapshot):
+        a, b = getattr(dead, f.name), getattr(live, f.name)
+        if f.name in _GAUGES:
+            out[f.name] = b
+        elif isinstance(b, list):
+            out[f.name] = [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))]
+        elif isinstance(b, dict):
+            out[f.name] = {key: a.get(key, 0) + b.get(key, 0) for key in sorted(set(a) | set(b))}
+        else:
+            out[f.name] = a + b
+    return Snapshot(**out)
+
+
+def _reap(proc, timeout: float) -> None:
+    if proc.pid is not None:  # it was started
+        proc.join(timeout)
 
 
 def _exit(proc) -> str:

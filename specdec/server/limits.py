@@ -39,7 +39,7 @@ class ServerLimits:
     allowed_hosts: tuple[str, ...] | None = None  # besides loopback names; None: see hosts_for
     metrics_public: bool = False  # /metrics without the API key
     enable_docs: bool = False  # /docs, /redoc, /openapi.json
-    engine_restarts: int = 5  # an engine process that dies is started again, up to this many failures in a row
+    engine_restarts: int = 5  # restarts of a dead engine process tried in a row before giving up (0: none)
     engine_restart_backoff: float = 0.5  # seconds before the first restart; doubles with each failure in a row
 
     def __post_init__(self) -> None:
