@@ -431,21 +431,26 @@ def explain(choice: DemoChoice, costs: dict[str, tuple[float, float]] | None = N
         verdict += (f" (noisy: {', '.join(noisy)} measured faster over plain on the same backend than τ allows; "
                     "another job shared the CPU: run it again when the machine is quiet)")
     text = "; ".join(parts) + " -> " + verdict
-    why_not = cannot_pay(costs, k) if costs else {}
+    if costs:
+        passes = {b: (k + 1, tk / t1) for b, (t1, tk) in costs.items() if t1 > 0}
+    else:  # the controller's measured verify line at the drafts per round of each backend's best
+        best = {b: _best_spec(choice, b) for b in steps}
+        passes = {b: (round(s.mean_k) + 1, s.verify_steps) for b, s in best.items()
+                  if s is not None and s.mean_k and s.verify_steps}
+    why_not = cannot_pay(passes)
     return text + "".join(f". {line}" for line in why_not.values())
 
 
-def cannot_pay(costs: dict[str, tuple[float, float]], k: int = VERIFY_K) -> dict[str, str]:
-    """Per backend out of arithmetic here (its verify pass of k + 1 tokens costs about k + 1 one-token
-    steps, ``costs`` as ``forward_costs`` gives them), the sentence that says speculation cannot pay on
-    it and why. A round emits at most k + 1 tokens for that pass, so (k + 1) / steps bounds its gain."""
+def cannot_pay(passes: dict[str, tuple[int, float]]) -> dict[str, str]:
+    """Per backend out of arithmetic here, the sentence that says speculation cannot pay on it and why.
+    ``passes``: per backend a verify pass as (tokens, its cost in one-token steps). A round emits at most
+    that many tokens for the pass, so tokens / steps bounds its gain: below CANNOT_PAY nothing is left."""
     out = {}
-    for backend, (t1, tk) in costs.items():
-        steps = tk / t1 if t1 > 0 else 0.0
-        if steps and (k + 1) / steps < CANNOT_PAY:
-            out[backend] = (f"On this CPU {backend} is out of arithmetic: a verify pass of {k + 1} tokens costs "
+    for backend, (tokens, steps) in passes.items():
+        if steps > 0 and tokens / steps < CANNOT_PAY:
+            out[backend] = (f"On this CPU {backend} is out of arithmetic: a verify pass of {tokens} tokens costs "
                             f"{steps:.2f} one-token steps, so even a round with every draft accepted is at most "
-                            f"{(k + 1) / steps:.2f}x plain before drafting costs: speculation cannot pay on it here "
+                            f"{tokens / steps:.2f}x plain before drafting costs: speculation cannot pay on it here "
                             "(a CPU with spare arithmetic, more cores or AVX-512 / AMX, verifies flatter)")
     return out
 

@@ -83,16 +83,22 @@ def test_final_lines_are_short_and_honest():
 
 def test_a_cpu_out_of_arithmetic_is_named():
     # the 1B stand-in on 2 AVX2 cores (issue 37): q4_k_m verifies 5 tokens in 3.62 steps; the shipped pair: 1.8
-    costs = {"llama.cpp": (30.8, 111.6), "torch": (11.24, 12.25)}
-    out = cannot_pay(costs, 4)
+    out = cannot_pay({"llama.cpp": (5, 111.6 / 30.8), "torch": (5, 12.25 / 11.24)})
     assert list(out) == ["llama.cpp"]
     assert out["llama.cpp"].startswith("On this CPU llama.cpp is out of arithmetic: a verify pass of 5 tokens costs "
                                        "3.62 one-token steps, so even a round with every draft accepted is at most "
                                        "1.38x plain")
-    assert cannot_pay({"llama.cpp": (4.0, 7.2)}, 4) == {}
+    assert cannot_pay({"llama.cpp": (5, 1.8)}) == {}
     choice = choose([m("llama.cpp", tps=32), m("llama.cpp", "draft_model", 6, tps=30, tau=2.4, mean_k=3.0)])
-    assert "speculation cannot pay on it here" in explain(choice, {"llama.cpp": (30.8, 111.6)})
+    assert "speculation cannot pay on it here" in explain(choice, {"llama.cpp": (30.8, 111.6)})  # forward costs
     assert "cannot pay" not in explain(choice, {"llama.cpp": (4.0, 7.2)})
+    # without them, the controller's verify line at the drafts per round: 4 tokens in 3.1 steps
+    steep = choose([m("llama.cpp", tps=32, step_ms=31.0),
+                    m("llama.cpp", "draft_model", 6, tps=30, tau=2.4, mean_k=3.0, verify_steps=3.1)])
+    assert "a verify pass of 4 tokens costs 3.10 one-token steps" in explain(steep)
+    flat = choose([m("torch", tps=80, step_ms=12.0), m("torch", "eagle3", 6, tps=140, tau=3.4, mean_k=4.0,
+                                                       verify_steps=1.1)])
+    assert "cannot pay" not in explain(flat)
 
 
 def _run(ar_s: float, spec_s: float, peer_s: float) -> PromptRun:
