@@ -8,14 +8,15 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.models.kv_cache import KVCache
+from specdec.tree import TreeShape
 from test_eagle3 import make_head
 from tiny_models import make_byte_tokenizer, make_model, perturbed_copy, random_prompts, remapped_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 K = 3
-LENGTHS = [5, 189, 40, 12]  # prompt tokens; 189 + MAX_TOKENS + a verify pass just fill 256 target positions
-MAX_TOKENS = 60
+LENGTHS = [5, 209, 40, 12]  # prompt tokens; 209 + MAX_TOKENS + a verify pass nearly fill 256 target positions
+MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +117,21 @@ def test_the_budget_covers_what_the_caches_hold(models, config, past_old_budget)
     assert (out["old_style"] > 1) == past_old_budget, out
 
 
-def test_a_byte_level_drafts_budget_counts_its_spelling(models):
-    """The byte-level draft holds several positions per target token: the budget counts what the
-    drafter says (draft_tokens_per_token, more than 2 here), and its cache outgrows the target's."""
-    llm = LLM(models["target"], max_num_seqs=4, speculative_config=spec(method="draft_model", model=models["byte"],
-                                                                        draft_tokenizer_mapping="string"))
-    drafter = llm.engine.drafter
-    ratio = drafter.draft_tokens_per_token()
-    assert ratio > 2
-    (use,) = drafter.kv_use(K)
-    assert use.per_token == ratio and use.extra == 2 * K + 2 + 2
-    run_under_budget(llm)
+def test_what_the_drafters_say_they_hold(models):
+    """The byte-level draft spells a target token " w12" in several tokens and counts that many per
+    token, plus its 2k + 2 string steps, its BOS and a padding position; the EAGLE-3 head reserves a
+    tree's candidate pool past the history; a draft model a tree pass's block."""
+    llm = LLM(models["target"], speculative_config=spec(method="draft_model", model=models["byte"],
+                                                        draft_tokenizer_mapping="string"))
+    (use,) = llm.engine.drafter.kv_use(K)
+    assert use.per_token == llm.engine.drafter.draft_tokens_per_token() > 2 and use.extra == 2 * K + 2 + 2
+    tree = TreeShape(6, K, 3)
+    head, states = LLM(models["target"], speculative_config=spec(method="eagle3", model=models["head"])
+                       ).engine.drafter.kv_use(K, tree)
+    assert head.extra == 3 + (K - 1) * 9 + 1 and states.extra == 6 + 1  # pool, and the target's verify pass
+    (draft,) = LLM(models["target"], speculative_config=spec(method="draft_model", model=models["draft"])
+                   ).engine.drafter.kv_use(K, tree)
+    assert draft.extra == max(6, 3 * (K - 1)) + 1 and draft.per_token == 1
 
 
 def test_a_view_past_its_share_drafts_nothing(models):
