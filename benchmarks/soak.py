@@ -389,7 +389,8 @@ async def soak(server: Server, args) -> dict:
                                                                   "max_tokens": 8, "temperature": 0}, timeout=60)
                     kill.probe_status = r.status_code
 
-    background = [asyncio.create_task(sampler()), asyncio.create_task(killer())]
+    kills_task = asyncio.create_task(killer())
+    background = [asyncio.create_task(sampler()), kills_task]
     next_start = 0.0
     while load.now() < args.duration:
         await sem.acquire()
@@ -405,6 +406,8 @@ async def soak(server: Server, args) -> dict:
         task.add_done_callback(lambda t: (tasks.discard(t), sem.release()))
     if tasks:
         await asyncio.wait(set(tasks), timeout=args.request_timeout + 5)
+    # a restart still under way (its probe included) is waited for: bounded by its own timeouts
+    await asyncio.wait({kills_task}, timeout=args.restart_timeout + 70)
     for t in [*tasks, *background]:
         t.cancel()
     await asyncio.gather(*tasks, *background, return_exceptions=True)
