@@ -7,8 +7,10 @@ Every error is ``{"error": {"message", "type", "param", "code"}}`` with status 4
 malformed JSON, a missing or mistyped field, a value out of range, an unsupported option, a prompt
 too long for the context or the KV budget), 401 (missing or wrong API key), 403/400 (a Host or
 Origin this server does not serve), 404 (unknown model or route), 408 (a body that came too
-slowly), 413 (a body too large), 429 (the queue is full; ``Retry-After`` says when to retry) or
-500 (the engine failed on this request: the message carries a request id, the log the details).
+slowly), 413 (a body too large), 429 (the queue is full; ``Retry-After`` says when to retry), 500
+(the engine failed on this request: the message carries a request id, the log the details) or 503
+``engine_unavailable`` (the engine process died under the request, or is restarting: ``Retry-After``;
+or could not be restarted, engine_process.py).
 Messages never carry local paths, exception text or a long input back; the server keeps serving.
 
 A request is checked cheaply first (body bytes, prompt count, prompt characters), then tokenized
