@@ -36,8 +36,8 @@ def source(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("src"), hidden=64, layers=2, heads=4, kv_heads=2, tie=True, seed=5)
 
 
-def logits_of(path: str, prompts: list[list[int]], backend: str = "torch") -> torch.Tensor:
-    runner, _ = load_runner(path, backend, dtype="float32")
+def logits_of(path: str, prompts: list[list[int]], backend: str = "torch", dtype: str = "float32") -> torch.Tensor:
+    runner, _ = load_runner(path, backend, dtype=dtype)
     out = []
     for p in prompts:
         runner.reserve(1, len(p) + 1)
@@ -117,3 +117,30 @@ def test_standin_on_llamacpp_matches_the_source(source, tmp_path, monkeypatch):
     prompts = random_prompts(2, [6, 11], seed=3)
     want, got = logits_of(str(source), prompts, "llama.cpp"), logits_of(str(out), prompts, "llama.cpp")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_gguf_files_of_a_bf16_standin(source, tmp_path, monkeypatch):
+    """A bf16 source (as the shipped target): the stand-in's bf16 GGUF computes what the source's own bf16
+    GGUF computes; q8_0 is written by llama.cpp's quantizer (an approximation, only its type is checked)."""
+    from safetensors.torch import load_file, save_file
+
+    from specdec.models.gguf import read_info
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "bf16"
+    src.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (src / f.name).write_bytes(f.read_bytes())
+    save_file({n: t.to(torch.bfloat16) for n, t in load_file(str(source / "model.safetensors")).items()},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    # hidden 64 -> 256: RMSNorm weights scaled by sqrt(1/4), exact in bf16
+    out = standin.build(src, Shape(256, 256, 8, 2, 3, 16), tmp_path / "standin", progress=lambda line: None)
+    paths = standin.write_gguf(out, tmp_path, ["bf16", "q8_0"], progress=lambda line: None)
+    assert read_info(str(paths["bf16"])).weight_type == "BF16" and read_info(str(paths["q8_0"])).weight_type == "Q8_0"
+    prompts = random_prompts(2, [7, 12], seed=4)
+    want = logits_of(str(src), prompts, "llama.cpp", "bfloat16")  # specdec's bf16 conversion of the source
+    got = logits_of(str(paths["bf16"]), prompts, "llama.cpp", "auto")
+    assert want.abs().max() > 1.0
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
