@@ -7,7 +7,7 @@ benchmark wraps the runner objects' ``forward`` / ``greedy_steps`` (the target's
 ``Engine.step`` (one round), the verify batch's construction and the verifier call, and splits each
 round into:
 
-- draft kernel: inside the draft runner's forward / greedy_steps calls
+- draft kernel: inside the draft runner's forward / greedy_steps calls (an EAGLE-3 head's step / fuse)
 - draft host: the rest of the round before the verify batch is built (scheduling, the drafter's own work)
 - verify kernel: inside the target's forward call
 - verify host: building the verify batch, then the logits' processing and the verifier (accept)
@@ -153,10 +153,12 @@ def instrumented(llm, recorder: Recorder):
         recorder.wrap(engine.target, "_decode", "decode")
     drafter = engine.drafter
     runner = getattr(drafter, "runner", None)
-    if runner is not None and runner is not engine.target and hasattr(runner, "forward"):
-        recorder.wrap(runner, "forward", "draft", fed_tokens)
-        if hasattr(runner, "greedy_steps"):
-            recorder.wrap(runner, "greedy_steps", "draft")
+    if runner is not None and runner is not engine.target:
+        if hasattr(runner, "forward"):
+            recorder.wrap(runner, "forward", "draft", fed_tokens)
+        for name in ("greedy_steps", "step", "fuse"):  # a model's steps; an EAGLE-3 head's (models/eagle3.py)
+            if hasattr(runner, name):
+                recorder.wrap(runner, name, "draft")
         if hasattr(runner, "_decode"):
             recorder.wrap(runner, "_decode", "decode")
     max_feed = 1 + max(engine.k, 0)
@@ -323,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     for c in configs:
         undrafted = sum(not r.drafted for r in c.recorder.rounds if not r.plain)
         if c.k and undrafted:
-            print(f"{c.name}: {undrafted} rounds drafted nothing")
+            print(f"{c.name}: {undrafted} of its rounds drafted nothing")
         m = c.llm.get_metrics()
         if c.k:
             print(f"{c.name}: τ {m['mean_acceptance_length']:.2f}, acceptance {m['acceptance_rate']:.1%}")
