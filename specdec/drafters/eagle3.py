@@ -53,6 +53,12 @@ OFF_VOCAB = -1e30  # logit of target tokens outside the draft vocabulary: q = 0 
 #                    whose grammar allows none of the draft vocabulary still gets a distribution
 
 
+def tree_pool(shape: TreeShape) -> int:
+    """Node ids a growing tree within ``shape`` can reach (each a head slot past the history): the root's
+    children, then per level max_children nodes expanded into max_children each."""
+    return shape.max_children + (shape.max_depth - 1) * shape.max_children ** 2
+
+
 class HeadRunner:
     """The head's forward over its own KV cache (one layer, float32, rows like the target's): the
     weights of ``Eagle3Head`` packed into ``Linear`` kernels of ``dtype``; norms, RoPE and attention in
@@ -271,9 +277,7 @@ class Eagle3Drafter(Drafter):
         (positions <= L-2), its ancestors and itself. The slots past L-2 are overwritten by the
         next round's catch-up, as a chain's drafts are."""
         B = len(seqs)
-        # node ids the growing trees can reach: the root's children, then per level k expanded into k each
-        pool = max((s.max_children + (s.max_depth - 1) * s.max_children ** 2 for s in shapes if s is not None),
-                   default=0)
+        pool = max((tree_pool(s) for s in shapes if s is not None), default=0)
         active, first_logits, g0 = self._start(seqs, [0 if s is None else 1 for s in shapes], pool + 1)
         if not active:
             return [None] * B
@@ -345,7 +349,7 @@ class Eagle3Drafter(Drafter):
         for a chain, a tree's candidate pool + 1: ``_start``); and the target's kept layer inputs
         (float32), in the target's cache: at its positions, the history and a verify pass's."""
         c = self.head.config
-        pool = tree.max_children + (tree.max_depth - 1) * tree.max_children ** 2 if tree is not None else 0
+        pool = tree_pool(tree) if tree is not None else 0
         head = KvUse(2 * c.num_key_value_heads * c.head_dim * 4, extra=max(k, pool) + 1, step=CACHE_LEN_STEP)
         verify = max(k, tree.num_nodes if tree is not None else 0) + 1
         states = KvUse(len(c.layer_ids) * c.target_hidden_size * 4, extra=verify, step=self.target.cache_step)
