@@ -213,9 +213,8 @@ def demo(
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     with errors_exit_2():
         from specdec import SamplingParams
-        from specdec.bench import run_bench
         from specdec.demo import (PROBE_PROMPTS, PROBE_TOKENS, VERIFY_K, build, candidates, choose, explain,
-                                  forward_costs, measure)
+                                  final_comparison, forward_costs, measure)
 
         backends = _demo_backends(backend, device)
         methods = [m.strip() for m in method] if method else None
@@ -257,7 +256,7 @@ def demo(
         peer = f"plain {fast_c.backend}"
         peers = {} if fast_c == same_c else {
             peer: lambda p: fast_llm.generate([p], params)[0].outputs[0].token_ids}
-        result = run_bench(same_llm, spec_llm, DEMO_PROMPTS, params, peers=peers).as_dict()
+        result = final_comparison(same_llm, spec_llm, DEMO_PROMPTS, params, peers=peers, choice=choice, costs=costs)
     baseline = result["peers"][peer]["tokens_per_s"] if peers else result["ar"]["tokens_per_s"]
     spec_tps = result["spec"]["tokens_per_s"]
     summary = {"ar_tokens_per_s": baseline, "spec_tokens_per_s": spec_tps,
@@ -269,6 +268,9 @@ def demo(
                "backend": spec_c.backend, "backend_reason": "measured by the demo: the best speculative configuration",
                "configuration": spec_c.name, "speculative_config": spec_c.speculative_config(), "why": why,
                "measured": [m.as_dict() for m in measured], "measure_time_s": measure_s,
+               "doubts": result["doubts"], "remeasured": result["remeasured"],
+               "expected_same_backend_speedup": result["expected_speedup"],
+               "num_draft_tokens": result["spec"]["metrics"]["num_draft_tokens"],
                "forward_ms": None if costs is None else {b: {"1": t1, str(VERIFY_K + 1): tk}
                                                          for b, (t1, tk) in costs.items()}}
     if as_json:
@@ -583,13 +585,9 @@ def _print_demo_bench(r: dict, summary: dict, fast_backend: str, peer: str | Non
     for name, tokens, seconds, tps in rows:
         table.add_row(name, str(tokens), f"{seconds:.2f}", f"{tps:.1f}")
     console.print(table)
-    lines = _bench_lines(r)
-    lines[0] = (f"speedup: {summary['speedup']:.2f}x over plain decoding on {fast_backend}, the fastest plain "
-                "backend here (speculative tokens/s ÷ its tokens/s, prompt prefill included)")
-    if peer is not None:
-        lines.insert(1, f"over plain decoding on {summary['backend']}, the same backend: {r['speedup']:.2f}x "
-                        f"(decoding alone {r['decode_speedup']:.2f}x); greedy equality is checked against it")
-    for line in lines:
+    from specdec.demo import final_lines
+
+    for line in final_lines(r, fast_backend, summary["backend"], summary["speedup"], peer):
         console.print(line, markup=False, soft_wrap=True)
 
 
