@@ -227,6 +227,8 @@ def test_choose_k_drafts_where_the_estimate_or_the_bound_may_pay():
     assert choose_k([1.0, 1.10, 1.20, 1.05], [1.0, 1.5, 1.6, 1.7]) == 2  # the estimate's best pays
     assert choose_k([1.0, 0.95, 0.97, 0.90], [1.0, 1.2, 1.1, 1.3]) == 2  # it does not, the bound may: learn
     assert choose_k([1.0, 0.95, 0.97, 0.90], [1.0, 1.2, 1.1, 1.3], [1.0, 0.99, 0.97, 0.98]) == 1  # hopeful's k
+    # only k = 3 may pay at the bound: learn there, not at the k the hopeful view likes best overall
+    assert choose_k([1.0, 0.95, 0.97, 0.90], [1.0, 0.9, 0.95, 1.3], [1.0, 0.99, 0.97, 0.98]) == 3
     assert choose_k([1.0, 0.95, 0.97, 0.90], [1.0, 0.99, 1.0, 0.98]) == 0  # the bound says none can
     assert choose_k([1.0, 1.02, 0.90], [1.0, 0.99, 0.98]) == 1  # the estimate pays (a sequence's own)
     assert choose_k([1.0], [1.0]) == 0

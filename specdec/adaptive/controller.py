@@ -29,19 +29,18 @@ def choose_k(estimated: Sequence[float], upper: Sequence[float], hopeful: Sequen
     measured costs), ``upper`` (the drafter's acceptance at its confidence bound, lengths not yet timed
     at the cost of the longest that was) and ``hopeful`` (the estimated acceptance at those optimistic
     costs; default ``estimated``). The k >= 1 of the highest estimate where that beats plain
-    decoding; else, where some k may still pay at the bound, the k >= 1 the hopeful view likes best
-    (drafting is how the estimates learn whether it pays: position 1 and the lengths not yet timed,
-    without betting on deep positions the bound knows nothing of); else 0, plain decoding. Ties: the
+    decoding; else, among the k that may still pay at the bound, the one the hopeful view likes best:
+    drafting it is how the estimates learn whether it pays (its positions' acceptance, its length's
+    cost), where the doubt that keeps speculation on lies; else 0, plain decoding. Ties: the
     smallest k."""
     if len(estimated) < 2:
         return 0
     best = max(range(1, len(estimated)), key=estimated.__getitem__)
     if estimated[best] > 1.0:
         return best
-    if max(upper[1:]) <= 1.0:
-        return 0
     hopeful = estimated if hopeful is None else hopeful
-    return max(range(1, len(hopeful)), key=hopeful.__getitem__)
+    may_pay = [k for k in range(1, len(upper)) if upper[k] > 1.0]
+    return max(may_pay, key=hopeful.__getitem__) if may_pay else 0
 
 
 class AdaptiveK:
