@@ -313,3 +313,29 @@ def test_a_drafter_that_cannot_pay_stops_after_the_samples_its_bound_needs():
         drafted += 1
     assert drafted == needed
     assert ctrl.choose([0]) == [0]
+
+
+def test_timings_are_medians_so_a_preempted_pass_does_not_move_them():
+    t = Timing(skip=1)
+    for x in (0.500, 0.010, 0.011, 0.400, 0.009):  # the first builds kernels; one pass in four preempted
+        t.update(x)
+    assert t.value == pytest.approx(0.0105)
+
+
+def test_a_length_timed_often_enough_stands_for_itself():
+    """The 1B stand-in's q4_k_m curve (ms: T=1 30.8, 2 53.2, 3 74.4, 9 248.8) is no line: a least-squares
+    line through 2, 3 and 9 puts v(2) at 50 ms, and k = 1 would look like it pays (1.7 * 30.8 / (1.5 +
+    49.9) = 1.02 at acceptance 0.7, a 1.5 ms draft) where it loses (0.96x). Each length timed three
+    times is its own median; others follow the line."""
+    from specdec.adaptive.measure import SOLID_SAMPLES, fit_line
+
+    ctrl = AdaptiveK(8)
+    curve = {1: 0.0308, 2: 0.0532, 3: 0.0744, 9: 0.2488}
+    for T, v in curve.items():
+        for _ in range(SOLID_SAMPLES + 1):  # the first is skipped
+            ctrl.costs.record_verify(1, T, v, 0)
+    line = ctrl.verify_line(1)
+    assert all(line(T) == pytest.approx(v) for T, v in curve.items())
+    fit = fit_line(sorted(curve.items()))
+    assert fit(2) < 0.95 * curve[2]  # what the line alone would have said
+    assert line(5) == pytest.approx(fit(5)) and curve[3] < line(5) < curve[9]
