@@ -235,6 +235,9 @@ class SpeculativeConfig:
     # "auto" measures both on the first rounds and keeps the better
     draft_tokenizer_mapping: str = "auto"
     draft_p_min: float = 0.0  # model drafters stop drafting when their top probability falls below this
+    # draft_model: a parallel draft (PARD, vLLM's name): the draft sees the history plus k - 1 mask tokens
+    # and proposes all k drafts from one forward (drafters/pard.py); its config.json names the mask token
+    parallel_drafting: bool = False
     # ngram (prompt lookup)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2  # single-token matches were right a third as often as 2-gram ones
@@ -286,6 +289,11 @@ class SpeculativeConfig:
             if m in self.methods and self.num_speculative_tokens > 0:
                 _check(isinstance(self.model, str) and self.model,
                        f"speculative_config with method {m!r} needs 'model': a folder or hub id of {what}")
+        _check(isinstance(self.parallel_drafting, bool),
+               f"parallel_drafting must be true or false, got {short_repr(self.parallel_drafting)}")
+        _check(not self.parallel_drafting or "draft_model" in self.methods,
+               "parallel_drafting runs a draft model trained with mask tokens (PARD): it needs method "
+               f"'draft_model' (got method {short_repr(self.method)})")
         _check(not ("draft_model" in self.methods and "eagle3" in self.methods),
                "speculative_config: methods draft_model and eagle3 both read 'model'; list one of them")
         _check(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
