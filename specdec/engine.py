@@ -142,8 +142,7 @@ class Engine:
             return []
         t0 = time.perf_counter()
         self.target.sync_rows([s.seq_id for s in self.running])  # cache rows follow batch order
-        # [B] a draft tree per row, or None: a chain round (asked each round: a test may swap the drafter)
-        shapes = self.scheduler.tree_shapes() if self.drafter is not None and self.drafter.can_draft_trees else None
+        shapes = self.scheduler.tree_shapes()  # [B] a draft tree per row, or None: a chain round (policy.tree_round)
         wanted = self.scheduler.num_wanted() if shapes is None else [sh.num_nodes if sh else 0 for sh in shapes]
         batch = RoundBatch.build(self.running, wanted, self.device, self._last_sampling)
         self._last_sampling = batch.sampling

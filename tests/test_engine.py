@@ -61,8 +61,9 @@ def test_greedy_output_equals_plain_decoding(models, draft, batch, adaptive):
     prompts = random_prompts(batch, [1, 5, 11, 23], seed=batch)
     expected = plain_greedy(models["target"], prompts, 30)
     model = models["target"] if draft in ("self", "never") else models[draft]
+    chain = {"draft_tree": "chain"} if draft == "never" else {}  # the drafter swapped in drafts chains
     llm = LLM(models["target"], speculative_config={"model": model, "num_speculative_tokens": 4,
-                                                    "adaptive": adaptive})
+                                                    "adaptive": adaptive, **chain})
     if draft == "never":
         llm.engine.drafter = AntiDrafter(llm.engine.drafter, llm.target.vocab_size)
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -122,13 +123,15 @@ def small_vocab(tmp_path_factory):
 ], ids=["t1", "topk", "topp"])
 @pytest.mark.parametrize("drafter", ["sampling", "greedy", "suffix-then-sampling"])
 def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, drafter):
-    """suffix-then-sampling: suffix decoding in front of the draft model, taking any suffix draft
-    (min score 0), so one round mixes one-hot suffix drafts with sampled model drafts."""
+    """suffix-then-sampling: suffix decoding in front of the draft model. Every request is seeded, so
+    the seeds rule (policy.seeded_members) has the suffix tries alone draft them, from the earlier
+    requests' outputs: one-hot drafts that race plain decoding's own draws."""
     target, draft, hf = small_vocab
     prompt = [5, 9, 3]
     N = 3000
     hybrid = {"enable_suffix_decoding": True, "suffix_decoding_min_score": 0.0} if drafter.startswith("suffix") else {}
-    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 2, **hybrid})
+    chain = {"draft_tree": "chain"} if drafter == "greedy" else {}  # the drafter swapped in drafts chains
+    llm = LLM(target, speculative_config={"model": draft, "num_speculative_tokens": 2, **hybrid, **chain})
     if drafter == "greedy":
         llm.engine.drafter = GreedyDrafter(llm.engine.drafter)
     sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
@@ -138,7 +141,7 @@ def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, dra
     assert_first_tokens_follow_target(hf, prompt, tokens, sps[0], V)
     assert llm.get_metrics()["num_accepted_tokens"] > 0  # the drafts did get used
     if hybrid:
-        assert llm.engine.drafter.suffix_rows > 0 and llm.engine.drafter.model_rows > 0  # both kinds were used
+        assert llm.engine.drafter.suffix_rows > 0 and llm.engine.drafter.model_rows == 0  # the seeds rule
 
 
 # -- stop conditions ------------------------------------------------------------------------------
@@ -202,7 +205,8 @@ class BrokenDrafter(Drafter):
 def test_a_failing_drafter_degrades_to_plain_decoding(models, caplog):
     prompts = random_prompts(2, [4, 7], seed=5)
     expected = plain_greedy(models["target"], prompts, 12)
-    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3,
+                                                    "draft_tree": "chain"})
     llm.engine.drafter = BrokenDrafter()
     llm.engine.strict_drafter = False  # as for users: the failure degrades, it does not raise
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -212,7 +216,8 @@ def test_a_failing_drafter_degrades_to_plain_decoding(models, caplog):
 
 
 def test_in_strict_mode_a_failing_drafter_raises(models):
-    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3})
+    llm = LLM(models["target"], speculative_config={"model": models["near"], "num_speculative_tokens": 3,
+                                                    "draft_tree": "chain"})
     llm.engine.drafter = BrokenDrafter()
     assert llm.engine.strict_drafter  # the test suite sets SPECDEC_STRICT_DRAFTER=1 (conftest.py)
     with pytest.raises(RuntimeError, match="draft server fell over"):
@@ -291,7 +296,7 @@ def test_a_drafter_failure_only_affects_the_sequences_it_failed_on(models):
     prompts = random_prompts(2, [4, 7], seed=6)
     expected = plain_greedy(models["target"], prompts, 12)
     llm = LLM(models["target"], speculative_config={"model": models["target"], "num_speculative_tokens": 3,
-                                                    "adaptive": False})
+                                                    "adaptive": False, "draft_tree": "chain"})
     llm.engine.drafter = FlakyDrafter(llm.engine.drafter)
     llm.engine.strict_drafter = False  # as for users: the failure degrades, it does not raise
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
