@@ -48,6 +48,8 @@ def _build(spec: SpeculativeConfig, target: ModelRunner, draft) -> Drafter:
         if draft is None:
             raise ValueError("method draft_model needs the draft model's runner (LLM loads it from spec.model)")
         vocab_map = _check_draft(target, draft, spec.model)
+        if spec.parallel_drafting:
+            return _parallel_draft(spec, target, draft, vocab_map)
         if vocab_map is not None:  # another tokenizer: drafts mapped into the target's tokens
             from specdec.drafters.other_vocab import OtherVocabDrafter
 
@@ -76,6 +78,22 @@ def _build(spec: SpeculativeConfig, target: ModelRunner, draft) -> Drafter:
                              "backend cannot do that (use backend='torch', or method draft_model, ngram or suffix)")
         return LayerSkipDrafter(target, spec.num_draft_layers, spec.draft_p_min)
     raise ValueError(f"unknown speculative method {spec.method!r}")
+
+
+def _parallel_draft(spec: SpeculativeConfig, target: ModelRunner, draft: ModelRunner, vocab_map) -> Drafter:
+    """The PARD drafter (drafters/pard.py) over ``draft``, its mask token and trained k read from the
+    draft's config.json; a ValueError when the draft lacks them or has another tokenizer."""
+    from specdec.drafters.pard import ParallelDraftDrafter, pard_settings
+    from specdec.models.resolve import resolve
+
+    if vocab_map is not None:
+        raise ValueError(f"parallel_drafting: draft {spec.model!r} has another tokenizer than the target's; a "
+                         "parallel draft must share the target's vocabulary")
+    source = resolve(spec.model)
+    rows = (source.config or {}).get("vocab_size", draft.vocab_size)
+    mask, max_k = pard_settings(source.config, spec.model, spec.num_speculative_tokens, rows)
+    draft.max_model_len = min(draft.max_model_len, target.max_model_len)
+    return ParallelDraftDrafter(draft, mask, max_k, spec.draft_p_min)
 
 
 def _check_draft(target: ModelRunner, draft: ModelRunner, name: str):

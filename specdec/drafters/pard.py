@@ -1,0 +1,101 @@
+"""``method: "draft_model"`` with ``parallel_drafting``: a parallel draft model (PARD, AMD 2025).
+
+The draft was adapted with a mask token: after a history it reads the history's tokens followed by
+k - 1 masks, and the logits at the last history token and at mask j are its distributions for
+drafts 1 and j + 1. So one forward proposes all k drafts (and their q when the row samples), where
+an autoregressive draft runs k. The drafts do not condition on one another: draft j + 1 is sampled
+from q_{j+1}(. | history), which is what rejection sampling is told, so verification stays exact.
+
+The cache is the draft model's (DraftModelDrafter's longest-common-prefix catch-up), with one
+difference: it keeps the committed history only. The masks' KV sits past it and the next round
+writes over it (rollback is a length change), and the drafts that were accepted are fed again as
+tokens, since their KV was computed from masks.
+
+The mask token and the most drafts it was trained for come from the draft's config.json
+(``pard_token``, PARD's and vLLM's name; ``mask_token_id`` or ``ptd_token_id`` also read;
+``pard_max_k``, written by ``specdec distill --method pard``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.drafters.autoregressive import draft_autoregressive
+from specdec.drafters.base import DraftProposal, chains_as_trees
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.sampling import SamplingBatch
+from specdec.sequence import Sequence
+from specdec.tree import DraftTree, TreeShape
+
+MASK_TOKEN_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")  # config.json fields naming the mask token
+MAX_K_KEY = "pard_max_k"  # config.json: the most drafts (1 + masks) the draft was trained to propose
+
+
+def pard_settings(config: dict | None, name: str, k: int, rows: int) -> tuple[int, int | None]:
+    """(mask token id, the most drafts it was trained for or None) from the draft's config.json
+    ``config``; a ValueError naming what is missing or out of range. ``k``: the most drafts a round
+    asks; ``rows``: the draft's embedding rows (the mask must be one of them)."""
+    if config is None:
+        raise ValueError(f"parallel_drafting: draft {name!r} is a GGUF file, which does not name its mask token; "
+                         "pass the draft's Hugging Face folder (its config.json has 'pard_token')")
+    key = next((key for key in MASK_TOKEN_KEYS if isinstance(config.get(key), int)), None)
+    if key is None:
+        raise ValueError(f"parallel_drafting: draft {name!r} has no mask token in its config.json (none of "
+                         f"{', '.join(MASK_TOKEN_KEYS)}), so it was not trained for parallel drafting; adapt it "
+                         "with `specdec distill --method pard --init-draft DRAFT`, or drop parallel_drafting")
+    mask = config[key]
+    if not 0 <= mask < rows:
+        raise ValueError(f"parallel_drafting: draft {name!r} names mask token {mask} ({key}) but has {rows} "
+                         "embedding rows; its config.json and weights disagree")
+    max_k = config.get(MAX_K_KEY)
+    if max_k is not None:
+        if not (isinstance(max_k, int) and max_k >= 1):
+            raise ValueError(f"parallel_drafting: draft {name!r} has {MAX_K_KEY}={max_k!r} in its config.json; "
+                             "it must be an integer >= 1")
+        if k > max_k:
+            raise ValueError(f"parallel_drafting: draft {name!r} was trained to propose at most {max_k} drafts "
+                             f"per forward ({MAX_K_KEY}) but num_speculative_tokens={k}; lower "
+                             f"num_speculative_tokens to {max_k} or train the draft for more")
+    return mask, max_k
+
+
+class ParallelDraftDrafter(DraftModelDrafter):
+    """A draft model that proposes k tokens from one forward over the history and k - 1 masks."""
+
+    def __init__(self, runner: ModelRunner, mask_token_id: int, max_k: int | None = None, draft_p_min: float = 0.0):
+        super().__init__(runner, draft_p_min)
+        self.mask_token_id = mask_token_id
+        self.max_k = max_k
+        self.num_masks = 0  # masks the next catch-up appends to each row (propose sets it)
+
+    @property
+    def can_draft_trees(self) -> bool:
+        return False  # one forward gives one distribution per depth: chains
+
+    def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        k = max(num_draft, default=0)
+        if k == 0:  # nothing to draft: the cache catches up next time
+            return DraftProposal.from_rows([[] for _ in seqs], self.runner.device)
+        if self.max_k is not None and k > self.max_k:
+            raise ValueError(f"the parallel draft was trained for at most {self.max_k} drafts, asked for {k}")
+        self.num_masks = k - 1
+        logits, _ = self._sync(seqs)  # [B, k, V]: at the last history token, then at each mask
+        # The drafts do not condition on one another: "feeding" draft i is reading the next mask's logits.
+        proposal = draft_autoregressive(logits[:, 0], lambda x, i: logits[:, i + 1], seqs, num_draft, sb,
+                                        self.draft_p_min)
+        for s in seqs:  # the cache keeps the history; the masks past it are overwritten next round
+            self.cached[s.seq_id] = list(s.token_ids)
+            self.committed[s.seq_id] = len(s.token_ids)
+        return proposal
+
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
+        return chains_as_trees(self, seqs, shapes, sb)
+
+    def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:
+        """Feed each row's chunk and ``num_masks`` masks at its start; returns the logits at the chunk's
+        last token and at each mask [B, num_masks + 1, V]."""
+        rows = [c + [self.mask_token_id] * self.num_masks for c in chunks]
+        out = self.runner.forward(ForwardBatch.from_rows(rows, starts, logits=self.num_masks + 1,
+                                                         row_offset=row_offset, device=self.runner.device))
+        return out if out.dim() == 3 else out[:, None]  # [B, L, V]

@@ -1,0 +1,186 @@
+"""Parallel drafting (PARD, drafters/pard.py): one forward over the history and k - 1 masks proposes k
+drafts; greedy output equals plain decoding on both backends, sampled outputs follow the target's
+distribution, and drafts without a mask token or asked for more than they were trained for are refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lossless import assert_first_tokens_follow_target, assert_greedy_equal
+from specdec import LLM, SamplingParams
+from specdec.config import SpeculativeConfig
+from specdec.drafters.pard import ParallelDraftDrafter
+from specdec.models.load import load_model
+from tiny_models import make_model, random_prompts, small_vocab_pair
+
+
+def pard_copy(src: str | Path, dst: Path, scale: float, max_k: int | None = 8, seed: int = 2) -> str:
+    """A parallel draft made from ``src``: its weights plus noise of std ``scale``, one embedding row
+    more (the mask token, id = the old row count) and the mask named in config.json."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    rows = model.config.vocab_size
+    model.resize_token_embeddings(rows + 1, mean_resizing=False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[rows] = torch.randn(model.config.hidden_size, generator=g) * 0.2
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    model.config.pard_token = rows
+    if max_k is not None:
+        model.config.pard_max_k = max_k
+    model.save_pretrained(dst, safe_serialization=True)
+    AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pard")
+    target = make_model(root / "target", "llama", layers=2, seed=0)
+    return {"target": str(target), "pard": pard_copy(target, root / "pard", 0.01),
+            "hf": load_model(str(target)).hf_model}
+
+
+def plain_greedy(target, prompts, max_tokens, backend="auto"):
+    llm = LLM(target, backend=backend)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+
+
+def pard_config(draft: str, k: int, **extra) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "parallel_drafting": True,
+            "adaptive": False, **extra}
+
+
+def test_one_forward_proposes_the_drafts_the_mask_positions_predict(models):
+    """The drafts are the argmaxes of the draft's logits at the last history token and at each of the
+    k - 1 masks that follow it (transformers' own forward as the reference), from one draft forward."""
+    llm = LLM(models["target"], speculative_config=pard_config(models["pard"], 4))
+    drafter = llm.engine.drafter
+    assert isinstance(drafter, ParallelDraftDrafter)
+    calls = []
+    forward = drafter.runner.forward
+    drafter.runner.forward = lambda batch: (calls.append(batch), forward(batch))[1]
+    proposals = []
+    propose = drafter.propose
+    drafter.propose = lambda seqs, n, sb: proposals.append((list(seqs[0].token_ids),
+                                                            propose(seqs, n, sb))) or proposals[-1][1]
+    prompt = random_prompts(1, [9], seed=3)[0]
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert proposals and len(calls) == len(proposals)  # one draft forward per round
+    hf = load_model(models["pard"]).hf_model
+    mask = drafter.mask_token_id
+    for history, proposal in proposals:
+        n = proposal.num_draft_tokens[0]  # 4, fewer near max_tokens
+        with torch.no_grad():
+            logits = hf(torch.tensor([history + [mask] * (n - 1)])).logits[0, -n:, : llm.target.vocab_size]  # [n, V]
+        assert proposal.draft_token_ids[0, :n].tolist() == logits.argmax(-1).tolist()
+    assert max(p.num_draft_tokens[0] for _, p in proposals) == 4
+    # the cache keeps the committed history only: each round feeds what was accepted since, then masks
+    for batch, (history, proposal) in zip(calls[1:], proposals[1:]):
+        masks = proposal.num_draft_tokens[0] - 1
+        assert batch.start[0] + batch.lengths[0] == len(history) + masks
+        assert batch.token_ids[0, batch.lengths[0] - masks: batch.lengths[0]].tolist() == [mask] * masks
+        assert mask not in batch.token_ids[0, : batch.lengths[0] - masks].tolist()
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_output_equals_plain_decoding(models, k, batch):
+    prompts = random_prompts(batch, [1, 5, 11, 23], seed=batch + k)
+    expected = plain_greedy(models["target"], prompts, 30)
+    llm = LLM(models["target"], speculative_config=pard_config(models["pard"], k))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for p, e, o in zip(prompts, expected, outs):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0
+
+
+def test_greedy_output_equals_plain_decoding_adaptive_and_with_requests_joining(models):
+    prompts = random_prompts(5, [3, 17, 6, 2, 9], seed=11)
+    expected = plain_greedy(models["target"], prompts, 20)
+    llm = LLM(models["target"], speculative_config=pard_config(models["pard"], 4, adaptive=True), max_num_seqs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for p, e, o in zip(prompts, expected, outs):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_output_equals_plain_decoding_on_llamacpp(models, batch):
+    prompts = random_prompts(batch, [4, 13, 7], seed=5)
+    expected = plain_greedy(models["target"], prompts, 24, backend="llama.cpp")
+    llm = LLM(models["target"], backend="llama.cpp", speculative_config=pard_config(models["pard"], 4))
+    assert llm.engine.drafter.runner.backend == "llama.cpp"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for p, e, o in zip(prompts, expected, outs):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)  # f32 GGUF: float32's rounding
+    m = llm.get_metrics()
+    assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pard-small")
+    target, _, hf = small_vocab_pair(root)
+    return target, pard_copy(target, root / "pard", 0.05), hf
+
+
+@pytest.mark.parametrize("backend", ["torch", "llama.cpp"])
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_k=4),
+    dict(temperature=1.0, top_p=0.7),
+], ids=["t1", "topk", "topp"])
+def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, backend):
+    target, draft, hf = small_vocab
+    prompt = [5, 9, 3]
+    N = 3000 if backend == "torch" else 2000
+    llm = LLM(target, backend=backend, speculative_config=pard_config(draft, 2))
+    sps = [SamplingParams(max_tokens=3, seed=1000 + i, ignore_eos=True, **params) for i in range(N)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
+    tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
+    assert_first_tokens_follow_target(hf, prompt, tokens, sps[0], 23)
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+def test_parallel_drafting_is_validated_by_the_config():
+    with pytest.raises(ValueError, match="parallel_drafting must be true or false"):
+        SpeculativeConfig(model="d", parallel_drafting="yes")
+    with pytest.raises(ValueError, match="needs method 'draft_model'"):
+        SpeculativeConfig(method="ngram", parallel_drafting=True)
+
+
+def test_a_draft_without_a_mask_token_is_refused(models, tmp_path):
+    plain = make_model(tmp_path / "plain", "llama", layers=1, seed=4)
+    with pytest.raises(ValueError, match="no mask token in its config.json.*distill --method pard"):
+        LLM(models["target"], speculative_config=pard_config(str(plain), 4))
+
+
+def test_k_above_what_the_draft_was_trained_for_is_refused(models, tmp_path):
+    draft = pard_copy(models["target"], tmp_path / "k3", 0.01, max_k=3)
+    LLM(models["target"], speculative_config=pard_config(draft, 3))  # within what it was trained for
+    with pytest.raises(ValueError, match="trained to propose at most 3 drafts.*num_speculative_tokens=4"):
+        LLM(models["target"], speculative_config=pard_config(draft, 4))
+
+
+def test_a_mask_token_past_the_embedding_rows_is_refused(models, tmp_path):
+    draft = Path(pard_copy(models["target"], tmp_path / "bad", 0.01))
+    config = json.loads((draft / "config.json").read_text())
+    config["pard_token"] = config["vocab_size"] + 5
+    (draft / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="names mask token .* embedding rows"):
+        LLM(models["target"], speculative_config=pard_config(str(draft), 4))
