@@ -222,9 +222,10 @@ def write_distill_card(out: Path, cfg: DistillConfig, summary: dict) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec distill", description="Distill a draft model from a target's logits.")
-    p.add_argument("--method", choices=["draft_model", "eagle3"], default="draft_model",
+    p.add_argument("--method", choices=["draft_model", "eagle3", "pard"], default="draft_model",
                    help="draft_model: a small draft model (this command's options); eagle3: an EAGLE-3 head "
-                        "(options: --method eagle3 --help)")
+                        "(options: --method eagle3 --help); pard: a draft adapted to parallel drafting "
+                        "(options: --method pard --help)")
     p.add_argument("--target", required=True)
     add_loop_args(p)
     p.add_argument("--init-draft", default=None)
@@ -238,13 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def split_method(argv: list[str]) -> tuple[str, list[str]]:
-    """``--method`` (draft_model or eagle3) and the other options."""
+    """``--method`` (draft_model, eagle3 or pard) and the other options."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--method", default="draft_model")
     known, _ = pre.parse_known_args(argv)
-    if known.method not in ("draft_model", "eagle3"):
-        raise ValueError(f"--method {known.method!r} is not one distill trains: draft_model (a small draft model) "
-                         "or eagle3 (an EAGLE-3 head)")
+    if known.method not in ("draft_model", "eagle3", "pard"):
+        raise ValueError(f"--method {known.method!r} is not one distill trains: draft_model (a small draft model), "
+                         "eagle3 (an EAGLE-3 head) or pard (a draft adapted to parallel drafting)")
     rest, skip = [], False
     for i, x in enumerate(argv):
         if skip:
@@ -263,6 +264,10 @@ def main(argv: list[str] | None = None) -> dict:
         from specdec.training.eagle3 import main as eagle3_main
 
         return eagle3_main(argv)
+    if method == "pard":
+        from specdec.training.pard import main as pard_main
+
+        return pard_main(argv)
     a = build_parser().parse_args(argv)
     own = fields_from_args(a, "target init_draft temperature on_policy_fraction prompt_len accept_prompts accept_k")
     return distill(DistillConfig(**loop_config_from_args(a), **own, draft=shape_from_args(a),
