@@ -177,10 +177,10 @@ class CompiledStep:
         m, device = self.host.model, self.device
         d = m.dims
         dtype = str(m.embed.dtype).removeprefix("torch.")
-        what = f"specdec: the torch forward of {self.host.name} ({dtype} weights, T={','.join(map(str, self.sizes))}):"
+        what = f"specdec: the compiled torch step of {self.host.name} ({dtype} weights, T={','.join(map(str, self.sizes))})"
         first = what not in _ANNOUNCED
         if first:  # the compile may take minutes: say so before it starts
-            print(f"{what} compiling ({EAGER_HINT.split(' to ')[0]} to skip) ...", end="", file=sys.stderr, flush=True)
+            print(f"{what} ({EAGER_HINT.split(' to ')[0]} to skip) ...", end="", file=sys.stderr, flush=True)
         from torch._dynamo.utils import counters  # imported late: it reads TORCHINDUCTOR_CACHE_DIR, set above
 
         misses = counters["inductor"]["fxgraph_cache_miss"]
@@ -214,7 +214,7 @@ class CompiledStep:
         if first:
             print(f" {done}", file=sys.stderr, flush=True)
         elif compiled:  # again in this process, but it compiled (kept hidden states change the graph)
-            print(f"{what} {done}", file=sys.stderr, flush=True)
+            print(f"{what}: {done}", file=sys.stderr, flush=True)
         _ANNOUNCED.add(what)
         return seconds
 
