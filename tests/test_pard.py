@@ -184,3 +184,29 @@ def test_a_mask_token_past_the_embedding_rows_is_refused(models, tmp_path):
     (draft / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="names mask token .* embedding rows"):
         LLM(models["target"], speculative_config=pard_config(str(draft), 4))
+
+
+# -- export ------------------------------------------------------------------------------------------
+
+
+def test_export_writes_each_engines_parallel_drafting_settings(models):
+    """vLLM: draft_model with parallel_drafting (it reads pard_token from the draft's config.json, as its
+    proposer does); TensorRT-LLM: decoding_type PARD with the draft's mask_token_id; engines without
+    parallel drafting keep their draft-model setting and say so."""
+    from specdec.workbench.export import export_config
+
+    mask = json.loads((Path(models["pard"]) / "config.json").read_text())["pard_token"]
+    spec = pard_config(models["pard"], 4)
+    vllm = export_config("vllm", spec, models["target"])
+    assert vllm.supported and vllm.options["speculative_config"] == {
+        "method": "draft_model", "model": models["pard"], "num_speculative_tokens": 4, "parallel_drafting": True}
+    assert '"parallel_drafting": true' in vllm.command
+    trt = export_config("trtllm", spec, models["target"])
+    assert trt.options["speculative_config"] == {"decoding_type": "PARD", "max_draft_len": 4,
+                                                 "speculative_model_dir": models["pard"], "mask_token_id": mask}
+    assert "decoding_type: PARD" in trt.text and f"mask_token_id: {mask}" in trt.text
+    for engine in ("sglang", "llamacpp"):
+        exp = export_config(engine, spec, models["target"])
+        assert exp.supported and any("has no parallel drafting" in n for n in exp.notes)
+    plain = export_config("vllm", {**spec, "parallel_drafting": False}, models["target"])
+    assert "parallel_drafting" not in plain.options["speculative_config"]

@@ -89,7 +89,8 @@ class ParallelDraftDrafter(DraftModelDrafter):
             self.committed[s.seq_id] = len(s.token_ids)
         return proposal
 
-    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
+    def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None],
+                     sb: SamplingBatch) -> list[DraftTree | None]:
         return chains_as_trees(self, seqs, shapes, sb)
 
     def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:

@@ -2,13 +2,14 @@
 
 Names checked against each engine's documentation:
 - vLLM: ``speculative_config`` keys ``method`` (``draft_model``, ``ngram``, ``suffix``, ``eagle3``), ``model``,
-  ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``, ``suffix_decoding_*``.
+  ``num_speculative_tokens``, ``parallel_drafting``, ``prompt_lookup_max``, ``prompt_lookup_min``,
+  ``suffix_decoding_*``.
 - SGLang: ``--speculative-algorithm STANDALONE|NGRAM|EAGLE3``, ``--speculative-draft-model-path``,
   ``--speculative-num-steps``, ``--speculative-eagle-topk``, ``--speculative-num-draft-tokens``
   (the verified tokens: the drafts plus the last committed token, so k + 1 for a chain of k),
   ``--speculative-ngram-min/max-match-window-size``, ``--speculative-ngram-max-bfs-breadth``.
 - TensorRT-LLM (LLM API / ``trtllm-serve --extra_llm_api_options``): ``speculative_config`` with
-  ``decoding_type: DraftTarget|NGram|Eagle3``, ``max_draft_len``, ``speculative_model_dir``,
+  ``decoding_type: DraftTarget|NGram|Eagle3|PARD``, ``max_draft_len``, ``speculative_model_dir``, ``mask_token_id``,
   ``max_matching_ngram_size``, ``is_public_pool``.
 - llama.cpp ``llama-server``: ``-md``, ``--spec-type``, ``--spec-draft-n-max``, ``--spec-draft-n-min``,
   ``--spec-draft-p-min``
@@ -301,6 +302,24 @@ def _common_notes(spec: SpeculativeConfig) -> list[str]:
     return notes
 
 
+def _serial_note(engine: str) -> str:
+    """A parallel draft on an engine without parallel drafting: it drafts one token per forward there."""
+    return (f"parallel_drafting: {ENGINE_NAMES[engine]} has no parallel drafting; the draft runs one forward per "
+            "draft token there (a PARD draft was trained on the plain next-token loss too)")
+
+
+def _pard_mask_token(model: str) -> int | None:
+    """The mask token a parallel draft's config.json names (drafters/pard.py), or None when unreadable."""
+    from specdec.drafters.pard import MASK_TOKEN_KEYS
+    from specdec.models.resolve import resolve
+
+    try:
+        config = resolve(model).config or {}
+    except (ValueError, OSError):
+        return None
+    return next((config[k] for k in MASK_TOKEN_KEYS if isinstance(config.get(k), int)), None)
+
+
 def _tree_note(engine: str, spec: SpeculativeConfig, what: str) -> str:
     return (f"draft_tree={spec.draft_tree!r}: {ENGINE_NAMES[engine]} {what}; this exports a chain of "
             f"{spec.num_speculative_tokens} drafts")
@@ -321,6 +340,9 @@ def _vllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         notes.append(_tree_note("vllm", spec, "takes a token tree (speculative_token_tree) for EAGLE methods only"))
     if spec.method == "draft_model":
         cfg = {"method": "draft_model", "model": spec.model, "num_speculative_tokens": k}
+        if spec.parallel_drafting:
+            cfg["parallel_drafting"] = True
+            notes.append("vLLM reads the mask token from the draft's config.json (pard_token), as specdec does")
         if spec.draft_p_min > 0:
             notes.append(f"draft_p_min={spec.draft_p_min} (stop drafting below this draft probability) has no "
                          "vLLM option; vLLM always drafts num_speculative_tokens")
@@ -362,6 +384,8 @@ def _sglang(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         flags = {"--speculative-algorithm": "STANDALONE", "--speculative-draft-model-path": spec.model,
                  "--speculative-num-steps": k, "--speculative-eagle-topk": topk, "--speculative-num-draft-tokens": verified}
         notes.append(shape_note)
+        if spec.parallel_drafting:
+            notes.append(_serial_note("sglang"))
         if spec.draft_p_min > 0:
             notes.append(f"draft_p_min={spec.draft_p_min} has no SGLang option; SGLang always drafts "
                          "--speculative-num-steps tokens")
@@ -391,7 +415,14 @@ def _sglang(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
 def _trtllm(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
     k = spec.num_speculative_tokens
     extra: dict = {}
-    if spec.method == "draft_model":
+    if spec.method == "draft_model" and spec.parallel_drafting:
+        cfg = {"decoding_type": "PARD", "max_draft_len": k, "speculative_model_dir": spec.model}
+        mask = _pard_mask_token(spec.model)
+        if mask is not None:  # TensorRT-LLM's own default guesses the draft's vocab_size
+            cfg["mask_token_id"] = mask
+        else:
+            notes.append("the draft's config.json was not readable here: set mask_token_id to its pard_token")
+    elif spec.method == "draft_model":
         cfg = {"decoding_type": "DraftTarget", "max_draft_len": k, "speculative_model_dir": spec.model}
         extra = {"disable_overlap_scheduler": True}  # as TensorRT-LLM's own draft/target example sets it
         if spec.draft_p_min > 0:
@@ -424,6 +455,8 @@ def _llamacpp(spec: SpeculativeConfig, target: str, notes: list[str]) -> Export:
         notes.append("--spec-type draft-simple is needed: recent llama-server builds load a -md draft without it but "
                      "never draft with it; --spec-draft-p-min is set explicitly (older builds defaulted to 0.75, "
                      f"which stops drafting early), specdec's draft_p_min is {spec.draft_p_min}")
+        if spec.parallel_drafting:
+            notes.append(_serial_note("llamacpp"))
     elif spec.method == "eagle3":
         flags = {"-md": _gguf(spec.model), "--spec-type": "draft-eagle3", "--spec-draft-n-max": k}
         notes.append(_head_note("llamacpp", spec.model))
