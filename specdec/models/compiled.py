@@ -28,7 +28,6 @@ On CUDA the same graph is compiled with mode="reduce-overhead" (CUDA graphs); no
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -46,8 +45,6 @@ from specdec.tree import ancestor_mask, depths_of, tree_mask
 if TYPE_CHECKING:
     from specdec.models.base import ForwardBatch
     from specdec.models.kv_cache import KVCache
-
-log = logging.getLogger("specdec.compiled")
 
 ENFORCE_EAGER_ENV = "SPECDEC_ENFORCE_EAGER"
 DEFAULT_SIZES = (1, 8)  # fed tokens per row compiled at load: 1 (decode), up to 8 (verify k <= 7, small trees)
