@@ -513,6 +513,8 @@ def summarize(records: list[Record], kills: list[Kill], samples, args, warmup: f
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "requests": len(records), "outcomes": outcomes, "by_kind": by_kind,
+        # Little's law: requests in flight on average (--concurrency is the cap, --rate may keep it below)
+        "mean_in_flight": round(sum(r.end - r.start for r in records) / args.duration, 2),
         "statuses": _count(str(r.status) for r in records),
         "unexpected": [asdict(r) for r in records if r.outcome in ("unexpected", "hung", "lost")][:50],
         "kills": [asdict(k) | {"in_flight": len(k.in_flight)} for k in kills],
@@ -537,7 +539,8 @@ def _count(items) -> dict[str, int]:
 
 
 def table(s: dict) -> str:
-    lines = [f"requests {s['requests']}: " + ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items())),
+    lines = [f"requests {s['requests']} ({s['mean_in_flight']} in flight on average): "
+             + ", ".join(f"{k} {v}" for k, v in sorted(s["outcomes"].items())),
              "statuses: " + ", ".join(f"{k} {v}" for k, v in s["statuses"].items())]
     lines.append(f"{'minute':>6} {'reqs':>5} {'errors':>6} {'ttft p50':>9} {'tpot p50':>9} {'tpot p95':>9} "
                  f"{'http MiB':>9} {'engine MiB':>10}")
