@@ -216,3 +216,32 @@ def test_tree_shapes_per_row_and_when_a_round_takes_chains():
     auto.running = [_decoding(greedy)]
     assert auto.tree_shapes() is None  # auto without a controller: chains
     assert Scheduler(k=3, draft_tree="chain").tree_shapes() is None
+
+
+def test_the_policy_decides_tree_or_chain_and_how_a_seeded_row_drafts():
+    from specdec import policy
+    from specdec.tree import TreeShape
+
+    full, chosen = TreeShape(8, 3, 2), TreeShape(4, 2, 2)
+    seeded, greedy = SamplingParams(seed=1, max_tokens=20), SamplingParams(temperature=0, max_tokens=20)
+    asked = []
+
+    def controller(force: bool):
+        asked.append(force)
+        return chosen
+
+    rows = [_decoding(greedy)]
+    assert policy.tree_round("chain", rows, False, controller, full) is None
+    assert policy.tree_round("tree", rows, True, controller, full) is None  # a prompt rides in the pass
+    assert policy.tree_round("tree", rows, False, lambda force: None, full) == full  # no controller
+    assert policy.tree_round("auto", rows, False, controller, full) == chosen and asked == [False]
+    assert policy.tree_round("auto", rows + [_decoding(seeded)], False, controller, full) is None
+    assert asked == [False]  # a seeded sampled row takes chains in auto, whatever the controller would say
+    s = _decoding(seeded)
+    assert policy.row_tree(s, 2, chosen, full) == TreeShape(8, 2, 2)  # the largest tree, never the controller's
+    assert policy.row_tree(_decoding(greedy), 5, chosen, full) == TreeShape(4, 2, 2)
+    assert policy.row_tree(_decoding(SamplingParams(max_tokens=20, logprobs=1)), 5, chosen, full) == TreeShape(2, 2, 1)
+    assert policy.row_tree(s, 0, chosen, full) is None
+    assert policy.seeded_k(seeded, 4, 1) == 4 and policy.seeded_k(greedy, 4, 1) == 1
+    assert policy.seeded_members(["draft_model", "suffix", "ngram"]) == ["suffix", "ngram"]
+    assert policy.seeded_members(["eagle3", "draft_model"]) == ["eagle3"]
