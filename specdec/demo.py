@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams
+from specdec.models.base import BACKENDS
 
-BACKENDS = ("llama.cpp", "torch")
 # Short code prompts, not the demo's own: the configuration is chosen on other text than it is shown on.
 PROBE_PROMPTS = [
     "def binary_search(items, target):\n    \"\"\"",
