@@ -1,0 +1,77 @@
+"""Adaptive k against fixed k and plain decoding, alternating prompt by prompt in one process.
+
+Batch 1, greedy, the shipped pair by default; prints tok/s, the ratio to plain, τ and the adaptive
+controller's ratio to the best fixed k (issue target: ≥ 0.97x; ≥ 0.98x plain where nothing pays).
+
+    python benchmarks/bench_adaptive.py --backend llama.cpp --num-prompts 6 --max-tokens 96 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+PROMPTS = Path(__file__).parent / "prompts"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="specdec/demo-target")
+    ap.add_argument("--draft", default="specdec/demo-draft")
+    ap.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "torch"])
+    ap.add_argument("--set", default="code_heldout", help="a prompt set in benchmarks/prompts")
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--ks", default="1,2,3,4", help="fixed k to run")
+    ap.add_argument("--adaptive-k", default="4,8", help="largest k of each adaptive run")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from specdec import LLM, SamplingParams
+    from specdec.prompts import load_prompts
+
+    prompts = [p["prompt"] for p in load_prompts(PROMPTS / f"{args.set}.jsonl", args.num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def spec(k: int, adaptive: bool) -> dict:
+        return {"method": "draft_model", "model": args.draft, "num_speculative_tokens": k, "adaptive": adaptive}
+
+    configs = {"plain": None} | {f"k={k} fixed": spec(int(k), False) for k in args.ks.split(",")} \
+        | {f"adaptive k<={k}": spec(int(k), True) for k in args.adaptive_k.split(",")}
+    llms = {}
+    for name, cfg in configs.items():
+        llms[name] = LLM(args.model, speculative_config=cfg, backend=args.backend,
+                         enforce_eager=args.enforce_eager or None)
+        llms[name].generate([prompts[0]], params)  # warm-up
+    names = list(configs)
+    before = {n: llms[n].get_metrics() for n in names}
+    tokens, seconds = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
+    for _ in range(args.repeats):
+        for i, prompt in enumerate(prompts):
+            for n in names[i % len(names):] + names[:i % len(names)]:  # a rotating order per prompt
+                t0 = time.perf_counter()
+                out = llms[n].generate([prompt], params)[0].outputs[0]
+                seconds[n] += time.perf_counter() - t0
+                tokens[n] += len(out.token_ids)
+    tps = {n: tokens[n] / seconds[n] for n in names}
+    for n in names:
+        m, b = llms[n].get_metrics(), before[n]
+        passes = m["num_drafts"] - b["num_drafts"]
+        tau = 1 + (m["num_accepted_tokens"] - b["num_accepted_tokens"]) / passes if passes else None
+        print(f"{n:>16}: {tps[n]:7.1f} tok/s  {tps[n] / tps['plain']:5.2f}x plain  "
+              f"τ {'-' if tau is None else f'{tau:.2f}'}  drafted tokens {m['num_draft_tokens'] - b['num_draft_tokens']}")
+    best = max(tps[n] for n in names if n.endswith("fixed"))
+    for n in names:
+        if n.startswith("adaptive"):
+            print(f"{n}: {tps[n] / best:.3f}x the best fixed k")
+
+
+if __name__ == "__main__":
+    main()
