@@ -26,7 +26,7 @@ from specdec.detokenizer import Detokenizer
 from specdec.drafters.base import Drafter
 from specdec.drafters.checks import check_proposal, check_trees
 from specdec.host_memory import trim_heap
-from specdec.intake import Intake
+from specdec.intake import Intake, prefill
 from specdec.logprobs import TokenText, check_logprobs_mode, record_emitted
 from specdec.metrics import NO_DRAFT, SpecDecodingStats
 from specdec.models.base import ModelRunner, pad_rows
@@ -333,8 +333,11 @@ class Engine:
         return kept
 
     def _admit(self) -> None:
-        elapsed = self.intake.admit(self._free_caches)  # seconds prefilling newcomers
-        self.stats.prefill_time_s += elapsed
+        self.stats.prefill_time_s += self.intake.admit(self._free_caches, self._prefill)  # seconds prefilling
+
+    def _prefill(self, new: list[Sequence], first: int) -> None:
+        """Prefill the newcomers at cache rows first, first + 1, ... (``intake.prefill``)."""
+        prefill(self.target, self.running, new, first, self.token_text)
 
     def _retire(self) -> None:
         done = self.scheduler.retire()

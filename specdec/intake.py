@@ -28,12 +28,13 @@ class Intake:
         self.target, self.scheduler, self.detokenizer, self.token_text = target, scheduler, detokenizer, token_text
         self._grammar_compiler = None
 
-    def admit(self, free_caches: Callable[[], None]) -> float:
+    def admit(self, free_caches: Callable[[], None], prefill_new: Callable[[list[Sequence], int], None]) -> float:
         """Carry out the scheduler's admission (``Scheduler.admit``); returns the seconds spent
         prefilling. A merged newcomer feeds its whole prompt in the next verify pass (each row feeds
-        what its cache lacks); the others are prefilled now but their last token (``prefill``), which
-        the first round's verify pass feeds. ``free_caches``: the engine's, for caches held at an old
-        peak that nothing uses."""
+        what its cache lacks); the others are prefilled now but their last token (``prefill_new``:
+        the engine's ``prefill``, given the newcomers and their first cache row), which the first
+        round's verify pass feeds. ``free_caches``: the engine's, for caches held at an old peak
+        that nothing uses."""
         admitted = self.scheduler.admit()
         if admitted is None:
             return 0.0
@@ -49,7 +50,7 @@ class Intake:
             for s in new:
                 s.num_computed = 0
             return 0.0
-        prefill(self.target, running, new, len(running) - len(new), self.token_text)
+        prefill_new(new, len(running) - len(new))
         elapsed = time.perf_counter() - t0
         for s in new:  # each newcomer waited for the whole prefill
             s.stats.prefill_time_s += elapsed
