@@ -380,6 +380,10 @@ def serve(
         min=0, max=19, help="CPU niceness the HTTP process adds to its own once the engine process runs, so on a "
                             "machine with few cores the rounds of admitted requests come before handling new (or "
                             "hostile) ones; 0 keeps both at the same priority.")] = 5,
+    engine_restarts: Annotated[int, typer.Option(
+        help="Restarts of a dead engine process tried in a row before the server reports failure (0: none).")] = 5,
+    engine_restart_backoff: Annotated[float, typer.Option(
+        help="Seconds before the first restart of a dead engine process; doubles with each failure in a row.")] = 0.5,
 ) -> None:
     """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching; every
     resource a client can ask for is bounded (see the options)."""
@@ -397,7 +401,7 @@ def serve(
             kv_cache_memory_fraction=kv_cache_memory_fraction, timeout_keep_alive=timeout_keep_alive,
             header_timeout=header_timeout, body_timeout=body_timeout, limit_concurrency=limit_concurrency,
             allowed_hosts=tuple(allowed_hosts) if allowed_hosts else None, metrics_public=metrics_public,
-            enable_docs=enable_docs)
+            enable_docs=enable_docs, engine_restarts=engine_restarts, engine_restart_backoff=engine_restart_backoff)
 
         if threads is not None and threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")
