@@ -212,6 +212,7 @@ class SamplingParams:
 SPECULATIVE_METHODS = ("draft_model", "ngram", "suffix", "layer_skip", "eagle3")
 DRAFT_TOKENIZER_MAPPINGS = ("auto", "string", "intersection")
 SUFFIX_PROBABILITY_ESTIMATES = ("continuations", "occurrences")
+BACKENDS = ("llama.cpp", "torch")  # the runners' names (ModelRunner.backend): models/llamacpp.py, models/llama.py
 DRAFT_TREE_MODES = ("auto", "chain", "tree")
 MAX_TREE_NODES = 64
 
@@ -380,7 +381,7 @@ class ModelConfig:
                "model must be a local folder or a Hugging Face hub id, e.g. model='path/to/checkpoint'")
         _check(self.dtype in ("float32", "bfloat16", "float16", "auto"),
                f"dtype must be one of float32, bfloat16, float16, auto; got {self.dtype!r}")
-        _check(self.backend in ("auto", "torch", "llama.cpp"),
+        _check(self.backend in ("auto", *BACKENDS),
                f"backend must be 'auto', 'torch' or 'llama.cpp', got {self.backend!r}")
         _check(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 2),
                f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

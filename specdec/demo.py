@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec.config import SamplingParams
-from specdec.models.base import BACKENDS
+from specdec.config import BACKENDS, SamplingParams
 
 # Short code prompts, not the demo's own: the configuration is chosen on other text than it is shown on.
 PROBE_PROMPTS = [

@@ -28,7 +28,7 @@ import torch
 from specdec.adaptive import AdaptiveK
 from specdec.drafters.base import Drafter, KvUse
 from specdec.models.base import ForwardBatch, pad_rows
-from specdec.models.llama import CACHE_LEN_STEP
+from specdec.models.kv_cache import CACHE_STEP
 from specdec.policy import row_tree, seeded_k, tree_round
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
@@ -43,8 +43,8 @@ def check_num_scheduler_steps(n: int) -> None:
         raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {n!r}")
 
 
-def round_up(n: int, step: int = CACHE_LEN_STEP) -> int:
-    """n rounded up to the steps the torch runner grows its KV cache in."""
+def round_up(n: int, step: int = CACHE_STEP) -> int:
+    """n rounded up to the steps the runners grow their KV caches in (``ModelRunner.cache_step``)."""
     return -(-n // step) * step
 
 

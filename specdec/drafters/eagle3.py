@@ -41,14 +41,13 @@ from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models.base import ModelRunner
 from specdec.models.eagle3 import Eagle3Head, rotate
-from specdec.models.kv_cache import KVCache, RowTable, grow
+from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
 from specdec.models.linear import Linear
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape, depths_of
 
 CATCH_UP_TOGETHER = 4  # rows catching up on at most this many positions share one padded head pass
-CACHE_LEN_STEP = 256  # the head's KV grows in steps, not one position at a time
 OFF_VOCAB = -1e30  # logit of target tokens outside the draft vocabulary: q = 0 there, finite so that a row
 #                    whose grammar allows none of the draft vocabulary still gets a distribution
 
@@ -91,7 +90,7 @@ class HeadRunner:
         self.rows = RowTable()
 
     def reserve(self, num_rows: int, length: int) -> None:
-        self.cache = grow(self.cache, num_rows, length, CACHE_LEN_STEP, lambda rows, max_len: KVCache(
+        self.cache = grow(self.cache, num_rows, length, CACHE_STEP, lambda rows, max_len: KVCache(
             1, rows, self.c.num_key_value_heads, max_len, self.c.head_dim, torch.float32, self.device))
         max_len = self.cache.max_len
         if self.cos.shape[0] < max_len:
@@ -350,7 +349,7 @@ class Eagle3Drafter(Drafter):
         (float32), in the target's cache: at its positions, the history and a verify pass's."""
         c = self.head.config
         pool = tree_pool(tree) if tree is not None else 0
-        head = KvUse(2 * c.num_key_value_heads * c.head_dim * 4, extra=max(k, pool) + 1, step=CACHE_LEN_STEP)
+        head = KvUse(2 * c.num_key_value_heads * c.head_dim * 4, extra=max(k, pool) + 1, step=CACHE_STEP)
         verify = max(k, tree.num_nodes if tree is not None else 0) + 1
         states = KvUse(len(c.layer_ids) * c.target_hidden_size * 4, extra=verify, step=self.target.cache_step)
         return [head, states]

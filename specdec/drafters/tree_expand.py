@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.policy import is_seeded
 from specdec.sampling import SamplingBatch, exponentials, probs_from_logits
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape, root_path, static_tree
@@ -252,7 +253,7 @@ class RankAcceptance:
         w = self.prior_weight
         out = []
         for s in seqs:
-            c = self.own.get(s.seq_id, _RankCounts()) if s.params.seed is not None else self.all
+            c = self.own.get(s.seq_id, _RankCounts()) if is_seeded(s.params) else self.all
             out.append([(c.get(c.hits, r) + w * prior[r]) / (c.get(c.tried, r) + w) for r in range(k)])
         return out
 

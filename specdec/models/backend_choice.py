@@ -38,15 +38,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST
+from specdec.config import BACKENDS
 from specdec.cost_model import best_k, expected_tokens, predicted_speedups
 from specdec.models import timings
-from specdec.models.base import BACKENDS, ForwardBatch
+from specdec.models.base import ForwardBatch
 from specdec.models.compiled import enforce_eager_default
 from specdec.models.dtype_choice import dtype_for
 from specdec.models.gguf import checkpoint_digest
 from specdec.models.load import load
 from specdec.models.resolve import ModelSource, resolve
+from specdec.policy import LOOKUP_METHODS, PRIOR_ALPHA, PRIOR_DRAFT_COST
 
 ENV = "SPECDEC_AUTO_BACKEND"
 CONTEXT = 256  # positions cached before the timed forwards (fewer if the model is shorter)
@@ -59,7 +60,6 @@ MEMORY_SHARE = 1 / 3
 # (MEMORY_SHARE), at least 3 and at most PROBE_HIGH: the extrapolation multiplies their difference by
 # (layers - 1) / (n - 1), and with it the timing noise
 PROBE_LOW, PROBE_HIGH = 1, 8
-LOOKUPS = ("ngram", "suffix")  # drafters that read the text, no model: no draft step to time
 # Acceptance per draft position before any is measured: α_1 of the shipped pair on held-out code,
 # greedy (README, EAGLE-3 heads: draft model 0.70, head 0.76); the adaptive controller's prior else
 PRIOR_ALPHAS = {"draft_model": 0.70, "eagle3": 0.76}
@@ -172,7 +172,7 @@ def estimate(ms: Sequence[float], k: int, method: str | None, alphas: list[float
     t1 = t[1]
     if not k:
         return Estimate(t, 0.0, "none", 0, 1.0, 1e3 / t1)
-    if method in LOOKUPS:
+    if method in LOOKUP_METHODS:  # they read the text, no model: no draft step to time
         c, how = 0.0, "none"
     elif len(ms) > len(lengths):
         c, how = ms[len(lengths)], "timed"

@@ -16,7 +16,6 @@ import torch
 from specdec.models.kv_cache import CACHE_STEP
 from specdec.sampling import argmax
 
-BACKENDS = ("llama.cpp", "torch")  # the runners' names (ModelRunner.backend): llamacpp.py, llama.py
 
 
 def pad_rows(rows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -13,8 +13,8 @@ import glob
 import os
 from dataclasses import dataclass
 
+from specdec.config import BACKENDS as RUNNER_BACKENDS
 from specdec.models import llamacpp_lib
-from specdec.models.base import BACKENDS as RUNNER_BACKENDS
 from specdec.models.backend_choice import auto_backend
 from specdec.models.dtype_choice import dtype_for
 from specdec.models.gguf import ARCHITECTURES

@@ -30,7 +30,6 @@ from specdec.tree import ancestor_mask, depths_of, tree_mask
 log = logging.getLogger("specdec.runner")
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-CACHE_LEN_STEP = CACHE_STEP  # scheduler.py's import until it asks the runner (ModelRunner.round_cache_len)
 CACHE_RESIDENT_BYTES = 16 << 20  # weights up to this size stay in a server CPU's caches between tokens
 
 
