@@ -101,7 +101,7 @@ class LLM:
         if not prompts:
             raise ValueError("prompts is empty; pass a string, a {'prompt_token_ids': [...]} dict, or a list of them")
         params = self._params_per_prompt(prompts, sampling_params)
-        token_ids = [self._tokenize(p) for p in prompts]
+        token_ids = [self.tokenize(p) for p in prompts]
         choices = [self.engine.add_choices(ids, sp) for ids, sp in zip(token_ids, params)]
         while self.engine.has_unfinished():
             self.engine.step()
@@ -113,7 +113,7 @@ class LLM:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        seqs = self.engine.add_choices(self._tokenize(prompt), params)
+        seqs = self.engine.add_choices(self.tokenize(prompt), params)
         streamers = {s.seq_id: (i, TextStreamer(self.engine.detokenizer, s)) for i, s in enumerate(seqs)}
         try:
             while not all(s.finished for s in seqs):
@@ -158,7 +158,8 @@ class LLM:
             raise ValueError("sampling_params must be SamplingParams objects")
         return params
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """A prompt (text, token ids, or a dict with 'prompt' or 'prompt_token_ids') as the target's token ids."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]

@@ -150,9 +150,9 @@ def _prompt_ids(llm: LLM, prompts: list | None) -> list[list[int]]:
         if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):
             raise ValueError("this model folder has no tokenizer, so text prompts cannot be encoded; omit --prompt "
                              "to use the built-in token-id prompts")
-        out = [llm._tokenize(p) for p in prompts]
+        out = [llm.tokenize(p) for p in prompts]
     elif llm.tokenizer is not None:
-        out = [llm._tokenize(p) for p in TEXT_PROMPTS]
+        out = [llm.tokenize(p) for p in TEXT_PROMPTS]
     else:
         out = [[t % V for t in p] for p in ID_PROMPTS]
     for ids in out:

@@ -77,7 +77,7 @@ class HFPeer:
         gc.assistant_confidence_threshold = self.spec.draft_p_min  # specdec's draft_p_min; 0 never stops early
 
     def _ids(self, prompt) -> list[int]:
-        return self.llm._tokenize(prompt["prompt"] if isinstance(prompt, dict) and "prompt" in prompt
+        return self.llm.tokenize(prompt["prompt"] if isinstance(prompt, dict) and "prompt" in prompt
                                   and "prompt_token_ids" not in prompt else prompt)
 
     def generate(self, prompt, assisted: bool) -> list[int]:

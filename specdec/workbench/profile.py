@@ -205,7 +205,7 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
         profile["method_lists"] = method_lists
 
     # 1. the verify cost curve v(k), straight from the target runner on real prompt prefixes
-    prefixes = [ar_llm._tokenize(p) for p, _ in records[:3]]
+    prefixes = [ar_llm.tokenize(p) for p, _ in records[:3]]
     advance = tick("verify cost v(k)", 1)
     _warm(ar_llm, records[0][0], params)
     verify_cost = measure_verify_cost(ar_llm, prefixes, K, repeats=verify_repeats)
@@ -453,7 +453,7 @@ def _record(p) -> tuple:
 def _warm(llm: LLM, prompt, params: SamplingParams) -> None:
     """A short run on the prompt's tokens reversed: not a prompt of the set, so a drafter that caches
     responses (suffix decoding) learns nothing about the measured ones from it."""
-    ids = llm._tokenize(prompt)[::-1]
+    ids = llm.tokenize(prompt)[::-1]
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(
         temperature=params.temperature, max_tokens=min(8, params.max_tokens), seed=params.seed))
 

@@ -124,7 +124,7 @@ def _compare(plain, prompts: list[str], expected: list[list[int]], got: list[lis
     parted = []
     for prompt, e, g in zip(prompts, expected, got):
         if e != g:
-            ids = plain._tokenize(prompt)
+            ids = plain.tokenize(prompt)
             parted.append(first_divergence(plain.engine.target, ids, e, g))
     return {"equal": len(prompts) - len(parted), "total": len(prompts),
             "near_ties": sum(bool(d and d["near_tie"]) for d in parted), "parted": parted}
