@@ -8,7 +8,7 @@ Variants alternate within each repeat, so machine noise hits them alike; medians
 
 ``--burst N`` times each length N forwards in a row and keeps the second half of each burst: the
 cost a loop that keeps one length meets. On some CPUs step times depend on what ran just before,
-so the two differ widely (the README's llama.cpp section has both), and a speculative loop sees
+so the two differ widely (docs/benchmarks.md, "Verify cost curves", has both), and a speculative loop sees
 something in between.
 
     python benchmarks/verify_cost.py --gguf X.gguf [--hf CHECKPOINT] [--threads 2] [--contexts 64,600] [--burst 20]

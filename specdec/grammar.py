@@ -4,7 +4,7 @@
 model's tokenizer, once per distinct constraint (a bounded, thread-safe LRU cache, so the server may
 compile off the engine thread); ``GrammarMatcher`` (one per sequence) follows the sequence's tokens,
 gives the mask of allowed next tokens and rolls back rejected drafts. The engine is llguidance
-(README, "Structured output", says why): JSON schemas and ``json_object`` go through its JSON-schema
+(docs/api.md, "Structured output", says why): JSON schemas and ``json_object`` go through its JSON-schema
 compiler, ``regex`` through its regex syntax (Rust ``regex``), ``choice`` as an alternation of literal
 strings, ``grammar`` as Lark (llguidance's dialect, with inline ``/regex/`` terminals) or llama.cpp's
 GBNF / vLLM's EBNF (``root ::= ...``), told apart by their syntax.

@@ -72,7 +72,7 @@ class SamplingBatch:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` (the first maximal index, as torch's); float32 CPU tensors through numpy,
     whose argmax over a vocabulary row costs a fraction of torch's: every greedy step and greedy draft
-    takes one (figures: README, "Where the time goes at batch 1")."""
+    takes one (figures: docs/benchmarks.md, "Where the time goes at batch 1")."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
         return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1)))
     return x.argmax(dim=-1)
@@ -120,7 +120,7 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
     The exponential race argmax_x p(x) / E_x, E ~ Exp(1) i.i.d., picks x with probability p(x) (as
     torch.multinomial does for one sample, and vLLM). Written out, each call takes exactly V uniforms
     from the row's generator whatever else is in the batch, and costs less than torch.multinomial,
-    whose exponential_ is slow on CPU (figures: README, "Where the time goes at batch 1")."""
+    whose exponential_ is slow on CPU (figures: docs/benchmarks.md, "Where the time goes at batch 1")."""
     return torch.stack([(probs[b] / exponentials(probs.shape[-1], g, probs.device)).argmax()
                         for b, g in enumerate(generators)])
 

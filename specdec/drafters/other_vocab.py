@@ -274,7 +274,7 @@ class OtherVocabDrafter(Drafter):
     def draft_tokens_per_token(self) -> float:
         """The draft tokens per target token that the KV budget counts: the mean over a spread sample
         of the target's token texts spelt alone by the draft's tokenizer (at least 1, in eighths). Whole
-        texts spell fewer: 1.12 on this repository's README for the shipped vocab4k draft, 1.625 here."""
+        texts spell fewer: 1.12 on running text for the shipped vocab4k draft, 1.625 over its token texts."""
         if self._per_token is None:
             texts = [t for t in token_texts(self.target_tok, self.target_vocab) if t]
             sample = texts[:: max(1, len(texts) // COVERAGE_SAMPLE)]

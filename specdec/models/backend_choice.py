@@ -2,7 +2,7 @@
 fastest here, for the method, draft length and acceptance asked for.
 
 Neither backend is faster on every CPU: llama.cpp's one-token step was the cheaper on the CPUs
-measured (README, llama.cpp backend), torch's verify pass the flatter (oneDNN; AMX), and which of the
+measured (docs/benchmarks.md, "Verify cost curves"), torch's verify pass the flatter (oneDNN; AMX), and which of the
 two matters depends on how many drafted tokens a verify pass gets accepted. So auto weighs the whole
 round with the cost model the adaptive controller uses (cost_model.py):
 
@@ -61,7 +61,7 @@ MEMORY_SHARE = 1 / 3
 # (layers - 1) / (n - 1), and with it the timing noise
 PROBE_LOW, PROBE_HIGH = 1, 8
 # Acceptance per draft position before any is measured: α_1 of the shipped pair on held-out code,
-# greedy (README, EAGLE-3 heads: draft model 0.70, head 0.76); the adaptive controller's prior else
+# greedy (docs/benchmarks.md, "EAGLE-3 heads": draft model 0.70, head 0.76); the adaptive controller's prior else
 PRIOR_ALPHAS = {"draft_model": 0.70, "eagle3": 0.76}
 
 

@@ -6,7 +6,7 @@ shape CPU BLAS handles badly. Two layouts fix that:
 - bfloat16 on a CPU with native bf16 instructions (``cpu.native_bf16``: avx512_bf16 / AMX, arm64
   bf16): the weight is reordered once into oneDNN's blocked layout and multiplied with oneDNN's
   inner product, which reads half the bytes of float32 and costs nearly the same for 1 to 6 rows
-  (figures in the README's Speed section). On native x86, for 4 rows and more oneDNN computes each
+  (figures: docs/benchmarks.md, "Other backend measurements"). On native x86, for 4 rows and more oneDNN computes each
   output row the same way whatever the number of rows (tested there only), one reason large models
   pad to 4 rows.
 - anything else on CPU, bf16 without native instructions included: ``(w @ x^T)^T`` with a
@@ -26,7 +26,7 @@ from specdec.models.cpu import native_bf16
 
 
 # oneDNN's bf16 inner product streams weights from memory faster for a few rows than for 1 or 2
-# (README, Speed), and its results for 4+ rows do not depend on the row count. Models too large for
+# (docs/benchmarks.md), and its results for 4+ rows do not depend on the row count. Models too large for
 # the CPU's caches pad their products to this many rows; small ones, whose weights stay in cache,
 # are faster unpadded.
 ONEDNN_MIN_ROWS = 4

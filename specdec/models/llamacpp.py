@@ -80,7 +80,7 @@ class LlamaCppRunner(ModelRunner):
         self.exact = self.info.weight_type == "F32"
         self.kv_type = lib.GGML_TYPE_F32 if self.exact else lib.GGML_TYPE_F16
         # Flash attention stays off: ggml's CPU kernel walks the cache once per query, so a verify pass
-        # of k+1 tokens paid k+1 times the attention (README, llama.cpp backend). Without it the scores
+        # of k+1 tokens paid k+1 times the attention (docs/backends.md, "llama.cpp and GGUF"). Without it the scores
         # are one matrix product, whose scratch (cells x ubatch x heads floats) the ubatch keeps within
         # the KV cache's own size.
         self.flash_attn = flash_attn
@@ -375,7 +375,7 @@ class LlamaCppRunner(ModelRunner):
                      stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
         """The base contract in a lean loop: one llama batch of B tokens is refilled in place each step
         and the argmax read straight from llama.cpp's logits buffer (what a plain step costs in
-        Python: README, llama.cpp backend)."""
+        Python: docs/benchmarks.md, "Verify cost curves")."""
         B = len(token_ids)
         rows = self.order[row_offset : row_offset + B]
         if len(rows) != B:
