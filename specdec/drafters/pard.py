@@ -24,7 +24,7 @@ from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, chains_as_trees
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.models.base import ForwardBatch, ModelRunner
-from specdec.sampling import SamplingBatch
+from specdec.sampling import SamplingBatch, argmax
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
 
@@ -81,9 +81,11 @@ class ParallelDraftDrafter(DraftModelDrafter):
             raise ValueError(f"the parallel draft was trained for at most {self.max_k} drafts, asked for {k}")
         self.num_masks = k - 1
         logits, _ = self._sync(seqs)  # [B, k, V]: at the last history token, then at each mask
-        # The drafts do not condition on one another: "feeding" draft i is reading the next mask's logits.
-        proposal = draft_autoregressive(logits[:, 0], lambda x, i: logits[:, i + 1], seqs, num_draft, sb,
-                                        self.draft_p_min)
+        if sb.all_greedy and self.draft_p_min == 0.0 and all(s.processor is None for s in seqs):
+            proposal = DraftProposal(argmax(logits), None, list(num_draft))  # [B, k]: every draft at once
+        else:  # the drafts do not condition on one another: "feeding" draft i reads the next mask's logits
+            proposal = draft_autoregressive(logits[:, 0], lambda x, i: logits[:, i + 1], seqs, num_draft, sb,
+                                            self.draft_p_min)
         for s in seqs:  # the cache keeps the history; the masks past it are overwritten next round
             self.cached[s.seq_id] = list(s.token_ids)
             self.committed[s.seq_id] = len(s.token_ids)
