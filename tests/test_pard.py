@@ -210,3 +210,27 @@ def test_export_writes_each_engines_parallel_drafting_settings(models):
         assert exp.supported and any("has no parallel drafting" in n for n in exp.notes)
     plain = export_config("vllm", {**spec, "parallel_drafting": False}, models["target"])
     assert "parallel_drafting" not in plain.options["speculative_config"]
+
+
+# -- the shipped parallel draft ------------------------------------------------------------------------
+
+SHIPPED_PARD = Path(__file__).resolve().parents[1] / "specdec" / "assets" / "demo-draft-pard"
+
+
+@pytest.mark.skipif(not (SHIPPED_PARD / "config.json").exists(), reason="the shipped parallel draft is not installed")
+def test_the_shipped_parallel_draft_is_lossless_and_accepted_beside_the_shipped_target():
+    from specdec.near_tie import first_divergence
+
+    config = json.loads((SHIPPED_PARD / "config.json").read_text())
+    assert (config["pard_token"], config["pard_max_k"], config["vocab_size"]) == (8192, 8, 8193)
+    prompts = ['def fibonacci(n):\n    """', "class Stack:\n    def __init__(self):\n        self."]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain_llm = LLM("specdec/demo-target", backend="torch")
+    plain = plain_llm.generate(prompts, sp)
+    llm = LLM("specdec/demo-target", backend="torch", speculative_config=pard_config(str(SHIPPED_PARD), 4))
+    got = llm.generate(prompts, sp)
+    for a, b in zip(plain, got):
+        d = first_divergence(plain_llm.engine.target, a.prompt_token_ids, a.outputs[0].token_ids,
+                             b.outputs[0].token_ids)
+        assert d is None or d["near_tie"], d
+    assert llm.get_metrics()["mean_acceptance_length"] > 2.0  # the adapted draft's masks predict (tau 2.9)
