@@ -134,3 +134,28 @@ def test_bad_options_are_refused(tiny, tmp_path):
         run(tiny, tmp_path / "o", ["--max-k", "0"])
     with pytest.raises(ValueError, match="drop_ratio must be in"):
         run(tiny, tmp_path / "o", ["--drop-ratio", "0"])
+
+
+def test_torchrun_two_ranks_adapt_one_draft(tiny, tmp_path):
+    """Under torchrun (2 ranks, gloo) each rank draws its own windows and dropped slots, and every rank
+    ends with the same weights."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp.py"
+    script.write_text("import json, os, sys\nfrom specdec.training.distill import main\ns = main(sys.argv[1:])\n"
+                      "rank = os.environ['RANK']\n"
+                      "open(os.path.join(sys.argv[-1], f'rank{rank}.json'), 'w').write(json.dumps(s))\n")
+    out = tmp_path / "p"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           "--method", "pard", "--init-draft", tiny["draft"], "--data", tiny["data"], "--seq-len", "32",
+           "--batch-size", "2", "--max-steps", "4", "--warmup-steps", "1", "--eval-windows", "2", "--val-fraction",
+           "0.2", "--threads", "1", "--max-k", "4", "--device", "cpu", "--accept-prompts", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world_size"] == 2 and r0["ranks_identical"] and r1["ranks_identical"]
+    assert r0["tokens_seen"] == 4 * 2 * 2 * 32
+    assert json.loads((out / "config.json").read_text())["pard_max_k"] == 4
