@@ -17,7 +17,8 @@ from specdec.models.gguf import GGUFInfo, read_info
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED = {"specdec/demo-target": ASSETS / "demo-target", "specdec/demo-draft": ASSETS / "demo-draft",
-           "specdec/demo-draft-vocab4k": ASSETS / "demo-draft-vocab4k", "specdec/demo-eagle3": ASSETS / "demo-eagle3"}
+           "specdec/demo-draft-vocab4k": ASSETS / "demo-draft-vocab4k", "specdec/demo-eagle3": ASSETS / "demo-eagle3",
+           "specdec/demo-draft-pard": ASSETS / "demo-draft-pard"}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 
 

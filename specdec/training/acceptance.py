@@ -11,15 +11,17 @@ from __future__ import annotations
 
 def draft_acceptance(target: str, draft: str, prompts: list, k: int = 4, max_tokens: int = 64,
                      temperature: float = 0.0, seed: int | None = 0, dtype: str = "auto", device: str = "cpu",
-                     method: str = "draft_model", backend: str = "auto") -> dict:
+                     method: str = "draft_model", backend: str = "auto", **speculative) -> dict:
     """Acceptance of ``draft`` by ``target`` (names or folders) over ``prompts`` (text or token-id lists);
-    ``method``: how ``draft`` drafts ("draft_model", or "eagle3" for an EAGLE-3 head)."""
+    ``method``: how ``draft`` drafts ("draft_model", or "eagle3" for an EAGLE-3 head); ``speculative``:
+    further speculative_config keys (e.g. ``parallel_drafting=True``)."""
     from specdec import LLM, SamplingParams
 
     if not prompts:
         raise ValueError("draft_acceptance needs at least one prompt")
     llm = LLM(target, dtype=dtype, device=device, backend=backend,
-              speculative_config={"method": method, "model": draft, "num_speculative_tokens": k, "adaptive": False})
+              speculative_config={"method": method, "model": draft, "num_speculative_tokens": k, "adaptive": False,
+                                  **speculative})
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                             seed=None if temperature == 0 else seed)
     llm.generate([{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts], params)

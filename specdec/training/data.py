@@ -167,6 +167,32 @@ def held_out_windows(tokens: np.ndarray, seq_len: int, n: int) -> torch.Tensor |
     return TokenWindows(tokens, seq_len).fixed(n) if len(tokens) > seq_len else None
 
 
+@dataclass
+class TextSplit:
+    """The text of a run's data, tokenized: its training windows for this rank and its held-out part."""
+
+    sampler: TokenWindows
+    train_tokens: np.ndarray  # [n] all training tokens
+    val_tokens: np.ndarray  # [m] held-out tokens
+    val_windows: torch.Tensor | None  # [eval_windows, seq_len + 1] of val_tokens, or None when they do not fill one
+    train_files: int
+    val_files: int
+
+
+def text_split(data: Sequence[str | Path], tokenizer, seq_len: int, val_fraction: float, eval_windows: int,
+               seed: int, rank: int, log) -> TextSplit:
+    """Read ``data``'s files, hold out ``val_fraction`` of them, tokenize both parts and cut windows
+    (what finetune and pard train on); ``log`` gets one line of counts."""
+    (train_files, val_files), (train_texts, val_texts) = read_split(data, val_fraction)
+    train_tokens = tokenize_documents(train_texts, tokenizer)
+    val_tokens = tokenize_documents(val_texts, tokenizer)
+    del train_texts, val_texts
+    log(f"data: {len(train_files)} train files ({len(train_tokens):,} tokens), "
+        f"{len(val_files)} held-out files ({len(val_tokens):,} tokens)")
+    return TextSplit(TokenWindows(train_tokens, seq_len, seed=seed, rank=rank), train_tokens, val_tokens,
+                     held_out_windows(val_tokens, seq_len, eval_windows), len(train_files), len(val_files))
+
+
 def describe_sources(paths: Iterable[str | Path]) -> str:
     """Human-readable data sources for model cards."""
     names = []

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdec.training import distributed
-from specdec.training.data import TokenWindows, describe_sources, held_out_windows, read_split, tokenize_documents
+from specdec.training.data import describe_sources, text_split
 from specdec.training.loop import RunConfig, add_loop_args, launch_command, loop_config_from_args, run_loop, start_run
 from specdec.training.model_card import write_model_card
 from specdec.training.tokenizer import load_tokenizer
@@ -51,14 +51,8 @@ def finetune(cfg: FinetuneConfig) -> dict:
 
     # 2. The starting folder's tokenizer, and 3. the new text in it.
     tokenizer = load_tokenizer(cfg.init_model)
-    (train_files, val_files), (train_texts, val_texts) = read_split(cfg.data, cfg.val_fraction)
-    train_tokens = tokenize_documents(train_texts, tokenizer)
-    val_tokens = tokenize_documents(val_texts, tokenizer)
-    del train_texts, val_texts
-    log(f"data: {len(train_files)} train files ({len(train_tokens):,} tokens), "
-        f"{len(val_files)} held-out files ({len(val_tokens):,} tokens)")
-    sampler = TokenWindows(train_tokens, cfg.seq_len, seed=cfg.seed, rank=d.rank)
-    val_windows = held_out_windows(val_tokens, cfg.seq_len, cfg.eval_windows)  # [n, seq_len + 1] or None
+    text = text_split(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction, cfg.eval_windows, cfg.seed, d.rank, log)
+    sampler, val_windows = text.sampler, text.val_windows  # val_windows: [n, seq_len + 1] or None
 
     # 4. The starting weights, in fp32 (the loop's master weights).
     torch.manual_seed(cfg.seed)
@@ -77,9 +71,9 @@ def finetune(cfg: FinetuneConfig) -> dict:
         return sampler.batch(cfg.batch_size, step, micro).to(d.device)  # [batch, seq_len + 1]
 
     r = run_loop(cfg, d, log, model, sampler, batch, lambda m, windows: lm_loss(m, windows, bf16), val_windows)
-    summary = r.summary("loss", parameters=n_params, vocab=len(tokenizer), train_tokens=len(train_tokens),
-                        held_out_tokens=len(val_tokens), train_files=len(train_files),
-                        held_out_files=len(val_files), bf16=bf16)
+    summary = r.summary("loss", parameters=n_params, vocab=len(tokenizer), train_tokens=len(text.train_tokens),
+                        held_out_tokens=len(text.val_tokens), train_files=text.train_files,
+                        held_out_files=text.val_files, bf16=bf16)
 
     # 7. Hugging Face folder.
     if d.is_main:

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from specdec.training import distributed
-from specdec.training.acceptance import format_acceptance
-from specdec.training.data import TokenWindows, describe_sources, held_out_windows, read_split, tokenize_documents
+from specdec.training.acceptance import draft_acceptance, format_acceptance
+from specdec.training.data import TokenWindows, describe_sources, text_split
 from specdec.training.loop import (RunConfig, add_loop_args, fields_from_args, launch_command, loop_config_from_args,
                                    run_loop, start_run)
 from specdec.training.model_card import write_model_card
@@ -160,14 +160,8 @@ def pard(cfg: PardConfig) -> dict:
 
     # 2. The draft's tokenizer, and 3. the text in it.
     tokenizer = load_tokenizer(cfg.init_draft)
-    (train_files, val_files), (train_texts, val_texts) = read_split(cfg.data, cfg.val_fraction)
-    train_tokens = tokenize_documents(train_texts, tokenizer)
-    val_tokens = tokenize_documents(val_texts, tokenizer)
-    del train_texts, val_texts
-    log(f"data: {len(train_files)} train files ({len(train_tokens):,} tokens), "
-        f"{len(val_files)} held-out files ({len(val_tokens):,} tokens)")
-    sampler = TokenWindows(train_tokens, cfg.seq_len, seed=cfg.seed, rank=d.rank)
-    val_windows = held_out_windows(val_tokens, cfg.seq_len, cfg.eval_windows)  # [n, seq_len + 1] or None
+    text = text_split(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction, cfg.eval_windows, cfg.seed, d.rank, log)
+    sampler, val_windows = text.sampler, text.val_windows  # val_windows: [n, seq_len + 1] or None
 
     # 4. The draft, in fp32 (the loop's master weights), with its mask token.
     torch.manual_seed(cfg.seed)
@@ -198,40 +192,24 @@ def pard(cfg: PardConfig) -> dict:
         return pard_loss(m, x, bf16)
 
     r = run_loop(cfg, d, log, model, sampler, batch, loss, val_windows)
-    summary = r.summary("loss", parameters=n_params, mask_token_id=mask, train_tokens=len(train_tokens),
-                        held_out_tokens=len(val_tokens), bf16=bf16)
+    summary = r.summary("loss", parameters=n_params, mask_token_id=mask, train_tokens=len(text.train_tokens),
+                        held_out_tokens=len(text.val_tokens), bf16=bf16)
 
     # 7. The folder, its config naming the mask token and K, and 8. the acceptance report.
     if d.is_main:
         out = export_hf_folder(model, tokenizer, Path(cfg.out), cfg.save_dtype)
         log(f"saved {cfg.save_dtype} parallel draft to {out}")
         plen = min(ACCEPT_PROMPT_LEN, cfg.seq_len // 2)
-        if cfg.target and cfg.accept_prompts and len(val_tokens) > plen + 1:
-            prompts = TokenWindows(val_tokens, plen).fixed(cfg.accept_prompts)[:, :plen]
-            summary["held_out_acceptance"] = parallel_acceptance(cfg.target, str(out), prompts.tolist(),
-                                                                 cfg.accept_k, plen // 2, str(d.device))
+        if cfg.target and cfg.accept_prompts and len(text.val_tokens) > plen + 1:
+            prompts = TokenWindows(text.val_tokens, plen).fixed(cfg.accept_prompts)[:, :plen]
+            summary["held_out_acceptance"] = draft_acceptance(cfg.target, str(out), prompts.tolist(), k=cfg.accept_k,
+                                                              max_tokens=plen // 2, device=str(d.device),
+                                                              parallel_drafting=True)
             log(f"held-out {format_acceptance(summary['held_out_acceptance'])}")
         write_pard_card(out, cfg, summary)
     d.barrier()
     distributed.teardown(d)
     return summary
-
-
-def parallel_acceptance(target: str, draft: str, prompts: list[list[int]], k: int, max_tokens: int,
-                        device: str = "cpu") -> dict:
-    """Greedy acceptance of parallel draft ``draft`` by ``target`` with k fixed (acceptance.py's
-    figures; its draft_acceptance has no parallel_drafting switch)."""
-    from specdec import LLM, SamplingParams
-
-    llm = LLM(target, device=device, speculative_config={"method": "draft_model", "model": draft, "adaptive": False,
-                                                         "num_speculative_tokens": k, "parallel_drafting": True})
-    llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    m = llm.get_metrics()
-    return {"k": k, "temperature": 0.0, "prompts": len(prompts), "max_tokens": max_tokens,
-            "num_drafts": m["num_drafts"], "acceptance_rate": m["acceptance_rate"],
-            "acceptance_rate_per_pos": m["acceptance_rate_per_pos"],
-            "mean_acceptance_length": m["mean_acceptance_length"]}
 
 
 def write_pard_card(out: Path, cfg: PardConfig, summary: dict) -> Path:
