@@ -40,8 +40,9 @@ from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models.base import ModelRunner
-from specdec.models.eagle3 import Eagle3Head, rotate
+from specdec.models.eagle3 import Eagle3Head
 from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
+from specdec.models.layers import apply_rope, attention, rope_tables
 from specdec.models.linear import Linear
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
@@ -60,8 +61,8 @@ def tree_pool(shape: TreeShape) -> int:
 
 class HeadRunner:
     """The head's forward over its own KV cache (one layer, float32, rows like the target's): the
-    weights of ``Eagle3Head`` packed into ``Linear`` kernels of ``dtype``; norms, RoPE and attention in
-    float32. Computes what ``Eagle3Head.step`` computes (within the weights' dtype's rounding)."""
+    weights of ``Eagle3Head`` packed into ``Linear`` kernels of ``dtype``; norms, RoPE and attention
+    (models/layers.py's) in float32. Computes what ``Eagle3Head.step`` computes (within the weights' dtype's rounding)."""
 
     def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device):
         c = head.config
@@ -94,9 +95,8 @@ class HeadRunner:
             1, rows, self.c.num_key_value_heads, max_len, self.c.head_dim, torch.float32, self.device))
         max_len = self.cache.max_len
         if self.cos.shape[0] < max_len:
-            freqs = torch.arange(max_len, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
-            emb = torch.cat([freqs, freqs], dim=-1)  # [max_len, hd]
-            self.cos, self.sin = emb.cos(), emb.sin()
+            positions = torch.arange(max_len, device=self.device)
+            self.cos, self.sin = rope_tables(positions, self.inv_freq, 1.0, torch.float32)  # [max_len, hd] each
 
     def release(self) -> None:
         self.cache = None
@@ -131,7 +131,7 @@ class HeadRunner:
         k = qkv[..., H * hd : (H + KVH) * hd].view(B, T, KVH, hd)
         v = qkv[..., (H + KVH) * hd :].view(B, T, KVH, hd)
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, T, 1, hd]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         row_t = torch.tensor(rows, device=self.device)[:, None].expand(B, T)
         at = pos if slots is None else slots  # [B, T]
         if real is None:
@@ -151,8 +151,7 @@ class HeadRunner:
             mask = visible[:, None]  # [B, 1, T, end]
         elif not (B == 1 and T == 1):
             mask = (torch.arange(end, device=self.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, end]
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                              enable_gqa=H != KVH, scale=hd ** -0.5)  # [B, H, T, hd]
+        attn = attention(q.transpose(1, 2), keys, values, mask)  # [B, H, T, hd]
         a = self.o(attn.transpose(1, 2).reshape(B, T, H * hd)).float() + residual  # [B, T, D]
         gate, up = self.gate_up(F.rms_norm(a, (D,), self.post_norm, eps)).float().chunk(2, dim=-1)
         g = self.down(F.silu(gate) * up).float() + a  # [B, T, D]: pre-norm output

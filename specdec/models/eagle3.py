@@ -270,13 +270,6 @@ class Eagle3Head(nn.Module):
         return out
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (layers.apply_rope) from tables of cos and plain sin, x [..., hd]: drafters/eagle3.py builds
-    its tables this way; layers.rope_tables folds rotate_half's sign into sin once instead."""
-    half = x.shape[-1] // 2
-    return apply_rope(x, cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1))
-
-
 # -- files ------------------------------------------------------------------------------------------
 
 
