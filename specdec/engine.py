@@ -74,7 +74,8 @@ class Engine:
         controller = AdaptiveK(self.k) if adaptive and self.k > 0 else None
         # the KV budget: the target's bytes per position, and what the drafter's caches hold (Drafter.kv_use)
         self.scheduler = Scheduler(max_num_seqs, self.k, controller, num_scheduler_steps, target.kv_bytes_per_token(),
-                                   target.max_model_len, tree_mode, draft_tree_max_nodes, draft_tree_top_k, drafter)
+                                   target.max_model_len, tree_mode, draft_tree_max_nodes, draft_tree_top_k, drafter,
+                                   target.min_cache_rows)
         if drafter is not None:
             drafter.bind(controller)
         # A failing drafter degrades its sequences to plain decoding; strict (tests): it raises.

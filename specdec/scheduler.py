@@ -62,10 +62,12 @@ class KvBudget:
     """
 
     def __init__(self, budget: int, bytes_per_token: int, max_rows: int, max_model_len: int, k: int,
-                 drafter: Iterable[KvUse] = ()):
+                 drafter: Iterable[KvUse] = (), target_min_rows: int = 1):
         """``bytes_per_token``: the target's per position; ``k``: positions a verify pass writes past a
-        row's history (drafts or tree nodes); ``drafter``: the drafter's caches."""
+        row's history (drafts or tree nodes); ``drafter``: the drafter's caches; ``target_min_rows``:
+        rows the target's cache holds however few run (``ModelRunner.min_cache_rows``)."""
         self.budget, self.target_bytes, self.max_rows = budget, bytes_per_token, max_rows
+        self.target_min_rows = target_min_rows
         self.max_model_len, self.k, self.drafter = max_model_len, k, tuple(drafter)
         self.peak_rows = self.peak_len = 0
 
@@ -82,7 +84,8 @@ class KvBudget:
         """Bytes of ``rows`` rows whose target cache spans ``length`` positions (``positions``), at
         most ``length - k - 1`` tokens each."""
         tokens = max(length - self.k - 1, 0)
-        return rows * (length * self.target_bytes + sum(u.bytes(tokens) for u in self.drafter))
+        target_rows = max(rows, self.target_min_rows) if rows else 0
+        return target_rows * length * self.target_bytes + rows * sum(u.bytes(tokens) for u in self.drafter)
 
     @property
     def reserved(self) -> int:
@@ -123,7 +126,7 @@ class Scheduler:
     def __init__(self, max_num_seqs: int = 256, k: int = 0, controller: AdaptiveK | None = None,
                  num_scheduler_steps: int = PLAIN_STEPS, kv_bytes_per_token: int = 0, max_model_len: int = 0,
                  draft_tree: str = "chain", draft_tree_max_nodes: int = 7, draft_tree_top_k: int = 4,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, target_min_rows: int = 1):
         """``k``: drafts asked per row (the most, with a ``controller``); ``kv_bytes_per_token``: the
         target's, and ``drafter``'s caches (``Drafter.kv_use``), for the KV budget that ``limit`` sets
         (without ``drafter``: the drafter's too, per position). ``draft_tree``: "chain"
@@ -136,6 +139,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.k, self.controller, self.num_scheduler_steps = k, controller, num_scheduler_steps
         self.kv_bytes_per_token, self.max_model_len, self.drafter = kv_bytes_per_token, max_model_len, drafter
+        self.target_min_rows = target_min_rows  # rows the target's cache holds however few run
         self.max_num_batched_tokens: int | None = None  # None: no bound (LLM.generate)
         self.kv: KvBudget | None = None  # None: no bound (LLM.generate)
         self.waiting: deque[list[Sequence]] = deque()  # requests; aborted ones stay until admission skips them
@@ -158,7 +162,7 @@ class Scheduler:
             self.k, None if self.draft_tree == "chain" else self.max_tree)
         self.kv = None if kv_cache_memory is None else KvBudget(
             kv_cache_memory, self.kv_bytes_per_token, self.max_num_seqs, self.max_model_len, self.max_draft_positions,
-            drafter)
+            drafter, self.target_min_rows)
         return self.kv
 
     # -- the queue ----------------------------------------------------------------------------------

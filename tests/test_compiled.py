@@ -12,6 +12,7 @@ from specdec.config import ModelConfig
 from specdec.models.base import ForwardBatch
 from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
+from specdec.scheduler import KvBudget
 from specdec.tree import DraftTree, block_parents
 from tiny_models import make_model
 
@@ -113,6 +114,22 @@ def test_layer_subsets_and_batches_run_eager_with_their_reason(pair):
     assert compiled.last_path == "eager: a layer subset (num_layers=1)"
     compiled.forward(ForwardBatch.from_rows([[3], [4]], [0, 0]))
     assert compiled.last_path == "eager: 2 rows (compiled: one row)"
+
+
+def test_a_kv_budget_counts_the_rows_the_compiled_cache_keeps(pair):
+    """The compiled graph traced the cache's rows as a dynamic dim (>= 2): one running row holds two,
+    and a budget built with the runner's min_cache_rows counts them (one that did not would under-count)."""
+    compiled, eager, _ = pair
+    assert (compiled.min_cache_rows, eager.min_cache_rows) == (2, 1)
+    compiled.release()
+    compiled.reserve(1, 300)
+    held = compiled.cache.k.nbytes + compiled.cache.v.nbytes
+    per_position = compiled.kv_bytes_per_token()
+    length = compiled.cache.max_len
+    assert compiled.cache.k.shape[1] == 2 and held == 2 * length * per_position
+    counted = KvBudget(held, per_position, 4, 1024, 0, target_min_rows=compiled.min_cache_rows).bytes_for(1, length)
+    assert counted == held
+    assert KvBudget(held, per_position, 4, 1024, 0).bytes_for(1, length) < held
 
 
 def test_kept_hidden_states_on_the_compiled_path(pair):

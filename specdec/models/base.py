@@ -92,6 +92,7 @@ class ModelRunner(ABC):
     can_keep_hidden_states: bool = False  # honours keep_hidden_states (EAGLE-3 heads read the target's states)
     can_verify_trees: bool = False  # honours ForwardBatch.parents and compact (draft trees, tree.py)
     cache_step: int = CACHE_STEP  # the KV cache grows in steps of this many positions (round_cache_len)
+    min_cache_rows: int = 1  # the KV cache holds at least this many rows, however few run (a KV budget counts them)
 
     def round_cache_len(self, n: int) -> int:
         """The cache length a row of ``n`` positions makes this runner reserve: n rounded up to ``cache_step``

@@ -183,6 +183,11 @@ class LlamaRunner(ModelRunner):
 
     # -- cache -----------------------------------------------------------------------------------
 
+    @property
+    def min_cache_rows(self) -> int:
+        """2 on the compiled path (its graph traced the cache's rows as a dynamic dim, >= 2), else 1."""
+        return 2 if self.compiled is not None else 1
+
     @torch.inference_mode()  # the cache is only ever touched in inference mode, wherever it was made
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
@@ -191,9 +196,7 @@ class LlamaRunner(ModelRunner):
             return KVCache(self.num_layers, rows, d.num_kv_heads, max_len, d.head_dim, d.compute_dtype,
                            self.device, state_width=len(self.kept_layers) * d.hidden_size)
 
-        if self.compiled is not None:  # the compiled graph traced the cache's rows as a dynamic dim, >= 2
-            num_rows = max(num_rows, 2)
-        self.cache = grow(self.cache, num_rows, length, self.cache_step, make)
+        self.cache = grow(self.cache, max(num_rows, self.min_cache_rows), length, self.cache_step, make)
         self._grow_rope(self.cache.max_len)
 
     def release(self) -> None:
