@@ -194,8 +194,7 @@ class Engine:
         trees = self._guarded(batch, lambda: check_trees(self.drafter.propose_tree(batch.seqs, shapes, batch.sampling),
                                                          shapes, self.target.vocab_size))
         trees = trees or [None] * len(batch.seqs)
-        method = self.drafter.method or type(self.drafter).__name__
-        sources = [method if t is not None else NO_DRAFT for t in trees]  # [B]
+        sources = [self.drafter.label if t is not None else NO_DRAFT for t in trees]  # [B]
         t1 = time.perf_counter()
 
         # 2. verify: one target pass over [newest token, nodes] per row, each node at the position of
@@ -317,7 +316,7 @@ class Engine:
         deterministic = [proposal.draft_probs is None or g for g in batch.sampling.greedy.tolist()]
         num_draft = constrain_drafts(batch.seqs, proposal.draft_token_ids, proposal.num_draft_tokens, deterministic)
         batch.set_drafts(proposal.draft_token_ids, proposal.draft_probs, num_draft)
-        return proposal.sources or [self.drafter.method or type(self.drafter).__name__] * len(batch.seqs)
+        return proposal.sources or [self.drafter.label] * len(batch.seqs)
 
     def _commit(self, s: Sequence, tokens: list[int]) -> list[int]:
         """Step 4 for one sequence: append tokens until a stop condition or the end of its grammar

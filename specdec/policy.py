@@ -69,12 +69,11 @@ def tree_mode(draft_tree: str, k: int, drafter, target) -> str:
         raise ValueError(f"draft_tree must be one of {DRAFT_TREE_MODES}, got {draft_tree!r}")
     if drafter is None or k == 0 or draft_tree == "chain":
         return "chain"
-    name = drafter.method or type(drafter).__name__
     if draft_tree == "tree" and not target.can_verify_trees:
         raise ValueError(f"draft_tree='tree' needs a backend that verifies draft trees in one pass; the "
                          f"{target.backend} backend verifies chains only: use backend='torch' or draft_tree='chain'")
     if draft_tree == "tree" and not drafter.can_draft_trees:
-        raise ValueError(f"draft_tree='tree' needs a drafter that branches; the {name} drafter drafts chains "
+        raise ValueError(f"draft_tree='tree' needs a drafter that branches; the {drafter.label} drafter drafts chains "
                          "only: use draft_tree='auto' or 'chain'")
     return draft_tree if target.can_verify_trees and drafter.can_draft_trees else "chain"
 

@@ -59,6 +59,11 @@ class Drafter(ABC):
     method: str = ""  # the speculative method this drafter carries out (build_drafter sets it)
     can_draft_trees: bool = False  # implements propose_tree (tree.py)
 
+    @property
+    def label(self) -> str:
+        """What counters and messages call this drafter: its method, else its class's name."""
+        return self.method or type(self).__name__
+
     @abstractmethod
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         """Propose up to ``num_draft[b]`` tokens continuing ``seqs[b].token_ids``."""
@@ -67,7 +72,7 @@ class Drafter(ABC):
         """A draft tree per row within ``shapes[b]`` (None: draft nothing for row b), continuing
         ``seqs[b].token_ids``; a row may get a smaller tree, a chain, or None. ``observe`` then receives
         the number of nodes on each row's accepted path (its history already includes them)."""
-        raise ValueError(f"the {self.method or type(self).__name__} drafter drafts chains only")
+        raise ValueError(f"the {self.label} drafter drafts chains only")
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         """Learn how many drafts of the last proposal each sequence accepted (its history already includes them)."""
