@@ -4,6 +4,7 @@ adaptive controller (specdec/adaptive/), the workbench's profile and the tests u
 
     E(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j        tokens per round, k drafts
     cost(k) = k·c + v(k)                   k draft steps of cost c, one verify pass of k+1 tokens per row
+    cost(k) = c(k) + v(k)                  a parallel draft (PARD): one forward drafts all k, c(k) its cost
     S(k) = E(k) · t_1 / cost(k)            over plain decoding: one token per plain step of cost t_1
 
 Conventions:
@@ -13,6 +14,10 @@ Conventions:
   (1 - α^(k+1)) / (1 - α). A sequence given fewer than k alphas drafts no further.
 - E(k) counts the recovered or bonus token, as τ (mean acceptance length, specdec/metrics.py) does:
   E(k) ∈ [1, k+1], and E(0) = 1 is plain decoding.
+- a draft's cost has one of two shapes (``draft_passes``): an autoregressive draft (a draft model,
+  an EAGLE-3 head, the target's early layers) runs one step per drafted token, so c is per token; a
+  parallel draft (drafters/pard.py) runs one forward over the history and k - 1 masks whatever k, so
+  c is per round, and c(k) only grows with the masks that forward carries (measured, not assumed flat).
 - costs share one unit: the workbench measures them in 1-token target steps (t_1 = 1, v(0) = 1), the
   controller in seconds. S(0) = 1.
 """
@@ -48,22 +53,33 @@ def expected_tokens(alphas: Sequence[float], k: int) -> float:
     return mean_expected_tokens([alphas], k)[k]
 
 
-def round_cost(k: int, draft_cost: float, verify_cost: float) -> float:
+def draft_passes(k: int, parallel: bool = False) -> int:
+    """Draft passes a round of k drafts runs: k for an autoregressive draft, one for a parallel draft
+    (none at k = 0: plain decoding drafts nothing)."""
+    return min(k, 1) if parallel else k
+
+
+def round_cost(k: int, draft_cost: float, verify_cost: float, parallel: bool = False) -> float:
     """k·c + v(k): k draft steps of ``draft_cost`` and one verify pass (k + 1 tokens per row) of
-    ``verify_cost``."""
-    return k * draft_cost + verify_cost
+    ``verify_cost``; ``parallel``: c + v(k), one draft forward of ``draft_cost`` (c(k), its cost at k)."""
+    return draft_passes(k, parallel) * draft_cost + verify_cost
 
 
-def mean_round_cost(k: int, draft_cost: float, verify_costs: Sequence[float],
-                    draft_lengths: Sequence[int] | None = None) -> float:
+def draft_cost_at(draft_cost: float | Sequence[float], k: int) -> float:
+    """c, or c(k) when ``draft_cost`` gives one per k (a parallel draft's forward grows with its masks)."""
+    return draft_cost if isinstance(draft_cost, (int, float)) else draft_cost[k]
+
+
+def mean_round_cost(k: int, draft_cost: float | Sequence[float], verify_costs: Sequence[float],
+                    draft_lengths: Sequence[int] | None = None, parallel: bool = False) -> float:
     """``round_cost`` at k with ``verify_costs[n]`` = v(n), averaged over the proposal lengths when a
     drafter proposes fewer than asked: ``draft_lengths[n]`` counts the rounds that proposed n tokens
     when asked for the most, and asked for k, such a round drafts min(n, k). Without lengths (or with
-    none counted) every round drafts k."""
+    none counted) every round drafts k. ``draft_cost``: c, or c(n) for n = 0..k_max."""
     if not draft_lengths or sum(draft_lengths) == 0:
-        return round_cost(k, draft_cost, verify_costs[k])
+        return round_cost(k, draft_cost_at(draft_cost, k), verify_costs[k], parallel)
     total = sum(draft_lengths)
-    return sum(count * round_cost(min(n, k), draft_cost, verify_costs[min(n, k)])
+    return sum(count * round_cost(min(n, k), draft_cost_at(draft_cost, min(n, k)), verify_costs[min(n, k)], parallel)
                for n, count in enumerate(draft_lengths)) / total
 
 
@@ -72,12 +88,13 @@ def speedup(tokens: float, cost: float, plain_step: float = 1.0) -> float:
     return tokens * plain_step / cost
 
 
-def predicted_speedups(alphas: Sequence[float], draft_cost: float, verify_costs: Sequence[float],
-                       draft_lengths: Sequence[int] | None = None) -> list[float]:
-    """S(k) for k = 0..len(verify_costs)-1, costs in 1-token target steps (``verify_costs[0]`` = 1)."""
+def predicted_speedups(alphas: Sequence[float], draft_cost: float | Sequence[float], verify_costs: Sequence[float],
+                       draft_lengths: Sequence[int] | None = None, parallel: bool = False) -> list[float]:
+    """S(k) for k = 0..len(verify_costs)-1, costs in 1-token target steps (``verify_costs[0]`` = 1);
+    ``draft_cost``: c, or c(k) per k; ``parallel``: one draft forward per round (``round_cost``)."""
     k_max = len(verify_costs) - 1
     tokens = mean_expected_tokens([alphas], k_max)
-    return [speedup(tokens[k], mean_round_cost(k, draft_cost, verify_costs, draft_lengths))
+    return [speedup(tokens[k], mean_round_cost(k, draft_cost, verify_costs, draft_lengths, parallel))
             for k in range(k_max + 1)]
 
 

@@ -6,7 +6,8 @@ drafts k, and a draft step costs the same for the batch however many rows draft)
     S(k) = mean_b E_b(k) · t_v(B, 1) / (k · t_d(B) + t_v(B, k + 1)),   S(0) = 1 (plain decoding)
 
 with E_b(k) from each sequence's measured acceptance per position and the costs measured at this
-batch size (measure.py). The batch drafts the k of the highest estimated S(k) where that beats plain
+batch size (measure.py). A parallel draft (drafters/pard.py) runs one forward for all k drafts, so
+k · t_d(B) is t_d(B, k) there: its round's draft time, measured per k (cost_model.round_cost). The batch drafts the k of the highest estimated S(k) where that beats plain
 decoding; where it does not but S at the upper confidence bound of the drafter's acceptance says
 some k may, it keeps drafting (``choose_k``). A drafter is given up only once the bound, from the
 samples seen, is at or below break-even at every k, so a few unlucky early rounds do not switch off
@@ -56,6 +57,11 @@ class AdaptiveK:
         self.rounds = 0  # rounds recorded
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
         self._version = 0  # drafting rounds recorded: what the tree decision reads changes with them
+
+    def set_parallel_draft(self, parallel: bool) -> None:
+        """The drafter proposes all k drafts from one forward (drafters/pard.py, which says so when bound):
+        its cost is timed and charged per round, as a function of k, not per drafted token."""
+        self.costs.parallel = parallel
 
     # -- what the engine, the drafter choice and the demo read -------------------------------------
 
@@ -115,8 +121,9 @@ class AdaptiveK:
         tokens = mean_expected_tokens(alphas_per_seq, K)  # E(k), mean over the batch
         line = line or self.costs.verify_line(B)
         t1 = line(1)
-        c = self.costs.draft_cost(B, t1)
-        return [1.0] + [speedup(tokens[k], round_cost(k, c, line(k + 1)), t1) for k in range(1, K + 1)]
+        cost = self.costs.draft_cost  # per drafted position; a parallel draft's per round at k
+        return [1.0] + [speedup(tokens[k], round_cost(k, cost(B, t1, k), line(k + 1), self.costs.parallel), t1)
+                        for k in range(1, K + 1)]
 
     def choose_tree(self, seq_ids: list[int], max_nodes: int, top_k: int, max_depth: int,
                     force: bool = False) -> TreeShape | None:
@@ -159,7 +166,7 @@ class AdaptiveK:
         if k_round > 0:
             self._version += 1
             if self.last_k > 0:
-                self.costs.draft_time.setdefault(B, Timing()).update(draft_time_s / k_round)
+                self.costs.record_draft(B, k_round, draft_time_s)
         self.last_k = k_round
         for sid, nd, na in zip(seq_ids, num_draft, num_accepted):
             if nd > 0:

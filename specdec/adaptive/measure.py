@@ -186,12 +186,15 @@ TREE_DRAFT_PRIOR = 1.25  # a tree's draft time per level, in chain draft steps, 
 
 class Costs:
     """Wall times per batch size B: verify passes by tokens per row T (chains' and trees'), a chain's
-    draft time per drafted position, a tree's per level, and when the plain step was last timed."""
+    draft time per drafted position (a parallel draft's: per round, by k), a tree's per level, and
+    when the plain step was last timed."""
 
     def __init__(self):
         self.verify_time: dict[tuple[int, int], Timing] = {}  # (B, T) -> seconds per chain verify pass
         self.tree_verify_time: dict[tuple[int, int], Timing] = {}  # (B, 1 + N) -> seconds per tree pass
+        self.parallel = False  # the drafter proposes all k drafts from one forward (drafters/pard.py)
         self.draft_time: dict[int, Timing] = {}  # B -> seconds per drafted position
+        self.parallel_draft_time: dict[tuple[int, int], Timing] = {}  # (B, k) -> a parallel draft's seconds per round
         self.tree_draft_time: dict[int, Timing] = {}  # B -> seconds per tree level drafted
         self.plain_measured_at: dict[int, int] = {}  # B -> the round its plain step was last timed
         self.timed_at: dict[tuple[int, int], int] = {}  # (B, T) -> the round a chain pass of T was last timed
@@ -223,10 +226,31 @@ class Costs:
         line = self.verify_line(B)
         return line if longest is None else (lambda T: line(min(T, longest)))
 
-    def draft_cost(self, B: int, t1: float) -> float:
-        """Seconds per drafted position at batch size B; PRIOR_DRAFT_COST plain steps until measured."""
+    def draft_cost(self, B: int, t1: float, k: int = 1) -> float:
+        """Seconds per drafted position at batch size B; PRIOR_DRAFT_COST plain steps until measured.
+        A parallel draft (``parallel``): seconds of its one forward for k drafts (``parallel_draft_line``)."""
+        if self.parallel:
+            return self.parallel_draft_line(B, t1)(k)
         e = self.draft_time.get(B)
         return PRIOR_DRAFT_COST * t1 if e is None or e.value is None else e.value
+
+    def parallel_draft_line(self, B: int, t1: float):
+        """k -> seconds of a parallel draft's round at batch size B: ``fit_line`` through the k measured
+        (its forward reads the new tokens and k - 1 masks, so it grows with k like a verify pass);
+        PRIOR_DRAFT_COST plain steps whatever k until one is measured."""
+        known = sorted((k, em.value) for (b, k), em in self.parallel_draft_time.items()
+                       if b == B and em.value is not None)
+        if not known:
+            return lambda k: PRIOR_DRAFT_COST * t1
+        return fit_line(known, plain_in_fit=True)
+
+    def record_draft(self, B: int, k: int, seconds: float) -> None:
+        """A chain round's drafting time at batch size B for k drafts: per drafted position, or for a
+        parallel draft per round at that k."""
+        if self.parallel:
+            self.parallel_draft_time.setdefault((B, k), Timing()).update(seconds)
+        else:
+            self.draft_time.setdefault(B, Timing()).update(seconds / k)
 
     def tree_draft_cost(self, B: int, t1: float) -> float:
         """Seconds per tree level at batch size B; TREE_DRAFT_PRIOR chain draft steps until measured."""

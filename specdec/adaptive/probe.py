@@ -26,8 +26,8 @@ def can_ever_pay(costs: Costs, B: int, k_max: int) -> bool:
     If not, no acceptance can make speculation pay here and probing only costs."""
     line = costs.optimistic_line(B)
     t1 = line(1)
-    c = costs.draft_cost(B, t1)
-    return any(speedup(k + 1.0, round_cost(k, c, line(k + 1)), t1) > 1.0 for k in range(1, k_max + 1))
+    return any(speedup(k + 1.0, round_cost(k, costs.draft_cost(B, t1, k), line(k + 1), costs.parallel), t1) > 1.0
+               for k in range(1, k_max + 1))
 
 
 class Prober:

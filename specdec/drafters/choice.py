@@ -11,7 +11,8 @@ Measured, per method:
   (adaptive.PositionStats), smoothed towards the method's rates over all sequences, which start at
   adaptive.PRIOR_ALPHA;
 - cost: the wall time of its own propose calls, per drafted position for a model when it also
-  drafted the round before, per call for a lookup; and for a model, what a call after a pause costs
+  drafted the round before, per call for a lookup and for a parallel draft (drafters/pard.py: one
+  forward drafts all k, ``cost_model.round_cost``); and for a model, what a call after a pause costs
   beyond that (it first catches up on the tokens it missed), charged when it is switched on; in the
   seconds of the controller's measured verify passes (AdaptiveK, handed over by ``bind``). With no controller, or before a verify pass is timed at this batch size, the
   priors of adaptive.py (verify slope, c = PRIOR_DRAFT_COST for a model, 0 for a lookup).
@@ -56,7 +57,7 @@ from itertools import combinations
 
 from specdec.adaptive import DECAY, PositionStats, Timing
 from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_VERIFY_SLOPE, PRIOR_WEIGHT
-from specdec.cost_model import expected_tokens, round_cost, speedup
+from specdec.cost_model import draft_passes, expected_tokens, round_cost, speedup
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, chains_as_trees
 from specdec.drafters.merge import merge_proposals
 from specdec.metrics import NO_DRAFT
@@ -66,6 +67,14 @@ from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
 
 EXPLORE = 1.0  # optimism: standard errors of a request's own acceptance estimate added to it
+
+
+def member_config(spec, method: str):
+    """The SpeculativeConfig of one member of a method list: ``spec`` with that method, and
+    parallel_drafting only on the draft_model member (a lookup or a head does not draft in parallel)."""
+    from dataclasses import replace
+
+    return replace(spec, method=method, parallel_drafting=spec.parallel_drafting and method == "draft_model")
 
 
 @dataclass
@@ -78,6 +87,7 @@ class MethodState:
     time: dict[int, Timing] = field(default_factory=dict)  # B -> seconds per drafted position (lookup: per call)
     switch_on: dict[int, Timing] = field(default_factory=dict)  # B -> a model's extra seconds after a pause
     ran_last: bool = False  # drafted the previous round too (a model's timing then holds no catch-up)
+    parallel: bool = False  # one forward drafts all k (a parallel draft): timed and charged per call
 
 
 @dataclass
@@ -101,7 +111,8 @@ class ChoosingDrafter(Drafter):
             raise ValueError(f"ChoosingDrafter picks among several methods; got {list(drafters)}")
         self.methods = list(drafters)
         self.method = ",".join(self.methods)
-        self.parts = {m: MethodState(d, m in LOOKUP_METHODS) for m, d in drafters.items()}
+        self.parts = {m: MethodState(d, m in LOOKUP_METHODS, parallel=getattr(d, "parallel_drafting", False))
+                      for m, d in drafters.items()}
         self.lookups = [m for m in self.methods if m in LOOKUP_METHODS]
         self.models = [m for m in self.methods if m not in LOOKUP_METHODS]
         self.seeded = seeded_members(self.methods)  # the methods a seeded sampled row may draft with
@@ -236,6 +247,8 @@ class ChoosingDrafter(Drafter):
         self.controller = controller
         for part in self.parts.values():
             part.drafter.bind(controller)
+        if controller is not None:  # rounds mix members: each member's cost shape is weighed here (_choose)
+            controller.set_parallel_draft(False)
 
     def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
         return [use for part in self.parts.values() for use in part.drafter.kv_use(k, tree)]
@@ -286,7 +299,7 @@ class ChoosingDrafter(Drafter):
                         k[m] = max(k[m], row[m].length)
                 cost = lookup_cost + line(width + 1)
                 for m, km in k.items():
-                    cost = round_cost(km, costs[m], cost)  # k_m drafts of c_m on top of the rest
+                    cost = round_cost(km, costs[m], cost, self.parts[m].parallel)  # k_m drafts of c_m on top
                     if km and not self.parts[m].ran_last:
                         cost += switch[m]  # it first catches up on what it missed
                 value = speedup(tokens / B, cost, t1)
@@ -345,12 +358,13 @@ class ChoosingDrafter(Drafter):
         return proposal
 
     def _time_model(self, m: str, dt: float, k: int, B: int) -> None:
-        """A model's call of ``dt`` seconds drafting up to k positions: per position when it drafted the
-        round before, else what the call took beyond that (its catch-up)."""
+        """A model's call of ``dt`` seconds drafting up to k positions: per position (a parallel draft:
+        per call) when it drafted the round before, else what the call took beyond that (its catch-up)."""
         part = self.parts[m]
         steady = part.time.get(B)
+        passes = draft_passes(k, part.parallel)
         if part.ran_last:
-            part.time.setdefault(B, Timing()).update(dt / k)
+            part.time.setdefault(B, Timing()).update(dt / passes)
         elif steady is not None and steady.value is not None:  # after a pause: the catch-up beyond steady drafting
-            part.switch_on.setdefault(B, Timing(skip=0)).update(max(dt - k * steady.value, 0.0))
+            part.switch_on.setdefault(B, Timing(skip=0)).update(max(dt - passes * steady.value, 0.0))
         part.ran_last = True

@@ -63,6 +63,8 @@ def pard_settings(config: dict | None, name: str, k: int, rows: int) -> tuple[in
 class ParallelDraftDrafter(DraftModelDrafter):
     """A draft model that proposes k tokens from one forward over the history and k - 1 masks."""
 
+    parallel_drafting = True  # one draft forward per round whatever k: the cost model charges it per round
+
     def __init__(self, runner: ModelRunner, mask_token_id: int, max_k: int | None = None, draft_p_min: float = 0.0):
         super().__init__(runner, draft_p_min)
         self.mask_token_id = mask_token_id
@@ -90,6 +92,11 @@ class ParallelDraftDrafter(DraftModelDrafter):
             self.cached[s.seq_id] = list(s.token_ids)
             self.committed[s.seq_id] = len(s.token_ids)
         return proposal
+
+    def bind(self, controller) -> None:
+        """The adaptive controller times and charges this draft per round, by k (cost_model.round_cost)."""
+        if controller is not None:
+            controller.set_parallel_draft(True)
 
     def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None],
                      sb: SamplingBatch) -> list[DraftTree | None]:
