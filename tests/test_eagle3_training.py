@@ -196,3 +196,90 @@ def test_labels_keep_the_targets_mass_beyond_its_top_k():
     assert didx.tolist() == [0, 2, 3] and inside.all() and held
     torch.testing.assert_close(p.sum() + rest, torch.tensor(1.0))
     torch.testing.assert_close(rest, torch.tensor(0.3 / 1.0))  # 1 - (0.4 + 0.2 + 0.1)
+
+
+def test_windows_stay_inside_documents_and_padding_is_never_scored():
+    """document_windows cuts each document (EOS included) into pieces of seq_len, pads the last piece, and
+    the loss of a padded window equals the loss of its real tokens alone, whatever the padding holds."""
+    import numpy as np
+
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.training.eagle3 import TTTModel, document_windows
+
+    eos = 0
+    docs = [list(range(1, 12)), [5, 6], [7], list(range(20, 27))]  # 11, 2, 1 and 7 tokens before each EOS
+    flat = np.array([t for d in docs for t in d + [eos]], dtype=np.uint16)
+    w, lengths = document_windows(flat, eos, 8, 0, 0)
+    assert lengths.tolist() == [8, 4, 3, 2, 8]  # 12 = 8 + 4; 3; "7 EOS" = 2; 8
+    assert w[1].tolist() == [9, 10, 11, eos, eos, eos, eos, eos] and w[2, :3].tolist() == [5, 6, eos]
+    for row, m in zip(w.tolist(), lengths.tolist()):  # no window runs on past its document's EOS
+        assert eos not in row[: m - 1]
+    assert len(document_windows(flat, eos, 8, 2, 0)[0]) == 2
+
+    c = Eagle3Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+                     vocab_size=40, draft_vocab_size=40, target_hidden_size=16, layer_ids=[0, 1, 1])
+    torch.manual_seed(0)
+    head = Eagle3Head(c, torch.randn(40, 16))
+    model = TTTModel(head, 3, 0.8)
+    T, m, K = 10, 7, 5
+    tokens = torch.randint(1, 40, (1, T))
+    feats = torch.randn(1, T, 48)
+    logits = torch.randn(1, T, 40).log_softmax(-1)
+    top_logp, top_ids = logits.topk(K, dim=-1)
+    alone = model(tokens[:, :m], feats[:, :m], top_ids[:, :m], top_logp[:, :m])
+    padded = model(tokens, feats, top_ids, top_logp, torch.tensor([m]))
+    torch.testing.assert_close(padded, alone)
+    tokens[:, m:], feats[:, m:] = 3, 100.0  # other padding: same loss
+    torch.testing.assert_close(model(tokens, feats, top_ids, top_logp, torch.tensor([m])), alone)
+    assert not torch.allclose(model(tokens, feats, top_ids, top_logp), alone)  # scored, the padding would count
+
+
+def test_scaled_features_fold_into_fc_exactly(tiny, tmp_path):
+    """--scale-features trains fc on features / their RMS and saves fc * scale: the saved head gives the
+    loss the training model gave, on the target's features as they are."""
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.training.eagle3 import TTTModel, feature_rms
+
+    c = Eagle3Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+                     vocab_size=40, draft_vocab_size=40, target_hidden_size=16, layer_ids=[0, 1, 1])
+    torch.manual_seed(1)
+    model = TTTModel(Eagle3Head(c, torch.randn(40, 16)), 2, 0.8)
+    feats = torch.randn(2, 9, 48) * torch.logspace(0, 3, 48)  # dimensions from 1 to 1000
+    lengths = torch.tensor([9, 5])
+    rms = feature_rms(feats, lengths)
+    real = torch.cat([feats[0], feats[1, :5]])
+    torch.testing.assert_close(rms, real.pow(2).mean(0).sqrt())
+    model.feature_scale.copy_(1 / rms)
+    tokens = torch.randint(1, 40, (2, 9))
+    top_logp, top_ids = torch.randn(2, 9, 40).log_softmax(-1).topk(6, dim=-1)
+    before = model(tokens, feats, top_ids, top_logp, lengths)
+    model.fold_feature_scale()
+    assert torch.equal(model.feature_scale, torch.ones(48))
+    torch.testing.assert_close(model(tokens, feats, top_ids, top_logp, lengths), before, rtol=1e-4, atol=1e-5)
+
+    s = run(tiny, tmp_path / "h", "--max-steps", "3", "--scale-features")
+    assert s["scale_features"] and "folded into fc" in (tmp_path / "h" / "README.md").read_text()
+    with pytest.raises(ValueError, match="pass one of them"):
+        run(tiny, tmp_path / "x", "--max-steps", "0", "--scale-features", "--norm-before-fc")
+
+
+def test_norm_before_fc_trains_saves_and_loads(tiny, tmp_path):
+    """--norm-before-fc: the head has an RMSNorm over its [3 Dt] input (input_norm, the name vLLM and
+    llama.cpp's converter read), its config says norm_before_fc, and the loaded head applies it."""
+    import json
+
+    from safetensors import safe_open
+
+    s = run(tiny, tmp_path / "h", "--max-steps", "4", "--norm-before-fc", "--layer-ids", "1,2,3")
+    assert s["train_loss"] == s["train_loss"]
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["norm_before_fc"] is True
+    with safe_open(str(tmp_path / "h" / "model.safetensors"), framework="pt") as f:
+        assert tuple(f.get_slice("input_norm.weight").get_shape()) == (3 * 64,)
+    head, _ = load(tiny, tmp_path / "h")
+    assert head.config.norm_before_fc
+    x = torch.randn(2, 5, 3 * 64) * 50
+    w = head.input_norm.weight
+    assert not torch.allclose(w, torch.ones_like(w))  # trained
+    want = head.fc(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.config.rms_norm_eps) * w)
+    torch.testing.assert_close(head.fuse(x), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(head.fuse(x * 7), head.fuse(x), rtol=1e-3, atol=1e-3)  # scale-free input

@@ -2,10 +2,11 @@
 
 The target's inputs to three of its layers (a low, a middle and a high one: ``layer_ids``, the inputs
 of those layers, i.e. Hugging Face's ``hidden_states[i]``) are concatenated per position, [3 * Dt], and
-fused by ``fc`` into one hidden state [D]. At position p the head reads the pair (hidden state of p,
+fused by ``fc`` into one hidden state [D] (with ``norm_before_fc``, after an RMSNorm over the [3 * Dt]
+vector, ``input_norm``: the layers' inputs differ in scale by orders of magnitude). At position p the head reads the pair (hidden state of p,
 embedding of token p + 1) and predicts token p + 2:
 
-    step 0 (from the target):   h_p = fc(f_p)                   x = [norm(e(t_{p+1})), hidden_norm(h_p)]
+    step 0 (from the target):   h_p = fc([input_norm](f_p))     x = [norm(e(t_{p+1})), hidden_norm(h_p)]
     step j > 0 (its own):       h   = the previous step's pre-norm output g
     layer:  a = attn(x) + h;  g = mlp(norm(a)) + a;  logits = lm_head(norm(g))   (draft vocabulary)
 
@@ -13,7 +14,7 @@ A draft token i of the reduced draft vocabulary is target token ``i + d2t[i]``. 
 the target's (frozen, not saved); the LM head is the head's own, over ``draft_vocab_size`` tokens.
 
 On disk the head is the SpecForge / EAGLE layout (``LlamaForCausalLMEagle3``: ``midlayer.*``, ``fc``,
-``norm``, ``lm_head``, ``d2t``, ``t2d``), which vLLM (``method: eagle3``) and llama.cpp's converter
+``norm``, ``lm_head``, ``d2t``, ``t2d``, and ``input_norm`` when ``norm_before_fc``), which vLLM (``method: eagle3``) and llama.cpp's converter
 read; the speculators layout (``layers.0.*``) loads too.
 """
 
@@ -60,6 +61,7 @@ class Eagle3Config:
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     norm_before_residual: bool = False  # residual = hidden_norm(h) (RedHat's variant) instead of h
+    norm_before_fc: bool = False  # fc reads input_norm(features) (vLLM, speculators, llama.cpp: same key)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
@@ -111,7 +113,8 @@ class Eagle3Config:
             "specdec_target_num_layers": self.target_num_layers, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta, "rope_scaling": None,
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": self.hidden_act,
-            "norm_before_residual": self.norm_before_residual, "tie_word_embeddings": False,
+            "norm_before_residual": self.norm_before_residual, "norm_before_fc": self.norm_before_fc,
+            "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
         }
 
@@ -129,6 +132,8 @@ class Eagle3Config:
         if not ids and (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
             ids = [i + 1 for i in d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # outputs -> inputs
         heads = d["num_attention_heads"]
+        # vLLM reads eagle_config's copy first (NVIDIA's heads keep it there), then the top-level key
+        norm_before_fc = (d.get("eagle_config") or {}).get("norm_before_fc", d.get("norm_before_fc", False))
         try:
             return cls(hidden_size=d["hidden_size"], num_attention_heads=heads,
                        num_key_value_heads=d.get("num_key_value_heads") or heads,
@@ -139,7 +144,8 @@ class Eagle3Config:
                        layer_ids=list(ids) if ids else [], target_num_layers=d.get("specdec_target_num_layers", 0),
                        rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(d.get("rope_theta", 10000.0)),
                        max_position_embeddings=d.get("max_position_embeddings", 2048),
-                       hidden_act=d.get("hidden_act", "silu"), norm_before_residual=d.get("norm_before_residual", False))
+                       hidden_act=d.get("hidden_act", "silu"), norm_before_residual=d.get("norm_before_residual", False),
+                       norm_before_fc=bool(norm_before_fc))
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
 
@@ -189,7 +195,10 @@ class Eagle3Head(nn.Module):
     def __init__(self, c: Eagle3Config, embed_tokens: torch.Tensor | None = None):
         super().__init__()
         self.config = c
-        self.fc = nn.Linear(len(c.layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        fc_in = len(c.layer_ids) * c.target_hidden_size
+        if c.norm_before_fc:  # only then: a head without it keeps exactly its old tensors
+            self.input_norm = RMSNorm(fc_in, c.rms_norm_eps)
+        self.fc = nn.Linear(fc_in, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
@@ -216,7 +225,8 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's concatenated layer inputs [..., 3 * Dt] -> the head's hidden state [..., D]."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        x = features.to(self.fc.weight.dtype)
+        return self.fc(self.input_norm(x) if self.config.norm_before_fc else x)
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
@@ -255,19 +265,6 @@ class Eagle3Head(nn.Module):
         g = L.mlp.down_proj(F.silu(L.mlp.gate_proj(m)) * L.mlp.up_proj(m)) + a  # [B, T, D]: pre-norm output
         logits = self.lm_head(self.norm(g)).float()  # [B, T, Vd]
         return logits, g, k, v
-
-    def to_target_logits(self, draft_logits: torch.Tensor, vocab_size: int | None = None,
-                         fill: float = float("-inf")) -> torch.Tensor:
-        """Draft-vocabulary logits [..., Vd] -> target-vocabulary logits [..., V], ``fill`` off the draft
-        vocabulary (a finite fill keeps a distribution where a grammar allows none of the draft's tokens)."""
-        V = vocab_size or self.config.vocab_size
-        if self.config.draft_vocab_size == V and not bool(self.d2t.any()):
-            return draft_logits
-        out = draft_logits.new_full((*draft_logits.shape[:-1], V), fill)
-        ids = self.draft_to_target
-        keep = ids < V
-        out[..., ids[keep]] = draft_logits[..., keep]
-        return out
 
 
 # -- files ------------------------------------------------------------------------------------------

@@ -12,6 +12,12 @@ the same p (exactly what a chain sees at inference). Step j's target is the targ
 position p + 1 + j on the draft vocabulary (forward KL over the target's top-k tokens plus one bucket for
 the rest of its mass, so the head learns the target's spread and not only its order), weighted 0.8 ** j.
 
+Windows never cross a document boundary (a document's last piece is padded and its padding never
+scored). Two ways to tame the few feature dimensions that run hundreds of times larger than the rest:
+``--norm-before-fc`` (an RMSNorm over the fused states, a config key vLLM and llama.cpp read) and
+``--scale-features`` (fc trained on features / their per-dimension RMS, folded into fc when saved, so
+the head's format does not change).
+
 The target is frozen, so its features and top-k logits are computed once per window into memory, and the
 epochs run over that cache: on one CPU thread that is what makes a head for a 28M target train in under
 an hour. Steps: 1. processes; 2. target; 3. windows and the cache; 4. draft vocabulary and head (its LM
@@ -61,6 +67,8 @@ class Eagle3TrainConfig(RunConfig):
     max_windows: int = 1024  # training windows cached (0: all; each costs seq_len * 3 * Dt * 2 bytes)
     cache_batch: int = 8  # windows per target forward while caching
     init_from_target: bool = True  # the head's LM head rows and final norm start as the target's
+    norm_before_fc: bool = False  # the head's fc reads an RMSNorm of the features (config key norm_before_fc)
+    scale_features: bool = False  # train fc on features / their per-dimension RMS, folded into fc when saved
     accept_prompts: int = 8  # held-out prompts for the final acceptance report (0: skip)
     accept_prompts_file: str | None = None  # a .jsonl of {"prompt": ...} instead of held-out windows
     accept_k: int = 4
@@ -82,6 +90,9 @@ class Eagle3TrainConfig(RunConfig):
             raise ValueError(f"--step-decay must be in (0, 1], got {self.step_decay}")
         if self.topk < 1 or self.max_windows < 0 or self.cache_batch < 1 or self.intermediate_size < 0:
             raise ValueError("--topk and --cache-batch must be >= 1, --max-windows and --intermediate-size >= 0")
+        if self.norm_before_fc and self.scale_features:
+            raise ValueError("--scale-features folds a fixed per-dimension scale into fc, which an RMSNorm before fc "
+                             "(--norm-before-fc) does not commute with: pass one of them")
         if self.accept_prompts < 0 or not 1 <= self.accept_k <= 16 or self.accept_max_tokens < 1:
             raise ValueError("--accept-prompts must be >= 0, --accept-k in [1, 16], --accept-max-tokens >= 1")
 
@@ -111,17 +122,21 @@ class FeatureCache:
     features: torch.Tensor  # [N, T, 3 * Dt] bf16: hidden_states[L] for L in layer_ids, concatenated
     top_ids: torch.Tensor  # [N, T, K] long: the target's K likeliest next tokens after position t
     top_logp: torch.Tensor  # [N, T, K] float32: their log-probabilities (over the whole vocabulary)
+    lengths: torch.Tensor  # [N] long: real tokens of each window (the rest is padding, never scored)
     n_train: int
 
     def gather(self, idx: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
         idx = idx.cpu()
-        return tuple(t[idx].to(device) for t in (self.tokens, self.features, self.top_ids, self.top_logp))
+        return tuple(t[idx].to(device) for t in (self.tokens, self.features, self.top_ids, self.top_logp,
+                                                   self.lengths))
 
 
 @torch.no_grad()
-def build_cache(target, windows: torch.Tensor, n_train: int, layer_ids: list[int], topk: int, batch: int,
-                bf16: bool, device, log) -> FeatureCache:
-    """Run the target over ``windows`` [N, T] once: kept layer inputs and top-k log-probabilities."""
+def build_cache(target, windows: torch.Tensor, lengths: torch.Tensor, n_train: int, layer_ids: list[int], topk: int,
+                batch: int, bf16: bool, device, log) -> FeatureCache:
+    """Run the target over ``windows`` [N, T] once: kept layer inputs and top-k log-probabilities (the
+    padding past each window's ``lengths`` [N] comes after its real tokens, so causal attention keeps
+    it out of them)."""
     N, T = windows.shape
     if not 1 <= topk <= target.config.vocab_size:
         raise ValueError(f"topk must be in 1..{target.config.vocab_size} (the target's vocabulary), got {topk}")
@@ -138,17 +153,48 @@ def build_cache(target, windows: torch.Tensor, n_train: int, layer_ids: list[int
         done = min(i + batch, N)
         if done == N or (i // batch) % 20 == 19:
             log(f"cache: {done}/{N} windows through the target ({done * T / (time.time() - t0):,.0f} tok/s)")
-    return FeatureCache(windows.clone(), torch.cat(feats), torch.cat(ids), torch.cat(logps), n_train)
+    return FeatureCache(windows.clone(), torch.cat(feats), torch.cat(ids), torch.cat(logps), lengths.clone(), n_train)
 
 
-def windows_of(tokens: np.ndarray, seq_len: int, limit: int, seed: int) -> torch.Tensor:
-    """Non-overlapping windows [n, seq_len] of a flat token array; ``limit`` > 0 keeps that many, drawn at random."""
-    n = len(tokens) // seq_len
-    w = torch.from_numpy(tokens[:n * seq_len].astype(np.int64)).view(n, seq_len)
+def document_windows(tokens: np.ndarray, eos: int, seq_len: int, limit: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows [n, seq_len] that never cross a document boundary, and their real lengths [n]: each
+    document of a flat ``doc EOS doc EOS ...`` array (its EOS included) is cut into pieces of ``seq_len``;
+    a shorter last piece (of >= 2 tokens: one position to score) is padded with EOS. ``limit`` > 0
+    keeps that many, drawn at random. A window across a boundary would teach the head to predict one
+    file from the states of another, which drafting never sees."""
+    ends = np.flatnonzero(tokens == eos) + 1
+    if not len(ends) or ends[-1] != len(tokens):
+        ends = np.append(ends, len(tokens))
+    starts, lens = [], []
+    prev = 0
+    for end in ends.tolist():
+        for a in range(prev, end, seq_len):
+            if min(end - a, seq_len) >= 2:
+                starts.append(a)
+                lens.append(min(end - a, seq_len))
+        prev = end
+    n = len(starts)
     if limit and n > limit:
         keep = np.sort(np.random.default_rng([seed, 7]).choice(n, size=limit, replace=False))
-        w = w[torch.from_numpy(keep)]
-    return w
+        starts, lens = [starts[i] for i in keep], [lens[i] for i in keep]
+    w = np.full((len(starts), seq_len), eos, dtype=np.int64)
+    for r, (a, m) in enumerate(zip(starts, lens)):
+        w[r, :m] = tokens[a:a + m]
+    return torch.from_numpy(w), torch.tensor(lens, dtype=torch.long)
+
+
+def feature_rms(features: torch.Tensor, lengths: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """Per-dimension RMS of ``features`` [N, T, F] over each window's real positions (``lengths`` [N])  [F]
+    float32 (at least 1e-3). A few dimensions of a target's layer inputs run hundreds of times larger
+    than the rest; fc trained on features divided by this sees them all at one scale."""
+    sq = torch.zeros(features.shape[-1], dtype=torch.float64)
+    n = 0
+    for i in range(0, len(features), chunk):
+        f = features[i:i + chunk].float()  # [c, T, F]
+        real = torch.arange(f.shape[1])[None] < lengths[i:i + chunk, None]  # [c, T]
+        sq += f[real].pow(2).sum(0).double()
+        n += int(real.sum())
+    return (sq / max(n, 1)).sqrt().float().clamp(min=1e-3)
 
 
 def choose_draft_vocab(top_ids: torch.Tensor, top_logp: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor:
@@ -209,6 +255,14 @@ class TTTModel(nn.Module):
         index = torch.full((c.vocab_size,), -1, dtype=torch.long)
         index[head.draft_to_target] = torch.arange(c.draft_vocab_size)
         self.register_buffer("to_draft", index, persistent=False)  # target id -> draft id, -1 outside
+        # fc reads features * feature_scale [3 Dt] while training (1: unscaled); fold_feature_scale moves it into fc
+        self.register_buffer("feature_scale", torch.ones(head.fc.in_features), persistent=False)
+
+    def fold_feature_scale(self) -> None:
+        """fc(x * s) == fc'(x) with fc' = fc.weight * s: the saved head reads the target's features as they are."""
+        with torch.no_grad():
+            self.head.fc.weight.mul_(self.feature_scale.to(self.head.fc.weight.dtype))
+        self.feature_scale.fill_(1.0)
 
     def labels(self, top_ids: torch.Tensor, top_logp: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Soft labels over the draft vocabulary: draft ids [..., K] (0 where outside), whether each is inside
@@ -225,24 +279,26 @@ class TTTModel(nn.Module):
         return didx.clamp(min=0), inside, p / z[..., None], rest / z, p.sum(-1) > 0
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
-                stats: bool = False):
+                lengths: torch.Tensor | None = None, stats: bool = False):
         """Weighted sum over steps of the mean forward KL; with ``stats`` also per-step figures.
 
         tokens [B, T], features [B, T, 3Dt], top_ids / top_logp [B, T, K] (the target's next-token
-        distribution after each position). Step j at position p (0 <= p < P = T - 1) reads token p + 1 + j
-        and is scored against the distribution after position p + 1 + j; positions past the window are masked.
+        distribution after each position), lengths [B] (real tokens per window; None: all T). Step j at
+        position p (0 <= p < P = T - 1) reads token p + 1 + j and is scored against the distribution after
+        position p + 1 + j; positions whose token p + 1 + j is past the window or its real length are masked.
         """
         head = self.head
         B, T = tokens.shape
         P = T - 1
         dev = tokens.device
         pad = lambda x, j: F.pad(x[:, 1 + j:], (0, 0) * (x.dim() - 2) + (0, j))  # [B, P, ...] shifted by 1 + j
-        h = head.fuse(features[:, :P])  # [B, P, D]
+        h = head.fuse(features[:, :P] * self.feature_scale.to(features.dtype))  # [B, P, D]
         past_k = past_v = None
         total = tokens.new_zeros((), dtype=torch.float32)
         figs = []
         alive = torch.ones(B, P, dtype=torch.bool, device=dev)
         base = torch.arange(P, device=dev)
+        real = T if lengths is None else lengths.to(dev)[:, None]  # [B, 1]: token p + 1 + j must be < this
         for j in range(self.steps):
             if j >= P:
                 break
@@ -252,7 +308,8 @@ class TTTModel(nn.Module):
             past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
             past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
             didx, inside, p, rest, held = self.labels(pad(top_ids, j), pad(top_logp, j))  # [B, P, K] x3, [B, P] x2
-            valid = held & (base < P - j)[None]  # [B, P]
+            in_range = (base[None] + 1 + j < real).expand(B, P)  # [B, P]
+            valid = held & in_range
             logq = F.log_softmax(logits, dim=-1).gather(-1, didx)  # [B, P, K]
             q_rest = (1 - (logq.exp() * inside).sum(-1)).clamp(min=1e-6)  # the head's mass off the target's top K
             kl = ((p * (torch.log(p.clamp(min=1e-12)) - logq)).sum(-1)
@@ -264,10 +321,10 @@ class TTTModel(nn.Module):
                 with torch.no_grad():
                     top1 = self.to_draft[pad(top_ids, j)[..., 0]]  # the target's greedy token, as a draft id
                     hit = logits.argmax(-1) == top1
-                    in_range = (base < P - j)[None].expand(B, P)
                     alive = alive & hit
-                    figs.append({"kl": step_loss.item(), "top1": (hit & in_range).sum().item() / in_range.sum().item(),
-                                 "chain": (alive & in_range).sum().item() / in_range.sum().item()})
+                    m = in_range.sum().clamp(min=1).item()
+                    figs.append({"kl": step_loss.item(), "top1": (hit & in_range).sum().item() / m,
+                                 "chain": (alive & in_range).sum().item() / m})
             h = g
         return (total, figs) if stats else total
 
@@ -334,34 +391,39 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     log(f"target {cfg.target}: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters, {n_layers} "
         f"layers, vocabulary {vocab}; features from layers {layer_ids}; bf16={bf16}")
 
-    # 3. Windows (non-overlapping, train then held-out) and the target's view of them, once.
+    # 3. Windows (within documents, train then held-out) and the target's view of them, once.
     _, (train_texts, val_texts) = read_split(cfg.data, cfg.val_fraction)
     train_tokens = tokenize_documents(train_texts, tokenizer)
     val_tokens = tokenize_documents(val_texts, tokenizer)
-    train_w = windows_of(train_tokens, cfg.seq_len, cfg.max_windows, cfg.seed)
-    val_w = windows_of(val_tokens, cfg.seq_len, cfg.eval_windows, cfg.seed)
+    eos = tokenizer.eos_token_id
+    train_w, train_len = document_windows(train_tokens, eos, cfg.seq_len, cfg.max_windows, cfg.seed)
+    val_w, val_len = document_windows(val_tokens, eos, cfg.seq_len, cfg.eval_windows, cfg.seed)
     if len(train_w) == 0:
-        raise ValueError(f"the training data has {len(train_tokens)} tokens, fewer than one --seq-len window "
-                         f"({cfg.seq_len}); pass more text or a smaller --seq-len")
-    log(f"data: {len(train_tokens):,} train tokens -> {len(train_w)} windows of {cfg.seq_len}; "
-        f"{len(val_tokens):,} held-out tokens -> {len(val_w)} windows")
+        raise ValueError(f"the training data has {len(train_tokens)} tokens, not one document of 2 or more; "
+                         "pass more text")
+    log(f"data: {len(train_tokens):,} train tokens -> {len(train_w)} windows of <= {cfg.seq_len} within documents "
+        f"({int(train_len.sum()):,} tokens); {len(val_tokens):,} held-out tokens -> {len(val_w)} windows")
     t0 = time.time()
-    cache = build_cache(target, torch.cat([train_w, val_w]), len(train_w), layer_ids, topk, cfg.cache_batch,
-                        bf16, d.device, log)
+    cache = build_cache(target, torch.cat([train_w, val_w]), torch.cat([train_len, val_len]), len(train_w),
+                        layer_ids, topk, cfg.cache_batch, bf16, d.device, log)
     cache_s = time.time() - t0
     val_idx = torch.arange(len(train_w), len(train_w) + len(val_w)) if len(val_w) else None
 
     # 4. Draft vocabulary and head.
     n_tr = cache.n_train
-    draft_ids = choose_draft_vocab(cache.top_ids[:n_tr], cache.top_logp[:n_tr], vocab, draft_vocab)  # [Vd]
+    real = torch.arange(cfg.seq_len)[None] < cache.lengths[:n_tr, None]  # [n_tr, T]: not padding
+    real_ids, real_logp = cache.top_ids[:n_tr][real], cache.top_logp[:n_tr][real]  # [M, K]
+    draft_ids = choose_draft_vocab(real_ids, real_logp, vocab, draft_vocab)  # [Vd]
     mass = torch.zeros(vocab, dtype=torch.float64)
-    mass.index_add_(0, cache.top_ids[:n_tr].flatten(), cache.top_logp[:n_tr].flatten().double().exp())
+    mass.index_add_(0, real_ids.flatten(), real_logp.flatten().double().exp())
+    del real_ids, real_logp
     coverage = (mass[draft_ids].sum() / mass.sum()).item()
     log(f"draft vocabulary: {draft_vocab} of {vocab} tokens, covering {coverage:.2%} of the target's top-{topk} "
         "probability mass on the training windows")
     torch.manual_seed(cfg.seed)
     hc = Eagle3Config.for_target(tc, draft_vocab_size=draft_vocab, layer_ids=layer_ids,
                                  intermediate_size=cfg.intermediate_size or None)
+    hc.norm_before_fc = cfg.norm_before_fc
     head = Eagle3Head(hc)
     head.d2t.copy_(draft_ids - torch.arange(draft_vocab))
     head.t2d.zero_()
@@ -374,7 +436,13 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
                 head.norm.weight.copy_(norm.weight.float().cpu())
     head.set_embedding(target.get_input_embeddings().weight.detach().float().cpu())
     n_params = sum(p.numel() for p in head.parameters())
-    model = TTTModel(head, cfg.ttt_steps, cfg.step_decay).to(d.device)
+    model = TTTModel(head, cfg.ttt_steps, cfg.step_decay)
+    if cfg.scale_features:
+        model.feature_scale.copy_(1 / feature_rms(cache.features[:n_tr], cache.lengths[:n_tr]))
+        s = 1 / model.feature_scale
+        log(f"features scaled per dimension while training (RMS median {s.median():.3g}, max {s.max():.3g}); "
+            "folded into fc when saved")
+    model = model.to(d.device)
     log(f"head: {n_params / 1e6:.2f}M trained parameters (hidden {hc.hidden_size}, MLP {hc.intermediate_size}, "
         f"draft vocabulary {draft_vocab}); training-time test over {cfg.ttt_steps} steps")
     del target
@@ -394,9 +462,11 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     else:
         log("max_steps 0: writing the untrained head")
         r = LoopResult(0, 0, float("nan"), float("nan"), float("nan"), 0.0, True, d.world_size)
+    model.fold_feature_scale()
     summary = r.summary("loss", parameters=n_params, bf16=bf16, draft_vocab=draft_vocab, vocab=vocab, topk=topk,
                         layer_ids=layer_ids, coverage=coverage, train_windows=n_tr, cache_s=cache_s,
-                        train_tokens_cached=n_tr * cfg.seq_len)
+                        train_tokens_cached=int(train_len.sum()), norm_before_fc=cfg.norm_before_fc,
+                        scale_features=cfg.scale_features)
 
     # 7. Save the head; 8. how well it drafts on held-out text.
     if d.is_main:
@@ -442,7 +512,11 @@ def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "
                      f"draft vocabulary (its top {s['topk']} tokens and the rest as one bucket), step j weighted "
                      f"{cfg.step_decay:g}^j",
         "data": describe_sources(cfg.data),
-        "windows cached": f"{s['train_windows']:,} x {cfg.seq_len} tokens ({s['train_tokens_cached']:,} tokens)",
+        "windows cached": f"{s['train_windows']:,} of <= {cfg.seq_len} tokens within documents "
+                          f"({s['train_tokens_cached']:,} tokens)",
+        "fc input": ("RMSNorm over the fused states (norm_before_fc)" if s.get("norm_before_fc") else
+                     "trained on features / their per-dimension RMS, folded into fc" if s.get("scale_features") else
+                     "the target's features as they are"),
         "steps (done / planned)": f"{s['steps']:,} / {cfg.max_steps:,}",
         "tokens seen": s["tokens_seen"],
         "precision": ("bf16 autocast" if s["bf16"] else "fp32") + f", saved as {cfg.save_dtype}",
@@ -478,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-batch", type=int, default=8, help="windows per target forward while caching")
     p.add_argument("--no-init-from-target", dest="init_from_target", action="store_false",
                    help="start the LM head and final norm at random instead of from the target's")
+    p.add_argument("--norm-before-fc", action="store_true",
+                   help="an RMSNorm over the fused target states before fc (config key norm_before_fc; vLLM, "
+                   "speculators and llama.cpp read it)")
+    p.add_argument("--scale-features", action="store_true",
+                   help="train fc on the target's features divided by their per-dimension RMS (folded into fc when "
+                   "saved: the head's format does not change)")
     p.add_argument("--accept-prompts", type=int, default=8, help="held-out prompts for the acceptance report (0: skip)")
     p.add_argument("--accept-prompts-file", default=None, help='a .jsonl of {"prompt": ...} for that report')
     p.add_argument("--accept-k", type=int, default=4)
@@ -489,7 +569,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     own = fields_from_args(a, "target draft_vocab intermediate_size ttt_steps step_decay topk max_windows cache_batch "
-                              "init_from_target accept_prompts accept_prompts_file accept_k accept_max_tokens")
+                              "init_from_target norm_before_fc scale_features accept_prompts accept_prompts_file accept_k "
+                              "accept_max_tokens")
     if a.layer_ids:
         try:
             own["layer_ids"] = [int(x) for x in a.layer_ids.split(",")]

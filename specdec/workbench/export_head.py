@@ -109,7 +109,7 @@ def speculators_config(c: Eagle3Config, verifier: str, k: int, verifier_architec
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         "norm_before_residual": c.norm_before_residual,
-        "norm_before_fc": False,
+        "norm_before_fc": c.norm_before_fc,
         "eagle_aux_hidden_state_layer_ids": list(c.layer_ids),
         "specdec_target_num_layers": c.target_num_layers,
         "tie_word_embeddings": False,
