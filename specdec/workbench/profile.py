@@ -8,7 +8,10 @@ acceptance instead of one i.i.d. α:
   i tokens counts as not accepted: lookup drafters often find shorter continuations);
 - E(k) = 1 + Σ_{i≤k} Π_{j≤i} α_j, tokens per round (the recovered or bonus token included);
 - c = drafter time per drafted position ÷ one 1-token target step (the plain engine's verify pass,
-  timed in the same alternating runs as the drafter);
+  timed in the same alternating runs as the drafter). A parallel draft (drafters/pard.py) runs one
+  forward per round whatever k, so its c is per round and has a shape: c(k) = its measured time per
+  round at K × f(k) / f(K), f(k) the draft's own forward over one new token and k - 1 masks, timed
+  like v(k) (``measure_parallel_draft_cost``); its round costs c(k) + v(k) (cost_model.round_cost);
 - v(k) = one (k+1)-token target forward ÷ one 1-token target forward, timed directly on the target
   runner at batch 1 on real prompt prefixes (lower quartile of repeats: preemption by other work only
   ever adds time; the k interleaved so that load changes hit every k alike), so v(0) = 1;
@@ -42,7 +45,7 @@ import torch
 
 from specdec.bench import run_bench
 from specdec.config import SamplingParams, SpeculativeConfig
-from specdec.cost_model import best_k, mean_expected_tokens, mean_round_cost, predicted_speedups
+from specdec.cost_model import best_k, draft_passes, mean_expected_tokens, mean_round_cost, predicted_speedups
 from specdec.llm import LLM
 from specdec.metrics import SpecDecodingStats
 from specdec.models.base import ForwardBatch
@@ -142,30 +145,53 @@ def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats
     engine = llm.engine
     if engine.has_unfinished():
         raise RuntimeError("measure_verify_cost needs an idle engine")
-    target = engine.target
-    device = engine.device
-    times: list[list[float]] = [[] for _ in range(k_max + 1)]
-    for ids in prefixes:
-        ids = ids[: max(1, target.max_model_len - k_max - 2)]
-        start = len(ids) - 1
-        target.sync_rows(["__specdec_profile__"])
-        if start > 0:
-            target.forward(ForwardBatch.dense(torch.tensor([ids[:-1]], device=device), [0]))
-        inputs = [ForwardBatch.dense(torch.tensor([[ids[-1]] + (ids * (k + 1))[:k]], device=device), [start], "all")
-                  for k in range(k_max + 1)]  # [1, k+1]
-        for rep in range(warmup + repeats):
-            for k, batch in enumerate(inputs):  # every repeat times every k: load changes hit all alike
-                _sync(device)
-                t0 = time.perf_counter()
-                target.forward(batch)  # rewrites positions start..start+k each time
-                _sync(device)
-                if rep >= warmup:
-                    times[k].append(time.perf_counter() - t0)
-    quartiles = [statistics.quantiles(t, n=4)[0] if len(t) > 1 else t[0] for t in times]
+    quartiles, medians = _time_forwards(engine.target, engine.device, prefixes, list(range(1, k_max + 2)),
+                                        repeats, warmup)
     t1 = quartiles[0]
     return {"k": list(range(k_max + 1)), "v": [q / t1 for q in quartiles], "t1_s": t1, "lower_quartile_s": quartiles,
-            "median_s": [statistics.median(t) for t in times], "repeats": repeats * len(prefixes),
-            "prefix_lengths": [len(p) for p in prefixes]}
+            "median_s": medians, "repeats": repeats * len(prefixes), "prefix_lengths": [len(p) for p in prefixes]}
+
+
+def measure_parallel_draft_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats: int = 9,
+                                warmup: int = 2) -> dict:
+    """The shape of a parallel draft's round cost: its forward over one new token and k - 1 masks after
+    real prompt prefixes, for k = 1..k_max, at batch 1 (lower quartile of ``repeats``), and f(k) = that
+    time ÷ the k = 1 one. The engine must be idle; the drafter re-feeds its rows afterwards."""
+    engine = llm.engine
+    if engine.has_unfinished():
+        raise RuntimeError("measure_parallel_draft_cost needs an idle engine")
+    drafter = engine.drafter
+    quartiles, medians = _time_forwards(drafter.runner, engine.device, prefixes, list(range(1, k_max + 1)),
+                                        repeats, warmup, fill=drafter.mask_token_id)
+    drafter.release_memory()  # its rows were overwritten: every sequence starts from an empty draft cache
+    return {"k": list(range(1, k_max + 1)), "f": [q / quartiles[0] for q in quartiles], "lower_quartile_s": quartiles,
+            "median_s": medians, "repeats": repeats * len(prefixes)}
+
+
+def _time_forwards(runner, device, prefixes: list[list[int]], lengths: list[int], repeats: int, warmup: int,
+                   fill: int | None = None) -> tuple[list[float], list[float]]:
+    """(lower quartiles, medians) of ``runner``'s forward of T tokens at batch 1 after each prefix, per T
+    in ``lengths``: the prefix's last token, then T - 1 more (``fill``, or the prefix's own tokens)."""
+    times: list[list[float]] = [[] for _ in lengths]
+    for ids in prefixes:
+        ids = ids[: max(1, runner.max_model_len - max(lengths) - 1)]
+        start = len(ids) - 1
+        runner.sync_rows(["__specdec_profile__"])
+        if start > 0:
+            runner.forward(ForwardBatch.dense(torch.tensor([ids[:-1]], device=device), [0]))
+        more = [(ids * (T + 1))[:T - 1] if fill is None else [fill] * (T - 1) for T in lengths]
+        inputs = [ForwardBatch.dense(torch.tensor([[ids[-1]] + m], device=device), [start], "all")
+                  for m in more]  # [1, T]
+        for rep in range(warmup + repeats):
+            for i, batch in enumerate(inputs):  # every repeat times every T: load changes hit all alike
+                _sync(device)
+                t0 = time.perf_counter()
+                runner.forward(batch)  # rewrites positions start..start+T-1 each time
+                _sync(device)
+                if rep >= warmup:
+                    times[i].append(time.perf_counter() - t0)
+    quartiles = [statistics.quantiles(t, n=4)[0] if len(t) > 1 else t[0] for t in times]
+    return quartiles, [statistics.median(t) for t in times]
 
 
 def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict], *, max_tokens: int = 128,
@@ -198,7 +224,8 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
         "temperature": temperature, "k_max": K,
         "cost_model": "S(k) = E(k) / (k*c + v(k)); E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j; "
                       "alpha_j = conditional acceptance of draft position j; k*c + v(k) averaged over the "
-                      "measured proposal lengths when a drafter proposes fewer than k",
+                      "measured proposal lengths when a drafter proposes fewer than k; a parallel draft "
+                      "(one forward per round): c(k) + v(k)",
         "tau_definition": TAU_NOTE,
     }
     if method_lists:
@@ -217,7 +244,7 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
     profile["configs"] = []
     for spec in specs:
         profile["configs"].append(_profile_config(ar_llm, model, spec, K, records, categories, params, t1, v,
-                                                  load, tick))
+                                                  load, tick, prefixes, verify_repeats))
 
     for c, label in zip(profile["configs"], labels(profile["configs"])):
         c["label"] = label
@@ -248,7 +275,8 @@ def run_profile(model: str, speculative_configs: list[dict], prompts: list[dict]
 
 
 def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, records: list, categories: list[str],
-                    params: SamplingParams, t1: float, v: list[float], load: dict, tick) -> dict:
+                    params: SamplingParams, t1: float, v: list[float], load: dict, tick,
+                    prefixes: list[list[int]], repeats: int = 9) -> dict:
     cfg = _config_dict(spec)
     spec_llm = LLM(model, **load,
                    speculative_config={**cfg, "num_speculative_tokens": K, "adaptive": False})
@@ -274,14 +302,28 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
         advance()
 
     draft_tokens = stats.num_draft_tokens
+    draft_rounds = sum(1 for _, asked, _, _ in stats.rounds if asked > 0)  # batch 1: one row per round
     plain = _merge([s_["ar"] for s_ in sides.values()])
     t_step = plain.verify_s / plain.passes if plain.passes else t1  # the 1-token target step, in the engine
-    c = (stats.draft_time_s / draft_tokens) / t_step if draft_tokens else 0.0
+    per_round = stats.draft_time_s / draft_rounds if draft_rounds else 0.0
+    parallel = getattr(spec_llm.engine.drafter, "parallel_drafting", False)  # one draft forward per round
+    if parallel:  # c(k): the round's measured cost at K, shaped by the draft forward's time per k
+        shape = measure_parallel_draft_cost(spec_llm, prefixes, K, repeats=repeats)
+        c_round = per_round / t_step
+        c: float | list[float] = [0.0] + [c_round * f / shape["f"][-1] for f in shape["f"]]
+    else:
+        shape = None
+        c = (stats.draft_time_s / draft_tokens) / t_step if draft_tokens else 0.0
     result = {
         "method": spec.method, "speculative_config": cfg, "k_measured": K,
         "draft_time_per_position_s": stats.draft_time_s / draft_tokens if draft_tokens else 0.0,
+        "draft_time_per_round_s": per_round,
         "target_step_s": t_step,
-        "draft_cost_ratio": c,
+        # c: per drafted token (per round at K for a parallel draft: draft_cost_per_round holds c(k))
+        "draft_cost_ratio": c[K] if parallel else c,
+        "draft_cost_shape": "per_round" if parallel else "per_token",
+        "draft_cost_per_round": [c[k] if parallel else draft_passes(k) * c for k in range(K + 1)],
+        "parallel_draft_forward": shape,
         "greedy_match": {"matched": matched, "total": len(records)} if params.greedy else None,
         "categories": {},
     }
@@ -292,7 +334,7 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
         acc = acceptance_from_rounds(rounds, K)
         ar = _merge([sides[c_]["ar"] for c_ in cats])
         sp = _merge([sides[c_]["spec"] for c_ in cats])
-        s_pred = predicted_speedups(acc["alpha_conditional"], c, v, acc["draft_length_histogram"])
+        s_pred = predicted_speedups(acc["alpha_conditional"], c, v, acc["draft_length_histogram"], parallel)
         k_best = best_k(s_pred)
         entry = {
             **acc,
@@ -304,7 +346,7 @@ def _profile_config(ar_llm: LLM, model: str, spec: SpeculativeConfig, K: int, re
             "time_split": _time_split(sp),
             "plain_time_split": _time_split(ar),
         }
-        entry["round_cost"] = [mean_round_cost(k, c, v, acc["draft_length_histogram"]) for k in range(K + 1)]
+        entry["round_cost"] = [mean_round_cost(k, c, v, acc["draft_length_histogram"], parallel) for k in range(K + 1)]
         entry["predicted_speedup_end_to_end"] = _end_to_end(entry, ar, sp, t_step)
         result["categories"][name] = entry
     result["overall"] = result["categories"][ALL]
@@ -413,7 +455,8 @@ def _expand_configs(raw_configs: list) -> tuple[list[SpeculativeConfig], list[di
             specs.append(spec)
             continue
         first = len(specs)
-        specs += [replace(spec, method=m) for m in spec.methods]
+        specs += [replace(spec, method=m, parallel_drafting=spec.parallel_drafting and m == "draft_model")
+                  for m in spec.methods]
         lists.append({"methods": spec.methods, "config_indices": list(range(first, len(specs))),
                       "choice_config_index": len(specs), "speculative_config": _config_dict(spec)})
         specs.append(spec)
@@ -434,6 +477,8 @@ def _config_dict(spec: SpeculativeConfig) -> dict:
     """Only the fields that matter for the method (so exports and reports stay readable)."""
     suffix = {f for f in vars(spec) if f.startswith("suffix_decoding_")}
     keep = {"method", "num_speculative_tokens", "adaptive", "draft_p_min"}
+    if spec.parallel_drafting:  # a parallel draft (PARD): without the flag it would run autoregressively
+        keep.add("parallel_drafting")
     for method in spec.methods:
         keep |= {"draft_model": {"model"}, "eagle3": {"model"}, "ngram": {"prompt_lookup_max", "prompt_lookup_min"},
                  "suffix": suffix, "layer_skip": {"num_draft_layers"}}[method]
