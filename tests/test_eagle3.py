@@ -230,7 +230,8 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path)
                 k, v = torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2)
                 want_logits.append(logits[0, -1])
             for j, w in enumerate(want_logits):
-                expected = head.to_target_logits(w, llm.target.vocab_size)
+                expected = torch.full((llm.target.vocab_size,), float("-inf"))  # draft id i is target id i + d2t[i]
+                expected[head.draft_to_target] = w
                 assert int(drafts[b, j]) == int(expected.argmax()), (L, j)
                 if j < len(rec["logits"]):
                     got = rec["logits"][j][b]
@@ -392,3 +393,40 @@ def test_a_head_folder_without_its_files_says_which_is_missing(models, tmp_path,
     (head / missing).unlink()
     with pytest.raises(ValueError, match=missing):
         LLM(models["target"], backend="torch", speculative_config=spec(str(head)))
+
+
+def test_norm_before_fc_is_read_where_the_formats_write_it_and_old_heads_load_as_before(models, tmp_path):
+    """A config without ``norm_before_fc`` (every head before it) makes the same head as before: no
+    input_norm tensor, fuse = fc. The key is read at the top level and in ``eagle_config`` (vLLM reads both);
+    a head that has it but lacks ``input_norm.weight`` is refused by name."""
+    import json
+
+    from specdec.models.eagle3 import Eagle3Head, load_head, read_config
+
+    hf = models["hf"]
+    emb, n = hf.get_input_embeddings().weight.detach(), hf.config.num_hidden_layers
+    old = load_head(models["head"], emb, n)
+    assert "norm_before_fc" in json.loads((Path(models["head"]) / "config.json").read_text())  # written False
+    cfg = json.loads((Path(models["head"]) / "config.json").read_text())
+    del cfg["norm_before_fc"]
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(cfg))
+    (plain / "model.safetensors").symlink_to(Path(models["head"]) / "model.safetensors")
+    head = load_head(plain, emb, n)
+    assert not head.config.norm_before_fc and not hasattr(head, "input_norm")
+    assert set(head.state_dict()) == set(old.state_dict())
+    x = torch.randn(3, 3 * head.config.target_hidden_size)
+    torch.testing.assert_close(head.fuse(x), head.fc(x))
+
+    for where in ("top", "eagle_config"):
+        c2 = dict(cfg, **({"norm_before_fc": True} if where == "top" else
+                          {"eagle_config": {**cfg["eagle_config"], "norm_before_fc": True}}))
+        d = tmp_path / where
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(c2))
+        assert read_config(d).norm_before_fc
+        assert "input_norm.weight" in Eagle3Head(read_config(d)).state_dict()
+        (d / "model.safetensors").symlink_to(Path(models["head"]) / "model.safetensors")
+        with pytest.raises(ValueError, match="input_norm.weight"):
+            load_head(d, emb, n)

@@ -372,3 +372,48 @@ def test_profile_report_and_verify_lossless_take_an_eagle3_head(pair, tmp_path):
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["passed"] and out["method"] == "eagle3"
+
+
+def test_a_head_with_norm_before_fc_keeps_it_in_every_format(pair, tmp_path):
+    """norm_before_fc and its input_norm.weight [3 Dt] survive the vLLM (speculators) and SGLang layouts,
+    with the names vLLM's Eagle3LlamaForCausalLM reads (``model.input_norm.weight``, skipped only when the
+    key is false), and llama.cpp's converter when its tree is here (``eagle3.norm_before_fc``,
+    ``enc.output_norm.weight``)."""
+    from specdec.workbench.export_head import llama_cpp_tree, write_specforge, write_speculators
+
+    root, target, _, c = pair
+    c2 = Eagle3Config(**{**c.__dict__, "norm_before_fc": True})
+    torch.manual_seed(2)
+    head = Eagle3Head(c2)
+    with torch.no_grad():
+        head.input_norm.weight.uniform_(0.5, 1.5)
+    save_head(head, tmp_path / "head")
+    want = head.input_norm.weight.to(torch.bfloat16)
+    v = write_speculators(tmp_path / "head", tmp_path / "vllm", str(target), 3)
+    cfg = json.loads((v / "config.json").read_text())
+    assert cfg["norm_before_fc"] is True
+    names = _names(v / "model.safetensors")
+    assert names["input_norm.weight"] == (3 * c.target_hidden_size,)
+    params = {**_vllm_params(_vllm_config(cfg)), "model.input_norm.weight": (3 * c.target_hidden_size,)}
+    assert "model.input_norm.weight" in _vllm_load(names, params)
+    with safe_open(str(v / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("input_norm.weight"), want)
+    s = write_specforge(tmp_path / "head", tmp_path / "sglang")
+    assert json.loads((s / "config.json").read_text())["norm_before_fc"] is True
+    assert "input_norm.weight" in _names(s / "model.safetensors")
+    try:
+        llama_cpp_tree(download=False)
+    except ValueError:
+        pytest.skip("llama.cpp's source tree is not here for the GGUF half")
+    import gguf
+
+    from specdec.models.gguf import convert
+    from specdec.workbench.export_head import write_gguf
+
+    target_gguf = convert(str(target), str(tmp_path / "target-f32.gguf"), "f32")
+    out = write_gguf(tmp_path / "head", target, tmp_path / "head.gguf", target_gguf, "f32")
+    r = gguf.GGUFReader(out)
+    assert r.get_field("eagle3.norm_before_fc").contents() is True
+    tensors = {t.name: t for t in r.tensors}
+    got = torch.from_numpy(tensors["enc.output_norm.weight"].data.copy()).flatten()
+    torch.testing.assert_close(got, want.float())

@@ -323,7 +323,9 @@ def test_eagle3_tree_paths_equal_the_head_run_as_chains(folder, shape, siblings)
             for j, t in enumerate(path, start=1):
                 logits, g, k2, v2 = head.step(torch.tensor([[t]]), g, torch.tensor([[L - 2 + j]]), k, v)
                 k, v = torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2)
-            return head.to_target_logits(logits[0, -1], target.vocab_size)
+            out = torch.full((target.vocab_size,), float("-inf"))  # draft ids -> target ids, -inf elsewhere
+            out[head.draft_to_target] = logits[0, -1]
+            return out
 
     for _ in range(2):  # a second round from the same history: the slots past it are overwritten
         (tree,) = drafter.propose_tree([s], [shape], batch_of([s]))
