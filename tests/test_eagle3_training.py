@@ -283,3 +283,20 @@ def test_norm_before_fc_trains_saves_and_loads(tiny, tmp_path):
     want = head.fc(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + head.config.rms_norm_eps) * w)
     torch.testing.assert_close(head.fuse(x), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(head.fuse(x * 7), head.fuse(x), rtol=1e-3, atol=1e-3)  # scale-free input
+
+
+def test_a_head_from_the_checkpoint_is_the_head_the_run_saved(tiny, tmp_path):
+    """head_from_checkpoint (a stopped run's head, scale folded) gives the tensors the run itself saved."""
+    from safetensors.torch import load_file
+
+    from specdec.training.eagle3 import head_from_checkpoint
+
+    run(tiny, tmp_path / "h", "--max-steps", "8", "--stop-at-step", "4", "--scale-features", "--run-dir",
+        str(tmp_path / "r"), "--save-dtype", "float32")
+    head_from_checkpoint(tmp_path / "r", tmp_path / "c", "float32")
+    saved, again = load_file(tmp_path / "h" / "model.safetensors"), load_file(tmp_path / "c" / "model.safetensors")
+    assert set(saved) == set(again)
+    for name in saved:
+        assert torch.equal(saved[name], again[name]), name
+    with pytest.raises(ValueError, match="holds no checkpoint.pt"):
+        head_from_checkpoint(tmp_path / "h", tmp_path / "x")

@@ -255,8 +255,9 @@ class TTTModel(nn.Module):
         index = torch.full((c.vocab_size,), -1, dtype=torch.long)
         index[head.draft_to_target] = torch.arange(c.draft_vocab_size)
         self.register_buffer("to_draft", index, persistent=False)  # target id -> draft id, -1 outside
-        # fc reads features * feature_scale [3 Dt] while training (1: unscaled); fold_feature_scale moves it into fc
-        self.register_buffer("feature_scale", torch.ones(head.fc.in_features), persistent=False)
+        # fc reads features * feature_scale [3 Dt] while training (1: unscaled); fold_feature_scale moves it into
+        # fc. Kept in checkpoints, so a head can be taken from any of them (head_from_checkpoint)
+        self.register_buffer("feature_scale", torch.ones(head.fc.in_features))
 
     def fold_feature_scale(self) -> None:
         """fc(x * s) == fc'(x) with fc' = fc.weight * s: the saved head reads the target's features as they are."""
@@ -498,6 +499,33 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     d.barrier()
     distributed.teardown(d)
     return summary
+
+
+def head_from_checkpoint(run_dir: str | Path, out: str | Path, save_dtype: str = "bfloat16") -> Path:
+    """The head of a run's last checkpoint (``run_dir/checkpoint.pt``), its feature scale folded into fc,
+    written to ``out`` (config.json, model.safetensors): a stopped or unfinished run still gives a head,
+    without rebuilding the target's cache."""
+    from transformers import AutoConfig
+
+    from specdec.models.resolve import resolve_model_path
+    from specdec.training.checkpoint import CHECKPOINT_NAME, load_checkpoint
+
+    path = Path(run_dir) / CHECKPOINT_NAME
+    if not path.is_file():
+        raise ValueError(f"{str(run_dir)!r} holds no {CHECKPOINT_NAME}; pass the --run-dir of an eagle3 distill run")
+    ckpt = load_checkpoint(path)
+    cfg, state = ckpt["config"], ckpt["model"]
+    if "head.fc.weight" not in state:
+        raise ValueError(f"{str(path)!r} is not the checkpoint of an EAGLE-3 head (no head.fc.weight)")
+    tc = AutoConfig.from_pretrained(resolve_model_path(cfg["target"]))
+    hc = Eagle3Config.for_target(tc, draft_vocab_size=state["head.lm_head.weight"].shape[0],
+                                 layer_ids=cfg["layer_ids"] or default_layer_ids(tc.num_hidden_layers),
+                                 intermediate_size=state["head.midlayer.mlp.down_proj.weight"].shape[1])
+    hc.norm_before_fc = bool(cfg.get("norm_before_fc", False))
+    model = TTTModel(Eagle3Head(hc), 1, 1.0)
+    model.load_state_dict(state, strict=False)  # feature_scale is absent from checkpoints before it was kept
+    model.fold_feature_scale()
+    return save_head(model.head, out, dtype=getattr(torch, save_dtype))
 
 
 def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "") -> Path:
