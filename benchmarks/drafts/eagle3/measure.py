@@ -1,12 +1,13 @@
-"""Acceptance of an EAGLE-3 head beside a draft model, same process, same prompts, k fixed.
+"""Acceptance of EAGLE-3 heads beside a draft model, same process, same prompts, k fixed.
 
-For each temperature, runs the target with ``method: eagle3`` (the head) and ``method: draft_model``
-(the draft) through specdec's engine with the adaptive controller off, over held-out code prompts
-(benchmarks/prompts/code_heldout.jsonl: Python's own test files, which no training set here reads),
-and prints acceptance per position and tau (tokens per verify pass, bonus included) for both and
-their ratio. ``--json`` writes the figures for a model card.
+For each temperature, runs the target with ``method: eagle3`` (each head of ``--head``, comma-separated)
+and ``method: draft_model`` (the draft) through specdec's engine with the adaptive controller off, over
+held-out code prompts (benchmarks/prompts/code_heldout.jsonl: Python's own test files, which no training
+set here reads), and prints acceptance per position and tau (tokens per verify pass, bonus included) for each and
+each head's ratio to the draft. ``--json`` writes the figures for a model card.
 
     python benchmarks/drafts/eagle3/measure.py --head specdec/demo-eagle3 --draft specdec/demo-draft --k 4
+    python benchmarks/drafts/eagle3/measure.py --head specdec/demo-eagle3,runs/new-head --k 4  # old and new
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="specdec/demo-target")
-    ap.add_argument("--head", default="specdec/demo-eagle3")
+    ap.add_argument("--head", default="specdec/demo-eagle3", help="one head or several, comma-separated")
     ap.add_argument("--draft", default="specdec/demo-draft")
     ap.add_argument("--prompts", default=str(ROOT / "benchmarks/prompts/code_heldout.jsonl"))
     ap.add_argument("--num-prompts", type=int, default=24)
@@ -45,7 +46,9 @@ def main() -> None:
     rows = []
     for temp in [float(t) for t in args.temperatures.split(",")]:
         taus = {}
-        for name, method, model in (("head", "eagle3", args.head), ("draft", "draft_model", args.draft)):
+        heads = [h for h in args.head.split(",") if h]
+        runs = [(f"head{i}" if len(heads) > 1 else "head", "eagle3", h) for i, h in enumerate(heads)]
+        for name, method, model in [*runs, ("draft", "draft_model", args.draft)]:
             t0 = time.time()
             r = draft_acceptance(args.target, model, prompts, k=args.k, max_tokens=args.max_tokens, temperature=temp,
                                  seed=args.seed, method=method, backend=args.backend)
@@ -53,7 +56,8 @@ def main() -> None:
             rows.append(r)
             taus[name] = r["mean_acceptance_length"]
             print(f"T={temp:g} {name:5s} {model}: {format_acceptance(r)} [{r['seconds']} s]", flush=True)
-        print(f"T={temp:g} tau head / tau draft = {taus['head'] / taus['draft']:.2f}x", flush=True)
+        for name, _, model in runs:
+            print(f"T={temp:g} tau {model} / tau draft = {taus[name] / taus['draft']:.2f}x", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
 
