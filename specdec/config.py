@@ -1,4 +1,4 @@
-"""Validated configuration: sampling parameters and the speculative config.
+"""Validated configuration: sampling parameters, the speculative, model and scheduler configs.
 
 Each dataclass checks its own fields on construction and raises ``ValueError``
 with a message that says what is wrong and how to fix it.
@@ -388,6 +388,37 @@ class ModelConfig:
         _check(self.enforce_eager is None or isinstance(self.enforce_eager, bool),
                f"enforce_eager must be True, False or None (compile unless SPECDEC_ENFORCE_EAGER=1), "
                f"got {short_repr(self.enforce_eager)}")
+
+
+PLAIN_STEPS = 4  # greedy plain rounds take up to this many steps in one runner call (Engine's plain round)
+
+
+@dataclass
+class SchedulerConfig:
+    """How the scheduler admits and batches requests (vLLM's ``SchedulerConfig`` names), built once
+    by ``LLM`` and read by the scheduler alone. ``None`` bounds nothing: ``LLM.generate`` takes every
+    prompt in turn; a server sets its token and KV bounds (``Engine.limit_admission``)."""
+
+    max_num_seqs: int = 256  # sequences decoded at once; the rest wait
+    # greedy rounds that draft nothing take up to this many plain steps in one runner call (1: one a round)
+    num_scheduler_steps: int = PLAIN_STEPS
+    max_num_batched_tokens: int | None = None  # prompt tokens admitted into one round (one prompt always fits)
+    kv_cache_memory: int | None = None  # bytes of KV cache (target and drafter) admission never over-commits
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+               f"max_num_seqs must be an integer >= 1, got {short_repr(self.max_num_seqs)}; "
+               "it is how many sequences decode at once (e.g. max_num_seqs=8)")
+        _check(_is_int(self.num_scheduler_steps) and self.num_scheduler_steps >= 1,
+               f"num_scheduler_steps must be an integer >= 1, got {short_repr(self.num_scheduler_steps)}; "
+               f"1 takes one plain step a round, the default {PLAIN_STEPS} up to that many in one call")
+        _check(self.max_num_batched_tokens is None
+               or (_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1),
+               f"max_num_batched_tokens must be an integer >= 1 or None (no bound), "
+               f"got {short_repr(self.max_num_batched_tokens)}")
+        _check(self.kv_cache_memory is None or (_is_int(self.kv_cache_memory) and self.kv_cache_memory >= 0),
+               f"kv_cache_memory must be a number of bytes >= 0 or None (no bound), "
+               f"got {short_repr(self.kv_cache_memory)}")
 
 
 def _is_int(x: Any) -> bool:

@@ -3,9 +3,9 @@
 The scheduler decides who runs and what each row drafts (scheduler.py; tree or chain: policy.py),
 intake.py takes requests in, the engine runs the rounds, the runners compute (models/), the verifier
 decides what is kept (verify.py; verify_tree.py for a round of draft trees, ``_tree_round``), the
-detokenizer stops sequences (detokenizer.py). With no drafter (or k = 0) the same loop is plain
-autoregressive decoding: the baseline every benchmark compares against. ``reference.py`` is the
-same algorithm for one sequence, written to be read.
+detokenizer stops sequences (detokenizer.py), round_record.py files each round's counters. With no
+drafter (or k = 0) the same loop is plain autoregressive decoding: the baseline every benchmark
+compares against. ``reference.py`` is the same algorithm for one sequence, written to be read.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 import torch
 
 from specdec import policy
 from specdec.adaptive import AdaptiveK
-from specdec.config import SamplingParams
+from specdec.config import SamplingParams, SchedulerConfig
 from specdec.detokenizer import Detokenizer
 from specdec.drafters.base import Drafter
 from specdec.drafters.checks import check_proposal, check_trees
@@ -31,9 +31,10 @@ from specdec.logprobs import TokenText, check_logprobs_mode, record_emitted
 from specdec.metrics import NO_DRAFT, SpecDecodingStats
 from specdec.models.base import ModelRunner, pad_rows
 from specdec.processing import constrain_drafts, process_verify_logits
-from specdec.scheduler import PLAIN_STEPS, RoundBatch, Scheduler
+from specdec.round_record import RoundRecord
+from specdec.scheduler import KvBudget, RoundBatch, Scheduler
 from specdec.sequence import Sequence
-from specdec.tree import DraftTree, TreeShape
+from specdec.tree import TreeShape
 from specdec.verify import verify
 from specdec.verify_tree import verify_tree
 
@@ -41,39 +42,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass
-class RoundRecord:
-    """What step 5 records of one round, alike for chain, tree and plain rounds; lists are [B]."""
-
-    drafted: list[int]  # drafts verified per row (a tree: its nodes)
-    accepted: list[int]  # drafts accepted per row (a tree: its accepted path's length)
-    asked: list[int]  # drafts (nodes) asked of the drafter per row
-    sources: list[str]  # the method that drafted each row
-    draft_s: float
-    verify_s: float
-    timed: bool = True  # the verify pass only verified (False: it also carried a prompt; the controller skips it)
-    depths: list[int] | None = None  # a tree round: each row's tree depth
-    trees: list[DraftTree | None] | None = None  # a tree round: the trees and the accepted paths
-    paths: list[list[int]] | None = None
-    plain_steps: int = 0  # a plain round of several greedy steps in one runner call: how many
-
-
 class Engine:
     def __init__(self, target: ModelRunner, drafter: Drafter | None = None, num_speculative_tokens: int = 0,
-                 tokenizer=None, eos_token_ids: Iterable[int] = (), max_num_seqs: int = 256,
+                 tokenizer=None, eos_token_ids: Iterable[int] = (), scheduler_config: SchedulerConfig | None = None,
                  adaptive: bool = False, strict_drafter: bool | None = None, logprobs_mode: str = "raw_logprobs",
-                 num_scheduler_steps: int = PLAIN_STEPS, draft_tree: str = "chain", draft_tree_max_nodes: int = 7,
-                 draft_tree_top_k: int = 4):
+                 draft_tree: str = "chain", draft_tree_max_nodes: int = 7, draft_tree_top_k: int = 4):
         self.target = target
         self.drafter = drafter
         self.k = num_speculative_tokens if drafter is not None else 0
-        # draft trees (SpeculativeConfig.draft_tree): "chain" | "auto" | "tree"
-        self.draft_tree, self.draft_tree_max_nodes, self.draft_tree_top_k = draft_tree, draft_tree_max_nodes, draft_tree_top_k
+        # draft trees (SpeculativeConfig.draft_tree): "chain" | "auto" | "tree", where drafter and target can
         tree_mode = policy.tree_mode(draft_tree, self.k, drafter, target)
         # adaptive: one k per round for the batch, from measured acceptance and costs; else k fixed
         controller = AdaptiveK(self.k) if adaptive and self.k > 0 else None
         # the KV budget: the target's bytes per position, and what the drafter's caches hold (Drafter.kv_use)
-        self.scheduler = Scheduler(max_num_seqs, self.k, controller, num_scheduler_steps, target.kv_bytes_per_token(),
+        self.scheduler = Scheduler(scheduler_config, self.k, controller, target.kv_bytes_per_token(),
                                    target.max_model_len, tree_mode, draft_tree_max_nodes, draft_tree_top_k, drafter,
                                    target.min_cache_rows)
         if drafter is not None:
@@ -112,6 +94,20 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def limit_admission(self, kv_cache_memory: int | None, max_num_batched_tokens: int | None) -> KvBudget | None:
+        """Bound admission by KV memory (bytes) and prompt tokens a round (a server's limits); returns
+        the KV budget to check requests against before they queue (None: no bound)."""
+        return self.scheduler.limit(kv_cache_memory, max_num_batched_tokens)
+
+    def next_in_line(self) -> list[Sequence]:
+        """The waiting sequences the next step may admit."""
+        return self.scheduler.next_in_line()
+
+    def isolated(self, seqs: list[Sequence]) -> AbstractContextManager[None]:
+        """Within it only ``seqs`` run or join (a server retrying a failed step over part of the batch);
+        the others come back after and recompute their history (``Scheduler.alone``)."""
+        return self.scheduler.alone(seqs)
 
     running = property(lambda self: self.scheduler.running)
     waiting = property(lambda self: self.scheduler.waiting_seqs())
@@ -202,8 +198,10 @@ class Engine:
         #    a row with penalties / biases / a grammar drafted a chain: processed as a chain round's
         raw_logits = self.target.forward(batch.tree_verify_batch(trees))
         nodes = [t.num_nodes if t is not None else 0 for t in trees]
-        chains = pad_rows([t.token_ids if t is not None else [] for t in trees], self.device)  # [B, N_max]
-        target_logits = process_verify_logits(raw_logits, batch.seqs, chains, nodes)
+        target_logits = raw_logits
+        if any(s.processor is not None for s in batch.seqs):
+            chains = pad_rows([t.token_ids if t is not None else [] for t in trees], self.device)  # [B, N_max]
+            target_logits = process_verify_logits(raw_logits, batch.seqs, chains, nodes)
 
         # 3. accept: a root path per row, then one recovered or bonus token (greedy: the argmax path;
         #    sampled: recursive rejection over siblings, verify_tree.py)
@@ -255,31 +253,9 @@ class Engine:
         return gained
 
     def _update(self, batch: RoundBatch, r: RoundRecord, t0: float) -> None:
-        """Step 5's bookkeeping, one for every kind of round: the engine's counters and each sequence's
-        (charged the round's whole draft and verify time), the controller's costs; finished sequences leave."""
-        seqs, ids, verify_s = batch.seqs, [s.seq_id for s in batch.seqs], r.verify_s
-        if r.plain_steps:
-            self.stats.record_plain_steps(len(seqs), r.plain_steps)
-            for s in seqs:
-                s.stats.record_plain(r.plain_steps, verify_s)
-            if self.controller is not None:
-                self.controller.record(ids, r.drafted, r.accepted, 0.0, verify_s / r.plain_steps, num_steps=r.plain_steps)
-        else:
-            if r.depths is None:
-                self.stats.record_round(r.drafted, r.accepted, r.asked)
-            else:
-                self.stats.record_tree_round(r.drafted, r.depths, r.accepted, r.asked)
-            self.stats.record_sources(r.drafted, r.accepted, r.sources)
-            for b, s in enumerate(seqs):
-                s.stats.record(r.drafted[b], r.accepted[b], r.asked[b], r.sources[b], r.draft_s, verify_s,
-                               **({} if r.depths is None else {"depth": r.depths[b]}))
-            if self.controller is not None and r.depths is None:  # a pass that carried a prompt times no verify
-                self.controller.record(ids, r.drafted, r.accepted, r.draft_s, verify_s if r.timed else None)
-            elif self.controller is not None:  # tokens per pass and costs per node count (adaptive/)
-                self.controller.record_tree(ids, r.drafted, r.accepted, r.draft_s, verify_s, trees=r.trees,
-                                            paths=r.paths)
-        self.stats.draft_time_s += r.draft_s
-        self.stats.verify_time_s += verify_s
+        """Step 5's bookkeeping, one for every kind of round: counters and costs (round_record.py);
+        finished sequences leave."""
+        r.file(batch.seqs, self.stats, self.controller)
         self.stats.step_time_s += time.perf_counter() - t0
         self._retire()
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from specdec.config import ModelConfig, SamplingParams, SpeculativeConfig
+from specdec.config import PLAIN_STEPS, ModelConfig, SamplingParams, SchedulerConfig, SpeculativeConfig
 from specdec.detokenizer import TextStreamer
 from specdec.drafters import build_drafter
 from specdec.drafters.vocab_map import same_vocabulary
@@ -18,7 +18,6 @@ from specdec.models.choose import choose, choose_draft
 from specdec.models.load import load
 from specdec.models.resolve import resolve
 from specdec.outputs import CompletionOutput, RequestOutput, StreamDelta
-from specdec.scheduler import PLAIN_STEPS, check_num_scheduler_steps
 from specdec.sequence import Sequence
 
 Prompt = str | dict | list[int]
@@ -51,11 +50,10 @@ class LLM:
                                         trust_remote_code=trust_remote_code, backend=backend, tokenizer=tokenizer,
                                         enforce_eager=enforce_eager)
         self.speculative_config = SpeculativeConfig.from_dict(speculative_config)
-        _check_device(device)
+        # no token or KV bound: generate() takes every prompt in turn (a server sets its own)
+        scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, num_scheduler_steps=num_scheduler_steps)
+        _check_device(device)  # all of it before the models load
         check_logprobs_mode(logprobs_mode)
-        if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        check_num_scheduler_steps(num_scheduler_steps)  # before the model loads
         spec = self.speculative_config
         methods, k = (spec.methods, spec.num_speculative_tokens) if spec else ([], 0)
         # the models, in three steps (specdec/models/): resolve the names to files, choose each model's
@@ -84,8 +82,8 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         drafter = build_drafter(spec, self.target, draft) if k > 0 else None
         self.engine = Engine(self.target, drafter, k, tokenizer=self.tokenizer, eos_token_ids=eos,
-                             max_num_seqs=max_num_seqs, adaptive=spec is not None and spec.adaptive,
-                             logprobs_mode=logprobs_mode, num_scheduler_steps=num_scheduler_steps,
+                             scheduler_config=scheduler_config, adaptive=spec is not None and spec.adaptive,
+                             logprobs_mode=logprobs_mode,
                              **(dict(draft_tree=spec.draft_tree, draft_tree_max_nodes=spec.draft_tree_max_nodes,
                                      draft_tree_top_k=spec.draft_tree_top_k) if spec is not None else {}))
 

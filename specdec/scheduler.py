@@ -3,7 +3,7 @@
 It holds the waiting queue and the running batch and decides, between two rounds:
 - who joins: waiting requests in arrival order, a request's sequences together, while there are
   seats (``max_num_seqs``), prompt tokens left in the round (``max_num_batched_tokens``) and KV
-  memory (``KvBudget``: the target's cache and the drafter's, when it keeps one). A request that
+  memory (``kv_cache_memory``: ``KvBudget``: the target's cache and the drafter's, when it keeps one). A request that
   does not fit waits, and everyone behind it waits too: none overtakes, so none starves;
 - how they join: small prompts ride in the next verify pass, others get a prefill of their own;
 - what each row asks of the drafter (k per row, from the adaptive controller when there is one; or a
@@ -11,7 +11,8 @@ It holds the waiting queue and the running batch and decides, between two rounds
   runner call;
 - who leaves: finished sequences, their places filled from the end of the batch so the cache rows
   (which follow batch order) move as little as possible.
-The engine carries these decisions out (engine.py); ``RoundBatch`` is what one round runs on.
+Its bounds are one ``SchedulerConfig`` (config.py). The engine carries these decisions out
+(engine.py); ``RoundBatch`` is what one round runs on.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 
 import torch
 
 from specdec.adaptive import AdaptiveK
+from specdec.config import SchedulerConfig
 from specdec.drafters.base import Drafter, KvUse
 from specdec.models.base import ForwardBatch, pad_rows
 from specdec.models.kv_cache import CACHE_STEP
@@ -35,12 +37,6 @@ from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape, block_parents
 
 MERGED_PREFILL_TOKENS = 512  # new prompts up to this many tokens in all join a running batch's verify pass
-PLAIN_STEPS = 4  # greedy plain rounds take up to this many steps in one runner call (Engine._plain_round)
-
-
-def check_num_scheduler_steps(n: int) -> None:
-    if not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {n!r}")
 
 
 def round_up(n: int, step: int = CACHE_STEP) -> int:
@@ -123,25 +119,20 @@ class Admitted:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int = 256, k: int = 0, controller: AdaptiveK | None = None,
-                 num_scheduler_steps: int = PLAIN_STEPS, kv_bytes_per_token: int = 0, max_model_len: int = 0,
+    def __init__(self, config: SchedulerConfig | None = None, k: int = 0, controller: AdaptiveK | None = None,
+                 kv_bytes_per_token: int = 0, max_model_len: int = 0,
                  draft_tree: str = "chain", draft_tree_max_nodes: int = 7, draft_tree_top_k: int = 4,
                  drafter: Drafter | None = None, target_min_rows: int = 1):
-        """``k``: drafts asked per row (the most, with a ``controller``); ``kv_bytes_per_token``: the
-        target's, and ``drafter``'s caches (``Drafter.kv_use``), for the KV budget that ``limit`` sets
-        (without ``drafter``: the drafter's too, per position). ``draft_tree``: "chain"
+        """``config``: the seats, steps, token and KV bounds (default: 256 seats, no other bound).
+        ``k``: drafts asked per row (the most, with a ``controller``); ``kv_bytes_per_token``: the
+        target's, and ``drafter``'s caches (``Drafter.kv_use``), for the KV budget (without
+        ``drafter``: the drafter's too, per position). ``draft_tree``: "chain"
         (never trees), "auto" (trees where the controller picks them) or "tree" (always); the engine
         passes "chain" where the drafter or the target cannot do trees. A tree has at most
         ``draft_tree_max_nodes`` nodes, ``k`` levels and ``draft_tree_top_k`` children per node."""
-        if not (isinstance(max_num_seqs, int) and max_num_seqs >= 1):
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        check_num_scheduler_steps(num_scheduler_steps)
-        self.max_num_seqs = max_num_seqs
-        self.k, self.controller, self.num_scheduler_steps = k, controller, num_scheduler_steps
+        self.k, self.controller = k, controller
         self.kv_bytes_per_token, self.max_model_len, self.drafter = kv_bytes_per_token, max_model_len, drafter
         self.target_min_rows = target_min_rows  # rows the target's cache holds however few run
-        self.max_num_batched_tokens: int | None = None  # None: no bound (LLM.generate)
-        self.kv: KvBudget | None = None  # None: no bound (LLM.generate)
         self.waiting: deque[list[Sequence]] = deque()  # requests; aborted ones stay until admission skips them
         self.running: list[Sequence] = []
         self.plain_only: set[int] = set()  # sequences that decode plainly since the drafter failed on them
@@ -149,6 +140,12 @@ class Scheduler:
         # the most a row drafts: k levels, and no more levels than nodes (SpeculativeConfig refuses
         # draft_tree "tree" with k > draft_tree_max_nodes; "auto" trees are this deep at most)
         self.max_tree = TreeShape(draft_tree_max_nodes, max(min(k, draft_tree_max_nodes), 1), draft_tree_top_k)
+        self.config = config or SchedulerConfig()
+        self.kv = self._budget()  # None: no bound (LLM.generate)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
 
     @property
     def max_draft_positions(self) -> int:
@@ -156,14 +153,20 @@ class Scheduler:
         return self.k if self.draft_tree == "chain" else max(self.k, self.max_tree.num_nodes)
 
     def limit(self, kv_cache_memory: int | None = None, max_num_batched_tokens: int | None = None) -> KvBudget | None:
-        """Bound admission by KV memory (bytes) and prompt tokens a round (a server's limits)."""
-        self.max_num_batched_tokens = max_num_batched_tokens
+        """Bound admission by KV memory (bytes) and prompt tokens a round (a server's limits); returns
+        the KV budget the server's HTTP side checks requests against."""
+        self.config = replace(self.config, kv_cache_memory=kv_cache_memory,
+                              max_num_batched_tokens=max_num_batched_tokens)  # validated again
+        self.kv = self._budget()
+        return self.kv
+
+    def _budget(self) -> KvBudget | None:
+        if self.config.kv_cache_memory is None:
+            return None
         drafter = [] if self.drafter is None or self.k == 0 else self.drafter.kv_use(
             self.k, None if self.draft_tree == "chain" else self.max_tree)
-        self.kv = None if kv_cache_memory is None else KvBudget(
-            kv_cache_memory, self.kv_bytes_per_token, self.max_num_seqs, self.max_model_len, self.max_draft_positions,
-            drafter, self.target_min_rows)
-        return self.kv
+        return KvBudget(self.config.kv_cache_memory, self.kv_bytes_per_token, self.max_num_seqs, self.max_model_len,
+                        self.max_draft_positions, drafter, self.target_min_rows)
 
     # -- the queue ----------------------------------------------------------------------------------
 
@@ -211,7 +214,8 @@ class Scheduler:
             if len(self.running) + len(new) + len(group) > self.max_num_seqs:
                 break
             cost = self._prompt_tokens(group)  # a prompt alone always fits the round
-            if tokens and self.max_num_batched_tokens is not None and tokens + cost > self.max_num_batched_tokens:
+            bound = self.config.max_num_batched_tokens
+            if tokens and bound is not None and tokens + cost > bound:
                 break
             if self.kv is not None and not self.kv.fits(len(self.running) + len(new) + len(group),
                                                         self._kv_length(group)):
@@ -323,14 +327,15 @@ class Scheduler:
         each row past its first output token (which streams at once), no request waiting for a place
         (it joins only between rounds), and not while the adaptive controller times plain steps before
         it may speculate (a plain stretch of several steps a round would delay speculation)."""
-        if (self.num_scheduler_steps == 1 or max(batch.num_wanted) > 0 or batch.carries_prompt
+        steps = self.config.num_scheduler_steps
+        if (steps == 1 or max(batch.num_wanted) > 0 or batch.carries_prompt
                 or not batch.sampling.all_greedy or (self.waiting and len(self.running) < self.max_num_seqs)
                 or (self.controller is not None and self.controller.measuring_plain(len(batch.seqs)))):
             return 1
         for s in batch.seqs:
             if s.processor is not None or s.params.logprobs is not None or s.num_output_tokens == 0:
                 return 1
-        return min(self.num_scheduler_steps, min(s.room for s in batch.seqs))
+        return min(steps, min(s.room for s in batch.seqs))
 
 
 @dataclass

@@ -54,6 +54,8 @@ def test_bad_model_arguments(target, tmp_path):
         LLM(target, max_model_len=100)
     with pytest.raises(ValueError, match="num_scheduler_steps must be an integer >= 1, got 0"):
         LLM(target, num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="max_num_seqs must be an integer >= 1, got -1"):
+        LLM(target, max_num_seqs=-1)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             LLM(target, device="cuda")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.config import SchedulerConfig
 from specdec.sampling import make_generator
 from specdec.scheduler import MERGED_PREFILL_TOKENS, KvBudget, Scheduler
 from specdec.sequence import Sequence
@@ -62,7 +63,7 @@ def choices(num_prompt_tokens: int, n: int) -> list[Sequence]:
 
 
 def test_seats_admit_in_order_a_request_whole_and_none_overtakes():
-    sched = Scheduler(max_num_seqs=3)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3))
     first, pair, single = [seq(4)], choices(4, 2), [seq(4)]
     for r in (first, pair, single):
         sched.add(r)
@@ -84,8 +85,7 @@ def test_seats_admit_in_order_a_request_whole_and_none_overtakes():
 
 
 def test_the_rounds_prompt_tokens_are_bounded_and_a_prompt_alone_always_fits():
-    sched = Scheduler(max_num_seqs=16)
-    sched.limit(max_num_batched_tokens=100)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=100))
     shared = choices(60, 3)  # choices of one prompt share its prefill: 60 tokens, not 180
     for r in ([seq(10)], shared, [seq(40)], [seq(150)], [seq(20)]):
         sched.add(r)
@@ -96,7 +96,7 @@ def test_the_rounds_prompt_tokens_are_bounded_and_a_prompt_alone_always_fits():
 
 
 def test_the_kv_budget_counts_the_caches_peak_shape_and_rows_until_retired():
-    sched = Scheduler(max_num_seqs=8, k=K, kv_bytes_per_token=BYTES, max_model_len=512)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8), k=K, kv_bytes_per_token=BYTES, max_model_len=512)
     kv = sched.limit(kv_cache_memory=4 * 256 * BYTES)  # 4 rows of 256 positions
     assert kv.positions(10, 100) == 256 and kv.positions(10, 10_000) == 512 + 256  # the context bounds the output
     a, b = seq(10), seq(10)
@@ -119,6 +119,24 @@ def test_the_kv_budget_counts_the_caches_peak_shape_and_rows_until_retired():
     sched.add([big])
     admitted = sched.admit()
     assert admitted.seqs == [big] and admitted.release_caches and kv.reserved == 768 * BYTES
+
+
+def test_the_scheduler_config_refuses_bad_bounds_and_a_server_bounds_it_again():
+    for bad, message in (({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
+                         ({"max_num_seqs": 2.0}, "max_num_seqs must be an integer >= 1, got 2.0"),
+                         ({"num_scheduler_steps": True}, "num_scheduler_steps must be an integer >= 1"),
+                         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be an integer >= 1 or None"),
+                         ({"kv_cache_memory": -1}, "kv_cache_memory must be a number of bytes >= 0 or None")):
+        with pytest.raises(ValueError, match=message):
+            SchedulerConfig(**bad)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4), kv_bytes_per_token=BYTES, max_model_len=512)
+    assert sched.kv is None  # LLM.generate: no KV bound
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        sched.limit(kv_cache_memory=1024, max_num_batched_tokens=-5)
+    kv = sched.limit(kv_cache_memory=2 * 256 * BYTES, max_num_batched_tokens=64)
+    assert sched.kv is kv and sched.config == SchedulerConfig(4, max_num_batched_tokens=64,
+                                                               kv_cache_memory=2 * 256 * BYTES)
+    assert kv.max_rows == 4 and kv.budget == 2 * 256 * BYTES
 
 
 def test_a_request_that_can_never_fit_is_refused_before_it_queues():

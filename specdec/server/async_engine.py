@@ -290,7 +290,7 @@ class AsyncEngine(Admission):
         memory = limits.kv_cache_memory
         if memory is None:
             memory = int(limits.kv_cache_memory_fraction * available_memory(engine.target.device))
-        super().__init__(engine.scheduler.limit(memory, limits.max_num_batched_tokens), limits)
+        super().__init__(engine.limit_admission(memory, limits.max_num_batched_tokens), limits)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._queue: deque[_Queued] = deque()  # requests in the scheduler's queue, in order (engine thread only)
         self._tracks: dict[int, _Track] = {}  # seq_id -> track, queued or running (engine thread only)
@@ -447,7 +447,7 @@ class AsyncEngine(Admission):
 
     def _step(self) -> None:
         # the step's rows: those running and those it may admit
-        seqs = [s for s in self.engine.running if not s.finished] + self.engine.scheduler.next_in_line()
+        seqs = [s for s in self.engine.running if not s.finished] + self.engine.next_in_line()
         attempt = _Attempt.of(seqs)
         try:
             self._stalled = not self.engine.step() and self.engine.has_unfinished()
@@ -488,10 +488,10 @@ class AsyncEngine(Admission):
                 self._bisect(part, retry_whole=True)
 
     def _try_step(self, group: list[Sequence]) -> bool:
-        """One step of ``group`` alone (``Scheduler.alone``: the others are held aside and recompute
+        """One step of ``group`` alone (``Engine.isolated``: the others are held aside and recompute
         their history in their next step)."""
         attempt = _Attempt.of(group)
-        with self.engine.scheduler.alone(group):
+        with self.engine.isolated(group):
             try:
                 self.engine.step()
                 return True
