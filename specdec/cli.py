@@ -15,16 +15,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from specdec.cli_common import (TAU, AdaptiveOpt, BackendOpt, CliError, DeviceOpt, DraftOpt, DtypeOpt, JsonOpt,
-                                KOpt, MethodOpt, ModelOpt, SpecOpt, SuffixInFrontOpt, TokenizerOpt,
-                                build_speculative_config, errors_exit_2, parse_methods, print_json,
-                                quiet_transformers)
+from specdec.cli_common import (TAU, CliError, DeviceOpt, Drafting, JsonOpt, KOpt, Loading, ModelOpt, errors_exit_2,
+                                option_groups, parse_methods, print_json, quiet_transformers)
 from specdec.demo import PROBE_ROUNDS
 from specdec.workbench.cli import register as register_workbench
-
-EnforceEagerOpt = Annotated[bool, typer.Option(
-    "--enforce-eager", help="torch backend: run every forward eager instead of compiling the one-token step and "
-                            "the verify pass at load (vLLM's name; SPECDEC_ENFORCE_EAGER=1 does the same).")]
 
 
 app = typer.Typer(help="Lossless speculative decoding for Hugging Face Llama-family checkpoints.",
@@ -41,17 +35,13 @@ DEMO_PROMPTS = [
 ]
 
 @app.command()
+@option_groups
 def generate(
     model: ModelOpt,
     prompt: Annotated[str | None, typer.Option("--prompt", help="Prompt text.")] = None,
     prompt_token_ids: Annotated[str | None, typer.Option(
         "--prompt-token-ids", help='Prompt as token ids instead of text, e.g. "1,2,3".')] = None,
-    draft: DraftOpt = None,
-    method: MethodOpt = None,
-    k: KOpt = None,
-    adaptive: AdaptiveOpt = None,
-    suffix_in_front: SuffixInFrontOpt = False,
-    speculative_config: SpecOpt = None,
+    drafting: Drafting = Drafting(),
     temperature: Annotated[float, typer.Option(help="0 means greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling; 1 disables it.")] = 1.0,
     top_k: Annotated[int, typer.Option(help="0 or -1 disables it.")] = 0,
@@ -75,11 +65,7 @@ def generate(
     n: Annotated[int, typer.Option("-n", "--n", help="Choices to generate (with --seed S, choice i uses S + i).")] = 1,
     logprobs: Annotated[int | None, typer.Option(
         help="With --json: each token's logprob plus the top N alternatives (the target's raw distribution).")] = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "cpu",
-    backend: BackendOpt = "auto",
-    tokenizer: TokenizerOpt = None,
-    enforce_eager: EnforceEagerOpt = False,
+    loading: Loading = Loading(),
     as_json: JsonOpt = False,
 ) -> None:
     """Generate a completion for one prompt, with or without a drafter, and print speed and acceptance."""
@@ -97,10 +83,9 @@ def generate(
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, min_tokens=min_tokens,
                                 structured_outputs=structured, n=n, logprobs=logprobs)
-        spec = build_speculative_config(draft, k, speculative_config, adaptive, method, suffix_in_front)
+        spec = drafting.config()
         quiet_transformers()
-        llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
-                  tokenizer=tokenizer, enforce_eager=enforce_eager or None)
+        llm = LLM(model=model, speculative_config=spec, **loading.llm_kwargs())
         t0 = time.perf_counter()
         outs = llm.generate([request], params)[0].outputs
         elapsed = time.perf_counter() - t0
@@ -126,16 +111,12 @@ def generate(
 
 
 @app.command()
+@option_groups
 def bench(
     model: ModelOpt,
     prompts: Annotated[str, typer.Option(
         "--prompts", help="JSONL file: {\"prompt\": ...} per line, or Spec-Bench's question.jsonl.")],
-    draft: DraftOpt = None,
-    method: MethodOpt = None,
-    k: KOpt = None,
-    adaptive: AdaptiveOpt = None,
-    suffix_in_front: SuffixInFrontOpt = False,
-    speculative_config: SpecOpt = None,
+    drafting: Drafting = Drafting(),
     max_tokens: Annotated[int, typer.Option(help="Most tokens per prompt.")] = 128,
     num_prompts: Annotated[int | None, typer.Option(help="Use only the first N prompts.")] = None,
     temperature: Annotated[float, typer.Option(help="0 (greedy) also checks that outputs match.")] = 0.0,
@@ -143,11 +124,7 @@ def bench(
     repeats: Annotated[int, typer.Option(help="Run every prompt this many times with each.")] = 1,
     peer: Annotated[str | None, typer.Option(
         "--peer", help="hf: also run transformers' generate and its assisted generation, alternating.")] = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "cpu",
-    backend: BackendOpt = "auto",
-    tokenizer: TokenizerOpt = None,
-    enforce_eager: EnforceEagerOpt = False,
+    loading: Loading = Loading(),
     as_json: JsonOpt = False,
 ) -> None:
     """Plain vs speculative decoding, batch 1, same process: tokens/s, speedup, acceptance and τ."""
@@ -158,23 +135,21 @@ def bench(
 
         records = load_prompts(prompts, num_prompts)
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        spec = build_speculative_config(draft, k, speculative_config, adaptive, method, suffix_in_front)
+        spec = drafting.config()
         if spec is None:
             raise CliError("bench compares plain and speculative decoding: pass --draft D or --speculative-config "
                            "(or --method M)")
         quiet_transformers()
         if peer not in (None, "hf"):
             raise CliError(f"--peer must be 'hf', got {peer!r}")
-        eager = enforce_eager or None  # None: compile unless SPECDEC_ENFORCE_EAGER=1
-        spec_llm = LLM(model=model, dtype=dtype, device=device, speculative_config=spec, backend=backend,
-                       tokenizer=tokenizer, enforce_eager=eager)
+        spec_llm = LLM(model=model, speculative_config=spec, **loading.llm_kwargs())
         # the baseline runs where the speculative side does, whichever auto picked: one backend's ratio
-        ar_llm = LLM(model=model, dtype=dtype, device=device, backend=spec_llm.backend, tokenizer=tokenizer,
-                     enforce_eager=eager)
+        ar_llm = LLM(model=model, **(loading.llm_kwargs() | {"backend": spec_llm.backend}))
         if peer == "hf":
             from specdec.workbench.peer_hf import run_bench_with_hf
 
-            result = run_bench_with_hf(ar_llm, spec_llm, records, params, repeats=repeats, dtype=dtype, device=device)
+            result = run_bench_with_hf(ar_llm, spec_llm, records, params, repeats=repeats, dtype=loading.dtype,
+                                       device=loading.device)
         else:
             result = run_bench(ar_llm, spec_llm, records, params, repeats=repeats)
     if as_json:
@@ -321,14 +296,10 @@ def convert(
 
 
 @app.command()
+@option_groups
 def serve(
     model: ModelOpt,
-    speculative_config: SpecOpt = None,
-    draft: DraftOpt = None,
-    method: MethodOpt = None,
-    k: KOpt = None,
-    adaptive: AdaptiveOpt = None,
-    suffix_in_front: SuffixInFrontOpt = False,
+    drafting: Drafting = Drafting(),
     host: Annotated[str, typer.Option(help="Address to bind; 127.0.0.1 keeps the server local.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
@@ -338,11 +309,7 @@ def serve(
         help="Plain steps a greedy round that drafts nothing may take in one call (1: one a round).")] = 4,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients send (default: --model).")] = None,
-    dtype: DtypeOpt = "auto",
-    device: DeviceOpt = "cpu",
-    backend: BackendOpt = "auto",
-    tokenizer: TokenizerOpt = None,
-    enforce_eager: EnforceEagerOpt = False,
+    loading: Loading = Loading(),
     threads: Annotated[int | None, typer.Option(
         help="Torch threads (default: $OMP_NUM_THREADS, else one fewer than the CPU cores, leaving one to "
              "the HTTP event loop, which otherwise competes with the rounds for the CPU).")] = None,
@@ -410,14 +377,12 @@ def serve(
         if threads is not None:
             torch.set_num_threads(threads)
 
-        spec = build_speculative_config(draft, k, speculative_config, adaptive, method, suffix_in_front)
+        spec = drafting.config()
         quiet_transformers()
-        server_app = build_app(model=model, dtype=dtype, device=device, speculative_config=spec,
-                               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                               num_scheduler_steps=num_scheduler_steps, served_model_name=served_model_name,
-                               api_key=api_key, limits=limits,
-                               backend=backend, tokenizer=tokenizer, enforce_eager=enforce_eager or None,
-                               engine_process=not engine_in_process)
+        server_app = build_app(model=model, speculative_config=spec, max_model_len=max_model_len,
+                               max_num_seqs=max_num_seqs, num_scheduler_steps=num_scheduler_steps,
+                               served_model_name=served_model_name, api_key=api_key, limits=limits,
+                               engine_process=not engine_in_process, **loading.llm_kwargs())
     if not engine_in_process and http_nice:
         os.nice(http_nice)  # after the engine process started: it keeps the priority this process had
     run_server(server_app, host=host, port=port)

@@ -1,12 +1,17 @@
-"""What every ``specdec`` command shares: option types, the bad-input error and how it exits, the
-speculative config built from flags, JSON output. Both ``cli.py`` and ``workbench/cli.py`` import it.
+"""What every ``specdec`` command shares: option types and groups, the bad-input error and how it
+exits, the speculative config built from flags, JSON output. Both ``cli.py`` and ``workbench/cli.py``
+import it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import json
 import sys
-from collections.abc import Iterator
+import typing
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, NoReturn
 
@@ -46,6 +51,70 @@ BackendOpt = Annotated[str, typer.Option(
 TokenizerOpt = Annotated[str | None, typer.Option(
     "--tokenizer", help="HF tokenizer folder for a GGUF model (default: the one in the GGUF).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+EnforceEagerOpt = Annotated[bool, typer.Option(
+    "--enforce-eager", help="torch backend: run every forward eager instead of compiling the one-token step and "
+                            "the verify pass at load (vLLM's name; SPECDEC_ENFORCE_EAGER=1 does the same).")]
+
+
+@dataclasses.dataclass
+class Drafting:
+    """The drafter options of a command that speculates (an option group: ``option_groups``)."""
+
+    draft: DraftOpt = None
+    method: MethodOpt = None
+    k: KOpt = None
+    adaptive: AdaptiveOpt = None
+    suffix_in_front: SuffixInFrontOpt = False
+    speculative_config: SpecOpt = None
+
+    def config(self) -> dict[str, Any] | None:
+        """The speculative_config these options make (``build_speculative_config``); None: no drafter."""
+        return build_speculative_config(self.draft, self.k, self.speculative_config, self.adaptive, self.method,
+                                        self.suffix_in_front)
+
+
+@dataclasses.dataclass
+class Loading:
+    """How a command loads its models (an option group: ``option_groups``)."""
+
+    dtype: DtypeOpt = "auto"
+    device: DeviceOpt = "cpu"
+    backend: BackendOpt = "auto"
+    tokenizer: TokenizerOpt = None
+    enforce_eager: EnforceEagerOpt = False
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """``LLM``'s keyword arguments (enforce_eager None without the flag: SPECDEC_ENFORCE_EAGER decides)."""
+        return {"dtype": self.dtype, "device": self.device, "backend": self.backend, "tokenizer": self.tokenizer,
+                "enforce_eager": self.enforce_eager or None}
+
+
+def option_groups(command: Callable) -> Callable:
+    """Let a typer command take a group of options as one argument: a parameter annotated with an
+    option group (``drafting: Drafting``) stands for the group's fields, each an option of the
+    command in that place, and the command receives them as one object."""
+    hints = typing.get_type_hints(command, include_extras=True)
+    groups = {name: hint for name, hint in hints.items() if hint in (Drafting, Loading)}
+    keyword = inspect.Parameter.KEYWORD_ONLY  # typer passes every option by name
+    params = []
+    for p in inspect.signature(command).parameters.values():
+        group = groups.get(p.name)
+        if group is None:
+            params.append(p.replace(kind=keyword, annotation=hints[p.name]))
+            continue
+        options = typing.get_type_hints(group, include_extras=True)
+        params += [inspect.Parameter(f.name, keyword, annotation=options[f.name], default=f.default)
+                   for f in dataclasses.fields(group)]
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        for name, group in groups.items():
+            kwargs[name] = group(**{f.name: kwargs.pop(f.name) for f in dataclasses.fields(group)})
+        return command(**kwargs)
+
+    run.__signature__ = inspect.Signature(params)  # what typer reads the options from
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
 
 
 class CliError(Exception):
