@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from specdec.training import distributed
-from specdec.training.data import describe_sources, text_split
-from specdec.training.loop import RunConfig, add_loop_args, launch_command, loop_config_from_args, run_loop, start_run
+from specdec.training.data import TextSplit, describe_sources, text_split
+from specdec.training.loop import (RunConfig, RunLog, add_loop_args, launch_command, loop_config_from_args, run_loop,
+                                   start_run)
 from specdec.training.model_card import write_model_card
 from specdec.training.tokenizer import load_tokenizer
 from specdec.training.train import export_hf_folder, lm_loss
@@ -43,26 +45,44 @@ class FinetuneConfig(RunConfig):
             raise ValueError(f"init_model {self.init_model!r} is not a Hugging Face model folder (no config.json)")
 
 
-def finetune(cfg: FinetuneConfig) -> dict:
-    """Train ``cfg.init_model`` further on ``cfg.data``; returns a summary dict (losses, tokens, wall time)."""
-    # 1. Processes.
-    d, log, bf16 = start_run(cfg, "finetune.log")
+@dataclass
+class Start:
+    """What a run from a saved folder has after its steps 1-4 (``start_from``)."""
+
+    d: distributed.Dist
+    log: RunLog
+    bf16: bool
+    tokenizer: Any
+    text: TextSplit
+    model: torch.nn.Module  # in fp32 (the loop's master weights), on the CPU
+
+
+def start_from(cfg: RunConfig, folder: str, log_name: str) -> Start:
+    """Steps 1-4 of a run that continues a saved Hugging Face ``folder`` (finetune, pard): the
+    processes, the folder's tokenizer, ``cfg.data`` in it, and the folder's weights, checked against
+    the tokenizer and ``cfg.seq_len``."""
+    d, log, bf16 = start_run(cfg, log_name)
     log(f"world_size={d.world_size} device={d.device} threads={torch.get_num_threads()} bf16={bf16}")
-
-    # 2. The starting folder's tokenizer, and 3. the new text in it.
-    tokenizer = load_tokenizer(cfg.init_model)
+    tokenizer = load_tokenizer(folder)
     text = text_split(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction, cfg.eval_windows, cfg.seed, d.rank, log)
-    sampler, val_windows = text.sampler, text.val_windows  # val_windows: [n, seq_len + 1] or None
-
-    # 4. The starting weights, in fp32 (the loop's master weights).
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(cfg.init_model, dtype=torch.float32).to(d.device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if model.config.vocab_size < len(tokenizer):
-        raise ValueError(f"{cfg.init_model}: the model has {model.config.vocab_size} token rows but its tokenizer "
+        raise ValueError(f"{folder}: the model has {model.config.vocab_size} token rows but its tokenizer "
                          f"{len(tokenizer)} tokens; save them together")
     if cfg.seq_len > model.config.max_position_embeddings:
-        raise ValueError(f"seq_len {cfg.seq_len} exceeds {cfg.init_model}'s max_position_embeddings "
+        raise ValueError(f"seq_len {cfg.seq_len} exceeds {folder}'s max_position_embeddings "
                          f"{model.config.max_position_embeddings}")
+    return Start(d, log, bf16, tokenizer, text, model)
+
+
+def finetune(cfg: FinetuneConfig) -> dict:
+    """Train ``cfg.init_model`` further on ``cfg.data``; returns a summary dict (losses, tokens, wall time)."""
+    # 1. Processes, 2. the starting folder's tokenizer, 3. the new text in it, 4. its weights.
+    start = start_from(cfg, cfg.init_model, "finetune.log")
+    d, log, bf16, tokenizer, text = start.d, start.log, start.bf16, start.tokenizer, start.text
+    sampler, val_windows = text.sampler, text.val_windows  # val_windows: [n, seq_len + 1] or None
+    model = start.model.to(d.device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters from {cfg.init_model}, vocab {len(tokenizer)}")
 
@@ -94,6 +114,16 @@ def write_finetune_card(out: Path, cfg: FinetuneConfig, summary: dict) -> Path:
         "data": describe_sources(cfg.data),
         "train documents / tokens": f"{summary['train_files']:,} / {summary['train_tokens']:,}",
         "held-out documents / tokens": f"{summary['held_out_files']:,} / {summary['held_out_tokens']:,}",
+        **loop_facts(cfg, summary),
+    }
+    summary_text = f"`{cfg.init_model}` trained further with `specdec.training.finetune`."
+    return write_model_card(out, f"specdec model: {out.name}", summary_text, facts, cfg.command)
+
+
+def loop_facts(cfg: RunConfig, summary: dict) -> dict:
+    """The model card's facts of a run from a saved folder's loop (finetune, pard): steps, optimizer,
+    precision, time and losses."""
+    return {
         "steps (done / planned)": f"{summary['steps']:,} / {cfg.max_steps:,}",
         "tokens seen": summary["tokens_seen"],
         "optimizer": f"AdamW lr {cfg.optim.lr:g}, warmup {cfg.optim.warmup_steps}, "
@@ -103,8 +133,6 @@ def write_finetune_card(out: Path, cfg: FinetuneConfig, summary: dict) -> Path:
         "initial / final train loss": f"{summary['first_loss']:.4f} / {summary['train_loss']:.4f}",
         "final held-out loss": summary["held_out_loss"],
     }
-    summary_text = f"`{cfg.init_model}` trained further with `specdec.training.finetune`."
-    return write_model_card(out, f"specdec model: {out.name}", summary_text, facts, cfg.command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,15 +33,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
 from specdec.training import distributed
 from specdec.training.acceptance import draft_acceptance, format_acceptance
-from specdec.training.data import TokenWindows, describe_sources, text_split
+from specdec.training.data import TokenWindows, describe_sources
+from specdec.training.finetune import loop_facts, start_from
 from specdec.training.loop import (RunConfig, add_loop_args, fields_from_args, launch_command, loop_config_from_args,
-                                   run_loop, start_run)
+                                   run_loop)
 from specdec.training.model_card import write_model_card
-from specdec.training.tokenizer import load_tokenizer
 from specdec.training.train import export_hf_folder
 
 EVAL_SEED = 1234  # the held-out loss's conditional drop: the same positions at every evaluation
@@ -154,21 +153,11 @@ def add_mask_token(model) -> int:
 
 def pard(cfg: PardConfig) -> dict:
     """Adapt ``cfg.init_draft`` to parallel drafting on ``cfg.data``; returns the run's summary."""
-    # 1. Processes.
-    d, log, bf16 = start_run(cfg, "pard.log")
-    log(f"world_size={d.world_size} device={d.device} threads={torch.get_num_threads()} bf16={bf16}")
-
-    # 2. The draft's tokenizer, and 3. the text in it.
-    tokenizer = load_tokenizer(cfg.init_draft)
-    text = text_split(cfg.data, tokenizer, cfg.seq_len, cfg.val_fraction, cfg.eval_windows, cfg.seed, d.rank, log)
+    # 1. Processes, 2. the draft's tokenizer, 3. the text in it, 4. the draft (finetune.start_from),
+    #    with its mask token.
+    start = start_from(cfg, cfg.init_draft, "pard.log")
+    d, log, bf16, tokenizer, text, model = start.d, start.log, start.bf16, start.tokenizer, start.text, start.model
     sampler, val_windows = text.sampler, text.val_windows  # val_windows: [n, seq_len + 1] or None
-
-    # 4. The draft, in fp32 (the loop's master weights), with its mask token.
-    torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_pretrained(cfg.init_draft, dtype=torch.float32)
-    if cfg.seq_len > model.config.max_position_embeddings:
-        raise ValueError(f"seq_len {cfg.seq_len} exceeds {cfg.init_draft}'s max_position_embeddings "
-                         f"{model.config.max_position_embeddings}")
     mask = add_mask_token(model)
     model.config.pard_token, model.config.pard_max_k = mask, cfg.max_k
     model = model.to(d.device)
@@ -225,14 +214,7 @@ def write_pard_card(out: Path, cfg: PardConfig, summary: dict) -> Path:
         "objective": "next-token cross-entropy at the real tokens and at every kept mask",
         "data": describe_sources(cfg.data),
         "train / held-out tokens": f"{summary['train_tokens']:,} / {summary['held_out_tokens']:,}",
-        "steps (done / planned)": f"{summary['steps']:,} / {cfg.max_steps:,}",
-        "tokens seen": summary["tokens_seen"],
-        "optimizer": f"AdamW lr {cfg.optim.lr:g}, warmup {cfg.optim.warmup_steps}, "
-        f"cosine to {cfg.optim.min_lr_ratio:g}x, wd {cfg.optim.weight_decay}, clip {cfg.optim.grad_clip}",
-        "precision": ("bf16 autocast" if summary["bf16"] else "fp32") + f", saved as {cfg.save_dtype}",
-        "wall time (training)": f"{summary['wall_time_s']:.0f} s",
-        "initial / final train loss": f"{summary['first_loss']:.4f} / {summary['train_loss']:.4f}",
-        "final held-out loss": summary["held_out_loss"],
+        **loop_facts(cfg, summary),
     }
     if "held_out_acceptance" in summary:
         facts["greedy acceptance on held-out prompts (parallel drafting)"] = format_acceptance(
