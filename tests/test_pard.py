@@ -113,6 +113,10 @@ def test_greedy_output_equals_plain_decoding_adaptive_and_with_requests_joining(
                         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for p, e, o in zip(prompts, expected, outs):
         assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+    # the controller charges the draft per round, timed by k (cost_model.round_cost), not per drafted token
+    costs = llm.engine.controller.costs
+    assert costs.parallel and not costs.draft_time
+    assert costs.parallel_draft_time and all(k >= 1 for _, k in costs.parallel_draft_time)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
