@@ -153,3 +153,35 @@ def test_restarts_that_keep_failing_are_bounded(models, tmp_path, caplog):
         assert m[UP] == 0 and m[RESTARTS] == 0
     finally:
         s.stop()
+
+
+def test_a_hung_engine_is_killed_and_restarted(models, caplog):
+    """The engine process stops making progress (SIGSTOP: alive, but no pass of its loop) with a
+    stream in flight: past ``engine_iteration_timeout`` it is killed, the stream ends with the 503
+    error, and a new engine serves again. An idle engine is never taken as hung."""
+    s = start(*models, engine_iteration_timeout=1.5)
+    try:
+        url, pid = s.url, s.loop._proc.pid
+        want = completion(url, prompt="w1 w2 w3", max_tokens=12, ignore_eos=True).json()["choices"][0]["text"]
+        time.sleep(2.5)  # idle past the timeout: nothing in flight, so nothing is killed
+        assert s.loop._proc.pid == pid and s.loop._proc.is_alive() and s.loop.state == "serving"
+        with caplog.at_level(logging.INFO, logger="specdec.server.engine_process"), \
+                httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "model": NAME, "prompt": "w5 w6", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            frozen = time.monotonic()
+            os.kill(pid, signal.SIGSTOP)
+            rest = [line for line in lines if line.startswith("data: ")]
+            ended = time.monotonic()
+        assert 1.5 <= ended - frozen < 4.0, f"the stream ended {ended - frozen:.1f} s after the engine froze"
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "engine_unavailable"
+        assert any("made no progress" in r.getMessage() for r in caplog.records)
+        wait_for(lambda: httpx.get(url + "/health").status_code == 200, 120, "the engine never came back")
+        assert s.loop._proc.pid != pid and scrape(url)[RESTARTS] == 1
+        r = completion(url, prompt="w1 w2 w3", max_tokens=12, ignore_eos=True)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    finally:
+        s.stop()

@@ -27,7 +27,9 @@ is seen at once, killed or out of memory). When the engine dies, every request i
 and the server serves again once it is ready. Restarts back off exponentially
 (``ServerLimits.engine_restart_backoff``, doubling) and are bounded: after
 ``ServerLimits.engine_restarts`` failures in a row (a launch that fails, or an engine that dies within
-``STABLE_AFTER_S`` of loading) the server stops trying and /health stays 503.
+``STABLE_AFTER_S`` of loading) the server stops trying and /health stays 503. An engine that hangs
+instead of dying (no pass of its loop for ``ServerLimits.engine_iteration_timeout`` seconds while requests
+are in flight) is killed and handled the same way.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class EngineProcess(Admission):
         self._snapshot = Snapshot(kv_budget_bytes=self.budget.budget)
         self._dead = Snapshot()  # counters of engine processes that died, added to the live one's
         self._handles: dict[int, list] = {}  # rid -> [handle, choices not finished]
+        self._heard = time.monotonic()  # the engine's last message, or the first request after it went idle
         self._send_lock = threading.Lock()
         self.state = "serving"
         self.restarts = 0  # engine processes started again after one died
@@ -122,6 +125,8 @@ class EngineProcess(Admission):
                 raise RuntimeError(f"the engine is {self.state}")
             prompts = self.check(prompts)
             handle = RequestHandle(self, asyncio.get_running_loop(), sum(p.params.n for p in prompts))
+            if not self._handles:  # an idle engine owes no message until now
+                self._heard = time.monotonic()
             self._handles[handle.rid] = [handle, handle.num_choices]
             conn = self._conn
         # matchers stay here (they do not pickle): the engine process compiles the request's grammar again
@@ -171,13 +176,17 @@ class EngineProcess(Admission):
     def _read(self, conn, proc) -> None:
         """Deliver the engine's messages until it stops or dies."""
         while True:
-            ready = wait([conn, proc.sentinel])
+            ready = wait([conn, proc.sentinel], timeout=POLL_S)
+            if not ready:
+                self._kill_if_hung(proc)
+                continue
             if conn not in ready and not conn.poll():  # dead, and nothing left in the pipe
                 return
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 return
+            self._heard = time.monotonic()
             if msg[0] == "stopped":
                 return
             _, events, hooks, dequeued, self._snapshot = msg
@@ -187,6 +196,15 @@ class EngineProcess(Admission):
                 self._hook(name, arg)
             for rid, ev in events:
                 self._deliver(rid, ev)
+
+    def _kill_if_hung(self, proc) -> None:
+        """Kill an engine that has requests in flight but has not finished a pass of its loop for
+        ``limits.engine_iteration_timeout`` seconds; the sentinel then wakes ``_read`` as for a death."""
+        silent = time.monotonic() - self._heard
+        if self._handles and silent > self.limits.engine_iteration_timeout and proc.is_alive():
+            log.error("the engine process made no progress for %.0f s with %d requests in flight; killing it",
+                      silent, len(self._handles))
+            proc.kill()
 
     def _restart(self) -> bool:
         """After an engine died: fail its requests, then start engines until one loads (backing off) or

@@ -41,6 +41,9 @@ class ServerLimits:
     enable_docs: bool = False  # /docs, /redoc, /openapi.json
     engine_restarts: int = 5  # restarts of a dead engine process tried in a row before giving up (0: none)
     engine_restart_backoff: float = 0.5  # seconds before the first restart; doubles with each failure in a row
+    # seconds an engine process may go without a pass of its loop while requests are in flight; past it the
+    # process is taken as hung, killed and restarted like a dead one (vLLM: VLLM_ENGINE_ITERATION_TIMEOUT_S)
+    engine_iteration_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_prompts_per_request", "max_queued_requests", "max_num_batched_tokens",
@@ -64,6 +67,8 @@ class ServerLimits:
                and self.engine_restarts >= 0, f"engine_restarts must be an integer >= 0, got {self.engine_restarts!r}")
         _check(isinstance(self.engine_restart_backoff, (int, float)) and self.engine_restart_backoff >= 0,
                f"engine_restart_backoff must be a number of seconds >= 0, got {self.engine_restart_backoff!r}")
+        _check(isinstance(self.engine_iteration_timeout, (int, float)) and self.engine_iteration_timeout > 0,
+               f"engine_iteration_timeout must be a number of seconds > 0, got {self.engine_iteration_timeout!r}")
         limit = self.limit_concurrency
         _check(limit is None or (isinstance(limit, int) and limit >= 1),
                f"limit_concurrency must be an integer >= 1 or None, got {limit!r}")
