@@ -40,7 +40,7 @@ def profiled(tmp_path_factory) -> dict:
         "--speculative-config", json.dumps({"method": "draft_model", "model": pard, "parallel_drafting": True}),
         "--speculative-config", json.dumps({"method": "eagle3", "model": head}))])
     assert result.exit_code == 0, result.output
-    return json.loads((out / "profile.json").read_text())
+    return {**json.loads((out / "profile.json").read_text()), "out": str(out)}
 
 
 def test_profile_measures_a_parallel_draft_per_round_and_a_head_per_token(profiled):
@@ -75,3 +75,14 @@ def test_profile_measures_a_parallel_draft_per_round_and_a_head_per_token(profil
                   / (sum(n * ((c[min(i, k)] if min(i, k) else 0.0) + v[min(i, k)]) for i, n in enumerate(lengths))
                      / sum(lengths)) for k in range(K + 1)]
         assert e["predicted_speedup"] == pytest.approx(expect)
+
+
+def test_report_shows_the_draft_cost_per_round(profiled):
+    result = CliRunner().invoke(app, ["report", profiled["out"], "--json"])
+    assert result.exit_code == 0, result.output
+    md = open(json.loads(result.stdout)["files"]["report.md"]).read()
+    rows = [line for line in md.splitlines() if line.startswith("| draft_model (pard)") or line.startswith("| eagle3")]
+    assert len(rows) == 3 and [" /round |" in r for r in rows] == [False, True, False], rows
+    assert md.count("one forward whatever k") == 1 and md.count("k draft steps") == 2
+    summary = json.loads(result.stdout)["summary"]["configs"]
+    assert [c["draft_cost_shape"] for c in summary] == ["per_token", "per_round", "per_token"]

@@ -266,7 +266,11 @@ def _print_profile(p: dict, path: str, console: Console) -> None:
                   f"v(k) = " + " ".join(f"{x:.2f}" for x in p["verify_cost"]["v"])
                   + f" (1-token forward {p['verify_cost']['t1_s'] * 1e3:.2f} ms)", markup=False, soft_wrap=True)
     for c in p["configs"]:
-        console.print(f"{c.get('label', c['method'])}: c = {c['draft_cost_ratio']:.3f} (draft step ÷ target step); "
+        cost = (f"c(k) = " + " ".join(f"{x:.3f}" for x in c["draft_cost_per_round"][1:])
+                + " (one draft forward per round ÷ target step, k = 1..K)"
+                if c.get("draft_cost_shape") == "per_round" else
+                f"c = {c['draft_cost_ratio']:.3f} (draft step ÷ target step)")
+        console.print(f"{c.get('label', c['method'])}: {cost}; "
                       "predicted S(k), all prompts: " + ", ".join(
                           f"k={k}: {s:.2f}" for k, s in enumerate(c["overall"]["predicted_speedup"])),
                       markup=False, soft_wrap=True)

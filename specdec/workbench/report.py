@@ -71,6 +71,8 @@ def summarize(profile: dict) -> dict:
     for c in profile["configs"]:
         o = c["overall"]
         configs.append({"method": c["method"], "draft_cost_ratio": c["draft_cost_ratio"],
+                        "draft_cost_shape": c.get("draft_cost_shape", "per_token"),
+                        "draft_time_per_round_s": c.get("draft_time_per_round_s"),
                         "acceptance_rate": o["acceptance_rate"], "mean_acceptance_length": o["mean_acceptance_length"],
                         "best_k": o["best_k"], "predicted_speedup": o["best_speedup"],
                         "measured_speedup_at_k_max": o["measured_speedup_at_k_max"]})
@@ -265,16 +267,26 @@ def _markdown(profile: dict, summary: dict) -> str:
              "Verify cost v(k) (a (k+1)-token target forward ÷ a 1-token forward): "
              + ", ".join(f"v({k})={x:.2f}" for k, x in zip(profile["verify_cost"]["k"], profile["verify_cost"]["v"]))
              + f"; 1-token forward {profile['verify_cost']['t1_s'] * 1e3:.2f} ms.", "",
-             "| config | c | acceptance | τ | best k | predicted S(best k) | at k_max: predicted / measured |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "c: a draft step ÷ a 1-token target step; for a parallel draft (one forward per round) its round at "
+             "k_max ÷ that step, marked /round. Draft per round: measured at k_max.", "",
+             "| config | c | draft per round | acceptance | τ | best k | predicted S(best k) | "
+             "at k_max: predicted / measured |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c, s in zip(profile["configs"], summary["configs"]):
         at_k = c["overall"]["predicted_speedup"][c["k_measured"]]
-        lines.append(f"| {_label(c)} | {s['draft_cost_ratio']:.3f} | {s['acceptance_rate']:.1%} | "
+        per_round = " /round" if s["draft_cost_shape"] == "per_round" else ""
+        draft_ms = "-" if s["draft_time_per_round_s"] is None else f"{s['draft_time_per_round_s'] * 1e3:.2f} ms"
+        lines.append(f"| {_label(c)} | {s['draft_cost_ratio']:.3f}{per_round} | {draft_ms} | {s['acceptance_rate']:.1%} | "
                      f"{s['mean_acceptance_length']:.2f} | {s['best_k']} | {s['predicted_speedup']:.2f}x | "
                      f"{at_k:.2f}x / {s['measured_speedup_at_k_max']:.2f}x |")
     for c in profile["configs"]:
-        lines += ["", f"## {_label(c)}: per category", "",
-                  "| category | prompts | α_1..α_K | τ | plain tok/s | spec tok/s (k_max) | best k | S(best k) |",
+        per_round = c.get("draft_cost_per_round")
+        lines += ["", f"## {_label(c)}: per category", ""]
+        if per_round:
+            lines += ["Draft cost per round, k = 1..K, in 1-token target steps ("
+                      + ("one forward whatever k" if c.get("draft_cost_shape") == "per_round" else "k draft steps")
+                      + "): " + ", ".join(f"{x:.3f}" for x in per_round[1:]) + ".", ""]
+        lines += ["| category | prompts | α_1..α_K | τ | plain tok/s | spec tok/s (k_max) | best k | S(best k) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for cat, e in c["categories"].items():
             alphas = " ".join(f"{a:.2f}" for a in e["alpha_conditional"])
