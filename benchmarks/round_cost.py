@@ -10,6 +10,9 @@ round into:
 - draft kernel: inside the draft runner's forward / greedy_steps calls (an EAGLE-3 head's step / fuse)
 - draft host: the rest of the round before the verify batch is built (scheduling, the drafter's own work)
 - verify kernel: inside the target's forward call
+- hand-over (EAGLE-3): of the above, the target's kept layer inputs on their way to the head: copying
+  them out of llama.cpp's buffers after each decode (inside the verify kernel) and reading them back
+  for the head (inside the draft host)
 - verify host: building the verify batch, then the logits' processing and the verifier (accept)
 - commit/update: after the verifier: appending tokens, the drafter's observe, counters, the controller
 
@@ -19,7 +22,11 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
 (``greedy_steps``): its row gives ms per token. The share outside the kernels is what host code costs.
 
     python benchmarks/round_cost.py [--model specdec/demo-target] [--draft specdec/demo-draft]
+        [--methods draft_model,eagle3] [--eagle3-head specdec/demo-eagle3] [--adaptive]
         [--backends llama.cpp,torch] [--ks 2,4] [--num-prompts 4] [--max-tokens 64] [--threads 2]
+
+``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
+rounds of any k are split the same way.
 
 ``--model`` takes the stand-in too (benchmarks/make_standin.py): its HF folder, or a GGUF file for
 llama.cpp (``--gguf`` per backend: ``--model-llama.cpp X.gguf``).
@@ -53,6 +60,7 @@ class Round:
     verify_host: float = 0.0
     update: float = 0.0
     decode: float = 0.0  # of the kernels, the time inside llama_decode (llama.cpp runners)
+    handover: float = 0.0  # EAGLE-3: the target's kept states copied out after decodes and read back for the head
     plain: bool = False  # a greedy_steps round: no draft, several steps in one call
     drafted: bool = True
 
@@ -105,6 +113,7 @@ class Recorder:
             self.skipped += 1
             return
         decode = covered([e for e in ev if e[0] == "decode"])
+        handover = covered([e for e in ev if e[0] == "handover"])
         steps = [e for e in ev if e[0] == "target_steps"]
         if steps:
             self.rounds.append(Round(t1 - t0, tokens, verify_kernel=sum(map(span, steps)),
@@ -121,7 +130,7 @@ class Recorder:
         self.rounds.append(Round(
             t1 - t0, tokens, draft_kernel=draft, draft_host=built - t0 - draft, verify_kernel=span(fwd),
             verify_host=(fwd[1] - built) + (accepted - fwd[2]), update=t1 - accepted, decode=decode,
-            drafted=any(k == "draft" for k in kinds)))
+            handover=handover, drafted=any(k == "draft" for k in kinds)))
 
 
 def covered(events: list[tuple[str, float, float, int]]) -> float:
@@ -150,12 +159,15 @@ def instrumented(llm, recorder: Recorder):
     recorder.wrap(engine.target, "greedy_steps", "target_steps")
     if hasattr(engine.target, "_decode"):
         recorder.wrap(engine.target, "_decode", "decode")
+    for name in ("_keep_states", "hidden_states", "kept_states"):  # EAGLE-3's hand-over (models/llamacpp.py)
+        if hasattr(engine.target, name):
+            recorder.wrap(engine.target, name, "handover")
     drafter = engine.drafter
     runner = getattr(drafter, "runner", None)
     if runner is not None and runner is not engine.target:
         if hasattr(runner, "forward"):
             recorder.wrap(runner, "forward", "draft", fed_tokens)
-        for name in ("greedy_steps", "step", "fuse"):  # a model's steps; an EAGLE-3 head's (models/eagle3.py)
+        for name in ("greedy_steps", "step", "chain_step", "fuse"):  # a model's steps; an EAGLE-3 head's (drafters/eagle3.py)
             if hasattr(runner, name):
                 recorder.wrap(runner, name, "draft")
         if hasattr(runner, "_decode"):
@@ -195,8 +207,9 @@ def instrumented(llm, recorder: Recorder):
 @dataclass
 class Config:
     backend: str
-    k: int  # 0: plain decoding
+    k: int  # 0: plain decoding; with ``adaptive``, the largest k
     name: str
+    adaptive: bool = False
     llm: object = None
     recorder: Recorder = field(default_factory=Recorder)
     generate_s: float = 0.0  # wall time of the generate calls (tokenizing and detokenizing included)
@@ -212,13 +225,19 @@ def build(args) -> list[Config]:
     from specdec import LLM
 
     configs = []
+    drafts = {"draft_model": args.draft, "eagle3": args.eagle3_head}
     for backend in args.backends:
         model = args.model_llamacpp if backend == "llama.cpp" and args.model_llamacpp else args.model
-        for k in [0, *args.ks]:
-            spec = None if k == 0 else {"method": args.method, "model": args.draft, "num_speculative_tokens": k,
-                                        "adaptive": False, "draft_tree": "chain"}
-            name = f"{backend} plain" if k == 0 else f"{backend} {args.method} k={k}"
-            c = Config(backend, k, name)
+        runs = [(None, 0, False)] + [(m, k, False) for m in args.methods for k in args.ks]
+        if args.adaptive:
+            runs += [(m, max(args.ks), True) for m in args.methods]
+        for method, k, adaptive in runs:
+            spec = None if method is None else {
+                "method": method, "model": drafts.get(method, args.draft), "num_speculative_tokens": k,
+                "adaptive": adaptive, "draft_tree": "chain"}
+            name = (f"{backend} plain" if method is None else
+                    f"{backend} {method} " + (f"adaptive k<={k}" if adaptive else f"k={k}"))
+            c = Config(backend, k, name, adaptive)
             c.llm = LLM(model=model, backend=backend, speculative_config=spec, enforce_eager=args.enforce_eager)
             configs.append(c)
     return configs
@@ -241,14 +260,18 @@ def run(configs: list[Config], prompts: list[list[int]], max_tokens: int) -> Non
 
 
 def table(configs: list[Config]) -> str:
-    """One row per configuration: ms per round (plain: per token) by phase, and the share outside the kernels."""
+    """One row per configuration: ms per round (plain: per token) by phase, the share outside the kernels,
+    and tok/s with its ratio to the same backend's plain decoding."""
     head = ("| configuration | rounds | tokens/round | ms/round | draft kernel | draft host | verify kernel | "
-            "verify host | commit/update | outside kernels | in llama_decode | tok/s (generate) |")
-    lines = [head, "| --- " * 12 + "|"]
+            "verify host | commit/update | hand-over | outside kernels | in llama_decode | tok/s (x plain) |")
+    lines = [head, "| --- " * 13 + "|"]
+    plain = {c.backend: c.tokens / c.generate_s for c in configs if c.k == 0 and c.generate_s}
     for c in configs:
+        rate = c.tokens / c.generate_s if c.generate_s else 0.0
+        speed = f"{rate:.1f} ({rate / plain[c.backend]:.2f}x)" if plain.get(c.backend) else f"{rate:.1f}"
         rs = [r for r in c.recorder.rounds if r.plain == (c.k == 0)]
         if not rs:
-            lines.append(f"| {c.name} | 0 | | | | | | | | | | |")
+            lines.append(f"| {c.name} | 0 | | | | | | | | | | | {speed} |")
             continue
         n = len(rs)
         toks = sum(r.tokens for r in rs)
@@ -257,13 +280,13 @@ def table(configs: list[Config]) -> str:
         cells = [per(sum(getattr(r, p) for r in rs)) for p in PHASES]
         kernel = sum(r.kernel for r in rs)
         decode = sum(r.decode for r in rs)
+        handover = sum(r.handover for r in rs)
         outside = 1 - kernel / wall if wall else 0.0
         label = c.name + (" (per token)" if c.k == 0 else "")
         lines.append(
-            f"| {label} | {n} | {toks / n:.2f} | {per(wall):.2f} | "
-            + " | ".join(f"{x:.2f}" for x in cells)
-            + f" | {outside:.0%} | {f'{decode / kernel:.0%} of kernel' if decode else '-'} | "
-            f"{c.tokens / c.generate_s:.1f} |")
+            f"| {label} | {n} | {toks / n:.2f} | {per(wall):.2f} | " + " | ".join(f"{x:.2f}" for x in cells)
+            + f" | {f'{per(handover):.2f}' if handover else '-'} | {outside:.0%} | "
+            f"{f'{decode / kernel:.0%} of kernel' if decode else '-'} | {speed} |")
     return "\n".join(lines)
 
 
@@ -283,8 +306,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="specdec/demo-target", help="target: a name, HF folder or GGUF file")
     ap.add_argument("--model-llamacpp", default=None, help="the target for llama.cpp only (e.g. the stand-in's GGUF)")
-    ap.add_argument("--draft", default="specdec/demo-draft")
-    ap.add_argument("--method", default="draft_model", help="a model drafter: draft_model (eagle3 with its head)")
+    ap.add_argument("--draft", default="specdec/demo-draft", help="the draft_model drafter's model")
+    ap.add_argument("--eagle3-head", default="specdec/demo-eagle3", help="the eagle3 drafter's head")
+    ap.add_argument("--methods", default="draft_model", help="model drafters, comma-separated: draft_model, eagle3")
+    ap.add_argument("--adaptive", action="store_true", help="also each method adaptive, k up to the largest of --ks")
     ap.add_argument("--backends", default="llama.cpp,torch")
     ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=4)
@@ -293,6 +318,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--enforce-eager", action="store_true", help="torch: eager, not the compiled step")
     args = ap.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not args.methods or any(m not in ("draft_model", "eagle3") for m in args.methods):
+        ap.error(f"--methods takes draft_model and/or eagle3, got {args.methods}")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in args.backends if b not in ("llama.cpp", "torch")]
     if bad or not args.backends:

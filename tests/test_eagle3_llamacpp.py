@@ -136,6 +136,35 @@ def test_the_drafter_reads_the_states_of_each_sequences_history(models, monkeypa
         assert torch.allclose(got, ref, rtol=STATE_TOL, atol=STATE_TOL), (len(tokens), start, end)
 
 
+@pytest.mark.parametrize("rows", [[0], [2, 0]], ids=["one-row", "two-rows"])
+def test_the_heads_chain_step_computes_its_general_step(models, rows):
+    """HeadRunner.chain_step (a chain's draft step, one token per row, rows at different positions, cache
+    rows out of order) returns the logits and g that ``step`` returns at T = 1, and writes the same k, v."""
+    from specdec.drafters.eagle3 import HeadRunner
+    from specdec.models.eagle3 import load_head
+
+    hf = models["hf"]
+    head = load_head(models["head"], hf.model.embed_tokens.weight.detach(), LAYERS)
+    D = head.config.hidden_size
+    runners = [HeadRunner(head, torch.bfloat16, torch.device("cpu")) for _ in range(2)]
+    torch.manual_seed(7)
+    history = torch.randint(0, head.config.vocab_size, (3, 9))  # three cache rows of 9 positions
+    hidden = torch.randn(3, 9, D)
+    for r in runners:
+        r.reserve(3, 16)
+        r.step(history, hidden, [0, 1, 2], torch.arange(9)[None].expand(3, 9).contiguous())
+    pos = [8, 5][: len(rows)]  # row 2 continues at 8, row 0 at 5 (its positions past 5 are rewritten)
+    ids, g = torch.randint(0, head.config.vocab_size, (len(rows),)), torch.randn(len(rows), D)
+    want_logits, want_g = runners[0].step(ids[:, None], g[:, None], rows, torch.tensor(pos)[:, None])
+    got_logits, got_g = runners[1].chain_step(ids, g, rows, pos)
+    assert got_logits.shape == (len(rows), head.config.draft_vocab_size) and got_g.shape == (len(rows), D)
+    torch.testing.assert_close(got_logits, want_logits[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_g, want_g[:, 0], rtol=1e-5, atol=1e-5)
+    for b, (row, p) in enumerate(zip(rows, pos)):
+        torch.testing.assert_close(runners[1].cache.k[0, row, :, : p + 1], runners[0].cache.k[0, row, :, : p + 1])
+        torch.testing.assert_close(runners[1].cache.v[0, row, :, : p + 1], runners[0].cache.v[0, row, :, : p + 1])
+
+
 @pytest.mark.parametrize("config", [
     dict(k=1, adaptive=False), dict(k=3, adaptive=False), dict(k=4, adaptive=True),
     dict(k=4, enable_suffix_decoding=True, suffix_decoding_min_score=0.0),

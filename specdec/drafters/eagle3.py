@@ -84,6 +84,9 @@ class HeadRunner:
         self.lm_head = lin(head.lm_head.weight)  # D -> Vd
         self.input_norm, self.hidden_norm = vec(L.input_layernorm.weight), vec(L.hidden_norm.weight)
         self.post_norm, self.final_norm = vec(L.post_attention_layernorm.weight), vec(head.norm.weight)
+        # a head with norm_before_fc normalizes the [3 Dt] features before fc (models/eagle3.py)
+        fc_norm = getattr(head, "input_norm", None) if getattr(c, "norm_before_fc", False) else None
+        self.fc_norm = None if fc_norm is None else vec(fc_norm.weight)
         self.embed = head.embed_tokens.detach().to(device)  # [V, D] the target's
         self.inv_freq = head.inv_freq.detach().float().to(device)  # [hd / 2]
         self.cos = self.sin = torch.empty(0, c.head_dim, device=device)
@@ -104,7 +107,56 @@ class HeadRunner:
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's layer inputs [..., 3 Dt] -> the head's hidden state [..., D] float32."""
+        if self.fc_norm is not None:
+            features = F.rms_norm(features.float(), (features.shape[-1],), self.fc_norm, self.c.rms_norm_eps)
         return self.fc(features).float()
+
+    def _attention_input(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [...] and hidden [..., D] float32 -> q, k, v fused [..., (H + 2 KVH) hd] float32 (not yet
+        rotated) and the residual [..., D] the attention's output adds to."""
+        c, D = self.c, self.c.hidden_size
+        emb = F.embedding(ids, self.embed).float()  # [..., D]
+        h_normed = F.rms_norm(hidden, (D,), self.hidden_norm, c.rms_norm_eps)
+        x = torch.cat([F.rms_norm(emb, (D,), self.input_norm, c.rms_norm_eps), h_normed], dim=-1)  # [..., 2D]
+        return self.qkv(x).float(), (h_normed if c.norm_before_residual else hidden)
+
+    def _after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [..., H hd] -> draft-vocabulary logits [..., Vd] and the pre-norm output g [..., D], float32."""
+        D, eps = self.c.hidden_size, self.c.rms_norm_eps
+        a = residual + self.o(attn)  # [..., D] (bf16 + float32 promotes to float32)
+        gate, up = self.gate_up(F.rms_norm(a, (D,), self.post_norm, eps)).float().chunk(2, dim=-1)
+        g = a + self.down(F.silu(gate) * up)  # [..., D]: pre-norm output
+        return self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float(), g
+
+    def chain_step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain's draft step, one token per row (``step`` at T = 1 in fewer operations): ids [B], hidden
+        [B, D] float32 at positions ``pos`` [B] of cache rows ``rows``; each query sees its row's keys at
+        positions <= its own. Returns logits [B, Vd] and g [B, D], float32."""
+        c = self.c
+        B = len(rows)
+        H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv, residual = self._attention_input(ids, hidden)  # [B, (H + 2 KVH) hd]
+        if B == 1:
+            row, p = rows[0], pos[0]
+            cos, sin = self.cos[p], self.sin[p]  # [hd]
+            q = apply_rope(qkv[:, : H * hd].view(1, H, 1, hd), cos, sin)
+            self.cache.k[0, row, :, p] = apply_rope(qkv[0, H * hd : (H + KVH) * hd].view(KVH, hd), cos, sin)
+            self.cache.v[0, row, :, p] = qkv[0, (H + KVH) * hd :].view(KVH, hd)
+            keys, values = self.cache.k[0, row : row + 1, :, : p + 1], self.cache.v[0, row : row + 1, :, : p + 1]
+            mask = None
+        else:
+            at = torch.tensor(pos, device=self.device)  # [B]
+            cos, sin = self.cos[at][:, None], self.sin[at][:, None]  # [B, 1, hd]
+            q = apply_rope(qkv[:, : H * hd].view(B, H, hd), cos, sin)[:, :, None]  # [B, H, 1, hd]
+            row_t = torch.tensor(rows, device=self.device)
+            self.cache.k[0][row_t, :, at] = apply_rope(qkv[:, H * hd : (H + KVH) * hd].view(B, KVH, hd), cos, sin)
+            self.cache.v[0][row_t, :, at] = qkv[:, (H + KVH) * hd :].view(B, KVH, hd)
+            end = max(pos) + 1
+            cache_rows = _rows(rows, self.device)
+            keys, values = self.cache.k[0, cache_rows, :, :end], self.cache.v[0, cache_rows, :, :end]  # [B, KVH, end, hd]
+            mask = (torch.arange(end, device=self.device)[None] <= at[:, None])[:, None, None]  # [B, 1, 1, end]
+        attn = attention(q, keys, values, mask)  # [B, H, 1, hd]
+        return self._after_attention(attn.reshape(B, H * hd), residual)
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
              real: torch.Tensor | None = None, query_at: torch.Tensor | None = None,
@@ -119,14 +171,8 @@ class HeadRunner:
         the row's keys at positions <= its own)."""
         c = self.c
         B, T = ids.shape
-        H, KVH, hd, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
-        eps = c.rms_norm_eps
-        hidden = hidden.float()
-        emb = F.embedding(ids, self.embed).float()  # [B, T, D]
-        h_normed = F.rms_norm(hidden, (D,), self.hidden_norm, eps)
-        residual = h_normed if c.norm_before_residual else hidden
-        x = torch.cat([F.rms_norm(emb, (D,), self.input_norm, eps), h_normed], dim=-1)  # [B, T, 2D]
-        qkv = self.qkv(x).float()
+        H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv, residual = self._attention_input(ids, hidden.float())  # [B, T, (H + 2 KVH) hd], [B, T, D]
         q = qkv[..., : H * hd].view(B, T, H, hd)
         k = qkv[..., H * hd : (H + KVH) * hd].view(B, T, KVH, hd)
         v = qkv[..., (H + KVH) * hd :].view(B, T, KVH, hd)
@@ -152,11 +198,7 @@ class HeadRunner:
         elif not (B == 1 and T == 1):
             mask = (torch.arange(end, device=self.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, end]
         attn = attention(q.transpose(1, 2), keys, values, mask)  # [B, H, T, hd]
-        a = self.o(attn.transpose(1, 2).reshape(B, T, H * hd)).float() + residual  # [B, T, D]
-        gate, up = self.gate_up(F.rms_norm(a, (D,), self.post_norm, eps)).float().chunk(2, dim=-1)
-        g = self.down(F.silu(gate) * up).float() + a  # [B, T, D]: pre-norm output
-        logits = self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float()  # [B, T, Vd]
-        return logits, g
+        return self._after_attention(attn.transpose(1, 2).reshape(B, T, H * hd), residual)  # [B, T, Vd], [B, T, D]
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -202,13 +244,12 @@ class Eagle3Drafter(Drafter):
             return DraftProposal.from_rows([[]] * B, sb.device)
 
         # 2. draft: step j (1-based) at position L-2+j reads (g of step j-1, d_j)
-        pos = torch.tensor([len(seqs[b].token_ids) - 2 for b in active], device=self.device)  # [A] p = L-2
+        pos = [len(seqs[b].token_ids) - 2 for b in active]  # [A] p = L-2
         state = {"g": g}
 
         def step(x: torch.Tensor, i: int) -> torch.Tensor:  # x [A] draft i+1 -> draft logits [A, Vd] for draft i+2
-            logits, g = r.step(x[:, None], state["g"][:, None], active, (pos + i + 1)[:, None])  # [A, 1, ...]
-            state["g"] = g[:, 0]
-            return logits[:, 0]
+            logits, state["g"] = r.chain_step(x, state["g"], active, [p + i + 1 for p in pos])  # [A, Vd], [A, D]
+            return logits
 
         every = len(active) == B
         want = list(num_draft) if every else [n if b in set(active) else 0 for b, n in enumerate(num_draft)]
@@ -265,6 +306,8 @@ class Eagle3Drafter(Drafter):
                 s = seqs[b]
                 self.done[s.seq_id] = len(s.token_ids) - 1
                 self.seen[s.seq_id] = list(s.token_ids)
+        if len(groups) == 1:  # one pass caught every active row up, in their order
+            return active, draft_logits, g
         return active, torch.stack([first[b] for b in active]), torch.stack([hidden[b] for b in active])
 
     @torch.inference_mode()
@@ -391,11 +434,15 @@ class Eagle3Drafter(Drafter):
         n = [len(s.token_ids) - 1 - st for s, st in zip(seqs, starts)]  # [G] positions fed, >= 1
         T = max(n)
         dev = self.device
-        ids = torch.zeros(G, T, dtype=torch.long)
-        feats = torch.zeros(G, T, self.runner.fc.in_features, device=dev)  # [G, T, 3 Dt]
-        for i, (s, r, st) in enumerate(zip(seqs, rows, starts)):
-            ids[i, : n[i]] = torch.tensor(s.token_ids[st + 1 :])  # token p + 1 at position p
-            feats[i, : n[i]] = self.target.hidden_states(r, st, st + n[i])
+        if G == 1:  # the target's states as they are kept (a view: no copy), its tokens as they are
+            ids = torch.tensor(seqs[0].token_ids[starts[0] + 1 :])[None]  # [1, T] token p + 1 at position p
+            feats = self.target.hidden_states(rows[0], starts[0], starts[0] + T)[None]  # [1, T, 3 Dt]
+        else:
+            ids = torch.zeros(G, T, dtype=torch.long)
+            feats = torch.zeros(G, T, self.runner.fc.in_features, device=dev)  # [G, T, 3 Dt]
+            for i, (s, r, st) in enumerate(zip(seqs, rows, starts)):
+                ids[i, : n[i]] = torch.tensor(s.token_ids[st + 1 :])  # token p + 1 at position p
+                feats[i, : n[i]] = self.target.hidden_states(r, st, st + n[i])
         t = torch.arange(T, device=dev)
         lengths = torch.tensor(n, device=dev)
         real = t[None] < lengths[:, None]  # [G, T]

@@ -301,6 +301,15 @@ class LlamaCppRunner(ModelRunner):
             for i, lid in enumerate(self.kept_layers):
                 states[s, p, i * D : (i + 1) * D] = np.frombuffer(rows.from_address(get(self.ctx, lid)), np.float32)
             return
+        p0 = int(pos[0])
+        if seq[0] == seq[n - 1] and pos[n - 1] - p0 == n - 1 and (seq == seq[0]).all() and (np.diff(pos) == 1).all():
+            # one row's consecutive positions (a verify pass, a prompt's chunk): a slice, no gather
+            s = int(seq[0])
+            states = self._states_for(s + 1, p0 + n)
+            for i, lid in enumerate(self.kept_layers):
+                x = np.frombuffer(rows.from_address(get(self.ctx, lid)), np.float32)  # [n * D], until the next decode
+                states[s, p0 : p0 + n, i * D : (i + 1) * D] = x.reshape(n, D)
+            return
         states = self._states_for(int(seq.max()) + 1, int(pos.max()) + 1)
         for i, lid in enumerate(self.kept_layers):
             x = np.frombuffer(rows.from_address(get(self.ctx, lid)), np.float32)  # [n * D], until the next decode
