@@ -549,6 +549,8 @@ class AsyncEngine(Admission):
                     ev.prompt_tokens, ev.completion_tokens = seq.num_prompt_tokens, seq.num_output_tokens
                     ev.spec_stats = seq.stats  # final: a finished sequence runs no more rounds
                     self._hook(self.hooks.on_finish, Finished.of(seq, track))
+                    if all(s.finished for s in track.handle.seqs):
+                        track.handle.state = "done"  # the engine process drops a done handle (and its seqs)
                 track.handle._post(ev)
             except Exception as e:
                 log.exception("turning sequence %s's tokens into text failed; failing its request", seq.seq_id)

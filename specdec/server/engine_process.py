@@ -428,6 +428,12 @@ class _PipedEngine(AsyncEngine):
         so = p.params.structured_outputs
         return None if so is None else self.engine.grammar_compiler.ready_matchers(so, p.params.n)
 
+    def drop_done(self) -> None:
+        """Forget the handles of requests that ended (finished, failed or aborted; main thread): each
+        holds its sequences, tokens and logprobs."""
+        for rid in [rid for rid, h in self.handles.items() if h.state == "done"]:
+            del self.handles[rid]
+
     def abort_request(self, rid: int) -> None:
         handle = self.handles.pop(rid, None)
         if handle is not None:
@@ -471,8 +477,6 @@ def _engine_main(conn, llm_kwargs: dict[str, Any], limits: ServerLimits, release
                 loop.abort_request(msg[1])
             elif msg[0] == "stop":
                 break
-            # a finished request's handle is dropped when its last event has gone out
-            for rid in [rid for rid, h in loop.handles.items() if h.state == "done"]:
-                del loop.handles[rid]
+            loop.drop_done()
     finally:
         loop.stop()
