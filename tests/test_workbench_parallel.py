@@ -62,7 +62,8 @@ def test_profile_measures_a_parallel_draft_per_round_and_a_head_per_token(profil
         assert c["parallel_draft_forward"] is None
     # the parallel draft: its measured round at K, shaped by its own forward timed at every k
     shape = pard["parallel_draft_forward"]
-    assert shape["k"] == [1, 2, 3] and shape["f"][0] == 1.0 and all(f > 0 for f in shape["f"])
+    assert shape["k"] == [1, 2, 3] and shape["f"][0] == pytest.approx(1.0)
+    assert shape["f"] == sorted(shape["f"]) and shape["f"][2] - shape["f"][1] == pytest.approx(shape["f"][1] - 1.0)
     c = pard["draft_cost_per_round"]
     t_round = pard["draft_time_per_round_s"] / pard["target_step_s"]
     assert c[0] == 0.0 and c[K] == pytest.approx(t_round) and pard["draft_cost_ratio"] == pytest.approx(t_round)
@@ -75,6 +76,14 @@ def test_profile_measures_a_parallel_draft_per_round_and_a_head_per_token(profil
                   / (sum(n * ((c[min(i, k)] if min(i, k) else 0.0) + v[min(i, k)]) for i, n in enumerate(lengths))
                      / sum(lengths)) for k in range(K + 1)]
         assert e["predicted_speedup"] == pytest.approx(expect)
+
+
+def test_the_draft_forward_shape_is_a_line_that_does_not_fall():
+    from specdec.workbench.profile import _rising_line
+
+    assert _rising_line([1, 2, 3], [1.0, 2.0, 3.0]) == pytest.approx([1.0, 2.0, 3.0])
+    assert _rising_line([1, 2, 3], [1.0, 0.9, 0.8]) == pytest.approx([0.9, 0.9, 0.9])  # noise: flat at the mean
+    assert _rising_line([1, 2, 3, 4], [1.0, 1.3, 1.1, 1.4]) == pytest.approx([1.05, 1.15, 1.25, 1.35])
 
 
 def test_report_shows_the_draft_cost_per_round(profiled):

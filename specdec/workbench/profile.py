@@ -11,7 +11,8 @@ acceptance instead of one i.i.d. α:
   timed in the same alternating runs as the drafter). A parallel draft (drafters/pard.py) runs one
   forward per round whatever k, so its c is per round and has a shape: c(k) = its measured time per
   round at K × f(k) / f(K), f(k) the draft's own forward over one new token and k - 1 masks, timed
-  like v(k) (``measure_parallel_draft_cost``); its round costs c(k) + v(k) (cost_model.round_cost);
+  like v(k) and fitted by a line that does not fall (``measure_parallel_draft_cost``); its round
+  costs c(k) + v(k) (cost_model.round_cost);
 - v(k) = one (k+1)-token target forward ÷ one 1-token target forward, timed directly on the target
   runner at batch 1 on real prompt prefixes (lower quartile of repeats: preemption by other work only
   ever adds time; the k interleaved so that load changes hit every k alike), so v(0) = 1;
@@ -155,8 +156,10 @@ def measure_verify_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats
 def measure_parallel_draft_cost(llm: LLM, prefixes: list[list[int]], k_max: int, repeats: int = 9,
                                 warmup: int = 2) -> dict:
     """The shape of a parallel draft's round cost: its forward over one new token and k - 1 masks after
-    real prompt prefixes, for k = 1..k_max, at batch 1 (lower quartile of ``repeats``), and f(k) = that
-    time ÷ the k = 1 one. The engine must be idle; the drafter re-feeds its rows afterwards."""
+    real prompt prefixes, for k = 1..k_max, at batch 1 (lower quartile of ``repeats``), and f(k): the
+    least-squares line through those times, its slope at least 0 (a forward over more tokens is not
+    cheaper: a falling measurement is noise), ÷ its value at k = 1. The engine must be idle; the
+    drafter re-feeds its rows afterwards."""
     engine = llm.engine
     if engine.has_unfinished():
         raise RuntimeError("measure_parallel_draft_cost needs an idle engine")
@@ -164,8 +167,18 @@ def measure_parallel_draft_cost(llm: LLM, prefixes: list[list[int]], k_max: int,
     quartiles, medians = _time_forwards(drafter.runner, engine.device, prefixes, list(range(1, k_max + 1)),
                                         repeats, warmup, fill=drafter.mask_token_id)
     drafter.release_memory()  # its rows were overwritten: every sequence starts from an empty draft cache
-    return {"k": list(range(1, k_max + 1)), "f": [q / quartiles[0] for q in quartiles], "lower_quartile_s": quartiles,
-            "median_s": medians, "repeats": repeats * len(prefixes)}
+    ks = list(range(1, k_max + 1))
+    line = _rising_line(ks, quartiles)
+    return {"k": ks, "f": [y / line[0] for y in line], "lower_quartile_s": quartiles, "median_s": medians,
+            "repeats": repeats * len(prefixes)}
+
+
+def _rising_line(xs: list[int], ys: list[float]) -> list[float]:
+    """The least-squares line through (xs, ys) at xs, its slope clamped at 0 (flat: the mean)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    return [my + slope * (x - mx) for x in xs]
 
 
 def _time_forwards(runner, device, prefixes: list[list[int]], lengths: list[int], repeats: int, warmup: int,
