@@ -22,8 +22,8 @@ within 1 s, and times /health back to 200 and a request that succeeds.
 Windows scale with --duration: warm-up min(120 s, 10%), first and last windows min(300 s, 20%) each.
 Invariants (the summary's ``invariants``): 0 hung, 0 lost, 0 unexpected 5xx, every kill noticed
 within 1 s, its requests ended within 2 s and the server served again; the HTTP process's RSS in the
-last window within +-10% of the first, the engine process's at most 10% above it (a restarted engine
-starts afresh), TPOT p95 of the last window within +-15% of the first. Per minute: requests by
+last window within +-10% of the first, the engine process's too, and each engine process's own RSS
+(the minute after its warm-up against its last minute) within +-10%, TPOT p95 of the last window within +-15% of the first. Per minute: requests by
 outcome, TTFT p50, TPOT p50/p95, RSS. Writes the summary as JSON (--out) and prints a table.
 """
 
@@ -496,6 +496,16 @@ def summarize(records: list[Record], kills: list[Kill], samples, args, warmup: f
                         "tpot_p95_ms": _ms(pct([r.tpot for r in done if r.tpot is not None], 95)),
                         "rss_http_mib": rss(w, 1), "rss_engine_mib": rss(w, 2)})
     rss_http, rss_engine, tpot = ratio("rss_http_mib"), ratio("rss_engine_mib"), ratio("tpot_p95_ms")
+    # each engine process's own growth: the minute after its warm-up against the last minute before it
+    # was killed (or the run ended); a life too short for both is not judged
+    bounds = [0.0] + [k.at for k in kills] + [args.duration]
+    lives = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        early, late = (lo + warmup, lo + warmup + 60), (hi - 60, hi)
+        if late[0] >= early[1]:
+            a, b = rss(early, 2), rss(late, 2)
+            lives.append({"from_s": lo, "to_s": hi, "early_mib": a, "late_mib": b,
+                          "growth": None if not a or b is None else b / a})
     invariants = {
         "no_hung": outcomes.get("hung", 0) == 0,
         "no_lost": outcomes.get("lost", 0) == 0,
@@ -505,8 +515,9 @@ def summarize(records: list[Record], kills: list[Kill], samples, args, warmup: f
         "kills_noticed_in_1s": all(k.noticed_s is not None and k.noticed_s <= 1.0 for k in kills),
         "served_after_kills": all(k.health_back_s is not None and k.probe_status == 200 for k in kills),
         "rss_http_within_10pct": rss_http is not None and abs(rss_http - 1) <= 0.10,
-        # a restarted engine starts afresh (often smaller than the first one was): only growth fails
-        "rss_engine_not_above_110pct": rss_engine is not None and rss_engine <= 1.10,
+        "rss_engine_within_10pct": rss_engine is not None and abs(rss_engine - 1) <= 0.10,
+        "rss_engine_flat_each_life": bool(lives) and all(x["growth"] is not None and abs(x["growth"] - 1) <= 0.10
+                                                         for x in lives),
         "tpot_p95_within_15pct": tpot is not None and abs(tpot - 1) <= 0.15,
     }
     log = log_path.read_text(errors="replace")
@@ -519,6 +530,7 @@ def summarize(records: list[Record], kills: list[Kill], samples, args, warmup: f
         "unexpected": [asdict(r) for r in records if r.outcome in ("unexpected", "hung", "lost")][:50],
         "kills": [asdict(k) | {"in_flight": len(k.in_flight)} for k in kills],
         "windows": win, "ratios": {"rss_http": rss_http, "rss_engine": rss_engine, "tpot_p95": tpot},
+        "engine_lives": lives,
         "per_minute": minutes,
         "server": {"engine_restarts_total": end_metrics.get("specdec:engine_restarts_total"),
                    "engine_up": end_metrics.get("specdec:engine_up"),
@@ -559,6 +571,9 @@ def table(s: dict) -> str:
                  f"{_f(w['last']['tpot_p95_ms'])} ms, RSS http {_f(w['first']['rss_http_mib'])} -> "
                  f"{_f(w['last']['rss_http_mib'])} MiB, engine {_f(w['first']['rss_engine_mib'])} -> "
                  f"{_f(w['last']['rss_engine_mib'])} MiB")
+    for x in s["engine_lives"]:
+        lines.append(f"engine process {x['from_s']:.0f}-{x['to_s']:.0f} s: RSS {_f(x['early_mib'])} -> "
+                     f"{_f(x['late_mib'])} MiB")
     for name, ok in s["invariants"].items():
         lines.append(f"  {'PASS' if ok else 'FAIL'} {name}")
     return "\n".join(lines)
