@@ -36,7 +36,8 @@ def profiled(tmp_path_factory) -> dict:
     result = CliRunner().invoke(app, [str(a) for a in (
         "profile", "--model", target, "--prompts", prompts, "--max-tokens", 16, "--k-max", K, "--out", out,
         "--json", "--backend", "torch",
-        "--speculative-config", json.dumps({"method": "draft_model", "model": pard}),  # the same weights, one step a draft
+        # the same weights drafting one step a draft, then in parallel
+        "--speculative-config", json.dumps({"method": "draft_model", "model": pard}),
         "--speculative-config", json.dumps({"method": "draft_model", "model": pard, "parallel_drafting": True}),
         "--speculative-config", json.dumps({"method": "eagle3", "model": head}))])
     assert result.exit_code == 0, result.output

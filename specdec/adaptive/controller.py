@@ -7,9 +7,10 @@ drafts k, and a draft step costs the same for the batch however many rows draft)
 
 with E_b(k) from each sequence's measured acceptance per position and the costs measured at this
 batch size (measure.py). A parallel draft (drafters/pard.py) runs one forward for all k drafts, so
-k · t_d(B) is t_d(B, k) there: its round's draft time, measured per k (cost_model.round_cost). The batch drafts the k of the highest estimated S(k) where that beats plain
-decoding; where it does not but S at the upper confidence bound of the drafter's acceptance says
-some k may, it keeps drafting (``choose_k``). A drafter is given up only once the bound, from the
+k · t_d(B) is t_d(B, k) there: its round's draft time, measured per k (cost_model.round_cost).
+The batch drafts the k of the highest estimated S(k) where that beats plain decoding; where it
+does not but S at the upper confidence bound of the drafter's acceptance says some k may, it keeps
+drafting (``choose_k``). A drafter is given up only once the bound, from the
 samples seen, is at or below break-even at every k, so a few unlucky early rounds do not switch off
 a drafter that pays. Once off, probes (probe.py) bring it back where the text has become easier.
 """

@@ -84,7 +84,7 @@ class MethodState:
     drafter: Drafter
     lookup: bool
     stats: PositionStats = field(default_factory=PositionStats)  # acceptance over all sequences
-    time: dict[int, Timing] = field(default_factory=dict)  # B -> seconds per drafted position (lookup: per call)
+    time: dict[int, Timing] = field(default_factory=dict)  # B -> seconds per drafted position (lookup, parallel: per call)
     switch_on: dict[int, Timing] = field(default_factory=dict)  # B -> a model's extra seconds after a pause
     ran_last: bool = False  # drafted the previous round too (a model's timing then holds no catch-up)
     parallel: bool = False  # one forward drafts all k (a parallel draft): timed and charged per call

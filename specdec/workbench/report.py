@@ -276,7 +276,8 @@ def _markdown(profile: dict, summary: dict) -> str:
         at_k = c["overall"]["predicted_speedup"][c["k_measured"]]
         per_round = " /round" if s["draft_cost_shape"] == "per_round" else ""
         draft_ms = "-" if s["draft_time_per_round_s"] is None else f"{s['draft_time_per_round_s'] * 1e3:.2f} ms"
-        lines.append(f"| {_label(c)} | {s['draft_cost_ratio']:.3f}{per_round} | {draft_ms} | {s['acceptance_rate']:.1%} | "
+        lines.append(f"| {_label(c)} | {s['draft_cost_ratio']:.3f}{per_round} | {draft_ms} | "
+                     f"{s['acceptance_rate']:.1%} | "
                      f"{s['mean_acceptance_length']:.2f} | {s['best_k']} | {s['predicted_speedup']:.2f}x | "
                      f"{at_k:.2f}x / {s['measured_speedup_at_k_max']:.2f}x |")
     for c in profile["configs"]:
