@@ -96,3 +96,20 @@ def test_report_shows_the_draft_cost_per_round(profiled):
     assert md.count("one forward whatever k") == 1 and md.count("k draft steps") == 2
     summary = json.loads(result.stdout)["summary"]["configs"]
     assert [c["draft_cost_shape"] for c in summary] == ["per_token", "per_round", "per_token"]
+
+
+def test_profile_a_parallel_draft_on_llamacpp(tmp_path):
+    target = make_model(tmp_path / "target", "llama", seed=0, layers=4)
+    pard = pard_copy(target, tmp_path / "pard", 0.01, max_k=4)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in PROMPTS[:2]))
+    result = CliRunner().invoke(app, [str(a) for a in (
+        "profile", "--model", target, "--prompts", prompts, "--max-tokens", 12, "--k-max", K, "--out",
+        tmp_path / "out", "--json", "--backend", "llama.cpp", "--no-validate",
+        "--speculative-config", json.dumps({"method": "draft_model", "model": pard, "parallel_drafting": True}))])
+    assert result.exit_code == 0, result.output
+    p = json.loads((tmp_path / "out" / "profile.json").read_text())
+    (c,) = p["configs"]
+    assert p["backend"] == "llama.cpp" and c["draft_cost_shape"] == "per_round"
+    assert c["greedy_match"] == {"matched": 2, "total": 2} and c["parallel_draft_forward"]["f"][0] == pytest.approx(1.0)
+    assert c["draft_cost_per_round"][K] == pytest.approx(c["draft_time_per_round_s"] / c["target_step_s"])
