@@ -26,7 +26,9 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
         [--backends llama.cpp,torch] [--ks 2,4] [--num-prompts 4] [--max-tokens 64] [--threads 2]
 
 ``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
-rounds of any k are split the same way.
+rounds of any k are split the same way. ``--eagle3-variants`` adds eagle3 with its chain steps through
+the head's general step (the draft step before ``HeadRunner.chain_step``) and, an experiment, with the
+head's weights in int8 (what halving its bytes would give; specdec's head runs in the target's dtype).
 
 ``--model`` takes the stand-in too (benchmarks/make_standin.py): its HF folder, or a GGUF file for
 llama.cpp (``--gguf`` per backend: ``--model-llama.cpp X.gguf``).
@@ -231,16 +233,61 @@ def build(args) -> list[Config]:
         runs = [(None, 0, False)] + [(m, k, False) for m in args.methods for k in args.ks]
         if args.adaptive:
             runs += [(m, max(args.ks), True) for m in args.methods]
+        if args.eagle3_variants:
+            runs += [(f"eagle3 {v}", k, False) for v in ("general-step", "int8") for k in args.ks]
         for method, k, adaptive in runs:
             spec = None if method is None else {
-                "method": method, "model": drafts.get(method, args.draft), "num_speculative_tokens": k,
-                "adaptive": adaptive, "draft_tree": "chain"}
+                "method": method.split()[0], "model": drafts.get(method.split()[0], args.draft),
+                "num_speculative_tokens": k, "adaptive": adaptive, "draft_tree": "chain"}
             name = (f"{backend} plain" if method is None else
                     f"{backend} {method} " + (f"adaptive k<={k}" if adaptive else f"k={k}"))
             c = Config(backend, k, name, adaptive)
             c.llm = LLM(model=model, backend=backend, speculative_config=spec, enforce_eager=args.enforce_eager)
+            if method == "eagle3 int8":
+                int8_head(c.llm.engine.drafter)
+            elif method == "eagle3 general-step":
+                general_steps(c.llm.engine.drafter)
             configs.append(c)
     return configs
+
+
+class Int8Linear:
+    """An experiment, not a specdec path: a product with int8 weights (per output row scales) and bf16
+    activations (``torch._weight_int8pack_mm``), half the bytes of bf16 weights."""
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127  # [out]
+        self.weight = torch.round(w / scale[:, None]).to(torch.int8).contiguous()  # [out, in]
+        self.scale = scale.to(torch.bfloat16)
+        self.out_features, self.in_features = w.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [N, in]
+        return torch._weight_int8pack_mm(rows, self.weight, self.scale).view(*x.shape[:-1], self.out_features)
+
+
+def general_steps(drafter) -> None:
+    """An EAGLE-3 drafter whose chain steps go through the head's general ``step`` at T = 1 (the draft
+    step before ``HeadRunner.chain_step``), to time both in one run."""
+    r = drafter.runner
+    step = r.step
+
+    def chain_step(ids, hidden, rows, pos):
+        logits, g = step(ids[:, None], hidden[:, None], rows, torch.tensor(pos)[:, None])
+        return logits[:, 0], g[:, 0]
+
+    r.chain_step = chain_step
+
+
+def int8_head(drafter) -> None:
+    """Swap an EAGLE-3 drafter's head products for int8-weight ones (``--eagle3-variants``)."""
+    head, r = drafter.head, drafter.runner
+    a, m = head.midlayer.self_attn, head.midlayer.mlp
+    r.fc, r.o, r.down, r.lm_head = (Int8Linear(w) for w in (head.fc.weight, a.o_proj.weight, m.down_proj.weight,
+                                                             head.lm_head.weight))
+    r.qkv = Int8Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+    r.gate_up = Int8Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
 
 
 def run(configs: list[Config], prompts: list[list[int]], max_tokens: int) -> None:
@@ -270,8 +317,9 @@ def table(configs: list[Config]) -> str:
         rate = c.tokens / c.generate_s if c.generate_s else 0.0
         speed = f"{rate:.1f} ({rate / plain[c.backend]:.2f}x)" if plain.get(c.backend) else f"{rate:.1f}"
         rs = [r for r in c.recorder.rounds if r.plain == (c.k == 0)]
-        if not rs:
-            lines.append(f"| {c.name} | 0 | | | | | | | | | | | {speed} |")
+        if not rs:  # an adaptive run that switched drafting off: plain steps only
+            plain_steps = sum(r.plain for r in c.recorder.rounds)
+            lines.append(f"| {c.name} | 0 (drafting off: {plain_steps} plain rounds) | | | | | | | | | | | {speed} |")
             continue
         n = len(rs)
         toks = sum(r.tokens for r in rs)
@@ -310,6 +358,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eagle3-head", default="specdec/demo-eagle3", help="the eagle3 drafter's head")
     ap.add_argument("--methods", default="draft_model", help="model drafters, comma-separated: draft_model, eagle3")
     ap.add_argument("--adaptive", action="store_true", help="also each method adaptive, k up to the largest of --ks")
+    ap.add_argument("--eagle3-variants", action="store_true",
+                    help="also eagle3 at each k with its chain steps through the head's general step, and (an "
+                         "experiment) with the head's weights in int8, bf16 activations")
     ap.add_argument("--backends", default="llama.cpp,torch")
     ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=4)

@@ -165,6 +165,26 @@ def test_the_heads_chain_step_computes_its_general_step(models, rows):
         torch.testing.assert_close(runners[1].cache.v[0, row, :, : p + 1], runners[0].cache.v[0, row, :, : p + 1])
 
 
+def test_the_head_runner_fuses_as_the_head_with_and_without_norm_before_fc(models):
+    """HeadRunner.fuse is Eagle3Head.fuse: fc over the target's states, after input_norm when the head
+    has norm_before_fc (a head without it must not be normed)."""
+    from specdec.drafters.eagle3 import HeadRunner
+    from specdec.models.eagle3 import Eagle3Head, read_config
+
+    torch.manual_seed(3)
+    for norm in (False, True):
+        c = read_config(models["head"])
+        c.norm_before_fc = norm
+        head = Eagle3Head(c)
+        if norm:
+            head.input_norm.weight.data = torch.rand(head.fc.in_features) + 0.5
+        x = 10 * torch.randn(2, 5, head.fc.in_features)  # [B, T, 3 Dt]
+        got = HeadRunner(head, torch.float32, torch.device("cpu")).fuse(x)
+        torch.testing.assert_close(got, head.fuse(x), rtol=1e-5, atol=1e-5)
+        if norm:
+            assert not torch.allclose(got, head.fc(x), rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("config", [
     dict(k=1, adaptive=False), dict(k=3, adaptive=False), dict(k=4, adaptive=True),
     dict(k=4, enable_suffix_decoding=True, suffix_decoding_min_score=0.0),
