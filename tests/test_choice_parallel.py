@@ -7,34 +7,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import specdec.llm
 from lossless import assert_first_tokens_follow_target, assert_greedy_equal
 from specdec import LLM, SamplingParams
-from specdec.drafters import build_drafter
-from specdec.drafters.choice import ChoosingDrafter, member_config
+from specdec.drafters.choice import member_config
 from specdec.drafters.pard import ParallelDraftDrafter
 from specdec.models.load import load_model
 from test_eagle3 import last_token_target, make_copying_head, make_head
 from test_pard import pard_copy
 from tiny_models import SMALL_WORDS, make_model, random_prompts, small_vocab_pair
 
-pytestmark = pytest.mark.usefixtures("one_thread", "members_from_member_config")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 LOOKUPS = ["suffix", "ngram"]
-
-
-@pytest.fixture
-def members_from_member_config(monkeypatch):
-    """drafters.build_drafter builds a list's members with ``replace(spec, method=m)``, which keeps
-    parallel_drafting on the lookups and is refused by the config; LLM here builds them with
-    choice.member_config, as build_drafter should (the one-line change is reported for
-    drafters/__init__.py, which this helper does not own)."""
-    def build(spec, target, draft=None):
-        if len(spec.methods) > 1:
-            return ChoosingDrafter({m: build_drafter(member_config(spec, m), target, draft) for m in spec.methods})
-        return build_drafter(spec, target, draft)
-
-    monkeypatch.setattr(specdec.llm, "build_drafter", build)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,9 @@ def build_drafter(spec: SpeculativeConfig, target: ModelRunner, draft=None) -> D
     method list hold only one of the two.
     Several methods: a ChoosingDrafter over one drafter each, picked per request and round."""
     if len(spec.methods) > 1:
-        from dataclasses import replace
+        from specdec.drafters.choice import ChoosingDrafter, member_config
 
-        from specdec.drafters.choice import ChoosingDrafter
-
-        return ChoosingDrafter({m: build_drafter(replace(spec, method=m), target, draft) for m in spec.methods})
+        return ChoosingDrafter({m: build_drafter(member_config(spec, m), target, draft) for m in spec.methods})
     drafter = _build(spec, target, draft)
     drafter.method = spec.method
     if spec.enable_suffix_decoding:
