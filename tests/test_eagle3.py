@@ -41,6 +41,9 @@ def make_head(target: str, out: Path, seed: int = 0, draft_vocab: int | None = N
         setattr(c, name, value)
     torch.manual_seed(seed)
     head = Eagle3Head(c)
+    if c.norm_before_fc:  # a weight that is not all ones: a runner that skipped it would show
+        with torch.no_grad():
+            head.input_norm.weight.uniform_(0.5, 1.5)
     if draft_vocab:
         ids = torch.randperm(c.vocab_size)[:draft_vocab].sort().values
         head.d2t = ids - torch.arange(draft_vocab)
@@ -92,7 +95,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle3")
     target = str(make_model(root / "target", "llama", layers=LAYERS, seed=0, max_pos=512))
     return {"target": target, "hf": load_model(target).hf_model, "head": make_head(target, root / "head"),
-            "head_small_vocab": make_head(target, root / "head_vd", seed=1, draft_vocab=40)}
+            "head_small_vocab": make_head(target, root / "head_vd", seed=1, draft_vocab=40),
+            "head_norm_before_fc": make_head(target, root / "head_nf", seed=2, draft_vocab=40, norm_before_fc=True)}
 
 
 def spec(head: str, k: int = 4, **kw) -> dict:
@@ -177,13 +181,15 @@ def test_a_backend_that_cannot_keep_states_says_which_can(models):
 # -- the drafter against a head run from scratch ------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["loop", "greedy-fast-path"])
-def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path):
+@pytest.mark.parametrize("path,head_name", [("loop", "head_small_vocab"), ("greedy-fast-path", "head_small_vocab"),
+                                            ("loop", "head_norm_before_fc")])
+def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path, head_name):
     """Every round (rejected drafts roll the head's KV back; ragged rows catch up together or alone;
     n=2 choices copy their prompt's target states), the drafter's logits for each draft equal
     ``Eagle3Head.step`` run over the whole history with transformers' hidden states, then chained over
     its own drafts; its drafts are their argmaxes. "loop": every draft through draft_autoregressive's
-    loop (the logits are compared); "greedy-fast-path": the drafter's own argmax loop (the drafts are)."""
+    loop (the logits are compared); "greedy-fast-path": the drafter's own argmax loop (the drafts are).
+    A norm_before_fc head: the drafter's runner normalizes the features before fc as the head does."""
     import specdec.drafters.eagle3 as eagle3
 
     calls = []
@@ -203,9 +209,10 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path)
         return rec["proposal"]
 
     monkeypatch.setattr(eagle3, "draft_autoregressive", recorded)
-    llm = LLM(models["target"], backend="torch", speculative_config=spec(models["head_small_vocab"], 3, adaptive=False))
+    llm = LLM(models["target"], backend="torch", speculative_config=spec(models[head_name], 3, adaptive=False))
     drafter = llm.engine.drafter
     head = drafter.head
+    assert head.config.norm_before_fc == (head_name == "head_norm_before_fc")
     ids = head.config.layer_ids
     copied = []  # a choice takes its prompt's head entries from its sibling
     share = drafter._copy_from_sibling
