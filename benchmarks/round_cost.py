@@ -29,6 +29,7 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
 rounds of any k are split the same way. ``--eagle3-variants`` adds eagle3 with its chain steps through
 the head's general step (the draft step before ``HeadRunner.chain_step``) and, an experiment, with the
 head's weights in int8 (what halving its bytes would give; specdec's head runs in the target's dtype).
+With eagle3 on llama.cpp it ends with a verify-sized forward timed with and without the kept states.
 
 ``--model`` takes the stand-in too (benchmarks/make_standin.py): its HF folder, or a GGUF file for
 llama.cpp (``--gguf`` per backend: ``--model-llama.cpp X.gguf``).
@@ -407,6 +408,37 @@ def main(argv: list[str] | None = None) -> None:
         m = c.llm.get_metrics()
         if c.k:
             print(f"{c.name}: τ {m['mean_acceptance_length']:.2f}, acceptance {m['acceptance_rate']:.1%}")
+    if "eagle3" in args.methods and "llama.cpp" in args.backends:
+        print(keep_cost(configs, max(args.ks) + 1))
+
+
+def keep_cost(configs: list[Config], tokens: int, context: int = 300, repeats: int = 60) -> str:
+    """A verify-sized forward (``tokens`` tokens over ``context`` cached positions) of the llama.cpp
+    target with and without keeping an EAGLE-3 head's layer inputs, alternating in this process: what
+    llama.cpp's copy of the states costs inside ``llama_decode``, and the runner's copy after it."""
+    from specdec.models.base import ForwardBatch
+    from specdec.models.load import load_runner
+
+    c = next(c for c in configs if c.backend == "llama.cpp" and "eagle3" in c.name)
+    path, layers = c.llm.target.path, c.llm.engine.drafter.head.config.layer_ids
+    runners = {}
+    for name in ("without", "with"):
+        r, _ = load_runner(path, "llama.cpp")
+        if name == "with":
+            r.keep_hidden_states(layers)
+        r.reserve(1, context + tokens + 1)
+        r.sync_rows(["a"])
+        r.forward(ForwardBatch.from_rows([[1 + i % 100 for i in range(context)]], [0]))
+        runners[name] = r
+    spent = dict.fromkeys(runners, 0.0)
+    for i in range(repeats):
+        for name, r in (runners.items() if i % 2 else reversed(runners.items())):
+            t0 = time.perf_counter()
+            r.forward(ForwardBatch.from_rows([list(range(7, 7 + tokens))], [context], logits="all"))
+            spent[name] += time.perf_counter() - t0
+    ms = {name: 1e3 * t / repeats for name, t in spent.items()}
+    return (f"{tokens}-token forward over {context} positions, llama.cpp target keeping the head's layer inputs "
+            f"{ms['with']:.2f} ms, keeping none {ms['without']:.2f} ms ({repeats} each, alternating)")
 
 
 if __name__ == "__main__":
