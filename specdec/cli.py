@@ -17,6 +17,7 @@ from rich.table import Table
 
 from specdec.cli_common import (TAU, CliError, DeviceOpt, Drafting, JsonOpt, KOpt, Loading, ModelOpt, errors_exit_2,
                                 option_groups, parse_methods, print_json, quiet_transformers)
+from specdec.config import SchedulerConfig
 from specdec.demo import PROBE_ROUNDS
 from specdec.workbench.cli import register as register_workbench
 
@@ -304,9 +305,11 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="SPECDEC_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/*.")] = None,
-    max_num_seqs: Annotated[int, typer.Option(help="Most sequences decoded at once; the rest wait.")] = 256,
+    max_num_seqs: Annotated[int, typer.Option(
+        help="Most sequences decoded at once; the rest wait.")] = SchedulerConfig.max_num_seqs,
     num_scheduler_steps: Annotated[int, typer.Option(
-        help="Plain steps a greedy round that drafts nothing may take in one call (1: one a round).")] = 4,
+        help="Plain steps a greedy round that drafts nothing may take in one call (1: one a round).")
+    ] = SchedulerConfig.num_scheduler_steps,
     max_model_len: Annotated[int | None, typer.Option(help="Context length (default: the model's).")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="Model name clients send (default: --model).")] = None,
     loading: Loading = Loading(),
