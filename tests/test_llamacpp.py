@@ -463,3 +463,25 @@ def test_cli_converts_runs_a_gguf_and_exits_2_on_bad_input(converted, tmp_path):
     lib = LLM(str(out), backend="torch").generate(["w1 w2"], SamplingParams(temperature=0, max_tokens=4,
                                                                              ignore_eos=True))[0].outputs[0]
     assert json.loads(res.stdout)["token_ids"] == lib.token_ids and len(lib.token_ids) == 4
+
+
+def test_a_budgets_bound_stops_the_caches_doubling(converted):
+    """A context grows by doubling, but under a KV budget (``max_cache_positions``) only to what is
+    needed past the bound: the cells never exceed max(need, bound) rounded to the cache step."""
+    _, path, hf = converted["llama"]
+    sizes = {}
+    ids = [f"s{i}" for i in range(5)]
+    for bound in (None, 1200):
+        runner, _ = load_runner(path, "llama.cpp")
+        runner.max_cache_positions = bound
+        runner.reserve(5, 8)
+        seqs = [random_prompts(1, [220], seed=s)[0] for s in range(5)]
+        runner.sync_rows(ids)
+        for lo in (0, 110):  # 1100 positions in all: past the first context's 1024 cells
+            runner.forward(ForwardBatch.from_rows([s[lo : lo + 110] for s in seqs], [lo] * 5, logits="none"))
+        sizes[bound] = runner.cells
+        got = runner.forward(ForwardBatch.from_rows([[7]] * 5, [220] * 5, logits="last"))
+        for b, s in enumerate(seqs):
+            assert (got[b] - hf_logits(hf, s + [7])[-1, : runner.vocab_size]).abs().max() < LOGIT_TOL
+    assert sizes[None] >= 2048  # doubled
+    assert 1105 <= sizes[1200] <= runner.round_cache_len(1200), sizes

@@ -93,6 +93,7 @@ class ModelRunner(ABC):
     can_verify_trees: bool = False  # honours ForwardBatch.parents and compact (draft trees, tree.py)
     cache_step: int = CACHE_STEP  # the KV cache grows in steps of this many positions (round_cache_len)
     min_cache_rows: int = 1  # the KV cache holds at least this many rows, however few run (a KV budget counts them)
+    max_cache_positions: int | None = None  # a KV budget's bound on positions in all rows: growth past need stops there
 
     def round_cache_len(self, n: int) -> int:
         """The cache length a row of ``n`` positions makes this runner reserve: n rounded up to ``cache_step``

@@ -128,7 +128,7 @@ class LlamaCppRunner(ModelRunner):
                              "lower max_num_seqs")
         need = num_rows * length
         if self.ctx is None or need > self.cells or num_rows > self.n_seq:
-            self._rebuild(max(need, 2 * self.cells, MIN_CELLS) if need > self.cells else self.cells, num_rows)
+            self._rebuild(self._grown(need) if need > self.cells else self.cells, num_rows)
 
     def release(self) -> None:
         """Forget every sequence and free the KV cache. A small cache (``KEEP_BYTES``) is only cleared:
@@ -435,7 +435,13 @@ class LlamaCppRunner(ModelRunner):
         """Grow the context when the positions the rows will hold (``self.cached``) exceed its cells."""
         need = sum(self.cached.values())
         if need > self.cells:
-            self._rebuild(max(need, 2 * self.cells))
+            self._rebuild(self._grown(need))
+
+    def _grown(self, need: int) -> int:
+        """Cells for a context that must hold ``need``: doubling (a new context copies every sequence),
+        but never past ``max_cache_positions`` (a KV budget) beyond what is needed."""
+        grown = max(2 * self.cells, MIN_CELLS)
+        return max(need, grown if self.max_cache_positions is None else min(grown, self.max_cache_positions))
 
     def _check(self, rc: int, batch) -> None:
         """llama_decode's return code: 1 (no room in a fragmented cache) grows the cache and retries once."""
