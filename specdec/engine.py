@@ -105,8 +105,8 @@ class Engine:
         return self.scheduler.next_in_line()
 
     def isolated(self, seqs: list[Sequence]) -> AbstractContextManager[None]:
-        """Within it only ``seqs`` run or join (a server retrying a failed step over part of the batch);
-        the others come back after and recompute their history (``Scheduler.alone``)."""
+        """Within it only ``seqs`` (rows of the batch or of ``next_in_line``) run or join: a server retrying
+        a failed step over part of it. The others come back after and recompute their history."""
         return self.scheduler.alone(seqs)
 
     running = property(lambda self: self.scheduler.running)

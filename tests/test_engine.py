@@ -444,6 +444,34 @@ def test_a_queue_longer_than_max_num_seqs_equals_plain_decoding(models):
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+def test_a_step_isolated_to_part_of_the_batch_leaves_the_others_to_recompute_and_equal_plain_decoding(models):
+    """Engine.isolated (a server retrying a failed step over part of its batch): only the group steps
+    and joins; the others are held aside, come back after with their history to recompute, and every
+    output still equals plain decoding. next_in_line names who the next step may admit."""
+    prompts = random_prompts(3, [4, 7, 5], seed=21)
+    llm = LLM(models["target"], max_num_seqs=3,
+              speculative_config={"model": models["near"], "num_speculative_tokens": 3, "adaptive": False})
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a, b = (engine.add_request(p, sp) for p in prompts[:2])
+    assert engine.next_in_line() == [a, b]
+    engine.step()
+    engine.step()
+    c = engine.add_request(prompts[2], sp)
+    assert engine.running == [a, b] and engine.next_in_line() == [c]
+    before = {s.seq_id: len(s.output_token_ids) for s in (a, b, c)}
+    with engine.isolated([b, c]):
+        assert engine.running == [b] and engine.next_in_line() == [c]
+        engine.step()
+        assert engine.running == [b, c]
+    assert len(a.output_token_ids) == before[a.seq_id] and a.num_computed == 0  # held aside: recomputes
+    assert len(b.output_token_ids) > before[b.seq_id] and len(c.output_token_ids) > 0
+    assert engine.running == [b, c, a] and engine.waiting == []
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_token_ids for s in (a, b, c)] == plain_greedy(models["target"], prompts, 12)
+
+
 def _stream_pieces(decode, ids: list[int], cuts: list[int]) -> list[str]:
     """Run a TextStreamer over ``ids`` revealed at the positions ``cuts``; returns each round's text."""
     from types import SimpleNamespace
