@@ -170,7 +170,8 @@ def instrumented(llm, recorder: Recorder):
     if runner is not None and runner is not engine.target:
         if hasattr(runner, "forward"):
             recorder.wrap(runner, "forward", "draft", fed_tokens)
-        for name in ("greedy_steps", "step", "chain_step", "fuse"):  # a model's steps; an EAGLE-3 head's (drafters/eagle3.py)
+        # a model's steps; an EAGLE-3 head's (drafters/eagle3.py)
+        for name in ("greedy_steps", "step", "chain_step", "fuse"):
             if hasattr(runner, name):
                 recorder.wrap(runner, name, "draft")
         if hasattr(runner, "_decode"):

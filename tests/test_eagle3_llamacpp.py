@@ -11,7 +11,7 @@ import torch
 # a required dependency (built by `make install`): a missing or broken build fails here, not as skips
 import llama_cpp  # noqa: E402, F401
 
-from lossless import assert_first_tokens_follow_target, assert_greedy_equal  # noqa: E402
+from lossless import assert_greedy_equal  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.models import llamacpp_ext  # noqa: E402
 from specdec.models.base import ForwardBatch  # noqa: E402

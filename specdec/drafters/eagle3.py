@@ -62,7 +62,9 @@ def tree_pool(shape: TreeShape) -> int:
 class HeadRunner:
     """The head's forward over its own KV cache (one layer, float32, rows like the target's): the
     weights of ``Eagle3Head`` packed into ``Linear`` kernels of ``dtype``; norms, RoPE and attention
-    (models/layers.py's) in float32. Computes what ``Eagle3Head.step`` computes (within the weights' dtype's rounding)."""
+    (models/layers.py's) in float32. Computes what ``Eagle3Head.step`` computes (within the weights' dtype's rounding).
+    ``step`` runs any shape (a catch-up, a tree level); ``chain_step`` a chain's draft step, one token per
+    row, in fewer operations; both share the layer's code (``_attention_input``, ``_after_attention``)."""
 
     def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device):
         c = head.config
@@ -128,7 +130,8 @@ class HeadRunner:
         g = a + self.down(F.silu(gate) * up)  # [..., D]: pre-norm output
         return self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float(), g
 
-    def chain_step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def chain_step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int],
+                   pos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A chain's draft step, one token per row (``step`` at T = 1 in fewer operations): ids [B], hidden
         [B, D] float32 at positions ``pos`` [B] of cache rows ``rows``; each query sees its row's keys at
         positions <= its own. Returns logits [B, Vd] and g [B, D], float32."""
@@ -153,7 +156,8 @@ class HeadRunner:
             self.cache.v[0][row_t, :, at] = qkv[:, (H + KVH) * hd :].view(B, KVH, hd)
             end = max(pos) + 1
             cache_rows = _rows(rows, self.device)
-            keys, values = self.cache.k[0, cache_rows, :, :end], self.cache.v[0, cache_rows, :, :end]  # [B, KVH, end, hd]
+            keys = self.cache.k[0, cache_rows, :, :end]  # [B, KVH, end, hd]
+            values = self.cache.v[0, cache_rows, :, :end]
             mask = (torch.arange(end, device=self.device)[None] <= at[:, None])[:, None, None]  # [B, 1, 1, end]
         attn = attention(q, keys, values, mask)  # [B, H, 1, hd]
         return self._after_attention(attn.reshape(B, H * hd), residual)
