@@ -1,9 +1,12 @@
 """Adaptive k against fixed k and plain decoding, alternating prompt by prompt in one process.
 
-Batch 1, greedy, the shipped pair by default; prints tok/s, the ratio to plain, τ and the adaptive
-controller's ratio to the best fixed k (issue target: ≥ 0.97x; ≥ 0.98x plain where nothing pays).
+Batch 1, greedy, the shipped pair by default; prints tok/s, the ratio to plain, τ (tokens per verify
+pass, the bonus or recovered token included) and the adaptive controller's ratio to the best fixed k
+(issue target: ≥ 0.97x; ≥ 0.98x plain where nothing pays). ``--trace``: what the controller chose,
+how often and why (AdaptiveK.trace), and its last estimate of S(k).
 
-    python benchmarks/bench_adaptive.py --backend llama.cpp --num-prompts 6 --max-tokens 96 --threads 1
+    python benchmarks/bench_adaptive.py --backend llama.cpp --num-prompts 6 --max-tokens 96 --threads 1 \
+        --ks 1,2,3,4,5,6,7,8 --adaptive-k 8 --trace
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="specdec/demo-target")
     ap.add_argument("--draft", default="specdec/demo-draft")
+    ap.add_argument("--method", default="draft_model", help="draft_model (with --draft), ngram or suffix")
     ap.add_argument("--backend", default="llama.cpp", choices=["llama.cpp", "torch"])
     ap.add_argument("--set", default="code_heldout", help="a prompt set in benchmarks/prompts")
     ap.add_argument("--num-prompts", type=int, default=6)
@@ -28,7 +32,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--trace", action="store_true", help="print the adaptive runs' decisions")
     args = ap.parse_args()
+    if args.method not in ("draft_model", "ngram", "suffix"):
+        ap.error(f"--method must be draft_model, ngram or suffix, got {args.method!r}")
 
     import torch
 
@@ -41,7 +48,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
     def spec(k: int, adaptive: bool) -> dict:
-        return {"method": "draft_model", "model": args.draft, "num_speculative_tokens": k, "adaptive": adaptive}
+        cfg = {"method": args.method, "num_speculative_tokens": k, "adaptive": adaptive}
+        return cfg | {"model": args.draft} if args.method == "draft_model" else cfg
 
     configs = {"plain": None} | {f"k={k} fixed": spec(int(k), False) for k in args.ks.split(",")} \
         | {f"adaptive k<={k}": spec(int(k), True) for k in args.adaptive_k.split(",")}
@@ -50,6 +58,8 @@ def main() -> None:
         llms[name] = LLM(args.model, speculative_config=cfg, backend=args.backend,
                          enforce_eager=args.enforce_eager or None)
         llms[name].generate([prompts[0]], params)  # warm-up
+        if args.trace and llms[name].engine.controller is not None:
+            llms[name].engine.controller.trace = []
     names = list(configs)
     before = {n: llms[n].get_metrics() for n in names}
     tokens, seconds = dict.fromkeys(names, 0), dict.fromkeys(names, 0.0)
@@ -71,6 +81,30 @@ def main() -> None:
     for n in names:
         if n.startswith("adaptive"):
             print(f"{n}: {tps[n] / best:.3f}x the best fixed k")
+            if args.trace:
+                print_trace(llms[n].engine.controller)
+
+
+def print_trace(controller) -> None:
+    """How often each k was chosen and why, and the controller's last estimate of S(0..k_max) with the
+    verify line and draft cost behind it (batch 1)."""
+    from collections import Counter
+
+    trace = controller.trace
+    counts = Counter((k, why) for _, k, why, _ in trace)
+    print("  decisions (k, why): " + ", ".join(f"{k}/{why} x{c}" for (k, why), c in sorted(counts.items())))
+    last = next((est for *_, est in reversed(trace) if est is not None), None)
+    if last is not None:
+        print("  last S(k): " + " ".join(f"{s:.2f}" for s in last))
+    line = controller.verify_line(1)
+    t1 = line(1)
+    print("  v(T) / t1, T=1..9: " + " ".join(f"{line(T) / t1:.2f}" for T in range(1, 10))
+          + f"   c: {controller.costs.draft_cost(1, t1) / t1:.3f}")
+    timed = {T: len(em.samples) for (b, T), em in controller.verify_time.items() if b == 1}
+    print(f"  verify samples per T: {dict(sorted(timed.items()))}")
+    alphas = controller.acceptance.batch_alphas(controller.k_max)
+    print("  batch alpha_i: " + " ".join(f"{a:.2f}" for a in alphas)
+          + "   reached: " + " ".join(f"{r:.0f}" for r in controller.acceptance.batch.reached))
 
 
 if __name__ == "__main__":

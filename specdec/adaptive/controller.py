@@ -17,6 +17,7 @@ a drafter that pays. Once off, probes (probe.py) bring it back where the text ha
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from specdec.adaptive.measure import Acceptance, Costs, Timing
@@ -58,6 +59,9 @@ class AdaptiveK:
         self.rounds = 0  # rounds recorded
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
         self._version = 0  # drafting rounds recorded: what the tree decision reads changes with them
+        self._recorded_at: float | None = None  # when the last round was reported: rounds' wall times
+        self._recorded_ids: list[int] = []  # ... and its rows: a round's wall is timed only after one of its batch
+        self.trace: list[tuple] | None = None  # a list: each chain decision appended (``_note``)
 
     def set_parallel_draft(self, parallel: bool) -> None:
         """The drafter proposes all k drafts from one forward (drafters/pard.py, which says so when bound):
@@ -87,23 +91,32 @@ class AdaptiveK:
         speculation is off (but for probes), else ``choose_k``."""
         B = len(seq_ids)
         if self.costs.plain_due(B, self.rounds):
-            return [0] * B  # every speedup at this batch size is relative to a fresh plain step of it
+            return self._note(B, 0, "plain timed", None)  # every S at B is relative to a fresh plain step
         was_probe, self.prober.probing = self.prober.probing, False
+        estimated = None
         if self.prober.holds_off(B, was_probe):
-            best = 0  # off: plain rounds teach the estimates nothing, so the decision waits for a probe
+            best, why = 0, "off"  # plain rounds teach the estimates nothing: the decision waits for a probe
         else:
             alphas = self.acceptance.per_seq(seq_ids, self.k_max)
             estimated = self.speedups(B, alphas)
             if max(estimated[1:]) > 1.0:
-                best = choose_k(estimated, estimated)
+                best, why = choose_k(estimated, estimated), "estimate"
             else:  # the estimate says no k pays: the bound decides whether to keep learning
                 hope = self.costs.optimistic_line(B)
-                best = choose_k(estimated, self.speedups(B, [self.acceptance.upper(self.k_max)], hope),
-                                self.speedups(B, alphas, hope))
+                best, why = choose_k(estimated, self.speedups(B, [self.acceptance.upper(self.k_max)], hope),
+                                     self.speedups(B, alphas, hope)), "bound"
         if best == 0:
-            return [self.prober.off(B, was_probe, self.costs, self.k_max)] * B
+            k = self.prober.off(B, was_probe, self.costs, self.k_max)
+            return self._note(B, k, "probe" if k else why if why == "off" else "gave up", estimated)
         self.prober.on()
-        return [self._refresh(B, best)] * B
+        k = self._refresh(B, best)
+        return self._note(B, k, why if k == best else "refresh", estimated)
+
+    def _note(self, B: int, k: int, why: str, estimated: list[float] | None) -> list[int]:
+        """[k] * B, and the decision appended to ``trace`` when one is kept: (round, k, why, S(0..k_max))."""
+        if self.trace is not None:
+            self.trace.append((self.rounds, k, why, estimated))
+        return [k] * B
 
     def _refresh(self, B: int, k: int) -> int:
         """k, or a neighbour k ± 1 whose verify pass has gone untimed for REFRESH_ROUNDS rounds: the
@@ -123,8 +136,10 @@ class AdaptiveK:
         line = line or self.costs.verify_line(B)
         t1 = line(1)
         cost = self.costs.draft_cost  # per drafted position; a parallel draft's per round at k
-        return [1.0] + [speedup(tokens[k], round_cost(k, cost(B, t1, k), line(k + 1), self.costs.parallel), t1)
-                        for k in range(1, K + 1)]
+        plain = t1 + self.costs.overhead(B, plain=True)  # a plain token's wall time
+        extra = self.costs.overhead(B, plain=False)  # a round's host work
+        return [1.0] + [speedup(tokens[k], round_cost(k, cost(B, t1, k), line(k + 1), self.costs.parallel) + extra,
+                                plain) for k in range(1, K + 1)]
 
     def choose_tree(self, seq_ids: list[int], max_nodes: int, top_k: int, max_depth: int,
                     force: bool = False) -> TreeShape | None:
@@ -153,6 +168,10 @@ class AdaptiveK:
         B = len(seq_ids)
         k_round = max(num_draft)
         self.rounds += 1
+        if verify_time_s is not None and self._same_batch(seq_ids):  # a pass with a prompt: not timed
+            outside = self._round_wall() - draft_time_s - verify_time_s * num_steps
+            self.costs.record_overhead(B, k_round == 0, outside / num_steps if k_round == 0 else outside)
+        self._stamp(seq_ids)
         if verify_time_s is not None:
             if k_round == 0:
                 self.costs.plain_measured_at[B] = self.rounds
@@ -187,6 +206,9 @@ class AdaptiveK:
         B = len(seq_ids)
         n_round = max(num_nodes) if num_nodes else 0
         self.rounds += 1
+        if verify_s is not None and n_round > 0 and self._same_batch(seq_ids):
+            self.costs.record_overhead(B, False, self._round_wall() - draft_s - verify_s)
+        self._stamp(seq_ids)
         if n_round == 0:
             self.last_k = 0
             return
@@ -200,6 +222,17 @@ class AdaptiveK:
         if trees is not None and paths is not None:
             self.trees.learn(seq_ids, trees, paths)
         self.trees.record(num_nodes, num_accepted)
+
+    def _same_batch(self, seq_ids: list[int]) -> bool:
+        """Whether the round just reported ran the rows of the one before: its wall time is then the time
+        since that one was reported (a new row's first round follows its admission, or an idle engine)."""
+        return self._recorded_at is not None and seq_ids == self._recorded_ids
+
+    def _round_wall(self) -> float:
+        return time.perf_counter() - self._recorded_at
+
+    def _stamp(self, seq_ids: list[int]) -> None:
+        self._recorded_at, self._recorded_ids = time.perf_counter(), list(seq_ids)
 
     def release(self, seq_ids: list[int]) -> None:
         self.acceptance.release(seq_ids)

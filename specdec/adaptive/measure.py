@@ -181,6 +181,28 @@ def fit_line(known: list[tuple[int, float]], plain_in_fit: bool = False):
     return lambda T: plain if T == 1 and plain is not None else max(mv + slope * (T - mt), floor)
 
 
+def monotone(points: dict[int, tuple[float, int]]) -> dict[int, float]:
+    """T -> seconds through measured (seconds, samples) per T, made non-decreasing in T by pooling
+    adjacent violators, weighted by samples: a longer pass never costs less than a shorter one, and
+    on a loaded machine medians taken minutes apart can say it does (v(4) 1.18 beside v(3) 1.68),
+    which locked the controller onto the length that happened to be timed in a quiet moment."""
+    blocks: list[list[float]] = []  # [value, weight, count of T]
+    ts = sorted(points)
+    for t in ts:
+        v, w = points[t]
+        blocks.append([v, float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    out, i = {}, 0
+    for v, _, n in blocks:
+        for t in ts[i:i + n]:
+            out[t] = v
+        i += n
+    return out
+
+
 TREE_DRAFT_PRIOR = 1.25  # a tree's draft time per level, in chain draft steps, until measured (wider feeds)
 
 
@@ -198,6 +220,11 @@ class Costs:
         self.tree_draft_time: dict[int, Timing] = {}  # B -> seconds per tree level drafted
         self.plain_measured_at: dict[int, int] = {}  # B -> the round its plain step was last timed
         self.timed_at: dict[tuple[int, int], int] = {}  # (B, T) -> the round a chain pass of T was last timed
+        # B -> seconds outside the forward calls: per round of drafts, per token of plain decoding. A
+        # round of drafts pays its host work once per round, plain decoding runs several steps per
+        # call: left out, a round's cost looked ~0.5 steps cheaper than it was, most at small k.
+        self.overhead_time: dict[int, Timing] = {}
+        self.plain_overhead_time: dict[int, Timing] = {}
 
     def verify_line(self, B: int):
         """T -> seconds of a chain verify pass with T tokens per row at batch size B: the median of a
@@ -206,7 +233,7 @@ class Costs:
         where it lost 4%)."""
         mine = [(t, em) for (b, t), em in self.verify_time.items() if b == B and em.value is not None]
         line = fit_line(sorted((t, em.value) for t, em in mine))
-        solid = {t: em.value for t, em in mine if len(em.samples) >= SOLID_SAMPLES}
+        solid = monotone({t: (em.value, len(em.samples)) for t, em in mine if len(em.samples) >= SOLID_SAMPLES})
         return (lambda T: solid[T] if T in solid else line(T)) if solid else line
 
     def tree_verify_line(self, B: int):
@@ -218,6 +245,18 @@ class Costs:
                 if b == B and em.value is not None:
                     points[t] = em.value if t not in points else (points[t] + em.value) / 2
         return fit_line(sorted(points.items()), plain_in_fit=True)
+
+    def record_overhead(self, B: int, plain: bool, seconds: float) -> None:
+        """A round's wall time outside its draft and verify calls (scheduling, sampling, commit, the
+        drafter's bookkeeping): per round of drafts, or per token of a plain round (``plain``)."""
+        table = self.plain_overhead_time if plain else self.overhead_time
+        table.setdefault(B, Timing(window=32)).update(max(seconds, 0.0))
+
+    def overhead(self, B: int, plain: bool) -> float:
+        """Seconds a round of drafts (or a plain token, ``plain``) spends outside its forward calls at
+        batch size B; 0 until measured."""
+        em = (self.plain_overhead_time if plain else self.overhead_time).get(B)
+        return 0.0 if em is None or em.value is None else em.value
 
     def optimistic_line(self, B: int):
         """``verify_line`` up to the longest pass measured at batch size B, and flat beyond it: a

@@ -22,12 +22,15 @@ PRIOR_PROBE_COST = 1.0  # a probe's excess over plain decoding, in one-token ste
 
 def can_ever_pay(costs: Costs, B: int, k_max: int) -> bool:
     """Whether drafts accepted every time would beat plain decoding at batch size B with the measured
-    draft cost and verify line (flat beyond the longest pass timed, ``Costs.optimistic_line``): S(k) = (k + 1) · t_1 / (k · c + t_v(k + 1)) > 1 for some k <= k_max.
+    draft cost, verify line (flat beyond the longest pass timed, ``Costs.optimistic_line``) and host work
+    o per round (o_1 per plain token): S(k) = (k + 1) · (t_1 + o_1) / (k · c + t_v(k + 1) + o) > 1 for
+    some k <= k_max.
     If not, no acceptance can make speculation pay here and probing only costs."""
     line = costs.optimistic_line(B)
     t1 = line(1)
-    return any(speedup(k + 1.0, round_cost(k, costs.draft_cost(B, t1, k), line(k + 1), costs.parallel), t1) > 1.0
-               for k in range(1, k_max + 1))
+    plain, extra = t1 + costs.overhead(B, plain=True), costs.overhead(B, plain=False)  # host work (measure.py)
+    return any(speedup(k + 1.0, round_cost(k, costs.draft_cost(B, t1, k), line(k + 1), costs.parallel) + extra,
+                       plain) > 1.0 for k in range(1, k_max + 1))
 
 
 class Prober:

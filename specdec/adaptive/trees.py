@@ -72,6 +72,7 @@ class TreeChooser:
         line = self.costs.tree_verify_line(B)
         t1 = line(1)
         c = self.costs.tree_draft_cost(B, t1)
+        plain, extra = t1 + self.costs.overhead(B, plain=True), self.costs.overhead(B, plain=False)  # host work
         r = self.calibration()
         best = None  # (S, N, depth, width, prior curve)
         for limit in range(1, max_depth + 1):  # each depth costs a draft level: weigh them all
@@ -83,7 +84,7 @@ class TreeChooser:
                 if force and width < 2 and len(nodes) > 1 and any(jj >= 2 for _, _, jj in nodes):
                     continue  # force: a tree that branches, where one can
                 n = len(prior) - 1
-                S = speedup(1.0 + r * (prior[n] - 1.0), depth * c + line(n + 1), t1)
+                S = speedup(1.0 + r * (prior[n] - 1.0), depth * c + line(n + 1) + extra, plain)
                 if best is None or S > best[0] * (1 + 1e-9):
                     best = (S, n, depth, width, prior)
         S, n, depth, width, prior = best

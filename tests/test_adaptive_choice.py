@@ -1,0 +1,118 @@
+"""The adaptive controller finds the k that pays: simulated rounds with a known best k, noisy timings,
+host work outside the forward calls, and a drafter that pays unlucky at first."""
+
+import random
+
+import pytest
+
+from specdec.adaptive import AdaptiveK, Timing
+from specdec.adaptive.measure import monotone
+from specdec.cost_model import expected_tokens
+
+T1 = 0.010  # seconds of a plain step
+
+
+def true_speedups(alpha: float, c: float, slope: float, k_max: int = 8) -> list[float]:
+    """S(k) in one-token steps: i.i.d. acceptance ``alpha``, draft step ``c``, v(T) = 1 + slope (T - 1)."""
+    return [expected_tokens([alpha] * k, k) / (k * c + 1 + slope * k) for k in range(k_max + 1)]
+
+
+def simulate(ctrl: AdaptiveK, rounds: int, alpha: float, c: float, slope: float, rng: random.Random,
+             load=lambda r: 1.0) -> list[int]:
+    """Rounds at batch 1: acceptance i.i.d. ``alpha`` per position, a verify pass of T tokens costs
+    T1 (1 + slope (T - 1)) times the machine's ``load`` at that round, 1 in 10 passes preempted (3x)."""
+    chosen = []
+    for r in range(rounds):
+        k = ctrl.choose([0])[0]
+        chosen.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        noise = load(r) * rng.uniform(0.9, 1.1) * (3.0 if rng.random() < 0.1 else 1.0)
+        ctrl.record([0], [k], [accepted], k * c * T1 * noise, T1 * (1 + slope * k) * noise)
+    return chosen
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_where_the_best_k_is_6_the_controller_settles_near_it(seed):
+    alpha, c, slope = 0.85, 0.05, 0.1
+    S = true_speedups(alpha, c, slope)
+    assert max(range(9), key=S.__getitem__) == 6  # the setting: k = 6 pays most, k = 1 only 0.68x of it
+    ctrl = AdaptiveK(8)
+    chosen = simulate(ctrl, 300, alpha, c, slope, random.Random(seed))
+    late = chosen[-150:]
+    assert sum(S[k] for k in late) / len(late) >= 0.97 * S[6], late
+    assert sum(1 for k in late if 4 <= k <= 8) >= 0.9 * len(late), late
+
+
+def test_on_a_machine_whose_load_changes_the_controller_still_settles_near_the_best_k():
+    """The load doubles and halves every 40 rounds: timings taken in different stretches disagree,
+    so a length timed in a quiet stretch looks cheaper than a shorter one timed in a busy one."""
+    alpha, c, slope = 0.85, 0.05, 0.1
+    S = true_speedups(alpha, c, slope)
+    ctrl = AdaptiveK(8)
+    chosen = simulate(ctrl, 400, alpha, c, slope, random.Random(5), load=lambda r: 2.0 if (r // 40) % 2 else 1.0)
+    late = chosen[-200:]
+    assert sum(S[k] for k in late) / len(late) >= 0.95 * S[6], late
+
+
+def test_a_drafter_at_04_is_not_given_up_after_three_rejected_drafts():
+    """Acceptance 0.4 pays 1.3x with a cheap draft and a flat verify pass; its first three drafts are
+    rejected (a 0.22 chance): the bound after three samples still allows 0.47, so it keeps drafting."""
+    alpha, c, slope = 0.4, 0.02, 0.02
+    S = true_speedups(alpha, c, slope)
+    assert max(S) > 1.25
+    ctrl = AdaptiveK(8)
+    drafted = 0
+    while drafted < 3:  # three drafts, all rejected
+        k = ctrl.choose([0])[0]
+        ctrl.record([0], [k], [0], k * c * T1, T1 * (1 + slope * k))
+        drafted += k
+    assert drafted <= 4  # the plain steps were timed first, then one-token or short drafts
+    assert ctrl.choose([0])[0] > 0  # still drafting
+    chosen = simulate(ctrl, 200, alpha, c, slope, random.Random(3))
+    assert sum(1 for k in chosen[-100:] if k > 0) >= 90, chosen[-100:]
+
+
+def test_a_drafter_that_never_agrees_is_given_up_and_probed_rarely():
+    ctrl = AdaptiveK(8)
+    chosen = simulate(ctrl, 600, 0.0, 0.05, 0.1, random.Random(4))
+    assert sum(chosen[-300:]) <= 6, chosen[-300:]  # a probe of one token now and then
+    assert sum(chosen) <= 120  # what it drafted before the bound excluded every k
+
+
+def test_host_work_per_round_makes_a_longer_round_pay_more():
+    """A round of drafts that spends as much outside its forward calls as a plain step inside them
+    pays that once per round: the more tokens a round yields, the less it weighs."""
+    ctrl = AdaptiveK(8)
+    for T in range(1, 10):
+        ctrl.verify_time.setdefault((1, T), Timing(skip=0)).update(T1 * (1 + 0.15 * (T - 1)))
+    ctrl.costs.draft_time.setdefault(1, Timing(skip=0)).update(0.1 * T1)
+    alphas = [[0.75] * 8]
+    without = ctrl.speedups(1, alphas)
+    ctrl.costs.record_overhead(1, False, T1)
+    ctrl.costs.record_overhead(1, False, T1)
+    with_host = ctrl.speedups(1, alphas)
+    assert max(range(9), key=with_host.__getitem__) > max(range(9), key=without.__getitem__)
+    k = 3
+    assert with_host[k] == pytest.approx(without[k] * (k * 0.1 + 1 + 0.15 * k) / (k * 0.1 + 1 + 0.15 * k + 1))
+
+
+def test_the_rounds_wall_time_outside_its_calls_is_measured():
+    import time
+
+    ctrl = AdaptiveK(4)
+    for _ in range(6):
+        ctrl.choose([0])
+        time.sleep(0.004)  # host work of a round: 4 ms outside the reported draft and verify times
+        ctrl.record([0], [2], [1], 0.0, 0.0001)
+    assert 0.0035 < ctrl.costs.overhead(1, plain=False) < 0.05
+    ctrl.record([1], [2], [1], 0.0, 0.0001)  # another batch: its first round's wall is not timed
+    assert ctrl.costs.overhead_time[1].samples[-1] < 0.05
+
+
+def test_monotone_pools_adjacent_violators_by_their_samples():
+    got = monotone({2: (1.0, 4), 3: (1.68, 16), 4: (1.18, 16), 5: (2.0, 1)})
+    assert got == pytest.approx({2: 1.0, 3: 1.43, 4: 1.43, 5: 2.0})
+    assert monotone({1: (1.0, 3), 2: (0.5, 1)}) == pytest.approx({1: 0.875, 2: 0.875})
+    assert monotone({}) == {}
