@@ -58,6 +58,7 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, self.k, controller, target.kv_bytes_per_token(),
                                    target.max_model_len, tree_mode, draft_tree_max_nodes, draft_tree_top_k, drafter,
                                    target.min_cache_rows)
+        self._bound_cache()
         if drafter is not None:
             drafter.bind(controller)
         # A failing drafter degrades its sequences to plain decoding; strict (tests): it raises.
@@ -98,7 +99,14 @@ class Engine:
     def limit_admission(self, kv_cache_memory: int | None, max_num_batched_tokens: int | None) -> KvBudget | None:
         """Bound admission by KV memory (bytes) and prompt tokens a round (a server's limits); returns
         the KV budget to check requests against before they queue (None: no bound)."""
-        return self.scheduler.limit(kv_cache_memory, max_num_batched_tokens)
+        budget = self.scheduler.limit(kv_cache_memory, max_num_batched_tokens)
+        self._bound_cache()
+        return budget
+
+    def _bound_cache(self) -> None:
+        """The target's cache grows past what it needs only within the KV budget's share for it."""
+        kv = self.scheduler.kv
+        self.target.max_cache_positions = None if kv is None else kv.budget // kv.bytes_per_token
 
     def next_in_line(self) -> list[Sequence]:
         """The waiting sequences the next step may admit."""
