@@ -354,6 +354,9 @@ def serve(
         help="Restarts of a dead engine process tried in a row before the server reports failure (0: none).")] = 5,
     engine_restart_backoff: Annotated[float, typer.Option(
         help="Seconds before the first restart of a dead engine process; doubles with each failure in a row.")] = 0.5,
+    engine_iteration_timeout: Annotated[float, typer.Option(
+        help="Seconds the engine process may go without finishing a round while requests are in flight; past "
+             "it the process is taken as hung, killed and restarted (vLLM: VLLM_ENGINE_ITERATION_TIMEOUT_S).")] = 120.0,
 ) -> None:
     """OpenAI-compatible server: completions, chat, streaming, /metrics; continuous batching; every
     resource a client can ask for is bounded (see the options)."""
@@ -371,7 +374,8 @@ def serve(
             kv_cache_memory_fraction=kv_cache_memory_fraction, timeout_keep_alive=timeout_keep_alive,
             header_timeout=header_timeout, body_timeout=body_timeout, limit_concurrency=limit_concurrency,
             allowed_hosts=tuple(allowed_hosts) if allowed_hosts else None, metrics_public=metrics_public,
-            enable_docs=enable_docs, engine_restarts=engine_restarts, engine_restart_backoff=engine_restart_backoff)
+            enable_docs=enable_docs, engine_restarts=engine_restarts, engine_restart_backoff=engine_restart_backoff,
+            engine_iteration_timeout=engine_iteration_timeout)
 
         if threads is not None and threads < 1:
             raise ValueError(f"--threads must be >= 1, got {threads}")

@@ -328,6 +328,12 @@ def test_serve_bad_threads_exits_2(models):
     assert result.exit_code == 2 and "--threads must be >= 1, got 0" in result.stderr, result.output
 
 
+def test_serve_bad_engine_iteration_timeout_exits_2(models):
+    result = cli("serve", "--model", models["target"], "--engine-iteration-timeout", "0")
+    assert result.exit_code == 2 and "engine_iteration_timeout must be a number of seconds > 0, got 0" in \
+        result.stderr, result.output
+
+
 @pytest.mark.parametrize("case", ["no drafter", "missing file", "bad line", "repeats 0"])
 def test_bench_bad_input_exits_2(models, tmp_path, prompts_file, case):
     bad = tmp_path / "bad.jsonl"
