@@ -27,8 +27,9 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
 
 ``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
 rounds of any k are split the same way. ``--eagle3-variants`` adds eagle3 with its chain steps through
-the head's general step (the draft step before ``HeadRunner.chain_step``) and, an experiment, with the
-head's weights in int8 (what halving its bytes would give; specdec's head runs in the target's dtype).
+the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
+torch's threads (before ``head_threads``), and, an experiment, with the head's weights in int8 (what
+halving its bytes would give; specdec's head runs in the target's dtype).
 With eagle3 on llama.cpp it ends with a verify-sized forward timed with and without the kept states.
 
 ``--model`` takes the stand-in too (benchmarks/make_standin.py): its HF folder, or a GGUF file for
@@ -236,7 +237,7 @@ def build(args) -> list[Config]:
         if args.adaptive:
             runs += [(m, max(args.ks), True) for m in args.methods]
         if args.eagle3_variants:
-            runs += [(f"eagle3 {v}", k, False) for v in ("general-step", "int8") for k in args.ks]
+            runs += [(f"eagle3 {v}", k, False) for v in ("general-step", "torch-threads", "int8") for k in args.ks]
         for method, k, adaptive in runs:
             spec = None if method is None else {
                 "method": method.split()[0], "model": drafts.get(method.split()[0], args.draft),
@@ -249,6 +250,8 @@ def build(args) -> list[Config]:
                 int8_head(c.llm.engine.drafter)
             elif method == "eagle3 general-step":
                 general_steps(c.llm.engine.drafter)
+            elif method == "eagle3 torch-threads":
+                c.llm.engine.drafter.one_thread = False  # the head on torch's threads, as before head_threads
             configs.append(c)
     return configs
 
@@ -361,8 +364,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--methods", default="draft_model", help="model drafters, comma-separated: draft_model, eagle3")
     ap.add_argument("--adaptive", action="store_true", help="also each method adaptive, k up to the largest of --ks")
     ap.add_argument("--eagle3-variants", action="store_true",
-                    help="also eagle3 at each k with its chain steps through the head's general step, and (an "
-                         "experiment) with the head's weights in int8, bf16 activations")
+                    help="also eagle3 at each k with its chain steps through the head's general step, on all of "
+                         "torch's threads, and (an experiment) with the head's weights in int8, bf16 activations")
     ap.add_argument("--backends", default="llama.cpp,torch")
     ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=4)

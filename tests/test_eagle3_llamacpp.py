@@ -185,6 +185,35 @@ def test_the_head_runner_fuses_as_the_head_with_and_without_norm_before_fc(model
             assert not torch.allclose(got, head.fc(x), rtol=1e-2, atol=1e-2)
 
 
+def test_beside_llamacpp_a_small_round_drafts_on_one_torch_thread(models):
+    """Beside a llama.cpp target the head's passes of a round of at most ONE_THREAD_ROWS rows run on one
+    torch thread, and torch's setting comes back after; beside a torch target they keep torch's threads."""
+    from specdec.drafters.eagle3 import ONE_THREAD_ROWS
+
+    seen = []
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for path, backend, rows in ((models["gguf"], "llama.cpp", 1), (models["gguf"], "llama.cpp", ONE_THREAD_ROWS + 1),
+                                    (models["target"], "torch", 1)):
+            llm = LLM(path, backend=backend, speculative_config=spec(models["head"], 3, adaptive=False))
+            runner = llm.engine.drafter.runner
+            step = runner.chain_step
+
+            def chain_step(*args, **kwargs):
+                seen.append((backend, rows, torch.get_num_threads()))
+                return step(*args, **kwargs)
+
+            runner.chain_step = chain_step
+            llm.generate([{"prompt_token_ids": p} for p in random_prompts(rows, [6] * rows, seed=2)], sp)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(n)
+    threads = {(b, r): {t for b2, r2, t in seen if (b2, r2) == (b, r)} for b, r, _ in seen}
+    assert threads == {("llama.cpp", 1): {1}, ("llama.cpp", ONE_THREAD_ROWS + 1): {2}, ("torch", 1): {2}}
+
+
 @pytest.mark.parametrize("config", [
     dict(k=1, adaptive=False), dict(k=3, adaptive=False), dict(k=4, adaptive=True),
     dict(k=4, enable_suffix_decoding=True, suffix_decoding_min_score=0.0),

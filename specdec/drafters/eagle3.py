@@ -33,6 +33,8 @@ g, its k, v at its own slot past the committed entries, attending to those, its 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -49,8 +51,30 @@ from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape, depths_of
 
 CATCH_UP_TOGETHER = 4  # rows catching up on at most this many positions share one padded head pass
+# Beside a target that is not torch (llama.cpp, whose OpenMP workers keep spinning between its decodes),
+# a round of at most this many rows drafts on one torch thread: the head's passes are small products and
+# many small operations, and a second torch thread only competes for the target's cores
+# (docs/benchmarks.md, "EAGLE-3 on the llama.cpp backend")
+ONE_THREAD_ROWS = 4
 OFF_VOCAB = -1e30  # logit of target tokens outside the draft vocabulary: q = 0 there, finite so that a row
 #                    whose grammar allows none of the draft vocabulary still gets a distribution
+
+
+def head_threads(method):
+    """Run a drafter's method on one torch thread when its ``one_thread`` is set and the round has at
+    most ONE_THREAD_ROWS rows; torch's setting is restored after."""
+    @functools.wraps(method)
+    def run(self, seqs, *args):
+        n = torch.get_num_threads()
+        if not self.one_thread or n == 1 or len(seqs) > ONE_THREAD_ROWS:
+            return method(self, seqs, *args)
+        torch.set_num_threads(1)
+        try:
+            return method(self, seqs, *args)
+        finally:
+            torch.set_num_threads(n)
+
+    return run
 
 
 def tree_pool(shape: TreeShape) -> int:
@@ -228,6 +252,7 @@ class Eagle3Drafter(Drafter):
         # bytes: measured 3x faster for this head's shapes at one row), float32 beside a float32 one
         dtype = torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
         self.runner = HeadRunner(head, dtype, self.device)
+        self.one_thread = getattr(target, "backend", "torch") != "torch"  # head_threads: small rounds on one torch thread
         V = target.vocab_size
         ids = head.draft_to_target.to(self.device)  # [Vd] target id of each draft id
         self.keep = (ids < V).nonzero().flatten()  # draft ids the target's vocabulary has
@@ -239,6 +264,7 @@ class Eagle3Drafter(Drafter):
 
     # -- the Drafter interface --------------------------------------------------------------------
 
+    @head_threads
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         B = len(seqs)
@@ -314,6 +340,7 @@ class Eagle3Drafter(Drafter):
             return active, draft_logits, g
         return active, torch.stack([first[b] for b in active]), torch.stack([hidden[b] for b in active])
 
+    @head_threads
     @torch.inference_mode()
     def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
         """EAGLE-2's dynamic tree (tree_expand.py) drafted by the head, as EAGLE-3 drafts: one head step
