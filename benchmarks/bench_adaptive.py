@@ -71,6 +71,9 @@ def main() -> None:
                 seconds[n] += time.perf_counter() - t0
                 tokens[n] += len(out.token_ids)
     tps = {n: tokens[n] / seconds[n] for n in names}
+    target = llms["plain"].target
+    print(f"backend {llms['plain'].backend}, target dtype {getattr(target, 'dtype', '?')}, "
+          f"compiled {not args.enforce_eager if args.backend == 'torch' else '-'}: {llms['plain'].backend_reason}")
     for n in names:
         m, b = llms[n].get_metrics(), before[n]
         passes = m["num_drafts"] - b["num_drafts"]
@@ -99,7 +102,8 @@ def print_trace(controller) -> None:
     line = controller.verify_line(1)
     t1 = line(1)
     print("  v(T) / t1, T=1..9: " + " ".join(f"{line(T) / t1:.2f}" for T in range(1, 10))
-          + f"   c: {controller.costs.draft_cost(1, t1) / t1:.3f}")
+          + f"   c: {controller.costs.draft_cost(1, t1) / t1:.3f}   host work per round: "
+          f"{controller.costs.overhead(1, plain=False) / t1:.2f}, per plain token: {controller.costs.overhead(1, plain=True) / t1:.2f}")
     timed = {T: len(em.samples) for (b, T), em in controller.verify_time.items() if b == 1}
     print(f"  verify samples per T: {dict(sorted(timed.items()))}")
     alphas = controller.acceptance.batch_alphas(controller.k_max)
