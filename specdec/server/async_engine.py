@@ -147,7 +147,7 @@ class RequestHandle:
             self.open = 0
             self.owner.abort(self)
 
-    def _post(self, ev: Event) -> None:  # engine thread
+    def post(self, ev: Event) -> None:  # engine thread
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, ev)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -405,7 +405,7 @@ class AsyncEngine(Admission):
             log.warning("add_request refused a prompt: %s", e)
             handle.state = "done"
             self._left_queue()
-            handle._post(Event(0, "", [], error=RequestError(400, str(e)[:500]) if isinstance(e, ValueError)
+            handle.post(Event(0, "", [], error=RequestError(400, str(e)[:500]) if isinstance(e, ValueError)
                                else RequestError(500, "the engine could not take this request")))
             return
         for i, s in enumerate(handle.seqs):
@@ -551,7 +551,7 @@ class AsyncEngine(Admission):
                     self._hook(self.hooks.on_finish, Finished.of(seq, track))
                     if all(s.finished for s in track.handle.seqs):
                         track.handle.state = "done"  # the engine process drops a done handle (and its seqs)
-                track.handle._post(ev)
+                track.handle.post(ev)
             except Exception as e:
                 log.exception("turning sequence %s's tokens into text failed; failing its request", seq.seq_id)
                 self._hook(self.hooks.on_loop_error, e)
@@ -566,7 +566,7 @@ class AsyncEngine(Admission):
             if not s.finished:
                 self.engine.abort(s)
         handle.state = "done"
-        handle._post(Event(0, "", [], error=error))
+        handle.post(Event(0, "", [], error=error))
 
     def _fail_all(self, error: RequestError, include_queue: bool) -> None:
         handles = [t.handle for t in self._tracks.values() if include_queue or t.handle.state != "queued"]

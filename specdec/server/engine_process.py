@@ -171,7 +171,7 @@ class EngineProcess(Admission):
                     self.state = "stopped"
                 handles, self._handles = list(self._handles.values()), {}
             for handle, _ in handles:
-                handle._post(Event(0, "", [], error=RequestError(503, "the engine stopped")))
+                handle.post(Event(0, "", [], error=RequestError(503, "the engine stopped")))
 
     def _read(self, conn, proc) -> None:
         """Deliver the engine's messages until it stops or dies."""
@@ -231,7 +231,7 @@ class EngineProcess(Admission):
                   len(handles))
         error = RequestError(503, ENGINE_DIED if again else ENGINE_GONE)
         for handle, _ in handles:
-            handle._post(Event(0, "", [], error=error))
+            handle.post(Event(0, "", [], error=error))
         while self._failures <= limit:
             delay = min(BACKOFF_CAP_S, self.limits.engine_restart_backoff * 2 ** (self._failures - 1))
             log.warning("restarting the engine process in %.1f s (attempt %d of at most %d in a row)", delay,
@@ -301,7 +301,7 @@ class EngineProcess(Admission):
             entry[1] -= 1
         if ev.error is not None or entry[1] == 0:
             self._handles.pop(rid, None)
-        handle._post(ev)
+        handle.post(ev)
 
     def _hook(self, name: str, arg: Any) -> None:
         try:
@@ -354,7 +354,7 @@ class _RemoteHandle(RequestHandle):
     def __init__(self, owner: _PipedEngine, rid: int, num_choices: int):
         super().__init__(owner, None, num_choices, rid)
 
-    def _post(self, ev: Event) -> None:  # engine thread, as for AsyncEngine's handles
+    def post(self, ev: Event) -> None:  # engine thread, as for AsyncEngine's handles
         self.owner.outbox.append((self.rid, ev))
 
 
