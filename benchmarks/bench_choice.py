@@ -20,6 +20,7 @@ Spec-Bench: --spec-bench, else $SPEC_BENCH, else ../shared/data/spec_bench/quest
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -149,7 +150,8 @@ def main() -> None:
             else:
                 shift = rep % len(names)
                 for n in names[shift:] + names[:shift]:
-                    llms[n].engine.scheduler.max_num_seqs = batch
+                    sched = llms[n].engine.scheduler  # this batch size's rows at most, one LLM per config
+                    sched.config = dataclasses.replace(sched.config, max_num_seqs=batch)
                     out = tally[n].add(llms[n], lambda: llms[n].generate([p["prompt"] for p in prompts], params))
                     if rep == 0:
                         tally[n].outputs = [o.outputs[0].token_ids for o in out]
