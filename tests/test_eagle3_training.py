@@ -300,3 +300,30 @@ def test_a_head_from_the_checkpoint_is_the_head_the_run_saved(tiny, tmp_path):
         assert torch.equal(saved[name], again[name]), name
     with pytest.raises(ValueError, match="holds no checkpoint.pt"):
         head_from_checkpoint(tmp_path / "h", tmp_path / "x")
+
+
+def test_the_argmax_term_adds_the_cross_entropy_on_the_targets_greedy_token():
+    """--argmax-weight w: each step's loss is the KL plus w x the head's cross-entropy on the target's
+    argmax (mapped to its draft id; positions whose argmax is off the draft vocabulary do not count)."""
+    import torch.nn.functional as F
+
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.training.eagle3 import TTTModel
+
+    c = Eagle3Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+                     vocab_size=40, draft_vocab_size=30, target_hidden_size=16, layer_ids=[0, 1, 1])
+    torch.manual_seed(3)
+    head = Eagle3Head(c, torch.randn(40, 16))
+    head.d2t.zero_()  # draft ids 0..29 are target ids 0..29; 30..39 are off the draft vocabulary
+    tokens, feats = torch.randint(1, 40, (2, 8)), torch.randn(2, 8, 48)
+    top_logp, top_ids = torch.randn(2, 8, 40).log_softmax(-1).topk(5, dim=-1)
+    top_ids[0, 3, 0] = 35  # one argmax off the draft vocabulary
+    plain = TTTModel(head, 1, 0.8)(tokens, feats, top_ids, top_logp)
+    model = TTTModel(head, 1, 0.8, argmax_weight=0.5)
+    got = model(tokens, feats, top_ids, top_logp)
+    logits = head.step(tokens[:, 1:], head.fuse(feats[:, :7]), torch.arange(7)[None].expand(2, 7))[0]  # [2, 7, 30]
+    want_ids = top_ids[:, 1:, 0]  # the argmax after position p + 1
+    keep = want_ids < 30
+    ce = F.cross_entropy(logits[keep], want_ids[keep])
+    torch.testing.assert_close(got - plain, 0.5 * ce, rtol=1e-4, atol=1e-5)
+    assert not keep[0, 2] and 0 < int(keep.sum()) < keep.numel()  # some argmaxes are off the draft vocabulary

@@ -63,6 +63,7 @@ class Eagle3TrainConfig(RunConfig):
     intermediate_size: int = 0  # the head's MLP width; 0: the target's
     ttt_steps: int = 7  # draft steps unrolled per position (training-time test)
     step_decay: float = 0.8  # loss weight of step j: step_decay ** j
+    argmax_weight: float = 0.0  # plus this x cross-entropy on the target's argmax (what greedy acceptance needs)
     topk: int = 32  # target log-probabilities kept per position (soft labels)
     max_windows: int = 1024  # training windows cached (0: all; each costs seq_len * 3 * Dt * 2 bytes)
     cache_batch: int = 8  # windows per target forward while caching
@@ -88,6 +89,8 @@ class Eagle3TrainConfig(RunConfig):
             raise ValueError(f"--ttt-steps must be in [1, 16], got {self.ttt_steps}")
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"--step-decay must be in (0, 1], got {self.step_decay}")
+        if self.argmax_weight < 0:
+            raise ValueError(f"--argmax-weight must be >= 0, got {self.argmax_weight}")
         if self.topk < 1 or self.max_windows < 0 or self.cache_batch < 1 or self.intermediate_size < 0:
             raise ValueError("--topk and --cache-batch must be >= 1, --max-windows and --intermediate-size >= 0")
         if self.norm_before_fc and self.scale_features:
@@ -248,9 +251,9 @@ def ttt_mask(P: int, j: int, device) -> torch.Tensor:
 class TTTModel(nn.Module):
     """The head plus its training-time-test loss; the module DDP wraps (forward = the loss)."""
 
-    def __init__(self, head: Eagle3Head, ttt_steps: int, step_decay: float):
+    def __init__(self, head: Eagle3Head, ttt_steps: int, step_decay: float, argmax_weight: float = 0.0):
         super().__init__()
-        self.head, self.steps, self.decay = head, ttt_steps, step_decay
+        self.head, self.steps, self.decay, self.argmax_weight = head, ttt_steps, step_decay, argmax_weight
         c = head.config
         index = torch.full((c.vocab_size,), -1, dtype=torch.long)
         index[head.draft_to_target] = torch.arange(c.draft_vocab_size)
@@ -311,12 +314,18 @@ class TTTModel(nn.Module):
             didx, inside, p, rest, held = self.labels(pad(top_ids, j), pad(top_logp, j))  # [B, P, K] x3, [B, P] x2
             in_range = (base[None] + 1 + j < real).expand(B, P)  # [B, P]
             valid = held & in_range
-            logq = F.log_softmax(logits, dim=-1).gather(-1, didx)  # [B, P, K]
+            logq_all = F.log_softmax(logits, dim=-1)  # [B, P, Vd]
+            logq = logq_all.gather(-1, didx)  # [B, P, K]
             q_rest = (1 - (logq.exp() * inside).sum(-1)).clamp(min=1e-6)  # the head's mass off the target's top K
             kl = ((p * (torch.log(p.clamp(min=1e-12)) - logq)).sum(-1)
                   + rest * (torch.log(rest.clamp(min=1e-12)) - torch.log(q_rest)))  # [B, P]: KL of (top K, rest)
             n = valid.sum().clamp(min=1)
             step_loss = (kl * valid).sum() / n
+            if self.argmax_weight:  # the target's greedy token, where the draft vocabulary has it
+                top1 = self.to_draft[pad(top_ids, j)[..., 0]]  # [B, P]
+                hard = valid & (top1 >= 0)
+                ce = -logq_all.gather(-1, top1.clamp(min=0)[..., None])[..., 0]  # [B, P]
+                step_loss = step_loss + self.argmax_weight * (ce * hard).sum() / hard.sum().clamp(min=1)
             total = total + self.decay ** j * step_loss
             if stats:
                 with torch.no_grad():
@@ -437,7 +446,7 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
                 head.norm.weight.copy_(norm.weight.float().cpu())
     head.set_embedding(target.get_input_embeddings().weight.detach().float().cpu())
     n_params = sum(p.numel() for p in head.parameters())
-    model = TTTModel(head, cfg.ttt_steps, cfg.step_decay)
+    model = TTTModel(head, cfg.ttt_steps, cfg.step_decay, cfg.argmax_weight)
     if cfg.scale_features:
         model.feature_scale.copy_(1 / feature_rms(cache.features[:n_tr], cache.lengths[:n_tr]))
         s = 1 / model.feature_scale
@@ -537,8 +546,9 @@ def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "
                             "probability mass on the training windows)",
         "trained parameters": s["parameters"],
         "objective": f"training-time test over {cfg.ttt_steps} steps, forward KL to the target's distribution on the "
-                     f"draft vocabulary (its top {s['topk']} tokens and the rest as one bucket), step j weighted "
-                     f"{cfg.step_decay:g}^j",
+                     f"draft vocabulary (its top {s['topk']} tokens and the rest as one bucket)"
+                     + (f" plus {cfg.argmax_weight:g} x cross-entropy on its argmax" if cfg.argmax_weight else "")
+                     + f", step j weighted {cfg.step_decay:g}^j",
         "data": describe_sources(cfg.data),
         "windows cached": f"{s['train_windows']:,} of <= {cfg.seq_len} tokens within documents "
                           f"({s['train_tokens_cached']:,} tokens)",
@@ -575,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=int, default=0, help="the head's MLP width (0: the target's)")
     p.add_argument("--ttt-steps", type=int, default=7, help="draft steps unrolled per position (training-time test)")
     p.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step j: DECAY ** j")
+    p.add_argument("--argmax-weight", type=float, default=0.0,
+                   help="add W x cross-entropy on the target's argmax token to each step's KL (greedy acceptance)")
     p.add_argument("--topk", type=int, default=32, help="target log-probabilities cached per position")
     p.add_argument("--max-windows", type=int, default=1024, help="training windows cached (0: all)")
     p.add_argument("--cache-batch", type=int, default=8, help="windows per target forward while caching")
@@ -596,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    own = fields_from_args(a, "target draft_vocab intermediate_size ttt_steps step_decay topk max_windows cache_batch "
+    own = fields_from_args(a, "target draft_vocab intermediate_size ttt_steps step_decay argmax_weight topk max_windows cache_batch "
                               "init_from_target norm_before_fc scale_features accept_prompts accept_prompts_file accept_k "
                               "accept_max_tokens")
     if a.layer_ids:
