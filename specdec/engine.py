@@ -104,9 +104,12 @@ class Engine:
         return budget
 
     def _bound_cache(self) -> None:
-        """The target's cache grows past what it needs only within the KV budget's share for it."""
+        """The caches grow past what they need only within the KV budget's share for them: as many target
+        positions as the budget holds with every cache at the same positions."""
         kv = self.scheduler.kv
-        self.target.max_cache_positions = None if kv is None else kv.budget // kv.bytes_per_token
+        self.target.max_cache_positions = positions = None if kv is None else kv.budget // kv.bytes_per_token
+        if self.drafter is not None:
+            self.drafter.bound_caches(positions)
 
     def next_in_line(self) -> list[Sequence]:
         """The waiting sequences the next step may admit."""

@@ -151,27 +151,32 @@ def test_a_view_past_its_share_drafts_nothing(models):
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
 
 
-def test_a_llamacpp_target_stays_within_its_budget(models, tmp_path):
-    """llama.cpp's one pool of KV cells doubles as rows grow; under a budget it stops doubling at the
-    budget's share for the target (Engine sets ``max_cache_positions``): after every step its cells
-    hold no more than the budget (rounded up to one cache step), and outputs equal unbounded ones."""
+def test_llamacpp_caches_stay_within_their_budget(models, tmp_path):
+    """llama.cpp's one pool of KV cells doubles as rows grow; under a budget the target's and the
+    draft's stop doubling at the budget's share for each (Engine sets ``max_cache_positions``): after
+    every step their cells hold no more than the budget (plus one cache step each), and the outputs
+    equal plain decoding's."""
     from specdec.models.gguf import convert
 
-    gguf = convert(models["target"], str(tmp_path / "target.gguf"), "f32")
-    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    prompts = random_prompts(6, [150, 160, 170, 180, 190, 140], seed=2)
-    expected = [o.outputs[0].token_ids for o in LLM(gguf, backend="llama.cpp").generate(
+    target_gguf = convert(models["target"], str(tmp_path / "target.gguf"), "f32")
+    draft_gguf = convert(models["draft"], str(tmp_path / "draft.gguf"), "f32")
+    sp = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    prompts = random_prompts(6, [380, 370, 375, 385, 372, 378], seed=2)  # 512 positions a row (budget steps)
+    expected = [o.outputs[0].token_ids for o in LLM(target_gguf, backend="llama.cpp").generate(
         [{"prompt_token_ids": p} for p in prompts], sp)]
-    llm = LLM(gguf, backend="llama.cpp", max_num_seqs=6)
-    target = llm.engine.target
-    budget = 1300 * target.kv_bytes_per_token()  # fewer positions than the six rows need at once
+    llm = LLM(target_gguf, backend="llama.cpp", max_num_seqs=6, speculative_config={
+        "method": "draft_model", "model": draft_gguf, "num_speculative_tokens": K})
+    target, draft = llm.engine.target, llm.engine.drafter.runner
+    per_position = target.kv_bytes_per_token() + draft.kv_bytes_per_token()
+    budget = 2560 * per_position  # five rows of 512 positions: past 2048 cells, short of six rows
     llm.engine.limit_admission(budget, None)
-    assert target.max_cache_positions == 1300
+    assert target.max_cache_positions == draft.max_cache_positions == 2560
     seqs = [s for p in prompts for s in llm.engine.add_group([(p, sp, None)])]
     most = 0
     while llm.engine.has_unfinished():
         llm.engine.step()
-        most = max(most, target.cells)
-    assert most * target.kv_bytes_per_token() <= budget + target.cache_step * target.kv_bytes_per_token(), most
-    assert most > 1024  # it did grow past a first context
+        held = target.cells * target.kv_bytes_per_token() + draft.cells * draft.kv_bytes_per_token()
+        most = max(most, held)
+    assert most <= budget + target.cache_step * per_position, (most, budget)
+    assert most > 2048 * per_position  # they did grow past a doubling
     assert [s.token_ids[s.num_prompt_tokens:] for s in seqs] == expected

@@ -87,6 +87,10 @@ class Drafter(ABC):
         """Receive the engine's adaptive controller (AdaptiveK, or None when k is fixed): its measured
         verify-pass costs, for a drafter that weighs several methods against each other (choice.py)."""
 
+    def bound_caches(self, target_positions: int | None) -> None:
+        """Let its model caches grow past what they need only as far as ``target_positions`` target
+        positions (all rows) take in them: the KV budget's share (None: no bound)."""
+
     def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
         """What its caches hold per row when a round asks up to ``k`` drafts, or trees up to ``tree``
         (None: chains only): one KvUse per cache ([]: it keeps none). The scheduler's KV budget counts

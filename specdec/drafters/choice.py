@@ -238,6 +238,10 @@ class ChoosingDrafter(Drafter):
         for part in self.parts.values():
             part.drafter.release(seqs)
 
+    def bound_caches(self, target_positions: int | None) -> None:
+        for part in self.parts.values():
+            part.drafter.bound_caches(target_positions)
+
     def release_memory(self) -> None:
         for part in self.parts.values():
             part.drafter.release_memory()

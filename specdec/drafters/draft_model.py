@@ -177,6 +177,9 @@ class DraftModelDrafter(Drafter):
         block = tree_block_size(tree) + 1 if tree is not None and self.can_draft_trees else 0
         return [runner_kv(self.runner, extra=max(k, block))]
 
+    def bound_caches(self, target_positions: int | None) -> None:
+        self.runner.max_cache_positions = target_positions
+
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows
         self.tree_slots.clear()

@@ -104,6 +104,9 @@ class HybridDrafter(Drafter):
         self.suffix.release(seqs)
         self.model.release(seqs)
 
+    def bound_caches(self, target_positions: int | None) -> None:
+        self.model.bound_caches(target_positions)
+
     def release_memory(self) -> None:
         self.suffix.release_memory()
         self.model.release_memory()

@@ -288,6 +288,10 @@ class OtherVocabDrafter(Drafter):
         n = min(s.num_prompt_tokens + s.params.max_tokens, s.max_len)
         return math.ceil(self.draft_tokens_per_token() * n - 1e-9) + VIEW_START
 
+    def bound_caches(self, target_positions: int | None) -> None:
+        self.runner.max_cache_positions = (None if target_positions is None
+                                           else math.ceil(target_positions * self.draft_tokens_per_token()))
+
     def release_memory(self) -> None:
         self.runner.release()  # every row starts empty again; propose() notices new rows
 
