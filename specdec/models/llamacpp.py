@@ -280,9 +280,12 @@ class LlamaCppRunner(ModelRunner):
         if old is not None and old.shape[0] >= num_seqs and old.shape[1] >= length:
             return old
         old_rows, old_len = old.shape[:2] if old is not None else (0, 0)
-        rows = max(num_seqs, self.n_seq, old_rows)
-        # a long prompt grows it once; decoding doubles it now and then
-        cap = old_len if length <= old_len else max(self.round_cache_len(length), 2 * old_len)
+        if self.max_cache_positions is None:  # a long prompt grows it once; decoding doubles it now and then
+            rows = max(num_seqs, self.n_seq, old_rows)
+            cap = old_len if length <= old_len else max(self.round_cache_len(length), 2 * old_len)
+        else:  # under a KV budget: the sequence ids in use (freed ids are reused first) at their length
+            rows = max(num_seqs, old_rows)
+            cap = max(self.round_cache_len(length), old_len)
         new = np.zeros((rows, cap, len(self.kept_layers) * self.hidden_size), dtype=np.float32)
         if old is not None:
             new[:old_rows, :old_len] = old
