@@ -60,6 +60,7 @@ class AdaptiveK:
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
         self._version = 0  # drafting rounds recorded: what the tree decision reads changes with them
         self._recorded_at: float | None = None  # when the last round was reported: rounds' wall times
+        self._cpu_at = 0.0  # ... and the process's CPU time then
         self._recorded_ids: list[int] = []  # ... and its rows: a round's wall is timed only after one of its batch
         self.trace: list[tuple] | None = None  # a list: each chain decision appended (``_note``)
 
@@ -169,7 +170,15 @@ class AdaptiveK:
         k_round = max(num_draft)
         self.rounds += 1
         if verify_time_s is not None and self._same_batch(seq_ids):  # a pass with a prompt: not timed
-            outside = self._round_wall() - draft_time_s - verify_time_s * num_steps
+            wall, cpu = self._round_wall()
+            spent = draft_time_s + verify_time_s * num_steps
+            if 0.5 * wall < spent <= 1.05 * wall:  # the round's calls fill its wall time: a real round
+                # The share of the round this process ran (1 with one busy thread): on a shared machine
+                # a round preempted for half its wall time is timed 2x, and lengths timed in busy and
+                # quiet moments cannot be compared. Running several threads, the share is capped at 1.
+                share = min(1.0, cpu / wall)
+                draft_time_s, verify_time_s, wall, spent = (x * share for x in (draft_time_s, verify_time_s, wall, spent))
+            outside = wall - spent
             self.costs.record_overhead(B, k_round == 0, outside / num_steps if k_round == 0 else outside)
         self._stamp(seq_ids)
         if verify_time_s is not None:
@@ -207,7 +216,7 @@ class AdaptiveK:
         n_round = max(num_nodes) if num_nodes else 0
         self.rounds += 1
         if verify_s is not None and n_round > 0 and self._same_batch(seq_ids):
-            self.costs.record_overhead(B, False, self._round_wall() - draft_s - verify_s)
+            self.costs.record_overhead(B, False, self._round_wall()[0] - draft_s - verify_s)
         self._stamp(seq_ids)
         if n_round == 0:
             self.last_k = 0
@@ -228,11 +237,12 @@ class AdaptiveK:
         since that one was reported (a new row's first round follows its admission, or an idle engine)."""
         return self._recorded_at is not None and seq_ids == self._recorded_ids
 
-    def _round_wall(self) -> float:
-        return time.perf_counter() - self._recorded_at
+    def _round_wall(self) -> tuple[float, float]:
+        """(wall seconds, this process's CPU seconds) since the last round was reported."""
+        return time.perf_counter() - self._recorded_at, time.process_time() - self._cpu_at
 
     def _stamp(self, seq_ids: list[int]) -> None:
-        self._recorded_at, self._recorded_ids = time.perf_counter(), list(seq_ids)
+        self._recorded_at, self._cpu_at, self._recorded_ids = time.perf_counter(), time.process_time(), list(seq_ids)
 
     def release(self, seq_ids: list[int]) -> None:
         self.acceptance.release(seq_ids)
