@@ -132,3 +132,55 @@ def test_a_round_preempted_for_half_its_wall_time_is_timed_by_what_it_ran():
         time.sleep(0.004)  # preempted
         ctrl.record([0], [0], [0], 0.0, time.perf_counter() - t0)
     assert 0.003 < ctrl.verify_time[(1, 1)].value < 0.0065
+
+
+def test_a_row_below_the_batch_at_position_1_keeps_the_batchs_shape_deeper():
+    """The batch accepts position 1 at ~0.72 and position 2 at ~0.92 (llama.cpp's shipped draft); a row
+    that has only drafted k = 1 lately, at 0.6, is estimated near 0.9 at position 2, not at its own 0.6."""
+    from specdec.adaptive.measure import Acceptance
+
+    acc = Acceptance()
+    rng = random.Random(0)
+    for i in range(300):  # other rows at k = 4: position 1 at 0.72, deeper ones at 0.92
+        n = 0
+        while n < 4 and rng.random() < (0.72 if n == 0 else 0.92):
+            n += 1
+        acc.record(100 + i // 30, 4, n, 1)
+    for i in range(20):  # this row, at k = 1: 12 of 20 accepted
+        acc.record(0, 1, int(i % 5 < 3), 1)
+    profile = acc.profile(4)
+    assert profile[1] > profile[0] + 0.1  # the batch's step from position 1 to 2 is kept
+    row = acc.per_seq([0], 4)[0]
+    assert row[0] < 0.72 and row[1] > 0.85, row
+
+
+def test_a_drafters_flat_profile_stays_flat():
+    """i.i.d. acceptance: the steps between the batch's positions are noise; the profile shrinks them
+    (to nothing where their spread is within their sampling noise, as in most of these runs)."""
+    from specdec.adaptive.measure import Acceptance
+
+    flat = 0
+    for seed in range(8):
+        acc = Acceptance()
+        rng = random.Random(seed)
+        for i in range(300):
+            n = 0
+            while n < 6 and rng.random() < 0.8:
+                n += 1
+            acc.record(i // 30, 6, n, 1)
+        profile, batch = acc.profile(6), acc.batch_alphas(6)
+        assert max(profile) - min(profile) <= 0.7 * (max(batch) - min(batch)), (profile, batch)
+        flat += max(profile) == min(profile)
+    assert flat >= 4
+
+
+def test_a_draft_rounds_time_is_a_line_in_k():
+    """A round's first draft step also reads the tokens accepted since the last (0.8 ms at k = 1 and 2,
+    1.25 at 4, 1.9 at 8 on llama.cpp): charged per drafted position at one mean, long rounds looked
+    dearer than they are; with rounds of two k timed, the line through them is charged."""
+    ctrl = AdaptiveK(8)
+    for k, ms in ((1, 0.6), (2, 0.75), (4, 1.05), (8, 1.65)):
+        for _ in range(4):
+            ctrl.costs.record_draft(1, k, ms / 1000)
+    got = [k * ctrl.costs.draft_cost(1, T1, k) * 1000 for k in (1, 2, 4, 8)]
+    assert got == pytest.approx([0.6, 0.75, 1.05, 1.65], abs=0.01)

@@ -88,13 +88,16 @@ def simulate(parallel: bool, alpha: float, rounds: int = 400, k_max: int = 8, se
 
 @pytest.mark.parametrize("alpha", [0.8, 0.6])
 def test_the_controller_settles_near_the_parallel_drafts_best_k(alpha):
-    """S(k) = E(k) · t_1 / (c + v(k + 1)): charged per token instead (the old rule), the same draft
-    looks k times dearer at k drafts and the controller stays at k <= 1 or switches off."""
+    """S(k) = E(k) · t_1 / (c + v(k + 1)). Told the draft is parallel, the controller charges it per
+    round from the start; not told, it learns the same from its round times at two or more k (a
+    draft round's time is a line in k, measure.Costs.draft_cost) and settles as near. (Charged per
+    drafted token, the old rule, the same draft looked k times dearer at k drafts and the controller
+    stayed at k <= 1 or switched off.)"""
     def s(k):
         return speedup(expected_tokens([alpha] * k, k), round_cost(k, 0.006, 0.010 + 0.001 * k, True), 0.010)
 
     best = max(s(k) for k in range(9))
     late = simulate(True, alpha)
     assert sum(n * s(k) for k, n in late.items()) / 150 >= 0.95 * best
-    old = simulate(False, alpha)
-    assert sum(n * s(k) for k, n in old.items()) / 150 < 0.9 * best and max(old) <= 2
+    untold = simulate(False, alpha)
+    assert sum(n * s(k) for k, n in untold.items()) / 150 >= 0.95 * best

@@ -19,6 +19,10 @@ from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_WEIGHT, prior_ve
 DECAY = 0.95  # per round a sequence drafts: older rounds weigh less, so its estimate follows its text
 BATCH_DECAY = 0.995  # per round, over every sequence: ~200 rounds of samples, enough for the bound to
 #                     tell a drafter at 0.05 from one at 0.1 (the break-even of a flat verify pass)
+WINDOW_ROUNDS = 20  # a stretch of a sequence's rounds (its DECAY's horizon) whose rates are compared
+WINDOWS = 64  # stretches kept
+MIN_WINDOWS = 4  # stretches seen before their spread sets the prior's weight
+MAX_WEIGHT = 40.0  # the prior's weight at most: two stretches of a sequence's own rounds
 Z = 1.645  # the one-sided 95% bound: speculation stops when even this optimistic acceptance cannot pay
 PLAIN_SAMPLES = 3  # plain steps timed at a batch size before it may speculate: the fastest of one or
 #                    two samples is a poor baseline beside the fastest of eight speculative rounds
@@ -59,6 +63,18 @@ def wilson_upper(p: float, n: float, z: float = Z) -> float:
     return min(1.0, (centre + half) / (1.0 + z2n))
 
 
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-3), 1.0 - 1e-3)
+    return math.log(p / (1.0 - p))
+
+
+def shifted(level: float, prior_from: float, prior_to: float) -> float:
+    """``level`` moved by the step from ``prior_from`` to ``prior_to`` in log-odds: a row's rate at the
+    next position, where the row is as far above or below the prior there as at the position before."""
+    x = _logit(level) + _logit(prior_to) - _logit(prior_from)
+    return 1.0 / (1.0 + math.exp(-x))
+
+
 @dataclass
 class PositionStats:
     """Decayed counts per draft position: rounds that reached position i (drafted it with 1..i-1
@@ -87,14 +103,24 @@ class PositionStats:
         return 0.0, 0.0
 
     def alphas(self, k: int, prior: list[float], weight: float) -> list[float]:
-        """Conditional acceptance alpha_1..alpha_k: alpha_1 smoothed towards ``prior[0]``, each later
-        one towards the estimate before it. A position the sequence has not reached lately (its
-        counts decay) thus follows the one before, instead of staying at an old low value that no
-        round would ever correct once k had dropped below it."""
+        """Conditional acceptance alpha_1..alpha_k, each position's counts plus ``weight`` pseudo-rounds
+        of a prior: at position 1 ``prior[0]``; at position i > 1 the estimate at i - 1 moved by the
+        prior's step from i - 1 to i in log-odds (``shifted``). The prior (the batch's rates) gives
+        the shape over positions, a row's own counts its level: a row that rejects position 1 more
+        than the batch keeps the batch's higher rates deeper down, a little lower, instead of
+        dropping them to its position-1 rate (llama.cpp's draft accepts position 2 at 0.9 after 0.72
+        at position 1). A position not reached lately (its counts decay) thus follows the one
+        before, as the prior steps, instead of staying at an old value that no round would ever
+        correct once k had dropped below it. With a flat prior (or past its end), each follows the one
+        before."""
         out = []
         for i in range(k):
             a, r = self.counts(i)
-            toward = prior[0] if i == 0 else out[-1]
+            if i == 0:
+                toward = prior[0]
+            else:
+                flat = i >= len(prior) or prior[i] == prior[i - 1]  # a prior shorter than k: flat past its end
+                toward = out[-1] if flat else shifted(out[-1], prior[i - 1], prior[i])
             out.append((a + weight * toward) / (r + weight))
         return out
 
@@ -116,6 +142,10 @@ class Acceptance:
     def __init__(self):
         self.batch = PositionStats()
         self.seqs: dict[int, PositionStats] = {}
+        self.window: dict[int, list[int]] = {}  # sid -> [accepted, reached] at position 1, this window
+        self.windows: deque[tuple[int, int]] = deque(maxlen=WINDOWS)  # closed windows' counts
+        self._closed = 0  # windows closed so far
+        self._weight = (-1, PRIOR_WEIGHT)  # (_closed then, prior_weight then): it changes as windows close
 
     def seq(self, sid: int) -> PositionStats:
         return self.seqs.setdefault(sid, PositionStats())
@@ -123,6 +153,33 @@ class Acceptance:
     def record(self, sid: int, num_draft: int, num_accepted: int, batch_size: int) -> None:
         self.seq(sid).update(num_draft, num_accepted, DECAY)
         self.batch.update(num_draft, num_accepted, BATCH_DECAY ** (1.0 / max(batch_size, 1)))  # per round
+        w = self.window.setdefault(sid, [0, 0])
+        w[0] += num_accepted > 0
+        w[1] += 1
+        if w[1] == WINDOW_ROUNDS:
+            self.windows.append((w[0], w[1]))
+            self._closed += 1
+            self.window[sid] = [0, 0]
+
+    def prior_weight(self) -> float:
+        """Pseudo-rounds of the batch's rates in a sequence's estimate (empirical Bayes): how much the
+        rate at position 1 truly differs between stretches of WINDOW_ROUNDS rounds (any sequence's),
+        tau^2 = their rates' spread about the batch's less the binomial noise a(1 - a) / n, read as a
+        Beta prior's weight a(1 - a) / tau^2 - 1. Where stretches differ little beyond their noise, a
+        sequence's few recent rejections are mostly luck, and its estimate stays near the batch's;
+        where they differ, near its own counts. PRIOR_WEIGHT until MIN_WINDOWS stretches are seen;
+        within [PRIOR_WEIGHT, MAX_WEIGHT] (a sequence's own counts always move it)."""
+        if len(self.windows) < MIN_WINDOWS:
+            return PRIOR_WEIGHT
+        if self._weight[0] == self._closed:
+            return self._weight[1]
+        a = sum(x for x, _ in self.windows) / sum(n for _, n in self.windows)
+        spread = sum((x / n - a) ** 2 for x, n in self.windows) / len(self.windows)
+        noise = sum(a * (1.0 - a) / n for _, n in self.windows) / len(self.windows)
+        tau2 = spread - noise
+        weight = MAX_WEIGHT if tau2 <= 0.0 else min(MAX_WEIGHT, max(PRIOR_WEIGHT, a * (1.0 - a) / tau2 - 1.0))
+        self._weight = (self._closed, weight)
+        return weight
 
     def batch_alphas(self, k: int) -> list[float]:
         """The batch's alpha_1..alpha_k; a position never reached keeps the last measured rate, not
@@ -133,10 +190,37 @@ class Acceptance:
                 alphas[i] = alphas[i - 1]
         return alphas
 
+    def profile(self, k: int) -> list[float]:
+        """The prior of a sequence's alpha_1..alpha_k: the batch's alpha_1, then the batch's steps from
+        one position to the next in log-odds, each shrunk by how sure the batch is of it (empirical
+        Bayes): a step measured over r rounds has sampling variance ~1 / (r a (1 - a)); the spread of
+        true steps, tau^2, is what the steps' spread exceeds that by (method of moments about 0,
+        precision-weighted), and each step keeps tau^2 / (tau^2 + its variance) of itself. A drafter
+        whose rates do not change with depth (tau^2 = 0) gives a flat prior, whatever noise its
+        deep positions show; one whose position 2 clearly accepts more than position 1 keeps that."""
+        m = self.batch_alphas(k)
+        logits = [_logit(a) for a in m]
+        steps, variances = [], []
+        for i in range(1, k):
+            r = self.batch.reached[i] if i < len(self.batch.reached) else 0.0
+            steps.append(logits[i] - logits[i - 1])
+            variances.append(1.0 / (r * m[i] * (1.0 - m[i])) if r >= 1.0 and 0.0 < m[i] < 1.0 else math.inf)
+        weights = [1.0 / v for v in variances]
+        n = sum(1 for w in weights if w > 0)
+        q = sum(w * d * d for w, d in zip(weights, steps))
+        tau2 = max(0.0, (q - n) / sum(weights)) if n else 0.0
+        if tau2 == 0.0:
+            return [m[0]] * k if k else []
+        out, x = m[:1], logits[0]
+        for d, v in zip(steps, variances):
+            x += tau2 / (tau2 + v) * d
+            out.append(1.0 / (1.0 + math.exp(-x)))
+        return out
+
     def per_seq(self, seq_ids: list[int], k: int) -> list[list[float]]:
-        """Per sequence: its alpha_1..alpha_k, smoothed towards the batch's."""
-        prior = self.batch_alphas(k)
-        return [self.seq(sid).alphas(k, prior, PRIOR_WEIGHT) for sid in seq_ids]
+        """Per sequence: its alpha_1..alpha_k, smoothed towards the batch's ``profile``."""
+        prior, weight = self.profile(k), self.prior_weight()
+        return [self.seq(sid).alphas(k, prior, weight) for sid in seq_ids]
 
     def upper(self, k: int) -> list[float]:
         """The drafter's alpha_1..alpha_k at their upper confidence bounds (``PositionStats.upper``)."""
@@ -145,8 +229,9 @@ class Acceptance:
     def mean_alphas(self, seq_ids: list[int], depth: int) -> list[float]:
         """The batch's conditional acceptance per depth: each sequence's estimate, averaged per position
         (one tree shape serves the batch)."""
-        prior = self.batch_alphas(depth) if depth else []
-        rows = [self.seq(sid).alphas(depth, prior, PRIOR_WEIGHT) for sid in seq_ids]
+        prior = self.profile(depth) if depth else []
+        weight = self.prior_weight()
+        rows = [self.seq(sid).alphas(depth, prior, weight) for sid in seq_ids]
         if not rows:
             return prior
         return [sum(col) / len(rows) for col in zip(*rows)]
@@ -154,6 +239,7 @@ class Acceptance:
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
             self.seqs.pop(sid, None)
+            self.window.pop(sid, None)
 
 
 def fit_line(known: list[tuple[int, float]], plain_in_fit: bool = False):
@@ -216,6 +302,9 @@ class Costs:
         self.tree_verify_time: dict[tuple[int, int], Timing] = {}  # (B, 1 + N) -> seconds per tree pass
         self.parallel = False  # the drafter proposes all k drafts from one forward (drafters/pard.py)
         self.draft_time: dict[int, Timing] = {}  # B -> seconds per drafted position
+        self.round_draft_time: dict[tuple[int, int], Timing] = {}  # (B, k) -> seconds of a round's k draft steps
+        self._draft_records = 0  # round_draft_time's updates: when its line is fitted again
+        self._draft_lines: dict[int, tuple[int, object]] = {}  # B -> (_draft_records then, the line or None)
         self.parallel_draft_time: dict[tuple[int, int], Timing] = {}  # (B, k) -> a parallel draft's seconds per round
         self.tree_draft_time: dict[int, Timing] = {}  # B -> seconds per tree level drafted
         self.plain_measured_at: dict[int, int] = {}  # B -> the round its plain step was last timed
@@ -266,12 +355,28 @@ class Costs:
         return line if longest is None else (lambda T: line(min(T, longest)))
 
     def draft_cost(self, B: int, t1: float, k: int = 1) -> float:
-        """Seconds per drafted position at batch size B; PRIOR_DRAFT_COST plain steps until measured.
+        """Seconds per drafted position at batch size B in a round of k drafts; PRIOR_DRAFT_COST plain
+        steps until measured. Once rounds of two or more k are timed, the line through their round
+        times (``fit_line``) over k: a round's first draft step also reads the tokens accepted since
+        the last one (llama.cpp, shipped draft: 0.82, 0.80, 1.25, 1.90 ms a round at k = 1, 2, 4, 8),
+        so one mean per drafted position overcharged long rounds and undercharged short ones.
         A parallel draft (``parallel``): seconds of its one forward for k drafts (``parallel_draft_line``)."""
         if self.parallel:
             return self.parallel_draft_line(B, t1)(k)
+        line = self._round_draft_line(B)
+        if line is not None:
+            return line(k) / k
         e = self.draft_time.get(B)
         return PRIOR_DRAFT_COST * t1 if e is None or e.value is None else e.value
+
+    def _round_draft_line(self, B: int):
+        """k -> seconds of a round's k draft steps at batch size B, through the k timed (None below
+        two); fitted once per timing recorded (the controller reads it for every k, every round)."""
+        cached = self._draft_lines.get(B)
+        if cached is None or cached[0] != self._draft_records:
+            known = sorted((n, em.value) for (b, n), em in self.round_draft_time.items() if b == B and em.value is not None)
+            cached = self._draft_lines[B] = (self._draft_records, fit_line(known, plain_in_fit=True) if len(known) >= 2 else None)
+        return cached[1]
 
     def parallel_draft_line(self, B: int, t1: float):
         """k -> seconds of a parallel draft's round at batch size B: ``fit_line`` through the k measured
@@ -290,6 +395,8 @@ class Costs:
             self.parallel_draft_time.setdefault((B, k), Timing()).update(seconds)
         else:
             self.draft_time.setdefault(B, Timing()).update(seconds / k)
+            self.round_draft_time.setdefault((B, k), Timing()).update(seconds)
+            self._draft_records += 1
 
     def tree_draft_cost(self, B: int, t1: float) -> float:
         """Seconds per tree level at batch size B; TREE_DRAFT_PRIOR chain draft steps until measured."""
