@@ -46,6 +46,7 @@ from specdec.models.eagle3 import Eagle3Head
 from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
 from specdec.models.layers import apply_rope, attention, rope_tables
 from specdec.models.linear import Linear
+from specdec.models.llamacpp_head import native_head
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape, depths_of
@@ -251,7 +252,9 @@ class Eagle3Drafter(Drafter):
         # the head's products in the target's weights' dtype: bf16 beside a bf16 target (oneDNN, half the
         # bytes: measured 3x faster for this head's shapes at one row), float32 beside a float32 one
         dtype = torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
-        self.runner = HeadRunner(head, dtype, self.device)
+        # beside a llama.cpp target the head runs as llama.cpp's own eagle3 model (models/llamacpp_head.py,
+        # HeadRunner's methods), else, or where this llama.cpp build cannot, in torch
+        self.runner = native_head(head, target) or HeadRunner(head, dtype, self.device)
         self.one_thread = getattr(target, "backend", "torch") != "torch"  # head_threads: small rounds on one torch thread
         V = target.vocab_size
         ids = head.draft_to_target.to(self.device)  # [Vd] target id of each draft id

@@ -26,6 +26,16 @@ _SYMBOLS = {
     "get_tok_embd": ("llama_model_get_tok_embd", "_Z24llama_model_get_tok_embdPK11llama_modelPf",
                      ctypes.c_uint32, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)]),
 }
+# what an EAGLE-3 head run as llama.cpp's own ``eagle3`` model needs (models/llamacpp_head.py): its
+# pre-norm output g (the encoder's fc output, each decoder step's state) and its target layer ids
+_HEAD_SYMBOLS = {
+    "set_nextn": ("llama_set_embeddings_nextn", "_Z26llama_set_embeddings_nextnP13llama_contextbb",
+                  None, [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool]),
+    "get_nextn": ("llama_get_embeddings_nextn", "_Z26llama_get_embeddings_nextnP13llama_context",
+                  ctypes.c_void_p, [ctypes.c_void_p]),  # float * as an address
+    "target_layer_ids_n": ("llama_model_target_layer_ids_n", "_Z30llama_model_target_layer_ids_nPK11llama_model",
+                           ctypes.c_uint32, [ctypes.c_void_p]),
+}
 # GGUF architectures whose llama.cpp graph records its layer inputs (res->t_layer_inp in src/models/*.cpp)
 # among those specdec converts: llama (Llama and Mistral checkpoints); qwen2 and qwen3 do not
 ARCHITECTURES = ("llama",)
@@ -50,13 +60,38 @@ def functions() -> dict:
     ValueError when the loaded libllama does not export them."""
     if _bound:
         return _bound
+    out, missing, version, name = _bind(_SYMBOLS)
+    if missing:
+        raise ValueError(f"this llama-cpp-python build ({version}, {name}) does "
+                         f"not export {', '.join(missing)} (llama-ext.h), through which specdec reads the target's "
+                         "hidden states that EAGLE-3 heads need; use backend='torch', or install the build specdec "
+                         "pins (`make install`, llama-cpp-python 0.3.36)")
+    _bound.update(out)
+    return _bound
+
+
+def head_functions() -> dict:
+    """``functions()`` and the bindings an EAGLE-3 head in llama.cpp needs (``set_nextn``, ``get_nextn``,
+    ``target_layer_ids_n``); ValueError naming what the loaded libllama does not export."""
+    out = dict(functions())
+    head, missing, version, name = _bind(_HEAD_SYMBOLS)
+    if missing:
+        raise ValueError(f"this llama-cpp-python build ({version}, {name}) does not export {', '.join(missing)} "
+                         "(llama-ext.h), through which an EAGLE-3 head runs inside llama.cpp; the torch head runs "
+                         "instead (or install the build specdec pins: `make install`, llama-cpp-python 0.3.36)")
+    out.update(head)
+    return out
+
+
+def _bind(symbols: dict) -> tuple[dict, list[str], str, str]:
+    """Look ``symbols`` up in the libllama llama-cpp-python loaded: (bound functions by short name,
+    names not exported, llama-cpp-python's version, the library's file name)."""
     import llama_cpp
     from llama_cpp import llama_cpp as low
 
     lib = low._lib  # the CDLL llama-cpp-python loaded: libllama of this build
-    missing = []
-    out = {}
-    for short, (name, mangled, restype, argtypes) in _SYMBOLS.items():
+    out, missing = {}, []
+    for short, (name, mangled, restype, argtypes) in symbols.items():
         try:
             f = getattr(lib, mangled)
         except AttributeError:
@@ -64,10 +99,4 @@ def functions() -> dict:
             continue
         f.restype, f.argtypes = restype, argtypes
         out[short] = f
-    if missing:
-        raise ValueError(f"this llama-cpp-python build ({getattr(llama_cpp, '__version__', '?')}, {lib._name}) does "
-                         f"not export {', '.join(missing)} (llama-ext.h), through which specdec reads the target's "
-                         "hidden states that EAGLE-3 heads need; use backend='torch', or install the build specdec "
-                         "pins (`make install`, llama-cpp-python 0.3.36)")
-    _bound.update(out)
-    return _bound
+    return out, missing, getattr(llama_cpp, "__version__", "?"), lib._name
