@@ -133,6 +133,75 @@ def test_greedy_output_equals_plain_decoding_on_llamacpp(models, batch):
     assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0
 
 
+# -- trees: the one forward's per-depth distributions branch -----------------------------------------
+
+
+def test_a_tree_branches_from_the_per_depth_distributions_of_one_forward(models):
+    from specdec.sampling import SamplingBatch, make_generator, probs_from_logits
+    from specdec.sequence import Sequence
+    from specdec.tree import TreeShape
+
+    def seq(tokens):
+        p = SamplingParams(temperature=0, max_tokens=4)
+        return Sequence(list(tokens), p, make_generator(p.seed), max_len=200)
+
+    llm = LLM(models["target"], backend="torch", speculative_config=pard_config(models["pard"], 4))
+    drafter = llm.engine.drafter
+    assert drafter.can_draft_trees
+    history = random_prompts(1, [9], seed=3)[0]
+    row = seq(history)
+    sb = SamplingBatch.from_params([row.params])
+    calls = []
+    forward = drafter.runner.forward
+    drafter.runner.forward = lambda batch: calls.append(batch) or forward(batch)
+    shape = TreeShape(num_nodes=9, max_depth=3, max_children=3)
+    (tree,) = drafter.propose_tree([row], [shape], sb)
+    assert len(calls) == 1  # one forward over the history and 2 masks, whatever the tree's size
+    assert tree.num_nodes == 9 and max(tree.depths()) <= 3
+    # the distributions: the forward's logits after the history (depth 1) and at each mask (depths 2, 3)
+    drafter.runner.forward = forward
+    ref = LLM(models["target"], backend="torch", speculative_config=pard_config(models["pard"], 4)).engine.drafter
+    ref.num_masks = 2
+    q = probs_from_logits(ref._sync([seq(history)])[0][0].float(), sb.select([0, 0, 0]))  # [3, V]
+    depth = tree.depths()
+    for node in [-1] + list(range(tree.num_nodes)):
+        kids = tree.children(node)
+        if not kids:
+            continue
+        d = 0 if node < 0 else depth[node]  # the children's distribution: q_{d+1}
+        top = q[d].topk(len(kids)).indices.tolist()
+        assert [tree.token_ids[c] for c in kids] == top  # a greedy row's children: q_{d+1}'s top tokens
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tree_rounds_greedy_output_equals_plain_decoding(models, batch):
+    prompts = random_prompts(batch, [2, 8, 15], seed=7 + batch)
+    expected = plain_greedy(models["target"], prompts, 24, backend="torch")
+    llm = LLM(models["target"], backend="torch", speculative_config=pard_config(
+        models["pard"], 4, draft_tree="tree", draft_tree_max_nodes=7, draft_tree_top_k=2))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for p, e, o in zip(prompts, expected, outs):
+        assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)
+    m = llm.get_metrics()
+    assert m["num_tree_drafts"] > 0 and m["num_tree_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.8, top_k=4)], ids=["t1", "topk"])
+def test_tree_rounds_sampled_outputs_follow_the_target_distribution(small_vocab, params):
+    target, draft, hf = small_vocab
+    prompt = [5, 9, 3]
+    N = 3000
+    llm = LLM(target, backend="torch", speculative_config=pard_config(
+        draft, 3, draft_tree="tree", draft_tree_max_nodes=6, draft_tree_top_k=2))
+    sps = [SamplingParams(max_tokens=3, seed=2000 + i, ignore_eos=True, **params) for i in range(N)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N, sps)
+    tokens = np.array([o.outputs[0].token_ids for o in outs])  # [N, 3]
+    assert_first_tokens_follow_target(hf, prompt, tokens, sps[0], 23)
+    m = llm.get_metrics()
+    assert m["num_tree_drafts"] > 0 and m["num_tree_accepted_tokens"] > 0
+
+
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
     root = tmp_path_factory.mktemp("pard-small")

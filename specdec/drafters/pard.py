@@ -11,6 +11,11 @@ difference: it keeps the committed history only. The masks' KV sits past it and 
 writes over it (rollback is a length change), and the drafts that were accepted are fed again as
 tokens, since their KV was computed from masks.
 
+Trees: the one forward's distributions q_1..q_D, one per depth, branch into a tree without another
+forward (as Medusa's heads do): a node at depth d gets its children from q_{d+1}, its top tokens or,
+for a sampled row, tokens drawn from it without replacement. q_{d+1} does not depend on the node's
+path, and that is what verification is told (each node's draft_probs), so trees stay exact too.
+
 The mask token and the most drafts it was trained for come from the draft's config.json
 (``pard_token``, PARD's and vLLM's name; ``mask_token_id`` or ``ptd_token_id`` also read;
 ``pard_max_k``, written by ``specdec distill --method pard``).
@@ -18,15 +23,18 @@ The mask token and the most drafts it was trained for come from the draft's conf
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from specdec.drafters.autoregressive import draft_autoregressive
-from specdec.drafters.base import DraftProposal, chains_as_trees
+from specdec.drafters.base import DraftProposal, KvUse, runner_kv
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.tree_expand import Block, draft_tree
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingBatch, argmax
 from specdec.sequence import Sequence
-from specdec.tree import DraftTree, TreeShape
+from specdec.tree import DraftTree, TreeShape, depths_of
 
 MASK_TOKEN_KEYS = ("pard_token", "mask_token_id", "ptd_token_id")  # config.json fields naming the mask token
 MAX_K_KEY = "pard_max_k"  # config.json: the most drafts (1 + masks) the draft was trained to propose
@@ -73,7 +81,7 @@ class ParallelDraftDrafter(DraftModelDrafter):
 
     @property
     def can_draft_trees(self) -> bool:
-        return False  # one forward gives one distribution per depth: chains
+        return True  # the one forward's per-depth distributions branch without another forward
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         k = max(num_draft, default=0)
@@ -100,7 +108,38 @@ class ParallelDraftDrafter(DraftModelDrafter):
 
     def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None],
                      sb: SamplingBatch) -> list[DraftTree | None]:
-        return chains_as_trees(self, seqs, shapes, sb)
+        """A tree per row from one forward over its history and D - 1 masks (D: the deepest shape):
+        the children of a node at depth d are candidates from q_{d+1} (tree_expand.draft_tree, whose
+        ``feed`` here reads the forward's logits instead of running the draft again)."""
+        if self.max_k is not None:  # the draft proposes at most max_k depths from one forward
+            shapes = [s if s is None or s.max_depth <= self.max_k else replace(s, max_depth=self.max_k)
+                      for s in shapes]
+        depth = max((s.max_depth for s in shapes if s is not None), default=0)
+        if depth == 0:
+            return [None] * len(seqs)
+        self.num_masks = depth - 1
+        logits, _ = self._sync(seqs)  # [B, D, V]: q_1 after the history, q_{j+1} at mask j
+
+        def feed(blocks: list[Block | None]) -> list[torch.Tensor | None]:  # no forward: q by the node's depth
+            out: list[torch.Tensor | None] = []
+            for b, block in enumerate(blocks):
+                d = depths_of(block.parents) if block is not None else []  # 0: a child of the root
+                out.append(None if block is None else logits[b, [d[i] + 1 for i in block.want]])  # [L, V]
+            return out
+
+        k = max((s.max_children for s in shapes if s is not None), default=1)
+        trees = draft_tree(logits[:, 0], feed, seqs, shapes, sb, self.draft_p_min, self.siblings,
+                           self.rank_acceptance.probs(seqs, k), self.q_calibration)
+        self.rank_acceptance.propose(seqs, trees)
+        for s in seqs:  # as for chains: the cache keeps the history, the masks past it are overwritten
+            self.cached[s.seq_id] = list(s.token_ids)
+            self.committed[s.seq_id] = len(s.token_ids)
+        return trees
+
+    def kv_use(self, k: int, tree: TreeShape | None = None) -> list[KvUse]:
+        """Its cache holds each history, then the masks of one forward (k - 1, or the tree's depth - 1)
+        and the padding position past the longest row of a catch-up."""
+        return [runner_kv(self.runner, extra=max(k, tree.max_depth if tree is not None else 0))]
 
     def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:
         """Feed each row's chunk and ``num_masks`` masks at its start; returns the logits at the chunk's
