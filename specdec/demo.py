@@ -458,13 +458,15 @@ def cannot_pay(passes: dict[str, tuple[int, float]]) -> dict[str, str]:
 
 
 def expected_ratio(tau: float, drafted_rounds: int, plain_steps: int, verify_steps: float,
-                   draft_steps: float) -> float:
+                   draft_steps: float, host_steps: float = 0.0) -> float:
     """The speedup over plain decoding on the same backend that τ and the costs explain: rounds that
     drafted emit τ tokens for a verify pass of ``verify_steps`` one-token steps plus ``draft_steps`` of
-    drafting; rounds that drafted nothing emit one token per step."""
+    drafting; rounds that drafted nothing emit one token per step. ``host_steps``: the engine's own
+    work per round outside drafting and verifying (scheduling, commit), paid by every round and, per
+    token, by plain decoding too."""
     tokens = drafted_rounds * tau + plain_steps
-    steps = drafted_rounds * (verify_steps + draft_steps) + plain_steps
-    return tokens / steps if steps > 0 else 1.0
+    steps = drafted_rounds * (verify_steps + draft_steps + host_steps) + plain_steps * (1 + host_steps)
+    return tokens / steps * (1 + host_steps) if steps > 0 else 1.0
 
 
 @dataclass
@@ -479,12 +481,14 @@ class FinalFigures:
     draft_steps: float | None  # drafting per round that drafted, in one-token steps
     plain_ratio: float | None = None  # fastest plain backend over the same backend's plain: now ...
     probe_plain_ratio: float | None = None  # ... and in the probe
+    host_steps: float = 0.0  # the engine's work per round outside drafting and verifying, in one-token steps
 
     @property
     def expected(self) -> float | None:
         if self.verify_steps is None or self.draft_steps is None:
             return None
-        return expected_ratio(self.tau, self.drafted_rounds, self.plain_steps, self.verify_steps, self.draft_steps)
+        return expected_ratio(self.tau, self.drafted_rounds, self.plain_steps, self.verify_steps, self.draft_steps,
+                              self.host_steps)
 
 
 def doubts(f: FinalFigures, band: float = EXPLAIN_BAND) -> list[str]:
@@ -524,8 +528,10 @@ def final_figures(result, spec_llm, choice: DemoChoice | None = None, peer: str 
     elif costs and backend in costs:
         step, tk = costs[backend][0] / 1e3, costs[backend][1] / 1e3
         verify_steps = 1 + (tk / step - 1) * mean_k / k
+    host_steps = 0.0
     if verify_steps is not None:
         draft_steps = (m["draft_time_s"] / drafted / step) if drafted else 0.0
+        host_steps = m.get("overhead_time_s", 0.0) / passes / step if passes else 0.0
     plain_ratio = probe_ratio = None
     if peer is not None and choice is not None:
         fast, same = choice.plain, choice.plain_on(backend)
@@ -534,7 +540,7 @@ def final_figures(result, spec_llm, choice: DemoChoice | None = None, peer: str 
             plain_ratio = peers[peer]["tokens_per_s"] / result.ar_tokens_per_s
             probe_ratio = fast.tokens_per_s / same.tokens_per_s if same.tokens_per_s else None
     return FinalFigures(result.decode_speedup, m["mean_acceptance_length"], drafted, max(0, passes - drafted),
-                        verify_steps, draft_steps, plain_ratio, probe_ratio)
+                        verify_steps, draft_steps, plain_ratio, probe_ratio, host_steps)
 
 
 def final_comparison(plain_llm, spec_llm, prompts: list, params: SamplingParams, peers: dict | None = None,

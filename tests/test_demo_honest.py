@@ -34,6 +34,10 @@ def test_expected_ratio_from_tau_and_costs():
     assert expected_ratio(3.0, 10, 20, 1.5, 0.5) == pytest.approx(50 / 40)
     assert expected_ratio(1.0, 0, 64, 1.8, 0.3) == 1.0  # drafted nothing: plain decoding
     assert expected_ratio(1.0, 0, 0, 1.0, 0.0) == 1.0
+    # the engine's own work per round (0.5 steps): a drafted round pays it once for τ tokens, plain
+    # decoding once per token; so 3 tokens for 1.5 + 0.5 + 0.5 steps against 1.5 steps a token
+    assert expected_ratio(3.0, 10, 0, 1.5, 0.5, host_steps=0.5) == pytest.approx(3.0 / 2.5 * 1.5)
+    assert expected_ratio(1.0, 0, 64, 1.8, 0.3, host_steps=0.2) == pytest.approx(1.0)
 
 
 def test_a_ratio_the_figures_cannot_explain_is_doubted():
