@@ -34,6 +34,7 @@ g, its k, v at its own slot past the committed entries, attending to those, its 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +77,15 @@ def head_threads(method):
             torch.set_num_threads(n)
 
     return run
+
+
+def check_q_scale(s) -> float:
+    """A head's draft temperature scale (config.json's ``specdec_draft_temperature_scale``), checked."""
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+        raise ValueError(f"an EAGLE-3 head's draft temperature scale must be a positive finite number (1: q as the "
+                         f"head gives it), got {s!r}: fix or remove specdec_draft_temperature_scale in the head's "
+                         "config.json, or refit it (benchmarks/drafts/eagle3/calibrate.py)")
+    return float(s)
 
 
 def tree_pool(shape: TreeShape) -> int:
@@ -262,8 +272,19 @@ class Eagle3Drafter(Drafter):
         self.to_target_ids = ids[self.keep]
         self.all_kept = len(self.keep) == len(ids)
         self.same_vocab = len(ids) == V and bool((ids == torch.arange(V, device=self.device)).all())
+        self.q_scale = getattr(head.config, "draft_temperature_scale", 1.0)  # 1: q as the head gives it
         self.done: dict[int, int] = {}  # seq_id -> step-0 entries at positions 0..done-1 are in the head's KV
         self.seen: dict[int, list[int]] = {}  # seq_id -> the history those entries read (t_0..t_done)
+
+    @property
+    def q_scale(self) -> float:
+        """s in q = softmax(z / (T s)) for sampled rows: the head's calibration (docs/algorithm.md, "Calibrating
+        the draft distribution"). Any q keeps the output exact; argmaxes, and so greedy drafts, do not move."""
+        return self._q_scale
+
+    @q_scale.setter
+    def q_scale(self, s: float) -> None:
+        self._q_scale = check_q_scale(s)
 
     # -- the Drafter interface --------------------------------------------------------------------
 
@@ -487,7 +508,10 @@ class Eagle3Drafter(Drafter):
         return logits[:, 0], g[:, 0]  # [G, Vd], [G, D]
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """[A, Vd] -> [A, V] target vocabulary; tokens outside the draft vocabulary get OFF_VOCAB."""
+        """[A, Vd] -> [A, V] target vocabulary, divided by ``q_scale``; tokens outside the draft vocabulary
+        get OFF_VOCAB."""
+        if self._q_scale != 1.0:
+            draft_logits = draft_logits / self._q_scale
         if self.same_vocab:
             return draft_logits
         out = draft_logits.new_full((draft_logits.shape[0], self.target.vocab_size), OFF_VOCAB)

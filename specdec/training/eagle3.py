@@ -45,6 +45,7 @@ from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids, s
 from specdec.training import distributed
 from specdec.training.acceptance import draft_acceptance, format_acceptance
 from specdec.training.data import describe_sources, read_split, tokenize_documents
+from specdec.training.draft_calibration import fit_scale, format_fit, write_scale
 from specdec.training.loop import (LoopResult, RunConfig, add_loop_args, fields_from_args, launch_command,
                                    loop_config_from_args, run_loop, start_run)
 from specdec.training.model_card import write_model_card
@@ -248,6 +249,12 @@ def ttt_mask(P: int, j: int, device) -> torch.Tensor:
     return torch.cat([causal] + [eye] * j, dim=1)
 
 
+def shift(x: torch.Tensor, j: int) -> torch.Tensor:
+    """[B, T, ...] -> [B, T - 1, ...]: what step j at position p reads or is scored against, x[:, p + 1 + j]
+    (padded at the end)."""
+    return F.pad(x[:, 1 + j:], (0, 0) * (x.dim() - 2) + (0, j))
+
+
 class TTTModel(nn.Module):
     """The head plus its training-time-test loss; the module DDP wraps (forward = the loss)."""
 
@@ -282,37 +289,42 @@ class TTTModel(nn.Module):
         z = (p.sum(-1) + rest).clamp(min=1e-12)
         return didx.clamp(min=0), inside, p / z[..., None], rest / z, p.sum(-1) > 0
 
+    def unroll(self, tokens: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor | None = None):
+        """The training-time test's steps over windows tokens [B, T] with features [B, T, 3Dt] (lengths [B]:
+        real tokens per window; None: all T): yields, for j = 0, 1, ..., step j's draft-vocabulary logits
+        [B, P, Vd] (P = T - 1) and where they are scored [B, P]. Step j at position p reads token p + 1 + j
+        and guesses the token after it; a position is scored while token p + 1 + j is within the window's
+        real length."""
+        head = self.head
+        B, T = tokens.shape
+        P = T - 1
+        dev = tokens.device
+        h = head.fuse(features[:, :P] * self.feature_scale.to(features.dtype))  # [B, P, D]
+        past_k = past_v = None
+        base = torch.arange(P, device=dev)
+        real = T if lengths is None else lengths.to(dev)[:, None]  # [B, 1]: token p + 1 + j must be < this
+        for j in range(min(self.steps, P)):
+            logits, h, k, v = head.step(shift(tokens, j), h, (base + j).expand(B, P), past_k, past_v,
+                                        ttt_mask(P, j, dev).expand(B, P, P * (j + 1)))  # h: step j's g
+            past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
+            past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
+            yield logits, (base[None] + 1 + j < real).expand(B, P)
+
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
                 lengths: torch.Tensor | None = None, stats: bool = False):
         """Weighted sum over steps of the mean forward KL; with ``stats`` also per-step figures.
 
         tokens [B, T], features [B, T, 3Dt], top_ids / top_logp [B, T, K] (the target's next-token
         distribution after each position), lengths [B] (real tokens per window; None: all T). Step j at
-        position p (0 <= p < P = T - 1) reads token p + 1 + j and is scored against the distribution after
-        position p + 1 + j; positions whose token p + 1 + j is past the window or its real length are masked.
+        position p (0 <= p < P = T - 1) is scored against the distribution after position p + 1 + j
+        (``unroll``).
         """
-        head = self.head
         B, T = tokens.shape
-        P = T - 1
-        dev = tokens.device
-        pad = lambda x, j: F.pad(x[:, 1 + j:], (0, 0) * (x.dim() - 2) + (0, j))  # [B, P, ...] shifted by 1 + j
-        h = head.fuse(features[:, :P] * self.feature_scale.to(features.dtype))  # [B, P, D]
-        past_k = past_v = None
         total = tokens.new_zeros((), dtype=torch.float32)
         figs = []
-        alive = torch.ones(B, P, dtype=torch.bool, device=dev)
-        base = torch.arange(P, device=dev)
-        real = T if lengths is None else lengths.to(dev)[:, None]  # [B, 1]: token p + 1 + j must be < this
-        for j in range(self.steps):
-            if j >= P:
-                break
-            ids = pad(tokens, j)  # [B, P]
-            logits, g, k, v = head.step(ids, h, (base + j).expand(B, P), past_k, past_v,
-                                        ttt_mask(P, j, dev).expand(B, P, P * (j + 1)))
-            past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
-            past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-            didx, inside, p, rest, held = self.labels(pad(top_ids, j), pad(top_logp, j))  # [B, P, K] x3, [B, P] x2
-            in_range = (base[None] + 1 + j < real).expand(B, P)  # [B, P]
+        alive = torch.ones(B, T - 1, dtype=torch.bool, device=tokens.device)
+        for j, (logits, in_range) in enumerate(self.unroll(tokens, features, lengths)):
+            didx, inside, p, rest, held = self.labels(shift(top_ids, j), shift(top_logp, j))  # [B, P, K] x3, [B, P] x2
             valid = held & in_range
             logq_all = F.log_softmax(logits, dim=-1)  # [B, P, Vd]
             logq = logq_all.gather(-1, didx)  # [B, P, K]
@@ -322,20 +334,19 @@ class TTTModel(nn.Module):
             n = valid.sum().clamp(min=1)
             step_loss = (kl * valid).sum() / n
             if self.argmax_weight:  # the target's greedy token, where the draft vocabulary has it
-                top1 = self.to_draft[pad(top_ids, j)[..., 0]]  # [B, P]
+                top1 = self.to_draft[shift(top_ids, j)[..., 0]]  # [B, P]
                 hard = valid & (top1 >= 0)
                 ce = -logq_all.gather(-1, top1.clamp(min=0)[..., None])[..., 0]  # [B, P]
                 step_loss = step_loss + self.argmax_weight * (ce * hard).sum() / hard.sum().clamp(min=1)
             total = total + self.decay ** j * step_loss
             if stats:
                 with torch.no_grad():
-                    top1 = self.to_draft[pad(top_ids, j)[..., 0]]  # the target's greedy token, as a draft id
+                    top1 = self.to_draft[shift(top_ids, j)[..., 0]]  # the target's greedy token, as a draft id
                     hit = logits.argmax(-1) == top1
                     alive = alive & hit
                     m = in_range.sum().clamp(min=1).item()
                     figs.append({"kl": step_loss.item(), "top1": (hit & in_range).sum().item() / m,
                                  "chain": (alive & in_range).sum().item() / m})
-            h = g
         return (total, figs) if stats else total
 
 
@@ -484,6 +495,9 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
         size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
         log(f"saved head to {out} ({size / 1e6:.1f} MB)")
         summary["size_mb"] = size / 1e6
+        if len(val_w):  # the draft temperature scale, fitted on the held-out windows (training/draft_calibration.py)
+            summary["q_scale"] = calibrate(model, cfg.target, val_w, val_len, d.device, out)
+            log(f"held-out, q calibration: {format_fit(summary['q_scale'])}")
         if val_idx is not None:
             with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16):
                 figs = teacher_forced_stats(model, cache, val_idx, cfg.batch_size, d.device)
@@ -508,6 +522,20 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     d.barrier()
     distributed.teardown(d)
     return summary
+
+
+def calibrate(model: TTTModel, target_name: str, windows: torch.Tensor, lengths: torch.Tensor, device,
+              out: str | Path | None = None) -> dict:
+    """Fit the draft temperature scale of ``model``'s head on held-out ``windows`` [N, T] (real lengths [N])
+    read by the target (loaded again, float32) and, with ``out``, write it into that folder's config.json."""
+    was = model.training
+    model.eval()
+    target, _ = load_target(target_name, device)
+    r = fit_scale(model, target, windows, lengths)
+    model.train(was)
+    if out is not None:
+        write_scale(out, r["scale"])
+    return r
 
 
 def head_from_checkpoint(run_dir: str | Path, out: str | Path, save_dtype: str = "bfloat16") -> Path:
@@ -566,6 +594,8 @@ def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "
     }
     if "held_out_steps" in s:
         facts["held-out, teacher-forced"] = format_stats(s["held_out_steps"])
+    if "q_scale" in s:
+        facts["draft temperature scale (config.json specdec_draft_temperature_scale)"] = format_fit(s["q_scale"])
     if "held_out_acceptance" in s:
         facts["held-out acceptance (engine, greedy)"] = format_acceptance(s["held_out_acceptance"])
     text = ("An EAGLE-3 draft head trained with `specdec distill --method eagle3` on the target's own hidden "
