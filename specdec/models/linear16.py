@@ -1,0 +1,205 @@
+"""16-bit weights with float32 products, for x86 CPUs without native bf16 (AVX2 + FMA + F16C).
+
+Without bf16 dot-product instructions torch used to compute a bf16 checkpoint in float32, reading
+4 bytes per weight every step; ATen's own bf16 and f16 kernels round the input to 16 bits and slow
+down by the row (one matrix-vector product per row). This kernel keeps the weight in its 16 bits
+[out, in], converts each 8 values to float32 in registers (a shift for bf16, F16C for f16) and
+multiplies them with float32 rows of x: the weight is read once per call at half the bytes,
+and the result differs from the float32 product of the same (exactly converted) weights only by
+the order of the sums. Tiles of 4 weight rows x 3 input rows keep 12 accumulators in registers, so
+a few rows (a verify pass) cost little more than one.
+
+It is a C++ extension built once per machine and torch version (``torch.utils.cpp_extension``, into
+specdec's cache folder; it needs a C++ compiler and ninja) and registered as the operator
+``specdec::linear16``, which the compiled step (compiled.py) calls as an extern kernel like oneDNN's.
+``available()`` says whether this CPU and this install can use it, and why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from specdec.models.timings import cache_dir
+
+MAX_ROWS = 16  # more rows (a prefill) take float32 weights converted per call and ATen's matrix product
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
+
+constexpr int64_t RB = 4;  // weight rows per block: the packed layout [blocks, K / 8, RB, 8]
+constexpr int64_t PREFETCH = 24;  // 64-byte lines ahead
+
+inline __m256 load8(const uint16_t* p, bool bf16) {  // 8 16-bit values -> float32, exactly
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <bool BF16, int C, bool TAIL>
+__attribute__((always_inline)) inline void chunk(__m256 (&acc)[RB][C], const float* x, const uint16_t* w, int64_t K,
+                                                 __m256i tail) {
+  __m256 xv[C];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) xv[c] = TAIL ? _mm256_maskload_ps(x + c * K, tail) : _mm256_loadu_ps(x + c * K);
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) {
+    __m256 wv = load8(w + r * 8, BF16);  // the RB rows' 8 values: one 64-byte line
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
+  }
+}
+
+// y[c * ldy + r] = sum_k x[c * K + k] * w(r, k) for r < min(RB, rows) of one packed block wb [KC, RB, 8]
+// (zero past K) and c < C input rows; tail: the lanes of x's last, partial chunk. PF: prefetch lines ahead
+// (into the next block), for products of several rows: without it their reads and sums ran one after the other
+template <bool BF16, int C, bool PF>
+inline void tile(const float* x, const uint16_t* wb, int64_t K, __m256i tail, float* y, int64_t ldy, int64_t rows) {
+  __m256 acc[RB][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const int64_t full = K / 8;
+  for (int64_t kc = 0; kc < full; ++kc) {
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
+    chunk<BF16, C, false>(acc, x + kc * 8, wb + kc * RB * 8, K, tail);
+  }
+  if (K % 8) chunk<BF16, C, true>(acc, x + full * 8, wb + full * RB * 8, K, tail);
+  for (int r = 0; r < RB && r < rows; ++r)
+    for (int c = 0; c < C; ++c) y[c * ldy + r] = hsum(acc[r][c]);
+}
+
+template <bool BF16>
+void product(const float* x, const uint16_t* w, float* y, int64_t T, int64_t N, int64_t K) {
+  const int64_t blocks = (N + RB - 1) / RB, KC = (K + 7) / 8;
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = i < K % 8 ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K * std::max<int64_t>(T, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* wb = w + b * KC * RB * 8;
+      const int64_t rows = N - b * RB;
+      float* yb = y + b * RB;
+      if (T == 1) {  // decoding: the hardware prefetcher keeps up, and a prefetch costs more than it saves
+        tile<BF16, 1, false>(x, wb, K, tail, yb, N, rows);
+        continue;
+      }
+      if (T >= 3) tile<BF16, 3, true>(x, wb, K, tail, yb, N, rows);
+      else tile<BF16, 2, true>(x, wb, K, tail, yb, N, rows);
+      int64_t c = T >= 3 ? 3 : 2;
+      for (; c + 3 <= T; c += 3) tile<BF16, 3, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
+      if (T - c == 2) tile<BF16, 2, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
+      else if (T - c == 1) tile<BF16, 1, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
+    }
+  });
+}
+
+// x [T, K] float32, w packed [ceil(N / RB), ceil(K / 8), RB, 8] bf16 or f16 -> [T, N] float32
+at::Tensor linear16(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == RB && w.size(3) == 8,
+              "specdec::linear16: x [rows, in] and a packed w [blocks, in / 8, 4, 8] expected, got ",
+              x.sizes(), " and ", w.sizes());
+  const int64_t T = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.size(0) == (N + RB - 1) / RB && w.size(1) == (K + 7) / 8,
+              "specdec::linear16: the packed weight ", w.sizes(), " does not hold ", N, " x ", K);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "specdec::linear16: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf,
+              "specdec::linear16: w must be bfloat16 or float16, got ", w.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "specdec::linear16: CPU tensors only");
+  at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty({T, N}, xc.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  if (wc.scalar_type() == at::kBFloat16) product<true>(xc.data_ptr<float>(), wp, y.data_ptr<float>(), T, N, K);
+  else product<false>(xc.data_ptr<float>(), wp, y.data_ptr<float>(), T, N, K);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec, m) { m.def("linear16(Tensor x, Tensor w, int out_features) -> Tensor"); }
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("linear16", &linear16); }
+"""
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str  # why not, when not
+
+
+@functools.cache
+def available() -> Availability:
+    """Whether this CPU and install run ``specdec::linear16`` (building it the first time), and why not."""
+    if not torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return Availability(False, f"the CPU (or ATEN_CPU_CAPABILITY) offers no AVX2: "
+                                   f"{torch.backends.cpu.get_cpu_capability()}")
+    caps = torch.cpu.get_capabilities()
+    missing = [f for f in ("fma3", "f16c") if f in caps and not caps[f]]
+    if missing:
+        return Availability(False, f"the CPU lacks {', '.join(missing)}")
+    try:
+        _build()
+    except Exception as e:  # no compiler, no ninja, a read-only cache: float32 weights instead
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return Availability(False, f"building the 16-bit weight kernel failed: {type(e).__name__}: {first}")
+    return Availability(True, "")
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    if hasattr(torch.ops.specdec, "linear16"):
+        return
+    tag = hashlib.sha1((_SOURCE + torch.__version__).encode()).hexdigest()[:12]
+    folder = cache_dir() / "linear16" / tag
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / "linear16.cpp"
+    if not source.exists() or source.read_text() != _SOURCE:
+        tmp = source.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(_SOURCE)
+        tmp.replace(source)
+    cpp_extension.load(f"specdec_linear16_{tag}", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
+                       build_directory=str(folder), is_python_module=False, verbose=False)
+
+    @torch.library.register_fake("specdec::linear16")
+    def _(x, packed, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+
+ROW_BLOCK = 4  # weight rows per packed block (the kernel's RB)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] bf16 or f16 -> [ceil(out / 4), ceil(in / 8), 4, 8], zero-padded: each 64-byte line
+    holds 8 values of 4 rows, so a block of rows streams from memory as one sequence."""
+    n, k = weight.shape
+    np_, kp = -(-n // ROW_BLOCK) * ROW_BLOCK, -(-k // 8) * 8
+    padded = weight.new_zeros(np_, kp)
+    padded[:n, :k] = weight
+    return padded.view(np_ // ROW_BLOCK, ROW_BLOCK, kp // 8, 8).transpose(1, 2).contiguous()
+
+
+def linear16(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [rows, in] float32, ``pack(w)`` of w [out, in] -> x @ w^T [rows, out] float32 (``available()`` first)."""
+    return torch.ops.specdec.linear16(x, packed, out_features)
