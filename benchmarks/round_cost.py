@@ -26,7 +26,9 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
         [--backends llama.cpp,torch] [--ks 2,4] [--num-prompts 4] [--max-tokens 64] [--threads 2]
 
 ``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
-rounds of any k are split the same way. ``--eagle3-variants`` adds eagle3 with its chain steps through
+rounds of any k are split the same way. ``--eagle3-torch-head`` adds eagle3 beside llama.cpp with the torch
+head (the head runs in llama.cpp there by default: models/llamacpp_head.py); the variants below are the
+torch head's. ``--eagle3-variants`` adds eagle3 with its chain steps through
 the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
 torch's threads (before ``head_threads``), and, an experiment, with the head's weights in int8 (what
 halving its bytes would give; specdec's head runs in the target's dtype).
@@ -238,6 +240,8 @@ def build(args) -> list[Config]:
             runs += [(m, max(args.ks), True) for m in args.methods]
         if args.eagle3_variants:
             runs += [(f"eagle3 {v}", k, False) for v in ("general-step", "torch-threads", "int8") for k in args.ks]
+        if args.eagle3_torch_head:
+            runs += [("eagle3 torch-head", k, False) for k in args.ks]
         for method, k, adaptive in runs:
             spec = None if method is None else {
                 "method": method.split()[0], "model": drafts.get(method.split()[0], args.draft),
@@ -246,6 +250,8 @@ def build(args) -> list[Config]:
                     f"{backend} {method} " + (f"adaptive k<={k}" if adaptive else f"k={k}"))
             c = Config(backend, k, name, adaptive)
             c.llm = LLM(model=model, backend=backend, speculative_config=spec, enforce_eager=args.enforce_eager)
+            if method is not None and method.startswith("eagle3 "):  # the variants are the torch head's
+                torch_head(c.llm.engine.drafter)
             if method == "eagle3 int8":
                 int8_head(c.llm.engine.drafter)
             elif method == "eagle3 general-step":
@@ -270,6 +276,15 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [N, in]
         return torch._weight_int8pack_mm(rows, self.weight, self.scale).view(*x.shape[:-1], self.out_features)
+
+
+def torch_head(drafter) -> None:
+    """An EAGLE-3 drafter beside a llama.cpp target with the torch head (HeadRunner) instead of the head in
+    llama.cpp (models/llamacpp_head.py), to time both in one run."""
+    from specdec.drafters.eagle3 import HeadRunner
+
+    dtype = torch.bfloat16 if drafter.target.dtype == torch.bfloat16 else torch.float32
+    drafter.runner = HeadRunner(drafter.head, dtype, drafter.device)
 
 
 def general_steps(drafter) -> None:
@@ -366,6 +381,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eagle3-variants", action="store_true",
                     help="also eagle3 at each k with its chain steps through the head's general step, on all of "
                          "torch's threads, and (an experiment) with the head's weights in int8, bf16 activations")
+    ap.add_argument("--eagle3-torch-head", action="store_true",
+                    help="also eagle3 with the torch head beside llama.cpp (the head in llama.cpp is the default)")
     ap.add_argument("--backends", default="llama.cpp,torch")
     ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=4)
@@ -412,6 +429,10 @@ def main(argv: list[str] | None = None) -> None:
         m = c.llm.get_metrics()
         if c.k:
             print(f"{c.name}: τ {m['mean_acceptance_length']:.2f}, acceptance {m['acceptance_rate']:.1%}")
+        if c.k and hasattr(c.llm.engine.drafter, "head"):  # which ran the EAGLE-3 head
+            from specdec.models.llamacpp_head import describe_head
+
+            print(f"{c.name}: {describe_head(c.llm.engine.drafter.runner)}")
     if "eagle3" in args.methods and "llama.cpp" in args.backends:
         print(keep_cost(configs, max(args.ks) + 1))
 

@@ -265,6 +265,8 @@ class Eagle3Drafter(Drafter):
         # beside a llama.cpp target the head runs as llama.cpp's own eagle3 model (models/llamacpp_head.py,
         # HeadRunner's methods), else, or where this llama.cpp build cannot, in torch
         self.runner = native_head(head, target) or HeadRunner(head, dtype, self.device)
+        if not isinstance(self.runner, HeadRunner):  # llama.cpp's eagle3 graphs draft chains (trees: chains_as_trees)
+            self.can_draft_trees = False
         self.one_thread = getattr(target, "backend", "torch") != "torch"  # head_threads: small rounds on one torch thread
         V = target.vocab_size
         ids = head.draft_to_target.to(self.device)  # [Vd] target id of each draft id

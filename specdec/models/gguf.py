@@ -102,7 +102,12 @@ def read_info(path: str) -> GGUFInfo:
 
 def convert(hf_dir: str, out: str, outtype: str = "f32", progress=None) -> str:
     """Write the checkpoint in ``hf_dir`` to the GGUF file ``out`` with weights of ``outtype``.
-    ``progress``: called with a line of text as the conversion goes."""
+    ``progress``: called with a line of text as the conversion goes. An EAGLE-3 head folder becomes a
+    file of llama.cpp's eagle3 architecture (models/gguf_eagle3.py)."""
+    from specdec.models.gguf_eagle3 import convert_head, is_head_folder
+
+    if is_head_folder(hf_dir):
+        return convert_head(hf_dir, out, outtype, progress)
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
     config = _read_config(hf_dir)

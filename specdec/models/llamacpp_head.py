@@ -226,6 +226,8 @@ class LlamaCppHead:
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's layer inputs [..., 3 Dt] -> the head's hidden state [..., D] float32 (the encoder)."""
+        if self.ctx is None:  # the encoder keeps nothing: any context runs it
+            self.reserve(1, 1)
         lead = features.shape[:-1]
         x = np.ascontiguousarray(features.detach().float().reshape(-1, self.fc.in_features).numpy())  # [N, 3 Dt]
         out = np.empty((len(x), self.D), dtype=np.float32)
@@ -252,7 +254,7 @@ class LlamaCppHead:
         for s, p in zip(seq.tolist(), at.tolist()):
             self.lib.llama_memory_seq_rm(self.mem, s, p, -1)
         logits, g = self._decode(ids.cpu().numpy().astype(np.int32), hidden.detach().float().cpu().numpy(), at, seq,
-                                 np.ones(len(seq), dtype=np.int8))
+                                 np.arange(len(seq)))
         return torch.from_numpy(logits), torch.from_numpy(g)
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
@@ -273,13 +275,9 @@ class LlamaCppHead:
         first = np.cumsum(n) - n  # row b's first token in the flat order
         for b, r in enumerate(rows):
             self.lib.llama_memory_seq_rm(self.mem, self.order[r], int(P[b][fed[b]][0]), -1)
-        flags = np.zeros(int(n.sum()), dtype=np.int8)
-        if query_at is not None:
-            flags[first + query_at.cpu().numpy()] = 1
-        else:
-            flags[:] = 1
+        want = first + query_at.cpu().numpy() if query_at is not None else np.arange(int(n.sum()))
         logits, g = self._decode(ids.cpu().numpy()[fed].astype(np.int32), hidden.detach().float().cpu().numpy()[fed],
-                                 P[fed], seq, flags)  # [M, Vd], [M, D] in (b, t) order
+                                 P[fed], seq, want)  # [M, Vd], [M, D] in (b, t) order
         if query_at is not None:
             return torch.from_numpy(logits)[:, None], torch.from_numpy(g)[:, None]
         out_l = np.zeros((B, T, len(self.draft_ids)), dtype=np.float32)
@@ -288,25 +286,31 @@ class LlamaCppHead:
         return torch.from_numpy(out_l), torch.from_numpy(out_g)
 
     def _decode(self, tokens: np.ndarray, embd: np.ndarray, pos: np.ndarray, seq: np.ndarray,
-                flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Feed N (token, g) pairs in llama_decode calls of up to BATCH_TOKENS; the flagged ones' draft
-        logits [M, Vd] and pre-norm outputs g [M, D], in order."""
+                want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Feed N (token, g) pairs in llama_decode calls of up to BATCH_TOKENS; the draft logits [M, Vd] and
+        pre-norm outputs g [M, D] of tokens ``want`` [M] (ascending flat indices).
+
+        llama.cpp's eagle3 decoder graph keeps every token's row (it selects no output ids), while the
+        context copies out the first n_outputs rows: a call asks for all of its tokens' outputs or none,
+        and the wanted rows are picked here."""
         lib, V, D = self.lib, self.n_vocab, self.D
         logits, gs = [], []
         for lo in range(0, len(tokens), BATCH_TOKENS):
             hi = min(len(tokens), lo + BATCH_TOKENS)
-            batch = self._dec.fill_embd(tokens[lo:hi], embd[lo:hi], pos[lo:hi], seq[lo:hi], flags[lo:hi])
+            rows = want[(want >= lo) & (want < hi)] - lo  # this call's wanted tokens
+            flags = np.full(hi - lo, 1 if len(rows) else 0, dtype=np.int8)
+            batch = self._dec.fill_embd(tokens[lo:hi], embd[lo:hi], pos[lo:hi], seq[lo:hi], flags)
             rc = lib.llama_decode(self.ctx, batch)
             if rc == 1:  # no room in a fragmented cache: grow it and retry once
                 self._rebuild(2 * self.cells, self.n_seq)
                 rc = lib.llama_decode(self.ctx, batch)
             if rc != 0:
                 raise RuntimeError(f"llama_decode of the EAGLE-3 head failed with code {rc}; set SPECDEC_LLAMA_LOG=1")
-            m = int(flags[lo:hi].sum())
-            if m:
+            if len(rows):
+                m = hi - lo
                 full = self._floats(ctypes.addressof(lib.llama_get_logits(self.ctx).contents), m * V).reshape(m, V)
-                logits.append(full[:, self.draft_ids])  # [m, Vd] (a copy: the buffer is reused)
-                gs.append(self._floats(self.fn["get_nextn"](self.ctx), m * D).reshape(m, D).copy())
+                logits.append(full[rows[:, None], self.draft_ids])  # [r, Vd] (a copy: the buffer is reused)
+                gs.append(self._floats(self.fn["get_nextn"](self.ctx), m * D).reshape(m, D)[rows])
         if not logits:
             return np.zeros((0, len(self.draft_ids)), np.float32), np.zeros((0, D), np.float32)
         if len(logits) == 1:
