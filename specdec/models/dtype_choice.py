@@ -3,9 +3,10 @@
 torch casts a checkpoint's weights at load (``torch_dtype``); llama.cpp runs a GGUF file's own
 weight types, converting a checkpoint to its own dtype first. ``dtype="auto"`` keeps the
 checkpoint's dtype where this device computes in it well: on a CPU float16 never, and bfloat16
-only where bf16 is native (cpu.py) and the model's largest product measured faster in it. That
-product is timed once in both dtypes, at 1 row (decoding) and k+1 rows (a verify pass), and the
-verdict is cached per machine.
+where the model's largest product measured faster in it than in float32: on oneDNN where bf16 is
+native (cpu.py), elsewhere on specdec's 16-bit weight kernel (linear16.py: float32 products of
+the bf16 weights, AVX2). That product is timed once in both dtypes, at 1 row (decoding) and k+1
+rows (a verify pass), and the verdict is cached per machine.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from specdec.models import timings
+from specdec.models import linear16, timings
 from specdec.models.cpu import native_bf16
 from specdec.models.linear import Linear
 from specdec.models.resolve import ModelSource
@@ -76,8 +77,9 @@ def config_of(source: ModelSource):
 
 def torch_dtype(dtype: str, config, device: str = "cpu") -> torch.dtype:
     """The weights' dtype on torch. ``auto`` keeps the checkpoint's dtype where this device computes
-    in it well: on a CPU, bfloat16 only where bf16 is native and the model's largest product measured
-    faster in it (``bf16_verdict``), and float16 never (both become float32 otherwise)."""
+    in it well: on a CPU, bfloat16 only where the model's largest product measured faster in it
+    (``bf16_verdict``: native bf16, or float32 products of bf16 weights), and float16 never (both become
+    float32 otherwise)."""
     if dtype == "auto":
         dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(dt, str):
@@ -105,17 +107,20 @@ def largest_product(config) -> tuple[int, int]:
 
 
 def bf16_verdict(out_features: int, in_features: int) -> Bf16Verdict:
-    """Keep bf16 only where it is native and a product of this shape is faster in bf16 than in
-    float32 at both 1 and ``VERIFY_ROWS`` rows. Timed once per machine and shape (cached)."""
+    """Keep bf16 only where a product of this shape is faster in bf16 than in float32 at both 1 and
+    ``VERIFY_ROWS`` rows: native bf16 on oneDNN, or without it the 16-bit weight kernel (linear16.py,
+    float32 products) where it runs. Timed once per machine and shape (cached)."""
     support = native_bf16()
-    if not support.native:
-        return Bf16Verdict(False, f"no native bf16: {support.reason}", {})
+    kernel = linear16.available() if not support.native else None
+    if kernel is not None and not kernel.ok:
+        return Bf16Verdict(False, f"no native bf16: {support.reason}; {kernel.reason}", {})
     key = f"{timings.machine_key()} {out_features}x{in_features}"
     ms = timings.cached(cache_path(), key, lambda: _time_products(out_features, in_features), ("bf16", "float32"))
     faster = all(b < f for b, f in zip(ms["bf16"], ms["float32"]))
     timing = ", ".join(f"{b:.2f} vs {f:.2f} ms at {r} row{'s' * (r > 1)}"
                        for r, b, f in zip((1, VERIFY_ROWS), ms["bf16"], ms["float32"]))
-    verdict = "native bf16 and faster" if faster else "native bf16 but not faster"
+    path = "native bf16" if support.native else f"no native bf16 ({support.reason}), float32 products of bf16 weights"
+    verdict = f"{path} and faster" if faster else f"{path} but not faster"
     return Bf16Verdict(faster, f"{verdict}: {out_features}x{in_features} product bf16 vs float32 {timing}", ms)
 
 

@@ -9,8 +9,12 @@ shape CPU BLAS handles badly. Two layouts fix that:
   (figures: docs/benchmarks.md, "Other backend measurements"). On native x86, for 4 rows and more oneDNN computes each
   output row the same way whatever the number of rows (tested there only), one reason large models
   pad to 4 rows.
-- anything else on CPU, bf16 without native instructions included: ``(w @ x^T)^T`` with a
-  row-major x of at least two rows, because ``F.linear``'s ``x @ w^T`` takes slow paths for few rows.
+- bf16 or f16 on an x86 CPU without native bf16 but with AVX2 (``linear16.available()``): the weight
+  stays in its 16 bits, packed once, and specdec's kernel (linear16.py) converts it to float32 in
+  registers and multiplies in float32: half the bytes of float32 weights, the same products up to
+  the order of the sums, the input and the result in float32.
+- anything else on CPU: ``(w @ x^T)^T`` with a row-major x of at least two rows, because
+  ``F.linear``'s ``x @ w^T`` takes slow paths for few rows.
 
 On other devices it is ``F.linear``.
 """
@@ -22,6 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from specdec.models import linear16
 from specdec.models.cpu import native_bf16
 
 
@@ -36,7 +41,9 @@ ONEDNN_MIN_ROWS = 4
 # shapes leaves a server holding memory it no longer needs. 128 covers the shapes of steady
 # decoding. Read by oneDNN when it first builds a kernel; a value set by the user stays.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
-KERNEL_NAMES = {"onednn": "oneDNN bf16 inner product", "wxt": "w @ x^T (ATen)", "dense": "F.linear"}  # by kind
+KERNEL_NAMES = {"onednn": "oneDNN bf16 inner product", "w16": "16-bit weights, float32 products (specdec AVX2 kernel)",
+                "wxt": "w @ x^T (ATen)", "dense": "F.linear"}  # by kind
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def onednn_rows(rows: int, min_rows: int) -> int:
@@ -65,16 +72,20 @@ class Linear:
         elif weight.dtype == torch.bfloat16 and native_bf16().native:
             self.kind = "onednn"
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        elif weight.dtype in HALF_DTYPES and linear16.available().ok:
+            self.kind = "w16"
+            weight = linear16.pack(weight.contiguous())  # [ceil(out / 4), ceil(in / 8), 4, 8]
         else:
             self.kind = "wxt"
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] in any float dtype -> [..., out] in the weight's dtype.
+        """x [..., in] in any float dtype -> [..., out] in the weight's dtype (float32 for ``w16``).
 
-        x is cast to the weight's dtype first: with bf16 weights both the input and the result are
-        rounded to bf16. Adding the result to a float32 tensor promotes it back to float32."""
-        x = x.to(self.dtype)
+        x is cast to the weight's dtype first (to float32 for ``w16``): with bf16 weights on oneDNN or
+        ATen both the input and the result are rounded to bf16. Adding the result to a float32 tensor
+        promotes it back to float32."""
+        x = x.to(torch.float32 if self.kind == "w16" else self.dtype)
         if self.kind == "dense":
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
@@ -84,6 +95,10 @@ class Linear:
             if padded > rows:
                 x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
             y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")[:rows]  # [rows, out]
+        elif self.kind == "w16":
+            y = linear16.linear16(x2, self.weight, self.out_features)  # [rows, out] float32
+            if self.bias is not None:
+                y = y + self.bias
         else:
             if rows == 1:
                 x2 = torch.cat([x2, x2])  # one column would take the slow matrix-vector path again
