@@ -51,7 +51,7 @@ def acceptance_by_scale(model, target, windows: torch.Tensor, lengths: torch.Ten
         p_draft = torch.zeros(*p_all.shape[:2], len(vocab), device=dev)  # [b, T, Vd] p on the draft vocabulary
         p_draft[..., keep] = p_all[..., vocab[keep]]
         del out, p_all
-        for j, (z, scored) in enumerate(model.unroll(x, features, n)):
+        for j, (z, scored, _) in enumerate(model.unroll(x, features, n)):
             p = shift(p_draft, j)[scored]  # [m, Vd]
             z = z.float()[scored]  # [m, Vd]
             if not len(z):

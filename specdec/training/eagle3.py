@@ -292,7 +292,7 @@ class TTTModel(nn.Module):
     def unroll(self, tokens: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor | None = None):
         """The training-time test's steps over windows tokens [B, T] with features [B, T, 3Dt] (lengths [B]:
         real tokens per window; None: all T): yields, for j = 0, 1, ..., step j's draft-vocabulary logits
-        [B, P, Vd] (P = T - 1) and where they are scored [B, P]. Step j at position p reads token p + 1 + j
+        [B, P, Vd] (P = T - 1), where they are scored [B, P] and its pre-norm output g [B, P, D]. Step j at position p reads token p + 1 + j
         and guesses the token after it; a position is scored while token p + 1 + j is within the window's
         real length."""
         head = self.head
@@ -308,7 +308,7 @@ class TTTModel(nn.Module):
                                         ttt_mask(P, j, dev).expand(B, P, P * (j + 1)))  # h: step j's g
             past_k = k if past_k is None else torch.cat([past_k, k], dim=2)
             past_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-            yield logits, (base[None] + 1 + j < real).expand(B, P)
+            yield logits, (base[None] + 1 + j < real).expand(B, P), h
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
                 lengths: torch.Tensor | None = None, stats: bool = False):
@@ -323,7 +323,7 @@ class TTTModel(nn.Module):
         total = tokens.new_zeros((), dtype=torch.float32)
         figs = []
         alive = torch.ones(B, T - 1, dtype=torch.bool, device=tokens.device)
-        for j, (logits, in_range) in enumerate(self.unroll(tokens, features, lengths)):
+        for j, (logits, in_range, _) in enumerate(self.unroll(tokens, features, lengths)):
             didx, inside, p, rest, held = self.labels(shift(top_ids, j), shift(top_logp, j))  # [B, P, K] x3, [B, P] x2
             valid = held & in_range
             logq_all = F.log_softmax(logits, dim=-1)  # [B, P, Vd]
