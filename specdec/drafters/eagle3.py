@@ -281,7 +281,8 @@ class Eagle3Drafter(Drafter):
     @property
     def q_scale(self) -> float:
         """s in q = softmax(z / (T s)) for sampled rows: the head's calibration (docs/algorithm.md, "Calibrating
-        the draft distribution"). Any q keeps the output exact; argmaxes, and so greedy drafts, do not move."""
+        the draft distribution"). Any q keeps the output exact; argmaxes, and so greedy drafts, do not move
+        (``draft_p_min`` reads the scaled q, greedy rows' too)."""
         return self._q_scale
 
     @q_scale.setter
