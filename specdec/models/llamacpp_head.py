@@ -141,6 +141,14 @@ class LlamaCppHead:
         return (f"EAGLE-3 head in llama.cpp (eagle3 encoder + decoder graphs): {self.weight_type} weights, f32 KV "
                 f"cache, {self.threads} threads")
 
+    def set_threads(self, n: int) -> None:
+        """llama.cpp threads for the head's passes (default: the target's)."""
+        if n < 1:
+            raise ValueError(f"threads must be at least 1, got {n}")
+        self.threads = n
+        if self.ctx is not None:
+            self.lib.llama_set_n_threads(self.ctx, n, n)
+
     # -- contexts and rows ----------------------------------------------------------------------------
 
     def _context(self, model, cells: int, n_seq: int, ubatch: int, other):
