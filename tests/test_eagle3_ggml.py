@@ -5,7 +5,6 @@ outputs that follow the target's distribution."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -81,8 +81,6 @@ def write_head(head, out: str, outtype: str = "f32", name: str = "eagle3-head", 
     """Write the loaded head ``head`` (models/eagle3.Eagle3Head) to ``out``; matrices in ``outtype``."""
     import gguf
 
-    from specdec.models.gguf import _add_tensor, _permute
-
     if outtype not in OUTTYPES:
         raise ValueError(f"an EAGLE-3 head converts to one of {OUTTYPES}, got {outtype!r}")
     c = head.config
@@ -138,6 +136,22 @@ def write_head(head, out: str, outtype: str = "f32", name: str = "eagle3-head", 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows -> llama.cpp's interleaved pairs, head by head (as gguf.py's for models)."""
+    return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def _add_tensor(w, gguf, name: str, data: np.ndarray, outtype: str) -> None:
+    """Norms stay float32, as llama.cpp expects; matrices take ``outtype`` (bf16 rounded to nearest even)."""
+    if data.ndim == 1 or outtype == "f32":
+        w.add_tensor(name, data.astype(np.float32))
+    elif outtype == "f16":
+        w.add_tensor(name, data.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.BF16),
+                     raw_dtype=gguf.GGMLQuantizationType.BF16)
 
 
 def cached_head_gguf(head, outtype: str) -> str:

@@ -29,9 +29,13 @@ import numpy as np
 import torch
 
 from specdec.models import llamacpp_ext
-from specdec.models.llamacpp import BATCH_TOKENS, MAX_SEQUENCES, MIN_CELLS, MIN_SEQUENCES, _Batch, _ubatch
+from specdec.models.llamacpp import BATCH_TOKENS, MAX_SEQUENCES, MIN_CELLS, MIN_SEQUENCES, MIN_UBATCH
 
 ANCHOR_CELLS = 256  # the target model's context that only names the model to the head's graphs
+# A pass of at most this many tokens (a draft step, a round's catch-up) runs on one thread: the head's
+# graph is ~50 small operations, each a barrier for a second thread, and beside the target's spinning
+# workers on a shared CPU a second thread mostly waits (as drafters/eagle3.py's head_threads for torch)
+ONE_THREAD_TOKENS = 16
 
 
 def native_head(head, target):
@@ -64,22 +68,37 @@ class _Width:
         self.in_features = in_features
 
 
-class _EmbdBatch(_Batch):
-    """A llama_batch over numpy arrays whose tokens also carry an embedding row each (the decoder's g),
-    or carry only that (the encoder's target states: ``tokens=False``)."""
+class _EmbdBatch:
+    """A llama_batch over numpy arrays of ``cap`` entries, each a token with an embedding row (the
+    decoder's g) or an embedding row only (the encoder's target states: ``tokens=False``), one sequence
+    id each, filled without per-token Python calls."""
 
     def __init__(self, lib, cap: int, width: int, tokens: bool = True):
-        super().__init__(lib, cap)
+        self.token = np.zeros(cap, dtype=np.int32)
         self.embd = np.zeros((cap, width), dtype=np.float32)
+        self.pos = np.zeros(cap, dtype=np.int32)
+        self.n_seq_id = np.ones(cap, dtype=np.int32)
+        self.seq = np.zeros(cap, dtype=np.int32)
+        self.flags = np.zeros(cap, dtype=np.int8)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self.seq_ptrs = (i32 * cap)(*[ctypes.cast(base + 4 * i, i32) for i in range(cap)])  # entry i -> &seq[i]
+        self.batch = lib.llama_batch()
+        self.batch.token = self.token.ctypes.data_as(i32) if tokens else None
         self.batch.embd = self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        if not tokens:
-            self.batch.token = None
+        self.batch.pos = self.pos.ctypes.data_as(i32)
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(i32)
+        self.batch.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(i32))
+        self.batch.logits = self.flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
-    def fill_embd(self, tokens: np.ndarray | None, embd: np.ndarray, pos: np.ndarray, seq: np.ndarray,
-                  flags: np.ndarray):
+    def fill(self, tokens: np.ndarray | None, embd: np.ndarray, pos: np.ndarray, seq: np.ndarray,
+             flags: np.ndarray):
         n = len(embd)
-        self.embd[:n] = embd
-        return self.fill(np.zeros(n, dtype=np.int32) if tokens is None else tokens, pos, seq, flags)
+        if tokens is not None:
+            self.token[:n] = tokens
+        self.embd[:n], self.pos[:n], self.seq[:n], self.flags[:n] = embd, pos, seq, flags
+        self.batch.n_tokens = n
+        return self.batch
 
 
 class LlamaCppHead:
@@ -109,14 +128,18 @@ class LlamaCppHead:
         self.draft_ids = head.draft_to_target.cpu().numpy().astype(np.int64)  # [Vd] target id of each draft id
         self.D = c.hidden_size
         self.fc = _Width(len(c.layer_ids) * c.target_hidden_size)
-        self.threads = target.threads
+        self.threads = target.threads  # for passes past ONE_THREAD_TOKENS
+        self.one_thread_tokens = ONE_THREAD_TOKENS
+        self._running = 0  # the context's thread count now
         self.anchor = self._context(target.model, ANCHOR_CELLS, 1, 1, None)
         self.ctx = None
         self.mem = None
         self.cells = 0
         self.n_seq = 0
         self.kv_bytes = 2 * c.num_key_value_heads * c.head_dim * 4  # one layer, f32 keys and values
-        self.ubatch = _ubatch(self.kv_bytes, c.num_attention_heads)
+        # tokens per compute pass (an encode is one): the fewest the target's runner uses, as the
+        # attention scores' scratch is cells x ubatch x heads floats
+        self.ubatch = MIN_UBATCH
         self.seq_of: dict[Hashable, int] = {}  # drafter's id -> llama sequence id
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
         self.order: list[int] = []  # llama sequence id of row 0, 1, ...
@@ -139,15 +162,13 @@ class LlamaCppHead:
 
     def describe(self) -> str:
         return (f"EAGLE-3 head in llama.cpp (eagle3 encoder + decoder graphs): {self.weight_type} weights, f32 KV "
-                f"cache, {self.threads} threads")
+                f"cache, 1 thread for passes of up to {self.one_thread_tokens} tokens, else {self.threads}")
 
     def set_threads(self, n: int) -> None:
         """llama.cpp threads for the head's passes (default: the target's)."""
         if n < 1:
             raise ValueError(f"threads must be at least 1, got {n}")
         self.threads = n
-        if self.ctx is not None:
-            self.lib.llama_set_n_threads(self.ctx, n, n)
 
     # -- contexts and rows ----------------------------------------------------------------------------
 
@@ -196,6 +217,13 @@ class LlamaCppHead:
                     raise RuntimeError(f"llama.cpp could not move the head's sequence {s} to a larger context")
             lib.llama_free(old)
         self.ctx, self.mem, self.cells, self.n_seq = ctx, lib.llama_get_memory(ctx), cells, n_seq
+        self._running = self.threads
+
+    def _threads_for(self, tokens: int) -> None:
+        n = 1 if tokens <= self.one_thread_tokens else self.threads
+        if n != self._running:
+            self.lib.llama_set_n_threads(self.ctx, n, n)
+            self._running = n
 
     def sync(self, ids: Sequence[Hashable], cache=None) -> list[bool]:
         """Rows ``ids`` in order (``RowTable.sync``'s contract): whether each one's row is new (empty)."""
@@ -240,12 +268,13 @@ class LlamaCppHead:
         x = np.ascontiguousarray(features.detach().float().reshape(-1, self.fc.in_features).numpy())  # [N, 3 Dt]
         out = np.empty((len(x), self.D), dtype=np.float32)
         lib, step = self.lib, min(self.ubatch, BATCH_TOKENS)  # an encode runs in one ubatch
+        self._threads_for(len(x))
         for lo in range(0, len(x), step):
             hi = min(len(x), lo + step)
             n = hi - lo
             # the encoder writes no KV, but llama.cpp checks a batch's positions against sequence 0's cells
             p0 = lib.llama_memory_seq_pos_max(self.mem, 0) + 1
-            batch = self._enc.fill_embd(None, x[lo:hi], np.arange(p0, p0 + n, dtype=np.int32),
+            batch = self._enc.fill(None, x[lo:hi], np.arange(p0, p0 + n, dtype=np.int32),
                                         np.zeros(n, dtype=np.int32), np.ones(n, dtype=np.int8))
             rc = lib.llama_encode(self.ctx, batch)
             if rc != 0:
@@ -267,7 +296,8 @@ class LlamaCppHead:
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
              real: torch.Tensor | None = None, query_at: torch.Tensor | None = None,
-             slots: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             slots: torch.Tensor | None = None,
+             visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """HeadRunner.step for chains: ids [B, T] (token p + 1 at position p), hidden [B, T, D], positions pos
         [B, T] (each row's run consecutive); ``real`` [B, T] the tokens fed (None: all); ``query_at`` [B]: only
         that query per row comes back ([B, 1, Vd], [B, 1, D]), else every one ([B, T, Vd], [B, T, D], zeros
@@ -303,11 +333,12 @@ class LlamaCppHead:
         and the wanted rows are picked here."""
         lib, V, D = self.lib, self.n_vocab, self.D
         logits, gs = [], []
+        self._threads_for(len(tokens))
         for lo in range(0, len(tokens), BATCH_TOKENS):
             hi = min(len(tokens), lo + BATCH_TOKENS)
             rows = want[(want >= lo) & (want < hi)] - lo  # this call's wanted tokens
             flags = np.full(hi - lo, 1 if len(rows) else 0, dtype=np.int8)
-            batch = self._dec.fill_embd(tokens[lo:hi], embd[lo:hi], pos[lo:hi], seq[lo:hi], flags)
+            batch = self._dec.fill(tokens[lo:hi], embd[lo:hi], pos[lo:hi], seq[lo:hi], flags)
             rc = lib.llama_decode(self.ctx, batch)
             if rc == 1:  # no room in a fragmented cache: grow it and retry once
                 self._rebuild(2 * self.cells, self.n_seq)
