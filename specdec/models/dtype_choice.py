@@ -143,26 +143,25 @@ def describe_path(runner, requested: str) -> str:
     return f"{line} ({why})"
 
 
-def _time_products(out_features: int, in_features: int, repeats: int = 7) -> dict:
-    """Milliseconds of one product with this shape, bf16 (oneDNN) and float32, at 1 and VERIFY_ROWS
-    rows: the minimum over ``repeats`` interleaved runs, the least disturbed by other work."""
+def _time_products(out_features: int, in_features: int, repeats: int = 11) -> dict:
+    """Milliseconds of one product with this shape, bf16 (oneDNN, or linear16 without native bf16) and
+    float32, at 1 and VERIFY_ROWS rows: the minimum over ``repeats`` runs, the dtypes and row counts
+    taking turns within each, so other work on the machine disturbs them alike (timed one after the
+    other, a loaded 2-thread run once cached bf16 at 1 row 27x slower than at 5 rows)."""
     g = torch.Generator().manual_seed(0)
     w = 0.02 * torch.randn(out_features, in_features, generator=g)  # [out, in]
     linears = {"bf16": Linear(w.bfloat16()), "float32": Linear(w)}
-    out = {}
+    inputs = [torch.randn(rows, in_features, generator=g) for rows in (1, VERIFY_ROWS)]
+    best = {(name, i): float("inf") for name in linears for i in range(len(inputs))}
     for name, lin in linears.items():
-        times = []
-        for rows in (1, VERIFY_ROWS):
-            x = torch.randn(rows, in_features, generator=g)
+        for x in inputs:
             lin(x)  # builds and caches the kernel
-            best = float("inf")
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                lin(x)
-                best = min(best, time.perf_counter() - t0)
-            times.append(round(1e3 * best, 4))
-        out[name] = times
-    return out
+    for _ in range(repeats):
+        for (name, i) in best:
+            t0 = time.perf_counter()
+            linears[name](inputs[i])
+            best[name, i] = min(best[name, i], time.perf_counter() - t0)
+    return {name: [round(1e3 * best[name, i], 4) for i in range(len(inputs))] for name in linears}
 
 
 def cache_path() -> Path:

@@ -26,8 +26,6 @@ import torch
 
 from specdec.models.timings import cache_dir
 
-MAX_ROWS = 16  # more rows (a prefill) take float32 weights converted per call and ATen's matrix product
-
 _SOURCE = r"""
 #include <immintrin.h>
 #include <algorithm>
@@ -41,6 +39,7 @@ namespace {
 
 constexpr int64_t RB = 4;  // weight rows per block: the packed layout [blocks, K / 8, RB, 8]
 constexpr int64_t PREFETCH = 24;  // 64-byte lines ahead
+constexpr int64_t SLAB = 48;  // input rows per pass over the weights
 
 inline __m256 load8(const uint16_t* p, bool bf16) {  // 8 16-bit values -> float32, exactly
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -130,8 +129,13 @@ at::Tensor linear16(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   at::Tensor xc = x.contiguous(), wc = w.contiguous();
   at::Tensor y = at::empty({T, N}, xc.options());
   const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
-  if (wc.scalar_type() == at::kBFloat16) product<true>(xc.data_ptr<float>(), wp, y.data_ptr<float>(), T, N, K);
-  else product<false>(xc.data_ptr<float>(), wp, y.data_ptr<float>(), T, N, K);
+  for (int64_t t0 = 0; t0 < T; t0 += SLAB) {  // rows in slabs, so a prefill's x stays in cache for each block
+    const int64_t n = std::min(SLAB, T - t0);
+    const float* xp = xc.data_ptr<float>() + t0 * K;
+    float* yp = y.data_ptr<float>() + t0 * N;
+    if (wc.scalar_type() == at::kBFloat16) product<true>(xp, wp, yp, n, N, K);
+    else product<false>(xp, wp, yp, n, N, K);
+  }
   return y;
 }
 
