@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -183,8 +185,21 @@ def _build() -> None:
         tmp = source.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(_SOURCE)
         tmp.replace(source)
-    cpp_extension.load(f"specdec_linear16_{tag}", [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
-                       build_directory=str(folder), is_python_module=False, verbose=False)
+    name = f"specdec_linear16_{tag}"
+    built = (folder / f"{name}.so").exists()
+    if not built:  # a C++ compile of up to a minute: say so before it starts, as the compiled step does
+        print(f"specdec: building the 16-bit weight kernel into {folder} (once per machine) ...", end="",
+              file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
+                           build_directory=str(folder), is_python_module=False, verbose=False)
+    except Exception:
+        if not built:
+            print(" failed", file=sys.stderr, flush=True)
+        raise
+    if not built:
+        print(f" built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
     @torch.library.register_fake("specdec::linear16")
     def _(x, packed, out_features):
