@@ -26,9 +26,10 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
         [--backends llama.cpp,torch] [--ks 2,4] [--num-prompts 4] [--max-tokens 64] [--threads 2]
 
 ``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
-rounds of any k are split the same way. ``--eagle3-torch-head`` adds eagle3 beside llama.cpp with the torch
-head (the head runs in llama.cpp there by default: models/llamacpp_head.py); the variants below are the
-torch head's. ``--eagle3-variants`` adds eagle3 with its chain steps through
+rounds of any k are split the same way. ``--eagle3-head-variants`` adds eagle3 beside llama.cpp with the
+torch head (the head runs in llama.cpp there by default: models/llamacpp_head.py, its small passes on one
+thread), with the head in llama.cpp on the target's threads for every pass, and with its file in q8_0;
+the variants below are the torch head's. ``--eagle3-variants`` adds eagle3 with its chain steps through
 the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
 torch's threads (before ``head_threads``), and, an experiment, with the head's weights in int8 (what
 halving its bytes would give; specdec's head runs in the target's dtype).
@@ -240,8 +241,8 @@ def build(args) -> list[Config]:
             runs += [(m, max(args.ks), True) for m in args.methods]
         if args.eagle3_variants:
             runs += [(f"eagle3 {v}", k, False) for v in ("general-step", "torch-threads", "int8") for k in args.ks]
-        if args.eagle3_torch_head:
-            runs += [("eagle3 torch-head", k, False) for k in args.ks]
+        if args.eagle3_head_variants:
+            runs += [(f"eagle3 {v}", k, False) for v in ("torch-head", "threads-head", "q8_0-head") for k in args.ks]
         for method, k, adaptive in runs:
             spec = None if method is None else {
                 "method": method.split()[0], "model": drafts.get(method.split()[0], args.draft),
@@ -250,7 +251,14 @@ def build(args) -> list[Config]:
                     f"{backend} {method} " + (f"adaptive k<={k}" if adaptive else f"k={k}"))
             c = Config(backend, k, name, adaptive)
             c.llm = LLM(model=model, backend=backend, speculative_config=spec, enforce_eager=args.enforce_eager)
-            if method is not None and method.startswith("eagle3 "):  # the variants are the torch head's
+            if method == "eagle3 q8_0-head":
+                from specdec.models.llamacpp_head import LlamaCppHead
+
+                d = c.llm.engine.drafter
+                d.runner = LlamaCppHead(d.head, d.target, weight_type="q8_0")
+            elif method == "eagle3 threads-head":
+                c.llm.engine.drafter.runner.one_thread_tokens = 0  # every pass on the target's threads
+            elif method is not None and method.startswith("eagle3 "):  # the variants are the torch head's
                 torch_head(c.llm.engine.drafter)
             if method == "eagle3 int8":
                 int8_head(c.llm.engine.drafter)
@@ -381,8 +389,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eagle3-variants", action="store_true",
                     help="also eagle3 at each k with its chain steps through the head's general step, on all of "
                          "torch's threads, and (an experiment) with the head's weights in int8, bf16 activations")
-    ap.add_argument("--eagle3-torch-head", action="store_true",
-                    help="also eagle3 with the torch head beside llama.cpp (the head in llama.cpp is the default)")
+    ap.add_argument("--eagle3-head-variants", action="store_true",
+                    help="also eagle3 beside llama.cpp with the torch head, with the head in llama.cpp on the "
+                         "target's threads for every pass, and with its file in q8_0")
     ap.add_argument("--backends", default="llama.cpp,torch")
     ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=4)

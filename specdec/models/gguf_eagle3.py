@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 ARCH = "eagle3"
-OUTTYPES = ("f32", "bf16", "f16")  # llama.cpp's quantize does not know this architecture's tensors
+# q8_0 is written here (gguf-py's reference quantizer), not by llama.cpp's quantize, which does not
+# know this architecture's tensors
+OUTTYPES = ("f32", "bf16", "f16", "q8_0")
 # our state-dict names -> llama.cpp's (the layer's as blk.0.*)
 NAMES = {
     "fc.weight": "fc.weight",
@@ -106,7 +108,7 @@ def write_head(head, out: str, outtype: str = "f32", name: str = "eagle3-head", 
     w.add_bool(f"{ARCH}.norm_before_residual", bool(c.norm_before_residual))
     w.add_bool(f"{ARCH}.norm_before_fc", bool(c.norm_before_fc))
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                     "f16": gguf.LlamaFileType.MOSTLY_F16}[outtype])
+                     "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype])
     w.add_tokenizer_model("llama")  # placeholder tokens: specdec feeds ids
     w.add_token_list([f"[T{i}]" for i in range(c.vocab_size)])
     w.add_token_scores([0.0] * c.vocab_size)
@@ -144,14 +146,15 @@ def _permute(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _add_tensor(w, gguf, name: str, data: np.ndarray, outtype: str) -> None:
-    """Norms stay float32, as llama.cpp expects; matrices take ``outtype`` (bf16 rounded to nearest even)."""
+    """Norms stay float32, as llama.cpp expects; matrices take ``outtype`` (bf16 rounded to nearest even,
+    q8_0 in blocks of 32 with one f16 scale each)."""
     if data.ndim == 1 or outtype == "f32":
         w.add_tensor(name, data.astype(np.float32))
     elif outtype == "f16":
         w.add_tensor(name, data.astype(np.float16))
     else:
-        w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.BF16),
-                     raw_dtype=gguf.GGMLQuantizationType.BF16)
+        qtype = gguf.GGMLQuantizationType.Q8_0 if outtype == "q8_0" else gguf.GGMLQuantizationType.BF16
+        w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
 
 
 def cached_head_gguf(head, outtype: str) -> str:

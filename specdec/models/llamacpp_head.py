@@ -106,14 +106,16 @@ class LlamaCppHead:
     the target's); its methods are HeadRunner's (drafters/eagle3.py). Chains only: a tree level's
     custom visibility has no llama.cpp batch form (the llama.cpp target verifies chains only too)."""
 
-    def __init__(self, head, target):
+    def __init__(self, head, target, weight_type: str | None = None):
+        """``weight_type``: the head file's matrices (f32, bf16, f16, q8_0); default the target's float
+        type as HeadRunner's products (f32 beside an F32 file, else bf16)."""
         from specdec.models.gguf_eagle3 import cached_head_gguf
 
         self.fn = llamacpp_ext.head_functions()  # ValueError: this build cannot
         lib = target.lib
         self.lib, self.target, self.c = lib, target, head.config  # target: its model must outlive the head
         c = head.config
-        self.weight_type = "f32" if target.info.weight_type == "F32" else "bf16"  # as HeadRunner: the target's
+        self.weight_type = weight_type or ("f32" if target.info.weight_type == "F32" else "bf16")
         path = cached_head_gguf(head, self.weight_type)
         params = lib.llama_model_default_params()
         self.model = lib.llama_model_load_from_file(path.encode(), params)
