@@ -2,12 +2,14 @@
 
 Without bf16 dot-product instructions torch used to compute a bf16 checkpoint in float32, reading
 4 bytes per weight every step; ATen's own bf16 and f16 kernels round the input to 16 bits and slow
-down by the row (one matrix-vector product per row). This kernel keeps the weight in its 16 bits
-[out, in], converts each 8 values to float32 in registers (a shift for bf16, F16C for f16) and
-multiplies them with float32 rows of x: the weight is read once per call at half the bytes,
-and the result differs from the float32 product of the same (exactly converted) weights only by
-the order of the sums. Tiles of 4 weight rows x 3 input rows keep 12 accumulators in registers, so
-a few rows (a verify pass) cost little more than one.
+down by the row (one matrix-vector product per row). This kernel keeps the weight in its 16 bits,
+packed once (``pack``: 8 values of 4 rows per 64-byte line, so a block of rows streams as one
+sequence), converts each 8 values to float32 in registers (a shift for bf16, F16C for f16) and
+multiplies them with float32 rows of x: the weight is read once per call at half the bytes, and the
+result differs from the float32 product of the same (exactly converted) weights only by the order of
+the sums. Tiles of 4 weight rows x 3 input rows keep 12 accumulators in registers, so a few rows (a
+verify pass) cost little more than one. Measurements: docs/benchmarks.md, "16-bit weights with float32
+products".
 
 It is a C++ extension built once per machine and torch version (``torch.utils.cpp_extension``, into
 specdec's cache folder; it needs a C++ compiler and ninja) and registered as the operator
@@ -157,7 +159,7 @@ class Availability:
 @functools.cache
 def available() -> Availability:
     """Whether this CPU and install run ``specdec::linear16`` (building it the first time), and why not."""
-    if not torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return Availability(False, f"the CPU (or ATEN_CPU_CAPABILITY) offers no AVX2: "
                                    f"{torch.backends.cpu.get_cpu_capability()}")
     caps = torch.cpu.get_capabilities()
