@@ -1,7 +1,7 @@
 """Linear layers laid out for the fastest CPU kernel of their dtype.
 
 Decoding and verification multiply every weight matrix by a handful of rows (1 to k+1), a
-shape CPU BLAS handles badly. Two layouts fix that:
+shape CPU BLAS handles badly. Three layouts fix that:
 
 - bfloat16 on a CPU with native bf16 instructions (``cpu.native_bf16``: avx512_bf16 / AMX, arm64
   bf16): the weight is reordered once into oneDNN's blocked layout and multiplied with oneDNN's
