@@ -1,5 +1,5 @@
-"""EAGLE-3 on the llama.cpp backend end to end: the head in llama.cpp (models/llamacpp_head.py; its small
-passes on one thread, and every pass on the target's threads) against the torch head, the draft model
+"""EAGLE-3 on the llama.cpp backend end to end: the head in llama.cpp (models/llamacpp_head.py; on the
+target's threads, and its passes of up to 16 tokens on one thread) against the torch head, the draft model
 and plain decoding, in one process, alternating prompt by prompt.
 
 Batch 1, fixed k, greedy and sampled (temperature 1, seeded per prompt), the shipped target, draft and
@@ -47,12 +47,12 @@ def main() -> None:
                            speculative_config={"method": "draft_model", "model": args.draft, **spec}),
         "eagle3 (llama.cpp head)": LLM(args.model, backend="llama.cpp",
                                        speculative_config={"method": "eagle3", "model": args.head, **spec}),
-        "eagle3 (llama.cpp head, every pass on the target's threads)": LLM(args.model, backend="llama.cpp",
+        "eagle3 (llama.cpp head, small passes on one thread)": LLM(args.model, backend="llama.cpp",
                                                  speculative_config={"method": "eagle3", "model": args.head, **spec}),
         "eagle3 (torch head)": LLM(args.model, backend="llama.cpp",
                                    speculative_config={"method": "eagle3", "model": args.head, **spec}),
     }
-    runs["eagle3 (llama.cpp head, every pass on the target's threads)"].engine.drafter.runner.one_thread_tokens = 0
+    runs["eagle3 (llama.cpp head, small passes on one thread)"].engine.drafter.runner.one_thread_tokens = 16
     d = runs["eagle3 (torch head)"].engine.drafter
     dtype = torch.bfloat16 if d.target.dtype == torch.bfloat16 else torch.float32
     d.runner = HeadRunner(d.head, dtype, d.device)

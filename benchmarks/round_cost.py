@@ -27,8 +27,8 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
 
 ``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
 rounds of any k are split the same way. ``--eagle3-head-variants`` adds eagle3 beside llama.cpp with the
-torch head (the head runs in llama.cpp there by default: models/llamacpp_head.py, its small passes on one
-thread), with the head in llama.cpp on the target's threads for every pass, and with its file in q8_0;
+torch head (the head runs in llama.cpp there by default: models/llamacpp_head.py, on the target's
+threads), with the head in llama.cpp on one thread for passes of up to 16 tokens, and with its file in q8_0;
 the variants below are the torch head's. ``--eagle3-variants`` adds eagle3 with its chain steps through
 the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
 torch's threads (before ``head_threads``), and, an experiment, with the head's weights in int8 (what
@@ -242,7 +242,7 @@ def build(args) -> list[Config]:
         if args.eagle3_variants:
             runs += [(f"eagle3 {v}", k, False) for v in ("general-step", "torch-threads", "int8") for k in args.ks]
         if args.eagle3_head_variants:
-            runs += [(f"eagle3 {v}", k, False) for v in ("torch-head", "threads-head", "q8_0-head") for k in args.ks]
+            runs += [(f"eagle3 {v}", k, False) for v in ("torch-head", "one-thread-head", "q8_0-head") for k in args.ks]
         for method, k, adaptive in runs:
             spec = None if method is None else {
                 "method": method.split()[0], "model": drafts.get(method.split()[0], args.draft),
@@ -256,8 +256,8 @@ def build(args) -> list[Config]:
 
                 d = c.llm.engine.drafter
                 d.runner = LlamaCppHead(d.head, d.target, weight_type="q8_0")
-            elif method == "eagle3 threads-head":
-                c.llm.engine.drafter.runner.one_thread_tokens = 0  # every pass on the target's threads
+            elif method == "eagle3 one-thread-head":
+                c.llm.engine.drafter.runner.one_thread_tokens = 16  # a round's small passes on one thread
             elif method is not None and method.startswith("eagle3 "):  # the variants are the torch head's
                 torch_head(c.llm.engine.drafter)
             if method == "eagle3 int8":
@@ -390,8 +390,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also eagle3 at each k with its chain steps through the head's general step, on all of "
                          "torch's threads, and (an experiment) with the head's weights in int8, bf16 activations")
     ap.add_argument("--eagle3-head-variants", action="store_true",
-                    help="also eagle3 beside llama.cpp with the torch head, with the head in llama.cpp on the "
-                         "target's threads for every pass, and with its file in q8_0")
+                    help="also eagle3 beside llama.cpp with the torch head, with the head in llama.cpp on one "
+                         "thread for passes of up to 16 tokens, and with its file in q8_0")
     ap.add_argument("--backends", default="llama.cpp,torch")
     ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=4)

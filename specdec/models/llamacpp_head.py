@@ -32,10 +32,12 @@ from specdec.models import llamacpp_ext
 from specdec.models.llamacpp import BATCH_TOKENS, MAX_SEQUENCES, MIN_CELLS, MIN_SEQUENCES, MIN_UBATCH
 
 ANCHOR_CELLS = 256  # the target model's context that only names the model to the head's graphs
-# A pass of at most this many tokens (a draft step, a round's catch-up) runs on one thread: the head's
-# graph is ~50 small operations, each a barrier for a second thread, and beside the target's spinning
-# workers on a shared CPU a second thread mostly waits (as drafters/eagle3.py's head_threads for torch)
-ONE_THREAD_TOKENS = 16
+# Passes of at most this many tokens run on one thread (``one_thread_tokens``; 0: none, every pass on
+# the target's threads). Quiet EPYC-bf16, k = 4: the head's round 2.45-2.66 ms on the target's 2 threads
+# against 3.47-3.51 ms on one (its workers are the target's, still spinning from its pass); loaded,
+# one thread was far steadier (each of the graph's ~50 operations is a barrier for a second thread
+# the OS may not schedule): docs/benchmarks.md, "the EAGLE-3 head inside llama.cpp"
+ONE_THREAD_TOKENS = 0
 
 
 def native_head(head, target):
@@ -130,7 +132,7 @@ class LlamaCppHead:
         self.draft_ids = head.draft_to_target.cpu().numpy().astype(np.int64)  # [Vd] target id of each draft id
         self.D = c.hidden_size
         self.fc = _Width(len(c.layer_ids) * c.target_hidden_size)
-        self.threads = target.threads  # for passes past ONE_THREAD_TOKENS
+        self.threads = target.threads  # for passes past one_thread_tokens
         self.one_thread_tokens = ONE_THREAD_TOKENS
         self._running = 0  # the context's thread count now
         self.anchor = self._context(target.model, ANCHOR_CELLS, 1, 1, None)
@@ -163,8 +165,9 @@ class LlamaCppHead:
             self.model = None
 
     def describe(self) -> str:
+        small = f"1 thread for passes of up to {self.one_thread_tokens} tokens, else " if self.one_thread_tokens else ""
         return (f"EAGLE-3 head in llama.cpp (eagle3 encoder + decoder graphs): {self.weight_type} weights, f32 KV "
-                f"cache, 1 thread for passes of up to {self.one_thread_tokens} tokens, else {self.threads}")
+                f"cache, {small}{self.threads} threads")
 
     def set_threads(self, n: int) -> None:
         """llama.cpp threads for the head's passes (default: the target's)."""
