@@ -276,3 +276,26 @@ def test_draft_distributions_equal_the_torch_heads(models):
     assert a.num_draft_tokens == b.num_draft_tokens == [3, 3]
     assert a.draft_token_ids.tolist() == b.draft_token_ids.tolist()
     torch.testing.assert_close(b.draft_probs, a.draft_probs, rtol=1e-3, atol=1e-6)
+
+
+def test_a_grown_context_keeps_the_rows_entries_and_release_forgets_them(models):
+    """The head's cells are sized as HeadRunner's cache (rows x the longest row in steps of 256); growing
+    them (a new llama.cpp context) carries every row's entries over: the next step reads them as the
+    torch head's does. release() forgets the rows."""
+    _, h, ref, nat = both_runners(models, models["head"])
+    torch.manual_seed(5)
+    ids, hidden = torch.randint(0, h.config.vocab_size, (2, 10)), torch.randn(2, 10, h.config.hidden_size)
+    for r in (ref, nat):
+        r.reserve(2, 16)
+        r.rows.sync(["a", "b"], r.cache)
+        r.step(ids, hidden, [0, 1], torch.arange(10)[None].expand(2, 10).contiguous())
+    assert nat.cells == 2 * 256
+    for r in (ref, nat):
+        r.reserve(3, 600)
+        assert r.rows.sync(["b", "a", "c"], r.cache) == [False, False, True]
+    assert nat.cells == 3 * 768
+    x, g = torch.tensor([3, 4]), torch.randn(2, h.config.hidden_size)
+    for got, want in zip(nat.chain_step(x, g, [0, 1], [10, 10]), ref.chain_step(x, g, [0, 1], [10, 10])):
+        torch.testing.assert_close(got, want, rtol=F32_TOL, atol=F32_TOL)
+    nat.release()
+    assert nat.rows.sync(["a"], nat.cache) == [True]

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from specdec.models import llamacpp_ext
-from specdec.models.llamacpp import BATCH_TOKENS, MAX_SEQUENCES, MIN_CELLS, MIN_SEQUENCES, MIN_UBATCH
+from specdec.models.kv_cache import CACHE_STEP
+from specdec.models.llamacpp import BATCH_TOKENS, KEEP_BYTES, MAX_SEQUENCES, MIN_SEQUENCES, MIN_UBATCH
 
 ANCHOR_CELLS = 256  # the target model's context that only names the model to the head's graphs
 # Passes of at most this many tokens run on one thread (``one_thread_tokens``; 0: none, every pass on
@@ -139,6 +140,7 @@ class LlamaCppHead:
         self.ctx = None
         self.mem = None
         self.cells = 0
+        self.shape = (0, 0)  # (rows, positions per row) the cells are sized for
         self.n_seq = 0
         self.kv_bytes = 2 * c.num_key_value_heads * c.head_dim * 4  # one layer, f32 keys and values
         # tokens per compute pass (an encode is one): the fewest the target's runner uses, as the
@@ -196,12 +198,20 @@ class LlamaCppHead:
                              "memory?); set SPECDEC_LLAMA_LOG=1 for llama.cpp's reason")
         return ctx
 
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one KV cell (one layer's keys and values, float32)."""
+        return self.kv_bytes
+
     def reserve(self, num_rows: int, length: int) -> None:
+        """Cells for ``num_rows`` rows of ``length`` positions: sized as HeadRunner's cache (rows x the
+        longest row, in steps of CACHE_STEP positions), which the drafter's kv_use and a KV budget count."""
         if num_rows > MAX_SEQUENCES:
             raise ValueError(f"llama.cpp holds at most {MAX_SEQUENCES} sequences per context, asked for {num_rows}")
-        need = num_rows * length
-        if self.ctx is None or need > self.cells or num_rows > self.n_seq:
-            self._rebuild(max(need, 2 * self.cells, MIN_CELLS) if need > self.cells else self.cells, num_rows)
+        rows = max(self.shape[0], num_rows)
+        positions = max(self.shape[1], -(-length // CACHE_STEP) * CACHE_STEP)
+        if self.ctx is None or rows * positions > self.cells or num_rows > self.n_seq:
+            self.shape = (rows, positions)
+            self._rebuild(rows * positions, num_rows)
 
     def _rebuild(self, cells: int, rows: int) -> None:
         """A context of ``cells`` cells for at least ``rows`` sequences; the old one's are copied over."""
@@ -221,7 +231,7 @@ class LlamaCppHead:
                 if lib.llama_state_seq_set_data(ctx, buf, size, s) == 0:
                     raise RuntimeError(f"llama.cpp could not move the head's sequence {s} to a larger context")
             lib.llama_free(old)
-        self.ctx, self.mem, self.cells, self.n_seq = ctx, lib.llama_get_memory(ctx), cells, n_seq
+        self.ctx, self.mem, self.cells, self.n_seq = ctx, lib.llama_get_memory(ctx), lib.llama_n_ctx(ctx), n_seq
         self._running = self.threads
 
     def _threads_for(self, tokens: int) -> None:
@@ -257,8 +267,12 @@ class LlamaCppHead:
                 self.lib.llama_memory_seq_cp(self.mem, src, s, 0, length)
 
     def release(self) -> None:
-        if self.ctx is not None:
+        """Forget every row; a context past KEEP_BYTES is freed (as the target's runner does)."""
+        if self.ctx is not None and self.cells * self.kv_bytes <= KEEP_BYTES:
             self.lib.llama_memory_clear(self.mem, False)
+        elif self.ctx is not None:
+            self.lib.llama_free(self.ctx)
+            self.ctx, self.mem, self.cells, self.n_seq, self.shape = None, None, 0, 0, (0, 0)
         self.seq_of.clear()
         self.order = []
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
