@@ -18,6 +18,13 @@ whichever runs the head:
 The head has no token embedding of its own: llama.cpp takes the target model's through the context the
 head's context names as ``ctx_other``. That is a small context of the target model owned here, so the
 target rebuilding its own (when its cache grows) never leaves the head pointing at a freed one.
+
+What this llama.cpp build (llama-cpp-python 0.3.36) asks of a caller: the eagle3 decoder graph keeps
+every token's row (no output-id selection) while the context copies out the first n_outputs, so a call
+asks for all of its tokens' outputs or none (``_decode``); ``llama_batch_ext_set_embd_state`` is a stub,
+so g rides as the ``embd`` row of a plain ``llama_batch`` that also carries the token ids; a batch's
+positions must continue each sequence's cells (the encoder's too, though it writes none). Chains only:
+a tree level's visibility (HeadRunner's ``visible``) has no llama.cpp batch form.
 """
 
 from __future__ import annotations
@@ -33,11 +40,9 @@ from specdec.models.kv_cache import CACHE_STEP
 from specdec.models.llamacpp import BATCH_TOKENS, KEEP_BYTES, MAX_SEQUENCES, MIN_SEQUENCES, MIN_UBATCH
 
 ANCHOR_CELLS = 256  # the target model's context that only names the model to the head's graphs
-# Passes of at most this many tokens run on one thread (``one_thread_tokens``; 0: none, every pass on
-# the target's threads). Quiet EPYC-bf16, k = 4: the head's round 2.45-2.66 ms on the target's 2 threads
-# against 3.47-3.51 ms on one (its workers are the target's, still spinning from its pass); loaded,
-# one thread was far steadier (each of the graph's ~50 operations is a barrier for a second thread
-# the OS may not schedule): docs/benchmarks.md, "the EAGLE-3 head inside llama.cpp"
+# Passes of at most this many tokens run on one thread (``one_thread_tokens``; 0: every pass on the
+# target's threads, whose workers still spin from its pass: faster on a quiet CPU; one thread was
+# steadier on a loaded one: docs/benchmarks.md, "the EAGLE-3 head inside llama.cpp")
 ONE_THREAD_TOKENS = 0
 
 
