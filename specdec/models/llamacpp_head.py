@@ -163,10 +163,15 @@ class LlamaCppHead:
         lib = getattr(self, "lib", None)
         if lib is None:
             return
-        for name in ("ctx", "anchor"):
-            if getattr(self, name, None):
-                lib.llama_free(getattr(self, name))
-                setattr(self, name, None)
+        if getattr(self, "ctx", None):
+            lib.llama_free(self.ctx)
+            self.ctx = None
+        # the anchor is a context of the target's model: freed only while that model lives (a garbage
+        # cycle may have finalized the target's runner first; then the small context is left)
+        target = getattr(self, "target", None)
+        if getattr(self, "anchor", None) and getattr(target, "model", None):
+            lib.llama_free(self.anchor)
+            self.anchor = None
         if getattr(self, "model", None):
             lib.llama_model_free(self.model)
             self.model = None
