@@ -173,3 +173,21 @@ def test_write_scale_sets_and_removes_the_key(heads, tmp_path):
     assert json.loads((folder / "config.json").read_text()) == before
     with pytest.raises(ValueError, match="no config.json"):
         write_scale(tmp_path, 1.5)
+
+
+def test_a_written_scale_is_what_the_loaded_drafter_uses_and_save_keeps_it(heads, tmp_path):
+    """The key write_scale sets is read back by the real loading path (Eagle3Config.from_json), reaches the
+    drafter, and survives save_head; a bad value in config.json is refused at load with the key's name."""
+    from specdec.models.eagle3 import SCALE_KEY, save_head
+    from specdec.training.draft_calibration import write_scale
+
+    folder = Path(sharpen(heads["head"], tmp_path / "h", 1.0))
+    write_scale(folder, 1.25)
+    drafter = LLM(heads["target"], backend="torch", speculative_config=spec(str(folder), 2, adaptive=False)).engine.drafter
+    assert drafter.q_scale == 1.25 and drafter.head.config.draft_temperature_scale == 1.25
+    saved = save_head(drafter.head, tmp_path / "saved")
+    assert json.loads((saved / "config.json").read_text())[SCALE_KEY] == 1.25
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, SCALE_KEY: -2}))
+    with pytest.raises(ValueError, match=f"positive finite number.*{SCALE_KEY}"):
+        LLM(heads["target"], backend="torch", speculative_config=spec(str(folder), 2, adaptive=False))

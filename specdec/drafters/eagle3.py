@@ -43,7 +43,7 @@ from specdec.drafters.autoregressive import draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models.base import ModelRunner
-from specdec.models.eagle3 import Eagle3Head
+from specdec.models.eagle3 import Eagle3Head, check_q_scale
 from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
 from specdec.models.layers import apply_rope, attention, rope_tables
 from specdec.models.linear import Linear
@@ -77,15 +77,6 @@ def head_threads(method):
             torch.set_num_threads(n)
 
     return run
-
-
-def check_q_scale(s) -> float:
-    """A head's draft temperature scale (config.json's ``specdec_draft_temperature_scale``), checked."""
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-        raise ValueError(f"an EAGLE-3 head's draft temperature scale must be a positive finite number (1: q as the "
-                         f"head gives it), got {s!r}: fix or remove specdec_draft_temperature_scale in the head's "
-                         "config.json, or refit it (benchmarks/drafts/eagle3/calibrate.py)")
-    return float(s)
 
 
 def tree_pool(shape: TreeShape) -> int:

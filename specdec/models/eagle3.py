@@ -21,6 +21,7 @@ read; the speculators layout (``layers.0.*``) loads too.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from specdec.models.layers import apply_rope, attention, rope_tables
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+SCALE_KEY = "specdec_draft_temperature_scale"  # config.json key of Eagle3Config.draft_temperature_scale
 KNOWN_ARCHITECTURES = (ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3Speculator", "Eagle3DraftModel")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -40,6 +42,15 @@ def default_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's low / middle / high layers (vLLM's and llama.cpp's default): inputs of layers
     2, N/2 and N-3, clamped into 0..N-1 (a target of fewer than 6 layers repeats some)."""
     return [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+def check_q_scale(s) -> float:
+    """A head's draft temperature scale (config.json's ``specdec_draft_temperature_scale``), checked."""
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+        raise ValueError(f"an EAGLE-3 head's draft temperature scale must be a positive finite number (1: q as the "
+                         f"head gives it), got {s!r}: fix or remove {SCALE_KEY} in the head's "
+                         "config.json, or refit it (benchmarks/drafts/eagle3/calibrate.py)")
+    return float(s)
 
 
 @dataclass
@@ -62,6 +73,7 @@ class Eagle3Config:
     hidden_act: str = "silu"
     norm_before_residual: bool = False  # residual = hidden_norm(h) (RedHat's variant) instead of h
     norm_before_fc: bool = False  # fc reads input_norm(features) (vLLM, speculators, llama.cpp: same key)
+    draft_temperature_scale: float = 1.0  # q = softmax(z / (T s)) for sampled rows (specdec's own key; 1: none)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
@@ -78,6 +90,7 @@ class Eagle3Config:
             raise ValueError(f"EAGLE-3 config: needs 3 target layer ids, got {self.layer_ids!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"EAGLE-3 config: hidden_act {self.hidden_act!r} is not supported (silu only)")
+        check_q_scale(self.draft_temperature_scale)
 
     @classmethod
     def for_target(cls, target_config, draft_vocab_size: int | None = None, layer_ids: list[int] | None = None,
@@ -116,7 +129,7 @@ class Eagle3Config:
             "norm_before_residual": self.norm_before_residual, "norm_before_fc": self.norm_before_fc,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
-        }
+        } | ({SCALE_KEY: self.draft_temperature_scale} if self.draft_temperature_scale != 1.0 else {})
 
     @classmethod
     def from_json(cls, d: dict, where: str = "config.json") -> Eagle3Config:
@@ -145,7 +158,8 @@ class Eagle3Config:
                        rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(d.get("rope_theta", 10000.0)),
                        max_position_embeddings=d.get("max_position_embeddings", 2048),
                        hidden_act=d.get("hidden_act", "silu"), norm_before_residual=d.get("norm_before_residual", False),
-                       norm_before_fc=bool(norm_before_fc))
+                       norm_before_fc=bool(norm_before_fc),
+                       draft_temperature_scale=d.get(SCALE_KEY, 1.0))
         except KeyError as e:
             raise ValueError(f"{where}: missing key {e.args[0]!r}") from None
 

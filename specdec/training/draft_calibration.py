@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-SCALE_KEY = "specdec_draft_temperature_scale"  # in the head's config.json (read as Eagle3Config.draft_temperature_scale)
+from specdec.models.eagle3 import SCALE_KEY, check_q_scale
+
 GRID = [round(0.4 * (2.5 / 0.4) ** (i / 48), 4) for i in range(49)]  # 0.4 .. 2.5, each 3.9% above the last
 
 
@@ -40,8 +41,6 @@ def acceptance_by_scale(model, target, windows: torch.Tensor, lengths: torch.Ten
     s = torch.tensor(scales, dtype=torch.float32)
     sums = torch.zeros(model.steps, len(scales), dtype=torch.float64)
     counts = torch.zeros(model.steps, dtype=torch.float64)
-    from specdec.training.eagle3 import shift
-
     dev = next(head.parameters()).device
     for i in range(0, len(windows), batch):
         x, n = windows[i:i + batch].to(dev), lengths[i:i + batch]
@@ -52,7 +51,7 @@ def acceptance_by_scale(model, target, windows: torch.Tensor, lengths: torch.Ten
         p_draft[..., keep] = p_all[..., vocab[keep]]
         del out, p_all
         for j, (z, scored, _) in enumerate(model.unroll(x, features, n)):
-            p = shift(p_draft, j)[scored]  # [m, Vd]
+            p = model.shift(p_draft, j)[scored]  # [m, Vd]
             z = z.float()[scored]  # [m, Vd]
             if not len(z):
                 continue
@@ -96,8 +95,7 @@ def write_scale(head_dir: str | Path, scale: float) -> Path:
     path = Path(head_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{str(head_dir)!r} has no config.json: pass an EAGLE-3 head folder")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"a draft temperature scale must be a positive finite number, got {scale!r}")
+    check_q_scale(scale)
     config = json.loads(path.read_text())
     if scale == 1.0:
         config.pop(SCALE_KEY, None)

@@ -258,6 +258,8 @@ def shift(x: torch.Tensor, j: int) -> torch.Tensor:
 class TTTModel(nn.Module):
     """The head plus its training-time-test loss; the module DDP wraps (forward = the loss)."""
 
+    shift = staticmethod(shift)  # for callers that hold a model (draft_calibration), not this module
+
     def __init__(self, head: Eagle3Head, ttt_steps: int, step_decay: float, argmax_weight: float = 0.0):
         super().__init__()
         self.head, self.steps, self.decay, self.argmax_weight = head, ttt_steps, step_decay, argmax_weight
