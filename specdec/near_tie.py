@@ -4,7 +4,8 @@ A verify pass computes the same logits as one-token steps up to floating-point r
 the target's top-2 logits are closer than that rounding, the two paths may pick different
 tokens; anywhere else they must not. The rounding depends on the weights' dtype: float32 sums
 differ by ~1e-5, while bfloat16 matrix products round their results to 8 significant bits, so
-two logits within a couple of bf16 steps of each other (2^-6 of their size) are a tie.
+two logits within a couple of bf16 steps of each other (2^-6 of their size) are a tie. 16-bit
+weights multiplied in float32 (the ``w16`` kernel, models/linear16.py) round like float32.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ BF16_RELATIVE_STEP = 2.0**-6  # two bf16 rounding steps (8 significant bits), re
 
 def near_tie_threshold(runner, top_logit: float) -> float:
     """The top-2 gap below which ``runner``'s rounding can reorder two logits of this size."""
-    if runner.dtype in (torch.bfloat16, torch.float16):
+    head = getattr(runner, "lm_head", None)  # every Linear of a runner takes the same kind
+    if runner.dtype in (torch.bfloat16, torch.float16) and getattr(head, "kind", None) != "w16":
         return max(FLOAT32_NEAR_TIE, abs(top_logit) * BF16_RELATIVE_STEP)
     return FLOAT32_NEAR_TIE
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec import LLM, SamplingParams
-from specdec.models import cpu, dtype_choice, timings
+from specdec.models import cpu, dtype_choice, linear16, timings
 from specdec.models.base import ForwardBatch
 from specdec.models.linear import Linear
 from specdec.models.llama import LlamaRunner
@@ -24,7 +24,19 @@ from tiny_models import make_model, random_prompts
 
 NATIVE = cpu.native_bf16()
 needs_native = pytest.mark.skipif(not NATIVE.native, reason=f"bf16 is not native here ({NATIVE.reason}): "
-                                                             "bf16 weights take the w @ x^T path, tested below")
+                                                             "bf16 weights take the w16 or w @ x^T path, tested below")
+
+
+def slow_kind() -> str:
+    """The kind of a bf16 Linear without native bf16: the 16-bit weight kernel where it builds and runs
+    (x86 with AVX2, tests/test_linear16.py), else ATen's w @ x^T."""
+    return "w16" if linear16.available().ok else "wxt"
+
+
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """As on a CPU (or install) where the 16-bit weight kernel does not run: w @ x^T for 16-bit weights."""
+    monkeypatch.setattr(linear16, "available", lambda: linear16.Availability(False, "switched off by a test"))
 # Runner (bf16 weights; float32 residual stream, norms and attention) against transformers in float32 from
 # the same bf16 weights: each product rounds its input and its result to bf16 (8 significant bits, relative
 # 2^-8 each; the two add in quadrature), and the errors of the products on a token's path (4 per layer and
@@ -70,8 +82,8 @@ def test_onednn_rows_are_computed_alike_whatever_the_row_count():
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_wxt_linear_matches_f_linear(monkeypatch, wdtype):
-    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")  # bf16 goes to wxt too
+def test_wxt_linear_matches_f_linear(monkeypatch, no_kernel, wdtype):
+    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")  # bf16 goes to wxt too (without the 16-bit weight kernel)
     g = torch.Generator().manual_seed(2)
     w = (0.05 * torch.randn(96, 64, generator=g)).to(wdtype)
     b = torch.randn(96, generator=g).to(wdtype)
@@ -111,7 +123,7 @@ def test_native_bf16_follows_the_cpu_and_the_restrictions(monkeypatch):
     monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
     off = cpu.native_bf16()
     assert not off.native and cpu.NO_NATIVE_ENV in off.reason
-    assert Linear(torch.ones(8, 4, dtype=torch.bfloat16)).kind == "wxt"
+    assert Linear(torch.ones(8, 4, dtype=torch.bfloat16)).kind == slow_kind()
 
 
 def config(dt, hidden=64):
@@ -119,8 +131,8 @@ def config(dt, hidden=64):
                            num_attention_heads=4, num_key_value_heads=2)
 
 
-def test_torch_dtype(monkeypatch):
-    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")  # as on a CPU without native bf16
+def test_torch_dtype(monkeypatch, no_kernel):
+    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")  # as on a CPU without native bf16 or the 16-bit weight kernel
     for bf16 in (torch.bfloat16, "bfloat16"):
         assert dtype_choice.torch_dtype("auto", config(bf16), "cpu") == torch.float32
         assert dtype_choice.torch_dtype("auto", config(bf16), "cuda") == torch.bfloat16
@@ -139,10 +151,12 @@ def test_auto_keeps_bf16_only_where_native_and_timed_faster(monkeypatch, tmp_pat
     shape = dtype_choice.largest_product(config(torch.bfloat16, hidden=96))
     assert shape == (4 * 96, 96)  # the LM head, the largest of the three
     verdict = dtype_choice.bf16_verdict(*shape)
-    if not NATIVE.native:  # nothing timed, nothing cached
+    if not NATIVE.native and not linear16.available().ok:  # nothing timed, nothing cached
         assert not verdict.use_bf16 and verdict.reason.startswith("no native bf16") and not dtype_choice.cache_path().exists()
         assert dtype_choice.torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.float32
         return
+    path = "native bf16" if NATIVE.native else "float32 products of bf16 weights"  # oneDNN, or the w16 kernel
+    assert path in verdict.reason, verdict.reason
     cached = json.loads(dtype_choice.cache_path().read_text())
     (key,) = cached
     assert key.endswith("384x96") and cached[key] == verdict.ms and all(t > 0 for t in verdict.ms["bf16"])
@@ -179,7 +193,16 @@ def pair(tmp_path_factory):
     return str(bf16_copy(src, root / "target")), str(bf16_copy(src, root / "draft", noise=0.01))
 
 
-def test_auto_loads_a_bf16_checkpoint_as_float32_without_native_bf16(pair, monkeypatch):
+def test_auto_without_native_bf16_or_the_kernel_is_float32_untimed(monkeypatch, no_kernel, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
+    verdict = dtype_choice.bf16_verdict(*dtype_choice.largest_product(config(torch.bfloat16, hidden=96)))
+    assert not verdict.use_bf16 and "switched off by a test" in verdict.reason and not verdict.ms
+    assert not dtype_choice.cache_path().exists()
+    assert dtype_choice.torch_dtype("auto", config(torch.bfloat16, hidden=96), "cpu") == torch.float32
+
+
+def test_auto_loads_a_bf16_checkpoint_as_float32_without_native_bf16(pair, monkeypatch, no_kernel):
     monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
     runner = LLM(pair[0]).target
     assert runner.dtype == torch.float32 and runner.layers[0].qkv.kind == "wxt"
@@ -204,7 +227,8 @@ def verify_noise(runner: LlamaRunner, ids: torch.Tensor, T: int) -> torch.Tensor
     return (outs[0] - outs[1]).abs().max()
 
 
-KINDS = {True: "onednn", False: "wxt"}
+def kind(native: bool) -> str:
+    return "onednn" if native else slow_kind()
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "switched-off"])
@@ -215,7 +239,7 @@ def test_bf16_runner_logits(pair, monkeypatch, native):
         monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
     runner = LLM(pair[0], dtype="bfloat16").target
     assert runner.dtype == torch.bfloat16 and runner.compute_dtype == torch.float32
-    assert runner.layers[0].qkv.kind == KINDS[native] and runner.lm_head.kind == KINDS[native]
+    assert runner.layers[0].qkv.kind == kind(native) and runner.lm_head.kind == kind(native)
     hf32 = load_model(pair[0], dtype="float32").hf_model
     ids = torch.randint(3, 123, (4, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -248,7 +272,7 @@ def test_bf16_greedy_speculative_equals_plain(pair, monkeypatch, batch, native):
     llm = LLM(target, dtype="bfloat16",
               speculative_config={"model": draft, "num_speculative_tokens": K, "adaptive": False})
     assert llm.engine.drafter.runner.dtype == torch.bfloat16
-    assert llm.engine.drafter.runner.lm_head.kind == KINDS[native]
+    assert llm.engine.drafter.runner.lm_head.kind == kind(native)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     for p, e, o in zip(prompts, expected, outs):
         d = first_divergence(gap_runner, p, e, o.outputs[0].token_ids)

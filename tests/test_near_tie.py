@@ -21,6 +21,10 @@ def test_threshold_follows_the_weights_dtype():
     bf16 = SimpleNamespace(dtype=torch.bfloat16)
     assert near_tie_threshold(bf16, 8.0) == pytest.approx(8.0 * 2**-6)  # two bf16 steps at |logit| 8
     assert near_tie_threshold(bf16, 0.01) == FLOAT32_NEAR_TIE  # never below the float32 floor
+    w16 = SimpleNamespace(dtype=torch.bfloat16, lm_head=SimpleNamespace(kind="w16"))  # float32 products
+    assert near_tie_threshold(w16, 8.0) == FLOAT32_NEAR_TIE
+    onednn = SimpleNamespace(dtype=torch.bfloat16, lm_head=SimpleNamespace(kind="onednn"))  # bf16 products
+    assert near_tie_threshold(onednn, 8.0) == pytest.approx(8.0 * 2**-6)
 
 
 def test_first_divergence(llm):
