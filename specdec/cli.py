@@ -281,7 +281,8 @@ def _demo_backends(backend: str, device: str) -> list[str]:
 
 @app.command()
 def convert(
-    hf_dir: Annotated[str, typer.Argument(help="A Hugging Face checkpoint folder (Llama, Mistral, Qwen2, Qwen3).")],
+    hf_dir: Annotated[str, typer.Argument(help="A Hugging Face checkpoint folder (Llama, Mistral, Qwen2, Qwen3), or an EAGLE-3 head "
+                                                   "folder (written as llama.cpp's eagle3 architecture).")],
     out: Annotated[str, typer.Option("--out", help="The GGUF file to write.")],
     outtype: Annotated[str, typer.Option(help="Weight type: f32, bf16, f16, q8_0 or q4_k_m.")] = "bf16",
 ) -> None:

@@ -185,10 +185,13 @@ def test_the_head_runner_fuses_as_the_head_with_and_without_norm_before_fc(model
             assert not torch.allclose(got, head.fc(x), rtol=1e-2, atol=1e-2)
 
 
-def test_beside_llamacpp_a_small_round_drafts_on_one_torch_thread(models):
-    """Beside a llama.cpp target the head's passes of a round of at most ONE_THREAD_ROWS rows run on one
-    torch thread, and torch's setting comes back after; beside a torch target they keep torch's threads."""
+def test_beside_llamacpp_a_small_round_drafts_on_one_torch_thread(models, monkeypatch):
+    """Beside a llama.cpp target the torch head's passes of a round of at most ONE_THREAD_ROWS rows run on
+    one torch thread, and torch's setting comes back after; beside a torch target they keep torch's threads.
+    (The torch head is forced: where the build runs llama.cpp's eagle3 graphs, the head runs there instead.)"""
     from specdec.drafters.eagle3 import ONE_THREAD_ROWS
+
+    monkeypatch.setattr("specdec.drafters.eagle3.native_head", lambda head, target: None)
 
     seen = []
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
