@@ -57,7 +57,7 @@ class Engine:
         # the KV budget: the target's bytes per position, and what the drafter's caches hold (Drafter.kv_use)
         self.scheduler = Scheduler(scheduler_config, self.k, controller, target.kv_bytes_per_token(),
                                    target.max_model_len, tree_mode, draft_tree_max_nodes, draft_tree_top_k, drafter,
-                                   target.min_cache_rows)
+                                   target.min_cache_rows, target.max_tree_sequences)
         self._bound_cache()
         if drafter is not None:
             drafter.bind(controller)

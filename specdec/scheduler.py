@@ -122,14 +122,16 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None, k: int = 0, controller: AdaptiveK | None = None,
                  kv_bytes_per_token: int = 0, max_model_len: int = 0,
                  draft_tree: str = "chain", draft_tree_max_nodes: int = 7, draft_tree_top_k: int = 4,
-                 drafter: Drafter | None = None, target_min_rows: int = 1):
+                 drafter: Drafter | None = None, target_min_rows: int = 1, tree_sequences: int | None = None):
         """``config``: the seats, steps, token and KV bounds (default: 256 seats, no other bound).
         ``k``: drafts asked per row (the most, with a ``controller``); ``kv_bytes_per_token``: the
         target's, and ``drafter``'s caches (``Drafter.kv_use``), for the KV budget (without
         ``drafter``: the drafter's too, per position). ``draft_tree``: "chain"
         (never trees), "auto" (trees where the controller picks them) or "tree" (always); the engine
         passes "chain" where the drafter or the target cannot do trees. A tree has at most
-        ``draft_tree_max_nodes`` nodes, ``k`` levels and ``draft_tree_top_k`` children per node."""
+        ``draft_tree_max_nodes`` nodes, ``k`` levels and ``draft_tree_top_k`` children per node.
+        ``tree_sequences``: the most rows x nodes a tree round may hold (``ModelRunner.max_tree_sequences``):
+        with "tree" fewer rows run at once, with "auto" a larger batch verifies chains."""
         self.k, self.controller = k, controller
         self.kv_bytes_per_token, self.max_model_len, self.drafter = kv_bytes_per_token, max_model_len, drafter
         self.target_min_rows = target_min_rows  # rows the target's cache holds however few run
@@ -140,11 +142,15 @@ class Scheduler:
         # the most a row drafts: k levels, and no more levels than nodes (SpeculativeConfig refuses
         # draft_tree "tree" with k > draft_tree_max_nodes; "auto" trees are this deep at most)
         self.max_tree = TreeShape(draft_tree_max_nodes, max(min(k, draft_tree_max_nodes), 1), draft_tree_top_k)
+        self.tree_sequences = tree_sequences
         self.config = config or SchedulerConfig()
         self.kv = self._budget()  # None: no bound (LLM.generate)
 
     @property
     def max_num_seqs(self) -> int:
+        """Seats: the configuration's, fewer where every round verifies trees of the target's bounded size."""
+        if self.draft_tree == "tree" and self.tree_sequences is not None:
+            return max(1, min(self.config.max_num_seqs, self.tree_sequences // self.max_tree.num_nodes))
         return self.config.max_num_seqs
 
     @property
@@ -317,8 +323,8 @@ class Scheduler:
             return None
         carries_prompt = any(len(s.token_ids) - s.num_computed != 1 for s in seqs)
         shape = tree_round(self.draft_tree, seqs, carries_prompt, controller_tree, full)
-        if shape is None:
-            return None
+        if shape is None or (self.tree_sequences is not None and len(seqs) * full.num_nodes > self.tree_sequences):
+            return None  # (with "auto" a batch too large for the target's tree bound verifies chains)
         return [row_tree(s, d, shape, full) for s, d in zip(seqs, depth)]
 
     def num_plain_steps(self, batch: RoundBatch) -> int:

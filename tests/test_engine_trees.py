@@ -305,14 +305,27 @@ def test_tree_option_errors(models):
     Engine(llm.target, chains_only, 3, draft_tree="auto")  # auto: chains from a chain drafter
 
 
-def test_tree_option_on_llamacpp_is_an_error(models, tmp_path):
+def test_a_target_that_verifies_chains_only_refuses_tree(models):
+    llm = LLM(models["target"])
+    drafter = DraftModelTrees(LlamaRunner(load_model(models["near"])))
+    llm.target.can_verify_trees = False  # an instance that cannot (every shipped backend can)
+    with pytest.raises(ValueError, match="backend='torch' or draft_tree='chain'"):
+        Engine(llm.target, drafter, 3, draft_tree="tree")
+    assert Engine(llm.target, drafter, 3, draft_tree="auto").scheduler.draft_tree == "chain"
+
+
+def test_llamacpp_trees_hold_fewer_rows_within_its_sequence_ids(models, tmp_path):
+    """llama.cpp's tree branches are sequence ids (256 a context): "tree" runs fewer rows at once, "auto"
+    verifies chains when the batch is too large for trees of the full size."""
+    from specdec.config import SchedulerConfig
     from specdec.models.gguf import convert
-    from specdec.models.llamacpp import LlamaCppRunner
+    from specdec.models.llamacpp import MAX_SEQUENCES, LlamaCppRunner
     target = LlamaCppRunner(convert(models["target"], str(tmp_path / "t.gguf"), "f32"))
     drafter = DraftModelTrees(LlamaRunner(load_model(models["near"])))
-    with pytest.raises(ValueError, match="backend='torch' or draft_tree='chain'"):
-        Engine(target, drafter, 3, draft_tree="tree")
-    assert Engine(target, drafter, 3, draft_tree="auto").scheduler.draft_tree == "chain"
+    engine = Engine(target, drafter, 3, draft_tree="tree", draft_tree_max_nodes=8)
+    assert engine.scheduler.draft_tree == "tree" and engine.scheduler.max_num_seqs == MAX_SEQUENCES // 8
+    engine = Engine(target, drafter, 3, draft_tree="tree", scheduler_config=SchedulerConfig(max_num_seqs=4))
+    assert engine.scheduler.max_num_seqs == 4
 
 
 class OversizedTrees(DraftModelTrees):

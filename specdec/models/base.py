@@ -91,6 +91,8 @@ class ModelRunner(ABC):
     casts_weights: bool = False  # True: the weights were cast at load to a dtype specdec chose (dtype_choice.py)
     can_keep_hidden_states: bool = False  # honours keep_hidden_states (EAGLE-3 heads read the target's states)
     can_verify_trees: bool = False  # honours ForwardBatch.parents and compact (draft trees, tree.py)
+    # the most rows x tree nodes a tree round may hold (llama.cpp: a context's sequence ids), None: no bound
+    max_tree_sequences: int | None = None
     cache_step: int = CACHE_STEP  # the KV cache grows in steps of this many positions (round_cache_len)
     min_cache_rows: int = 1  # the KV cache holds at least this many rows, however few run (a KV budget counts them)
     max_cache_positions: int | None = None  # a KV budget's bound on positions in all rows: growth past need stops there

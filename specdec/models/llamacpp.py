@@ -7,6 +7,14 @@ row's real tokens as one llama batch (ragged rows, no padding) and asks for logi
 the positions the caller indexes. When the cache is full the context is rebuilt twice as large
 and every sequence's KV is copied over.
 
+Draft trees (``ForwardBatch.parents``) are llama.cpp's own way of branching: a token may belong to
+several sequence ids, and a token attends to the cells of its first one. Each tree leaf is a
+sequence id that shares the row's cached prefix (seq_cp: the same cells): the leftmost leaf is the
+row's own id, each other a temporary one; a token belongs to the leaves below it (first: the
+leftmost), at the position of its depth. ``compact`` gives the row the accepted path's cells (seq_cp
+from a leaf below its end, over the positions where the path leaves the leftmost branch) and drops
+the temporary ids. A chain needs no temporary id; a tree of N nodes at most N - 1.
+
 For EAGLE-3 heads (``keep_hidden_states``) llama.cpp copies the inputs of the asked-for layers out of
 every decode (for all tokens fed, logits or not: llamacpp_ext.py); the runner keeps them per llama
 sequence id and position in one float32 array beside llama.cpp's KV, read back by ``hidden_states``.
@@ -40,6 +48,8 @@ WEIGHT_DTYPES = {"F32": torch.float32, "F16": torch.float16}
 class LlamaCppRunner(ModelRunner):
     backend = BACKEND
     can_run_layer_subsets = False  # llama.cpp runs whole models only
+    can_verify_trees = True  # a tree's branches are sequence ids sharing the row's cells (module docstring)
+    max_tree_sequences = MAX_SEQUENCES  # a tree round's rows and their branches share the context's ids
     casts_weights = False  # a GGUF file's weights run in their own types
 
     def __init__(self, path: str, tokenizer=None, max_model_len: int | None = None, vocab_size: int | None = None,
@@ -93,6 +103,8 @@ class LlamaCppRunner(ModelRunner):
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
         self.cached: dict[int, int] = {}  # llama sequence id -> positions held
         self.order: list[int] = []  # llama sequence id of cache row 0, 1, ...
+        self.tree_leaves: dict[int, list[int]] = {}  # row's sequence id -> the last tree pass's temporary leaf ids
+        self.tree_ids: dict[int, list[list[int]]] = {}  # row's sequence id -> each fed token's sequence ids
         self._batch = _Batch(lib, BATCH_TOKENS)
         self.hidden_size = lib.llama_model_n_embd(model)
         # EAGLE-3: whether this build and this model's graph give the layer inputs (llamacpp_ext.py)
@@ -141,6 +153,8 @@ class LlamaCppRunner(ModelRunner):
             self.ctx, self.mem, self.cells, self.n_seq = None, None, 0, 0
         self.seq_of.clear()
         self.cached.clear()
+        self.tree_leaves.clear()
+        self.tree_ids.clear()
         self.order = []
         self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
         self.states = None  # the kept hidden states go with the KV (grown again by the next forward)
@@ -335,6 +349,8 @@ class LlamaCppRunner(ModelRunner):
         if int(end.max(initial=0)) > self.max_model_len:
             raise ValueError(f"a row reaches position {int(end.max())}, past max_model_len={self.max_model_len}")
         self._roll_back(rows, start, batch.row_offset)
+        if batch.parents is not None:
+            return self._tree_forward(batch, rows, start, lengths)
 
         index = batch.logits_index
         if index is not None and bool((lengths == T).all()):
@@ -383,6 +399,123 @@ class LlamaCppRunner(ModelRunner):
         out = torch.from_numpy(out)
         return out[:, 0] if index.dim() == 1 else out
 
+    def _tree_forward(self, batch: ForwardBatch, rows: list[int], start: np.ndarray,
+                      lengths: np.ndarray) -> torch.Tensor | None:
+        """``forward`` of a tree pass (module docstring): row b's fed token t at position start[b] +
+        depth(t), in the sequences of the leaves below it (and the row's own id where every leaf is)."""
+        B, T = batch.token_ids.shape
+        token_ids = batch.token_ids.cpu().numpy()
+        plans = [_tree_plan(batch.parents[b][: int(lengths[b])]) for b in range(B)]  # [B] (depths, leaves)
+        n_temp = sum(max(len(leaf_nodes) - 1, 0) for _, leaf_nodes in plans)
+        if len(self.order) + n_temp > MAX_SEQUENCES:
+            raise ValueError(f"a tree pass over {B} rows needs {n_temp} branch sequence ids beside the rows' "
+                             f"{len(self.order)}; llama.cpp holds {MAX_SEQUENCES}: lower max_num_seqs or "
+                             "draft_tree_max_nodes")
+        if len(self.order) + n_temp > self.n_seq:
+            self._rebuild(self.cells, len(self.order) + n_temp)
+        tokens, pos, seq_ids, flags = [], [], [], []
+        index = batch.logits_index
+        idx = None if index is None else index.cpu().numpy()
+        idx = idx[:, None] if idx is not None and idx.ndim == 1 else idx  # [B, L]
+        for b, (s, (depth, leaf_nodes)) in enumerate(zip(rows, plans)):
+            leaf_seq = {node: (s if i == 0 else self.free.pop()) for i, node in enumerate(leaf_nodes)}
+            self.tree_leaves[s] = [q for q in leaf_seq.values() if q != s]
+            under = _leaves_under(batch.parents[b][: int(lengths[b])], leaf_nodes)  # [n] leaves below each token
+            ids = [[leaf_seq[node] for node in under[t]] for t in range(int(lengths[b]))]
+            for t in range(int(lengths[b])):
+                tokens.append(int(token_ids[b, t]))
+                pos.append(int(start[b]) + depth[t])
+                seq_ids.append(ids[t])
+                flags.append(1 if idx is not None and t in idx[b] else 0)
+            self.tree_ids[s] = ids
+            self.cached[s] = int(start[b]) + sum(1 for x in ids if x[0] == s)  # the leftmost branch is the row's
+        logits = self._decode_tree(rows, start, np.asarray(tokens, dtype=np.int32), np.asarray(pos, dtype=np.int32),
+                                   seq_ids, np.asarray(flags, dtype=np.int8))
+        if idx is None:
+            return None
+        out = np.zeros((B, idx.shape[1], self.vocab_size), dtype=np.float32)  # [B, L, V]; past a row's tokens: 0
+        flat = np.cumsum(lengths) - lengths  # row b's first token in the flat order
+        slot = np.cumsum(flags) - 1  # each flagged token's row in ``logits``
+        for b in range(B):
+            for j, t in enumerate(idx[b]):
+                if t < lengths[b]:
+                    out[b, j] = logits[slot[flat[b] + t]]
+        out = torch.from_numpy(out)
+        return out[:, 0] if index.dim() == 1 else out
+
+    def _decode_tree(self, rows: list[int], start: np.ndarray, tokens: np.ndarray, pos: np.ndarray,
+                     seq_ids: list[list[int]], flags: np.ndarray) -> np.ndarray:
+        """Give each branch the row's cached prefix, then decode the tree tokens (several sequence ids
+        each); a full cache is grown and the prefixes given again. Returns the flagged tokens' logits."""
+        lib = self.lib
+        extra = len(tokens)
+        for attempt in range(2):
+            need = sum(self.cached.values()) + extra
+            if need > self.cells:
+                self._rebuild(self._grown(need))
+            for b, s in enumerate(rows):
+                for leaf in self.tree_leaves[s]:
+                    lib.llama_memory_seq_rm(self.mem, leaf, -1, -1)
+                    if start[b] > 0:
+                        lib.llama_memory_seq_cp(self.mem, s, leaf, 0, int(start[b]))
+            parts, rc = [], 0
+            for lo in range(0, len(tokens), BATCH_TOKENS):
+                hi = min(len(tokens), lo + BATCH_TOKENS)
+                batch = _MultiSeqBatch(lib, tokens[lo:hi], pos[lo:hi], seq_ids[lo:hi], flags[lo:hi])
+                rc = lib.llama_decode(self.ctx, batch.batch)
+                if rc != 0:
+                    break
+                if self.kept_layers:
+                    self._keep_states(hi - lo, np.asarray([ids[0] for ids in seq_ids[lo:hi]], dtype=np.int32),
+                                      pos[lo:hi])
+                m = int(flags[lo:hi].sum())
+                if m:
+                    arr = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(m, self.n_vocab))
+                    parts.append(arr[:, : self.vocab_size].copy())  # the buffer is reused
+            if rc == 0:
+                break
+            if rc != 1 or attempt:
+                raise RuntimeError(f"llama_decode failed with code {rc} on a tree pass; set SPECDEC_LLAMA_LOG=1 for "
+                                   "llama.cpp's reason")
+            for b, s in enumerate(rows):  # no room in a fragmented cache: drop what this pass wrote, grow
+                lib.llama_memory_seq_rm(self.mem, s, int(start[b]), -1)
+            self._rebuild(2 * self.cells)
+        if not parts:
+            return np.zeros((0, self.vocab_size), dtype=np.float32)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def compact(self, rows: Sequence[int], start: Sequence[int], keep: Sequence[Sequence[int]]) -> None:
+        """After a tree pass: row ``rows[i]`` keeps its fed tokens ``keep[i]`` (a path from the first, in
+        order) at positions start[i] .. start[i] + len(keep[i]) - 1, where their depths put them."""
+        lib = self.lib
+        for r, p0, kept in zip(rows, start, keep):
+            s = self.order[r]
+            ids = self.tree_ids.get(s)
+            if ids is None or not kept:
+                continue
+            shared = 0  # the path's leading tokens on the leftmost branch: already the row's
+            while shared < len(kept) and ids[kept[shared]][0] == s:
+                shared += 1
+            p0, end = int(p0), int(p0) + len(kept)
+            lib.llama_memory_seq_rm(self.mem, s, p0 + shared, -1)  # the leftmost branch past the path
+            if shared < len(kept):
+                branch = ids[kept[-1]][0]  # a leaf below the path's end: its cells there are the path's
+                lib.llama_memory_seq_cp(self.mem, branch, s, p0 + shared, end)
+                if self.states is not None:
+                    states = self._states_for(max(s, branch) + 1, end)
+                    states[s, p0 + shared : end] = states[branch, p0 + shared : end]
+            self.cached[s] = end
+        self._drop_tree_ids()
+
+    def _drop_tree_ids(self) -> None:
+        """Free the last tree pass's branch sequence ids (their cells go unless a row holds them)."""
+        for leaves in self.tree_leaves.values():
+            for leaf in leaves:
+                self.lib.llama_memory_seq_rm(self.mem, leaf, -1, -1)
+                self.free.append(leaf)
+        self.tree_leaves.clear()
+        self.tree_ids.clear()
+
     def greedy_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int = 0,
                      stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
         """The base contract in a lean loop: one llama batch of B tokens is refilled in place each step
@@ -425,7 +558,9 @@ class LlamaCppRunner(ModelRunner):
         return out.tolist()
 
     def _roll_back(self, rows: list[int], start: Sequence[int], row_offset: int) -> None:
-        """Drop what each row held from its start on (rollback is a length change)."""
+        """Drop what each row held from its start on (rollback is a length change), and the last tree
+        pass's branches that ``compact`` did not keep."""
+        self._drop_tree_ids()
         for b, s in enumerate(rows):
             held = self.cached[s]
             if start[b] > held:
@@ -474,6 +609,49 @@ class LlamaCppRunner(ModelRunner):
         if not parts:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _tree_plan(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """For one row's fed tokens with ``parents`` (-1: continues the cache): each token's depth (0 for
+    -1) and the leaves (tokens without children), leftmost first."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    has_child = {p for p in parents if p >= 0}
+    return depth, [t for t in range(len(parents)) if t not in has_child]
+
+
+def _leaves_under(parents: Sequence[int], leaves: list[int]) -> list[list[int]]:
+    """The leaves below (or at) each token, leftmost first."""
+    under: list[list[int]] = [[] for _ in parents]
+    for leaf in leaves:
+        t = leaf
+        while t >= 0:
+            under[t].append(leaf)
+            t = parents[t]
+    return under
+
+
+class _MultiSeqBatch:
+    """A llama_batch whose tokens may each belong to several sequence ids (a tree pass)."""
+
+    def __init__(self, lib, tokens: np.ndarray, pos: np.ndarray, seq_ids: list[list[int]], flags: np.ndarray):
+        n = len(tokens)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        self.token, self.pos, self.flags = tokens.astype(np.int32), pos.astype(np.int32), flags.astype(np.int8)
+        self.n_seq_id = np.asarray([len(ids) for ids in seq_ids], dtype=np.int32)
+        self.ids = np.asarray([i for ids in seq_ids for i in ids], dtype=np.int32)  # flat, token by token
+        offsets = np.cumsum(self.n_seq_id) - self.n_seq_id
+        base = self.ids.ctypes.data
+        self.ptrs = (i32 * n)(*[ctypes.cast(base + 4 * int(o), i32) for o in offsets])
+        self.batch = lib.llama_batch()
+        self.batch.n_tokens = n
+        self.batch.token = self.token.ctypes.data_as(i32)
+        self.batch.embd = None
+        self.batch.pos = self.pos.ctypes.data_as(i32)
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(i32)
+        self.batch.seq_id = ctypes.cast(self.ptrs, ctypes.POINTER(i32))
+        self.batch.logits = self.flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
 
 def _ubatch(kv_bytes_per_cell: int, n_head: int) -> int:
