@@ -12,6 +12,7 @@ so the two differ widely (docs/benchmarks.md, "Verify cost curves", has both), a
 something in between.
 
     python benchmarks/verify_cost.py --gguf X.gguf [--hf CHECKPOINT] [--threads 2] [--contexts 64,600] [--burst 20]
+        [--compile-sizes 1,3,5,8]
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def runners(args) -> dict[str, object]:
         out[f"{path} torch"] = load_runner(path, "torch", enforce_eager=True)[0]
         if not args.eager_only:  # the compiled step (compiled.py), sizes 1 and 8: T = 2..8 run padded to 8
             out[f"{path} torch, compiled"] = load_runner(path, "torch", enforce_eager=False)[0]
+        for sizes in args.compile_sizes:  # other compiled sizes: T runs padded to the next one
+            from specdec.models.llama import LlamaRunner
+            from specdec.models.load import load_model
+
+            sizes = tuple(int(x) for x in sizes.split(","))
+            runner = LlamaRunner(load_model(path), enforce_eager=False, compile_sizes=sizes)
+            out[f"{path} torch, compiled T={','.join(map(str, sizes))}"] = runner
     return out
 
 
@@ -49,6 +57,8 @@ def main() -> None:
     ap.add_argument("--hf", action="append", default=[], help="an HF checkpoint for the torch runner (repeatable)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eager-only", action="store_true", help="time the torch runner eager only, not compiled too")
+    ap.add_argument("--compile-sizes", action="append", default=[],
+                    help="also the torch runner compiled for these token counts, e.g. 1,3,5,8 (repeatable)")
     ap.add_argument("--contexts", default="64,600", help="positions already cached before the timed forward")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--burst", type=int, default=1,

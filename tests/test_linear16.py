@@ -165,7 +165,9 @@ def test_demo_target_greedy_equals_the_float32_path(no_native):
 
 def test_compiled_step_calls_the_kernel_and_equals_float32(no_native, tmp_path):
     """A small bf16 model's compiled step (the kernel as an extern call in inductor's graph) against the
-    float32 forward of the same weights: logits within float32 rounding, the compiled path asserted."""
+    float32 forward of the same weights: logits within float32 rounding, the compiled path asserted, at
+    each length the kernel's sizes pad to (compiled.W16_SIZES: 1, 3, 6, 9)."""
+    from specdec.models.compiled import W16_SIZES
     from specdec.models.base import ForwardBatch
     from specdec.models.llama import LlamaRunner
     from specdec.models.load import load_model
@@ -179,11 +181,13 @@ def test_compiled_step_calls_the_kernel_and_equals_float32(no_native, tmp_path):
         f32_model.hf_model.float()
     f32 = LlamaRunner(f32_model, enforce_eager=True)
     assert compiled.compiled is not None and compiled.lm_head.kind == "w16" and f32.lm_head.kind == "wxt"
+    assert compiled.compiled.sizes == W16_SIZES
     prompt = list(range(5, 25))
     for r in (compiled, ref, f32):
         r.sync_rows(["a"])
         r.forward(ForwardBatch.from_rows([prompt[:12]], [0], logits="none"))
-    for tokens, start in (([prompt[12]], 12), (prompt[13:18], 13), (prompt[13:21], 13)):
+    for tokens, start in (([prompt[12]], 12), (prompt[13:15], 13), (prompt[13:18], 13), (prompt[13:21], 13),
+                          (prompt[13:22], 13)):  # T = 1, 2, 5, 8, 9
         outs = [r.forward(ForwardBatch.from_rows([tokens], [start], logits="all")) for r in (compiled, ref, f32)]
         assert compiled.last_path == "compiled"
         torch.testing.assert_close(outs[0], outs[2], rtol=0, atol=1e-4)

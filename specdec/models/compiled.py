@@ -13,8 +13,9 @@ alike, so verify passes stay flat:
              0 = seen, -inf = not; one per distinct sliding window W), the KV cache tensors
     output:  logits [B, T, V] float32 at every fed position
 
-Each row's T is padded to the smallest compiled size (``DEFAULT_SIZES``: 1 for decoding, 8 for verify
-passes and small trees; padding tokens continue the row, write past its tokens and are seen by none).
+Each row's T is padded to the smallest compiled size (``sizes_for``: 1 for decoding, 8 for verify passes
+and small trees; 1, 3, 6, 9 with the 16-bit weight kernel, whose cost steps every 3 rows; padding
+tokens continue the row, write past its tokens and are seen by none).
 The cache's rows and length and the attended length L (a multiple of ATTEND_STEP) are traced as
 dynamic dims, so no batch compiles again after load. Batches of several rows, longer feeds
 (prefills) and layer subsets run eager (``CompiledStep.why_not``; the runner's ``last_path`` says
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
 
 ENFORCE_EAGER_ENV = "SPECDEC_ENFORCE_EAGER"
 DEFAULT_SIZES = (1, 8)  # fed tokens per row compiled at load: 1 (decode), up to 8 (verify k <= 7, small trees)
+# linear16's kernel takes input rows 3 at a time: 1-3 rows cost one read of the weights, 4-6 and 7-9 one
+# more tile each (AVX2, shipped target: 6.0 ms at T = 3, 8.1 at 5, 10.8 at 8; padded to 8, T = 3 cost 10.7)
+W16_SIZES = (1, 3, 6, 9)
+RECOMPILE_LIMIT = 64  # graphs of the compiled step per process (torch._dynamo.config.recompile_limit)
 ATTEND_STEP = 64  # the attended length L is a multiple of this: at most 63 masked keys more than needed
 # inductor's on-disk caches (generated code, compiled graphs) live beside specdec's other caches, not in
 # /tmp, so that a compile is once per machine; set before inductor first reads it. A value set stays.
@@ -138,6 +143,13 @@ class StepGraph(nn.Module):
         return logits(m, x)  # [B, T, V]
 
 
+def sizes_for(linear_kind: str) -> tuple[int, ...]:
+    """The token counts per row to compile for a runner whose products are of ``linear_kind``
+    (linear.Linear.kind): where a product's cost steps with its rows, sizes at the steps; else 1 and 8
+    (oneDNN's bf16 product and ATen's float32 one cost about the same for 2 to 8 rows)."""
+    return W16_SIZES if linear_kind == "w16" else DEFAULT_SIZES
+
+
 class CompiledStep:
     """The compiled forward of one runner for batches of one row and up to max(sizes) tokens: it
     compiles each size at construction (one line on stderr per model; inductor's FX graph and AOT
@@ -162,6 +174,9 @@ class CompiledStep:
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             install_linear_fallback()
         options = {} if self.cuda else {"cpp_wrapper": True}
+        # dynamo counts the graphs of StepGraph.forward across the process's runners (sizes x targets,
+        # drafts, kept-state variants): its default of 8 is a hard failure under fullgraph
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.fn = torch.compile(self.graph, backend="inductor", fullgraph=True, dynamic=False, options=options,
                                 mode="reduce-overhead" if self.cuda else None)
         self.compile_seconds = self._warm()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
-from specdec.models.compiled import DEFAULT_SIZES, CompiledStep, enforce_eager_default
+from specdec.models.compiled import CompiledStep, enforce_eager_default, sizes_for
 from specdec.models.cpu import native_bf16
 from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
 from specdec.models.layers import (FEW_QUERIES, Dims, LayerWeights, ModelWeights, attention, attention_mask, decoder,
@@ -58,7 +58,7 @@ class LlamaRunner(ModelRunner):
         """``enforce_eager`` (vLLM's name): True runs every forward eager; False compiles the few-token
         step at once (compiled.py); None: compile on CPU unless SPECDEC_ENFORCE_EAGER=1 (on other
         devices the compiled path, CUDA graphs there, is untested: eager unless asked). ``compile_sizes``:
-        the token counts per row compiled (default compiled.DEFAULT_SIZES)."""
+        the token counts per row compiled (default: compiled.sizes_for the weights' product kind)."""
         cfg = loaded.config
         model = loaded.hf_model
         inner = model.model
@@ -106,7 +106,7 @@ class LlamaRunner(ModelRunner):
         if enforce_eager is None:
             enforce_eager = enforce_eager_default() or self.device.type != "cpu"
         self.enforce_eager = bool(enforce_eager)
-        self.compile_sizes = tuple(compile_sizes or DEFAULT_SIZES)
+        self.compile_sizes = tuple(compile_sizes or sizes_for(self.lm_head.kind))
         self.compiled: CompiledStep | None = None
         self.last_path = "eager: enforce_eager" if self.enforce_eager else "compiled"
         if not self.enforce_eager:
