@@ -9,7 +9,8 @@ default attention backend, and the stateful SDPA model), with the draft (``draft
 ``INFERENCE_NUM_THREADS`` = --threads. The models are exported once with optimum-intel
 (``optimum-cli export openvino``, tokenizers converted by openvino-tokenizers) into
 ~/.cache/specdec/openvino. specdec runs in this process: ``LLM`` with each of --backends, plain and
-its best methods (draft_model k=8 adaptive, suffix k=32 x3, eagle3 with specdec/demo-eagle3).
+its best methods (draft_model k=8 adaptive, suffix k=32 x3 and k=8, suffix in front of the draft,
+eagle3 with specdec/demo-eagle3).
 
 Reported: per configuration the median tok/s over prompts (end to end, prefill included), each
 engine's best, the ratios specdec / OpenVINO, τ where the engine counts it, the CPU path beside each
@@ -181,6 +182,9 @@ def build_configs(args, has_enforce_eager: bool) -> list[Config]:
                "draft k=8 adaptive": {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 8},
                "suffix k=32 x3": {"method": "suffix", "num_speculative_tokens": 32, "adaptive": False,
                                   "suffix_decoding_max_spec_factor": 3.0},
+               "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
+               "suffix + draft k=8 adaptive": {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 8,
+                                               "enable_suffix_decoding": True},
                "eagle3 k=8 adaptive": {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": 8}}
     if not args.eagle3_head:
         del methods["eagle3 k=8 adaptive"]
