@@ -27,7 +27,8 @@ def test_configs_from_arguments():
                             "--enforce-eager", "both", "--ngram", "4"])
     with_eager = peer.build_configs(args, has_enforce_eager=True)
     without = peer.build_configs(args, has_enforce_eager=False)
-    methods = ["plain", "draft k=8 adaptive", "suffix k=32 x3", "eagle3 k=8 adaptive"]
+    methods = ["plain", "draft k=8 adaptive", "suffix k=32 x3", "suffix k=8", "suffix + draft k=8 adaptive",
+               "eagle3 k=8 adaptive"]
     torch_names = [c.name for c in with_eager if c.backend == "torch"]
     assert torch_names == [f"torch {m}" for m in methods] + [f"torch {m} eager" for m in methods]
     assert [c.name for c in without if c.backend == "torch"] == [f"torch {m}" for m in methods]
@@ -37,6 +38,10 @@ def test_configs_from_arguments():
     assert [c.ov for c in ov] == [{"config": "plain"}, {"config": "plain-sdpa"}, {"config": "draft", "k": 2},
                                   {"config": "draft", "k": 5}, {"config": "lookup", "k": 8, "ngram": 4}]
     assert all(c.plain_key == "openvino plain" for c in ov)
+    by_name = {c.name: c for c in with_eager}
+    assert by_name["torch suffix + draft k=8 adaptive"].spec == {"method": "draft_model", "model": args.draft,
+                                                                 "num_speculative_tokens": 8,
+                                                                 "enable_suffix_decoding": True}
     no_head = peer.build_configs(peer.parse_args(["--eagle3-head", "", "--backends", "llama.cpp"]), False)
     assert not any("eagle3" in c.name for c in no_head)
     with pytest.raises(ValueError, match="--backends"):
