@@ -34,7 +34,6 @@ g, its k, v at its own slot past the committed entries, attending to those, its 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F

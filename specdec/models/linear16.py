@@ -124,7 +124,7 @@ void product(const float* x, const uint16_t* w, float* y, int64_t T, int64_t N, 
       const uint16_t* wb = w + b * KC * RB * 8;
       const int64_t rows = N - b * RB;
       float* yb = y + b * RB;
-      if (T == 1) {  // decoding: the hardware prefetcher keeps up, and a prefetch costs more than it saves
+      if (T == 1) {  // decoding
         tile1<BF16>(x, wb, K, tail, yb, rows);
         continue;
       }

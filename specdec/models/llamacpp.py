@@ -32,6 +32,7 @@ from specdec.models import llamacpp_ext
 from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
 from specdec.models.gguf import GGUFInfo, read_info
 from specdec.models.llamacpp_lib import load_library
+from specdec.tree import depths_of
 
 BACKEND = "llama.cpp"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids one context can hold
@@ -465,13 +466,8 @@ class LlamaCppRunner(ModelRunner):
                 rc = lib.llama_decode(self.ctx, batch.batch)
                 if rc != 0:
                     break
-                if self.kept_layers:
-                    self._keep_states(hi - lo, np.asarray([ids[0] for ids in seq_ids[lo:hi]], dtype=np.int32),
-                                      pos[lo:hi])
-                m = int(flags[lo:hi].sum())
-                if m:
-                    arr = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(m, self.n_vocab))
-                    parts.append(arr[:, : self.vocab_size].copy())  # the buffer is reused
+                self._decoded(np.asarray([ids[0] for ids in seq_ids[lo:hi]], dtype=np.int32), pos[lo:hi],
+                              flags[lo:hi], parts)
             if rc == 0:
                 break
             if rc != 1 or attempt:
@@ -480,9 +476,7 @@ class LlamaCppRunner(ModelRunner):
             for b, s in enumerate(rows):  # no room in a fragmented cache: drop what this pass wrote, grow
                 lib.llama_memory_seq_rm(self.mem, s, int(start[b]), -1)
             self._rebuild(2 * self.cells)
-        if not parts:
-            return np.zeros((0, self.vocab_size), dtype=np.float32)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return self._joined(parts)
 
     def compact(self, rows: Sequence[int], start: Sequence[int], keep: Sequence[Sequence[int]]) -> None:
         """After a tree pass: row ``rows[i]`` keeps its fed tokens ``keep[i]`` (a path from the first, in
@@ -599,13 +593,20 @@ class LlamaCppRunner(ModelRunner):
             hi = min(n, lo + BATCH_TOKENS)
             batch = self._batch.fill(tokens[lo:hi], pos[lo:hi], seq[lo:hi], flags[lo:hi])
             self._check(lib.llama_decode(self.ctx, batch), batch)
-            if self.kept_layers:
-                self._keep_states(hi - lo, seq[lo:hi], pos[lo:hi])
-            m = int(flags[lo:hi].sum())
-            if m:
-                ptr = lib.llama_get_logits(self.ctx)
-                arr = np.ctypeslib.as_array(ptr, shape=(m, self.n_vocab))
-                parts.append(arr[:, : self.vocab_size].copy())  # the buffer is reused
+            self._decoded(seq[lo:hi], pos[lo:hi], flags[lo:hi], parts)
+        return self._joined(parts)
+
+    def _decoded(self, seq: np.ndarray, pos: np.ndarray, flags: np.ndarray, parts: list[np.ndarray]) -> None:
+        """After a llama_decode of these tokens (``seq``: each one's first sequence id): keep their states
+        (EAGLE-3) and append the flagged tokens' logits [n_flagged, vocab_size] to ``parts``."""
+        if self.kept_layers:
+            self._keep_states(len(seq), seq, pos)
+        m = int(flags.sum())
+        if m:
+            arr = np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(m, self.n_vocab))
+            parts.append(arr[:, : self.vocab_size].copy())  # the buffer is reused
+
+    def _joined(self, parts: list[np.ndarray]) -> np.ndarray:
         if not parts:
             return np.zeros((0, self.vocab_size), dtype=np.float32)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -614,11 +615,8 @@ class LlamaCppRunner(ModelRunner):
 def _tree_plan(parents: Sequence[int]) -> tuple[list[int], list[int]]:
     """For one row's fed tokens with ``parents`` (-1: continues the cache): each token's depth (0 for
     -1) and the leaves (tokens without children), leftmost first."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
     has_child = {p for p in parents if p >= 0}
-    return depth, [t for t in range(len(parents)) if t not in has_child]
+    return depths_of(list(parents)), [t for t in range(len(parents)) if t not in has_child]
 
 
 def _leaves_under(parents: Sequence[int], leaves: list[int]) -> list[list[int]]:
@@ -644,14 +642,22 @@ class _MultiSeqBatch:
         offsets = np.cumsum(self.n_seq_id) - self.n_seq_id
         base = self.ids.ctypes.data
         self.ptrs = (i32 * n)(*[ctypes.cast(base + 4 * int(o), i32) for o in offsets])
-        self.batch = lib.llama_batch()
+        self.batch = _llama_batch(lib, self.token, self.pos, self.n_seq_id, self.ptrs, self.flags)
         self.batch.n_tokens = n
-        self.batch.token = self.token.ctypes.data_as(i32)
-        self.batch.embd = None
-        self.batch.pos = self.pos.ctypes.data_as(i32)
-        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(i32)
-        self.batch.seq_id = ctypes.cast(self.ptrs, ctypes.POINTER(i32))
-        self.batch.logits = self.flags.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+
+def _llama_batch(lib, token: np.ndarray, pos: np.ndarray, n_seq_id: np.ndarray, seq_ptrs, logits: np.ndarray):
+    """A llama_batch over these arrays (int32 token, pos and n_seq_id; seq_ptrs: each token's int32* of its
+    sequence ids; int8 logits flags); the caller keeps the arrays alive and sets n_tokens."""
+    i32 = ctypes.POINTER(ctypes.c_int32)
+    batch = lib.llama_batch()
+    batch.token = token.ctypes.data_as(i32)
+    batch.embd = None
+    batch.pos = pos.ctypes.data_as(i32)
+    batch.n_seq_id = n_seq_id.ctypes.data_as(i32)
+    batch.seq_id = ctypes.cast(seq_ptrs, ctypes.POINTER(i32))
+    batch.logits = logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+    return batch
 
 
 def _ubatch(kv_bytes_per_cell: int, n_head: int) -> int:
@@ -673,13 +679,7 @@ class _Batch:
         i32 = ctypes.POINTER(ctypes.c_int32)
         base = self.seq.ctypes.data
         self.seq_ptrs = (i32 * cap)(*[ctypes.cast(base + 4 * i, i32) for i in range(cap)])  # token i -> &seq[i]
-        self.batch = lib.llama_batch()
-        self.batch.token = self.token.ctypes.data_as(i32)
-        self.batch.embd = None
-        self.batch.pos = self.pos.ctypes.data_as(i32)
-        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(i32)
-        self.batch.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(i32))
-        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.batch = _llama_batch(lib, self.token, self.pos, self.n_seq_id, self.seq_ptrs, self.logits)
 
     def fill(self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, flags: np.ndarray):
         n = len(tokens)

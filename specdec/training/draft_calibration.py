@@ -16,7 +16,6 @@ The result goes into the head's config.json as ``specdec_draft_temperature_scale
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
