@@ -78,7 +78,7 @@ def tree_mode(draft_tree: str, k: int, drafter, target) -> str:
     return draft_tree if target.can_verify_trees and drafter.can_draft_trees else "chain"
 
 
-def tree_round(mode: str, seqs, carries_prompt: bool, controller_tree, full):
+def tree_round(mode: str, seqs, carries_prompt: bool, controller_tree, full, tree_sequences: int | None = None):
     """The tree shape this round drafts within, or None: a chain round. The one place that decides.
 
     "chain": never trees. "tree": always, so every row's round type is its configuration's
@@ -87,12 +87,16 @@ def tree_round(mode: str, seqs, carries_prompt: bool, controller_tree, full):
     more; no controller: chains), but chains while a seeded sampled row runs (its round type must
     not follow timings). Chains too while a prompt rides in the pass (a tree pass feeds one token
     per row): with "tree" newcomers are prefilled instead (``Scheduler.admit``). A row whose logits
-    are processed or reported joins a tree round with a chain (``row_tree``)."""
+    are processed or reported joins a tree round with a chain (``row_tree``). ``tree_sequences``: the
+    target's bound on rows x tree nodes (``ModelRunner.max_tree_sequences``): an "auto" batch past it
+    verifies chains ("tree" holds fewer seats instead, ``Scheduler.max_num_seqs``)."""
     if mode == "chain" or carries_prompt:
         return None
     if mode == "tree":
         return controller_tree(True) or full
     if any(is_seeded(s.params) for s in seqs):
+        return None
+    if tree_sequences is not None and len(seqs) * full.num_nodes > tree_sequences:
         return None
     return controller_tree(False)
 

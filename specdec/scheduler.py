@@ -322,9 +322,9 @@ class Scheduler:
         if max(depth, default=0) <= 0:
             return None
         carries_prompt = any(len(s.token_ids) - s.num_computed != 1 for s in seqs)
-        shape = tree_round(self.draft_tree, seqs, carries_prompt, controller_tree, full)
-        if shape is None or (self.tree_sequences is not None and len(seqs) * full.num_nodes > self.tree_sequences):
-            return None  # (with "auto" a batch too large for the target's tree bound verifies chains)
+        shape = tree_round(self.draft_tree, seqs, carries_prompt, controller_tree, full, self.tree_sequences)
+        if shape is None:
+            return None
         return [row_tree(s, d, shape, full) for s, d in zip(seqs, depth)]
 
     def num_plain_steps(self, batch: RoundBatch) -> int:

@@ -255,6 +255,10 @@ def test_the_policy_decides_tree_or_chain_and_how_a_seeded_row_drafts():
     assert policy.tree_round("auto", rows, False, controller, full) == chosen and asked == [False]
     assert policy.tree_round("auto", rows + [_decoding(seeded)], False, controller, full) is None
     assert asked == [False]  # a seeded sampled row takes chains in auto, whatever the controller would say
+    two = [_decoding(greedy), _decoding(greedy)]  # a target holding rows x nodes <= 8 (full: 8 nodes)
+    assert policy.tree_round("auto", rows, False, controller, full, tree_sequences=8) == chosen
+    assert policy.tree_round("auto", two, False, controller, full, tree_sequences=8) is None  # past it: chains
+    assert policy.tree_round("auto", two, False, controller, full, tree_sequences=16) == chosen
     s = _decoding(seeded)
     assert policy.row_tree(s, 2, chosen, full) == TreeShape(8, 2, 2)  # the largest tree, never the controller's
     assert policy.row_tree(_decoding(greedy), 5, chosen, full) == TreeShape(4, 2, 2)
