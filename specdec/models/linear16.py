@@ -194,12 +194,18 @@ def available() -> Availability:
     return Availability(True, "")
 
 
+# -fopenmp: at::parallel_for runs its range on torch's threads only where _OPENMP is defined; without it
+# the product ran on one thread (EPYC-AVX2, 33 products at T = 1: 3.6 -> 2.3 ms; T = 9: 8.2 -> 4.5 ms).
+# The library links libgomp.so.1, which resolves to the one torch has already loaded (one thread pool).
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+
+
 def _build() -> None:
     from torch.utils import cpp_extension
 
     if hasattr(torch.ops.specdec, "linear16"):
         return
-    tag = hashlib.sha1((_SOURCE + torch.__version__).encode()).hexdigest()[:12]
+    tag = hashlib.sha1((_SOURCE + " ".join(_FLAGS) + torch.__version__).encode()).hexdigest()[:12]
     folder = cache_dir() / "linear16" / tag
     folder.mkdir(parents=True, exist_ok=True)
     source = folder / "linear16.cpp"
@@ -214,7 +220,7 @@ def _build() -> None:
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"],
+        cpp_extension.load(name, [str(source)], extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"],
                            build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception:
         if not built:
