@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec.config import ModelConfig
+from specdec.models import cache_attention
 from specdec.models.base import ForwardBatch
 from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
@@ -31,6 +32,8 @@ def pair(request, tmp_path_factory, one_thread):
     compiled = LlamaRunner(load_model(folder, dtype), enforce_eager=False)
     eager = LlamaRunner(load_model(folder, dtype), enforce_eager=True)
     assert compiled.compiled is not None and eager.compiled is None
+    d = compiled.model.dims  # attention from the cache where the kernel runs (float32 here), else gathered
+    assert compiled.compiled.in_cache == cache_attention.supports(d.compute_dtype, torch.device("cpu"), d.head_dim)
     return compiled, eager, atol
 
 

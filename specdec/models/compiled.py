@@ -21,6 +21,8 @@ dynamic dims, so no batch compiles again after load. Batches of several rows, lo
 (prefills) and layer subsets run eager (``CompiledStep.why_not``; the runner's ``last_path`` says
 which path ran). The linears call the runner's own prepacked oneDNN weights (bf16) or ``w @ x^T``
 (float32) as extern kernels; norms, RoPE, residuals, cache writes and softmax are fused C++ loops.
+Where specdec's attention kernel runs (cache_attention.py: x86 with AVX2, a float32 cache) attention is
+one extern call per layer that reads k and v in the cache, instead of a gathered copy and two matmuls.
 Inductor's FX graph and AOT autograd caches keep the compiled graphs on disk
 (TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/specdec/inductor/<isa key>): a second load compiles nothing.
 
@@ -38,6 +40,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from specdec.models import cache_attention as attention_kernel
+from specdec.models.cache_attention import cache_attention
 from specdec.models.kv_cache import CACHE_STEP
 from specdec.models.layers import ModelWeights, attention, attention_mask, decoder, logits, rope_tables
 from specdec.models.timings import cache_dir, isa_key
@@ -112,9 +116,11 @@ class StepGraph(nn.Module):
     for the inputs). It reads the runner's own weights (bf16 ones already in oneDNN's blocked layout):
     no copy, and no freezing, whose MKL-packed constants inductor cannot cache."""
 
-    def __init__(self, model: ModelWeights, windows: list[int | None], long_window: int, kept_layers: Sequence[int] = ()):
+    def __init__(self, model: ModelWeights, windows: list[int | None], long_window: int, kept_layers: Sequence[int] = (),
+                 in_cache: bool = False):
         super().__init__()
         self.m = model
+        self.in_cache = in_cache  # attention by specdec::cache_attention, reading k and v in the cache
         # a layer's window -> its mask's index in the mask's first dim (None: no window, or one longer than any row)
         self.window_index = {w.sliding_window: windows.index(w.sliding_window if w.sliding_window is not None
                                                              and w.sliding_window < long_window else None)
@@ -133,6 +139,8 @@ class StepGraph(nn.Module):
             at = (torch.full_like(slots, li), row_of, None, slots)  # cache[li, rows[b], :, slots[b, t]]
             torch.ops.aten.index_put_(k_cache, at, k)  # [B, T, KVH, hd] at each row's slots
             torch.ops.aten.index_put_(v_cache, at, v.to(v_cache.dtype))
+            if self.in_cache:
+                return cache_attention(q, k_cache, v_cache, li, rows, mask[self.window_index[window]])  # [B, T, H, hd]
             keys, values = k_cache[li, :, :, :L][rows], v_cache[li, :, :, :L][rows]  # [B, KVH, L, hd]
             bias = mask[self.window_index[window]][:, None]  # [B, 1, T, L] additive
             return attention(q.transpose(1, 2), keys, values, bias).transpose(1, 2)  # [B, T, H, hd]
@@ -169,7 +177,8 @@ class CompiledStep:
             w.sliding_window if w.sliding_window is not None and w.sliding_window < long_window else None
             for w in m.layers))
         self.kept_layers = list(host.kept_layers)
-        self.graph = StepGraph(m, self.windows, long_window, self.kept_layers)
+        self.in_cache = attention_kernel.supports(m.dims.compute_dtype, self.device, m.dims.head_dim)
+        self.graph = StepGraph(m, self.windows, long_window, self.kept_layers, self.in_cache)
         self.cuda = self.device.type == "cuda"
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             install_linear_fallback()

@@ -11,24 +11,18 @@ the sums. Tiles of 4 weight rows x 3 input rows keep 12 accumulators in register
 verify pass) cost little more than one. Measurements: docs/benchmarks.md, "16-bit weights with float32
 products".
 
-It is a C++ extension built once per machine and torch version (``torch.utils.cpp_extension``, into
-specdec's cache folder; it needs a C++ compiler and ninja) and registered as the operator
-``specdec::linear16``, which the compiled step (compiled.py) calls as an extern kernel like oneDNN's.
-``available()`` says whether this CPU and this install can use it, and why not.
+It is a C++ extension (native.py: built once per machine, run on torch's threads) registered as the
+operator ``specdec::linear16``, which the compiled step (compiled.py) calls as an extern kernel like
+oneDNN's. ``available()`` says whether this CPU and this install can use it, and why not.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import sys
-import time
-from dataclasses import dataclass
 
 import torch
 
-from specdec.models.timings import cache_dir
+from specdec.models import native
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -165,69 +159,23 @@ at::Tensor linear16(const at::Tensor& x, const at::Tensor& w, int64_t N) {
 
 }  // namespace
 
-TORCH_LIBRARY(specdec, m) { m.def("linear16(Tensor x, Tensor w, int out_features) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(specdec, m) { m.def("linear16(Tensor x, Tensor w, int out_features) -> Tensor"); }
 TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("linear16", &linear16); }
 """
 
 
-@dataclass(frozen=True)
-class Availability:
-    ok: bool
-    reason: str  # why not, when not
+Availability = native.Availability
+WHAT = "the 16-bit weight kernel"
 
 
 @functools.cache
 def available() -> Availability:
     """Whether this CPU and install run ``specdec::linear16`` (building it the first time), and why not."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return Availability(False, f"the CPU (or ATEN_CPU_CAPABILITY) offers no AVX2: "
-                                   f"{torch.backends.cpu.get_cpu_capability()}")
-    caps = torch.cpu.get_capabilities()
-    missing = [f for f in ("fma3", "f16c") if f in caps and not caps[f]]
-    if missing:
-        return Availability(False, f"the CPU lacks {', '.join(missing)}")
-    try:
-        _build()
-    except Exception as e:  # no compiler, no ninja, a read-only cache: float32 weights instead
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return Availability(False, f"building the 16-bit weight kernel failed: {type(e).__name__}: {first}")
-    return Availability(True, "")
-
-
-# -fopenmp: at::parallel_for runs its range on torch's threads only where _OPENMP is defined; without it
-# the product ran on one thread (EPYC-AVX2, 33 products at T = 1: 3.6 -> 2.3 ms; T = 9: 8.2 -> 4.5 ms).
-# The library links libgomp.so.1, which resolves to the one torch has already loaded (one thread pool).
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
+    return native.availability("linear16", _build, WHAT)
 
 
 def _build() -> None:
-    from torch.utils import cpp_extension
-
-    if hasattr(torch.ops.specdec, "linear16"):
-        return
-    tag = hashlib.sha1((_SOURCE + " ".join(_FLAGS) + torch.__version__).encode()).hexdigest()[:12]
-    folder = cache_dir() / "linear16" / tag
-    folder.mkdir(parents=True, exist_ok=True)
-    source = folder / "linear16.cpp"
-    if not source.exists() or source.read_text() != _SOURCE:
-        tmp = source.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(_SOURCE)
-        tmp.replace(source)
-    name = f"specdec_linear16_{tag}"
-    built = (folder / f"{name}.so").exists()
-    if not built:  # a C++ compile of up to a minute: say so before it starts, as the compiled step does
-        print(f"specdec: building the 16-bit weight kernel into {folder} (once per machine) ...", end="",
-              file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    try:
-        cpp_extension.load(name, [str(source)], extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"],
-                           build_directory=str(folder), is_python_module=False, verbose=False)
-    except Exception:
-        if not built:
-            print(" failed", file=sys.stderr, flush=True)
-        raise
-    if not built:
-        print(f" built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    native.build("linear16", _SOURCE, WHAT)
 
     @torch.library.register_fake("specdec::linear16")
     def _(x, packed, out_features):

@@ -1,0 +1,174 @@
+"""Attention for a few queries that reads k and v where the KV cache holds them (x86, AVX2 + FMA).
+
+The compiled step's attention (compiled.py) gathered each layer's attended keys and values out of the
+whole cache (``cache[layer, rows, :, :L]``: a copy of L positions per layer and step) and ran two batched
+matmuls and a softmax on the copy. ``specdec::cache_attention`` computes softmax(q k^T / sqrt(hd) + bias) v
+straight from the cache row: the keys are read once, 8 at a time against each query (one horizontal-sum
+tree per 8 dot products), the scores of a query stay in a buffer of L floats, and its output in 8
+registers per 64 values. Query heads that share a KV head are done by the thread that reads it. The
+result equals ``layers.few_query_attention`` on the gathered keys up to the order of the sums
+(tests/test_cache_attention.py). A C++ extension (native.py); ``available()`` says whether it runs here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specdec.models import native
+
+_SOURCE = r"""
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
+
+inline __m256 sums8(const __m256 (&a)[8]) {  // 8 vectors -> the vector of their 8 sums
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// scores s[j] = q . k[j] * scale + bias[j], j < L; q [hd], k [L, hd] (hd a multiple of 8)
+inline void scores(const float* q, const float* k, const float* bias, float scale, int64_t L, int64_t hd, float* s) {
+  int64_t j = 0;
+  for (; j + 8 <= L; j += 8) {
+    __m256 a[8];
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + u) * hd + d), a[u]);
+    }
+    _mm256_storeu_ps(s + j, _mm256_fmadd_ps(sums8(a), _mm256_set1_ps(scale), _mm256_loadu_ps(bias + j)));
+  }
+  for (; j < L; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + j * hd + d), a);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    s[j] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) * scale + bias[j];
+  }
+}
+
+// s[j] <- exp(s[j] - max s) / sum: in place, L values
+inline void softmax(float* s, int64_t L) {
+  using Vec = at::vec::Vectorized<float>;
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) mx = std::max(mx, s[j]);
+  float sum = 0.f;
+  int64_t j = 0;
+  for (; j + 8 <= L; j += 8) {
+    const Vec e = (Vec::loadu(s + j) - Vec(mx)).exp_u20();
+    e.store(s + j);
+    sum += at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, e);
+  }
+  for (; j < L; ++j) sum += (s[j] = std::exp(s[j] - mx));
+  const float inv = 1.f / sum;
+  for (j = 0; j < L; ++j) s[j] *= inv;
+}
+
+// out [hd] = sum_j p[j] v[j]; v [L, hd]: 64 outputs at a time in 8 registers
+inline void values(const float* p, const float* v, int64_t L, int64_t hd, float* out) {
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    const int n = static_cast<int>(std::min<int64_t>(64, hd - d0) / 8);
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) {
+      if (p[j] == 0.f) continue;  // masked keys
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* vj = v + j * hd + d0;
+      for (int u = 0; u < n; ++u) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * u), acc[u]);
+    }
+    for (int u = 0; u < n; ++u) _mm256_storeu_ps(out + d0 + 8 * u, acc[u]);
+  }
+}
+
+// q [B, T, H, hd]; k, v [layers, rows, KVH, len, hd] float32; rows [B] (each batch row's cache row);
+// bias [B, T, L] additive (0 seen, -inf not), L <= len -> [B, T, H, hd]
+at::Tensor cache_attention(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v, int64_t layer,
+                           const at::Tensor& rows_, const at::Tensor& bias_) {
+  TORCH_CHECK(q_.dim() == 4 && k.dim() == 5 && v.sizes() == k.sizes() && bias_.dim() == 3 && rows_.dim() == 1,
+              "specdec::cache_attention: q [B, T, H, hd], k and v [layers, rows, KVH, len, hd], rows [B] and "
+              "bias [B, T, L] expected, got ", q_.sizes(), ", ", k.sizes(), ", ", rows_.sizes(), ", ", bias_.sizes());
+  TORCH_CHECK(q_.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              bias_.scalar_type() == at::kFloat, "specdec::cache_attention: float32 q, k, v and bias expected");
+  TORCH_CHECK(q_.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "specdec::cache_attention: CPU tensors only");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "specdec::cache_attention: a contiguous cache expected");
+  const at::Tensor q = q_.contiguous(), bias = bias_.contiguous(), rows = rows_.to(at::kLong).contiguous();
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), hd = q.size(3);
+  const int64_t R = k.size(1), KVH = k.size(2), len = k.size(3), L = bias.size(2);
+  TORCH_CHECK(k.size(4) == hd && hd % 8 == 0 && KVH > 0 && H % KVH == 0 && bias.size(0) == B && bias.size(1) == T &&
+              rows.size(0) == B && L <= len && layer >= 0 && layer < k.size(0),
+              "specdec::cache_attention: shapes do not agree: q ", q.sizes(), ", cache ", k.sizes(), ", bias ",
+              bias.sizes(), ", layer ", layer, " (head_dim must be a multiple of 8)");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(rp[b] >= 0 && rp[b] < R, "specdec::cache_attention: cache row ", rp[b], " of ", R);
+  at::Tensor out = at::empty({B, T, H, hd}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* bp = bias.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t G = H / KVH;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s(L);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / KVH, g = i % KVH;
+      const int64_t at_row = ((layer * R + rp[b]) * KVH + g) * len * hd;  // [len, hd] of this KV head
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = g * G; h < (g + 1) * G; ++h) {
+          const int64_t qi = ((b * T + t) * H + h) * hd;
+          scores(qp + qi, k.data_ptr<float>() + at_row, bp + (b * T + t) * L, scale, L, hd, s.data());
+          softmax(s.data(), L);
+          values(s.data(), v.data_ptr<float>() + at_row, L, hd, op + qi);
+        }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, int layer, Tensor rows, Tensor bias) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("cache_attention", &cache_attention); }
+"""
+
+WHAT = "the cache attention kernel"
+
+
+@functools.cache
+def available() -> native.Availability:
+    """Whether this CPU and install run ``specdec::cache_attention`` (building it the first time), and why not."""
+    return native.availability("cache_attention", _build, WHAT)
+
+
+def _build() -> None:
+    native.build("cache_attention", _SOURCE, WHAT)
+
+    @torch.library.register_fake("specdec::cache_attention")
+    def _(q, k_cache, v_cache, layer, rows, bias):
+        return q.new_empty(q.shape)
+
+
+def supports(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether the kernel runs attention in ``dtype`` (the queries' and the cache's) on ``device``."""
+    return dtype == torch.float32 and device.type == "cpu" and head_dim % 8 == 0 and available().ok
+
+
+def cache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int, rows: torch.Tensor,
+                    bias: torch.Tensor) -> torch.Tensor:
+    """q [B, T, H, hd] float32 over ``k_cache[layer, rows[b], :, :L]`` and v's, bias [B, T, L] additive
+    -> [B, T, H, hd] (``available()`` first)."""
+    return torch.ops.specdec.cache_attention(q, k_cache, v_cache, layer, rows, bias)
