@@ -162,3 +162,25 @@ def test_enforce_eager_is_the_default_here_and_validated(tmp_path, monkeypatch):
     assert runner.compiled is None and runner.last_path == "eager: enforce_eager"
     with pytest.raises(ValueError, match="enforce_eager must be True, False or None"):
         ModelConfig(model="m", enforce_eager="yes")
+
+
+def test_two_runners_of_one_shape_keep_their_own_weights(tmp_path, one_thread):
+    """Dynamo checks only the guards that tell its graphs apart (CompiledStep.run): two compiled runners
+    of the same shape and other weights, called in turn, each still give their own eager logits."""
+    runners = []
+    for seed in (1, 2):
+        folder = str(make_model(tmp_path / f"m{seed}", "llama", seed=seed))
+        runners.append((LlamaRunner(load_model(folder), enforce_eager=False), LlamaRunner(load_model(folder), enforce_eager=True)))
+    for compiled, eager in runners:
+        for r in (compiled, eager):
+            r.sync_rows(["a"])
+            r.forward(ForwardBatch.from_rows([PROMPT[:20]], [0], logits="none"))
+    outs = []
+    for tokens, start in (([PROMPT[20]], 20), (PROMPT[21:24], 21), ([PROMPT[24]], 24)):
+        for compiled, eager in runners:  # in turn: one runner's call between the other's
+            c = compiled.forward(ForwardBatch.from_rows([tokens], [start], logits="all"))
+            assert compiled.last_path == "compiled"
+            torch.testing.assert_close(c, eager.forward(ForwardBatch.from_rows([tokens], [start], logits="all")),
+                                       atol=2e-5, rtol=0)
+            outs.append(c)
+    assert not torch.allclose(outs[0], outs[1])  # the two models differ

@@ -277,7 +277,10 @@ class CompiledStep:
             masks = [tree_mask(pos, ancestors, start[:, 0], L, w, additive=True) for w in self.windows]
         mask = torch.cat(masks, dim=1).transpose(0, 1)  # [W, B, Tb, L]: one per window
         rows = torch.arange(batch.row_offset, batch.row_offset + B, device=device)
-        with torch.inference_mode():
+        # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
+        # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
+        # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)
+        with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             logits = self.fn(tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)  # [B, Tb, V]
         if batch.logits_index is None:
             return None
