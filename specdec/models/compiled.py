@@ -177,6 +177,7 @@ class CompiledStep:
             w.sliding_window if w.sliding_window is not None and w.sliding_window < long_window else None
             for w in m.layers))
         self.kept_layers = list(host.kept_layers)
+        self._rows: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the graph's rows input
         self.in_cache = attention_kernel.supports(m.dims.compute_dtype, self.device, m.dims.head_dim)
         self.graph = StepGraph(m, self.windows, long_window, self.kept_layers, self.in_cache)
         self.cuda = self.device.type == "cuda"
@@ -253,37 +254,42 @@ class CompiledStep:
         return None
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """``batch`` through the compiled graph, padded to its size: padding tokens continue each
-        row (a chain past the last token, or in a tree a chain below the last node), write past
-        the row's tokens and are seen by no real token."""
+        """``batch`` (one row: ``why_not``) through the compiled graph, padded to its size: padding tokens
+        continue the row (a chain past the last token, or in a tree a chain below the last node), write
+        past the row's tokens and are seen by no real token. Few tensor ops here: at a draft model's size
+        this host work is a third of a step."""
         device = self.device
-        B, T = batch.token_ids.shape
+        T = batch.token_ids.shape[1]
         Tb = next(s for s in self.sizes if s >= T)
-        start = torch.tensor(batch.start, device=device)[:, None]  # [B, 1]
-        slots = start + torch.arange(Tb, device=device)  # [B, Tb]
-        end = max(batch.start) + Tb
+        start = batch.start[0]
+        end = start + Tb
         L = max(-(-end // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)  # keys 0..L-1 attended, masked past each token
-        self.host.reserve(batch.row_offset + B, L + 1)  # the graph was traced with the cache longer than L: keep it so
+        self.host.reserve(batch.row_offset + 1, L + 1)  # the graph was traced with the cache longer than L: keep it so
         cache = self.host.cache
-        tokens = torch.zeros(B, Tb, dtype=torch.long, device=device)  # made here: an inference tensor, as traced
+        tokens = torch.zeros(1, Tb, dtype=torch.long, device=device)  # made here: an inference tensor, as traced
         tokens[:, :T] = batch.token_ids
+        slots = torch.arange(start, end, device=device)[None]  # [1, Tb]
         if batch.parents is None:
-            pos = slots.clone()  # not the same tensor: the graph was traced with distinct ones
-            masks = [attention_mask(pos, L, w, additive=True) for w in self.windows]
+            pos = torch.arange(start, end, device=device)[None]  # not slots itself: the graph was traced with distinct ones
+            if self.windows == [None]:  # -inf past each token's own position: key j > start + t
+                mask = torch.full((1, 1, Tb, L), float("-inf"), device=device).triu_(start + 1)  # [W=1, 1, Tb, L]
+            else:
+                mask = torch.cat([attention_mask(pos, L, w, additive=True) for w in self.windows], dim=1).transpose(0, 1)
         else:
-            parents = [list(p) + list(range(len(p) - 1, Tb - 1)) for p in batch.parents]  # padding: a chain below
-            pos = start + torch.tensor([depths_of(p) for p in parents], device=device)
-            ancestors = torch.stack([ancestor_mask(p) for p in parents]).to(device)  # [B, Tb, Tb]
-            masks = [tree_mask(pos, ancestors, start[:, 0], L, w, additive=True) for w in self.windows]
-        mask = torch.cat(masks, dim=1).transpose(0, 1)  # [W, B, Tb, L]: one per window
-        rows = torch.arange(batch.row_offset, batch.row_offset + B, device=device)
+            parents = [list(batch.parents[0]) + list(range(len(batch.parents[0]) - 1, Tb - 1))]  # padding: a chain below
+            pos = start + torch.tensor([depths_of(parents[0])], device=device)
+            ancestors = ancestor_mask(parents[0])[None].to(device)  # [1, Tb, Tb]
+            first = torch.tensor([start], device=device)
+            mask = torch.cat([tree_mask(pos, ancestors, first, L, w, additive=True) for w in self.windows],
+                             dim=1).transpose(0, 1)  # [W, 1, Tb, L]: one per window
+        rows = self._rows.get(batch.row_offset)
+        if rows is None:
+            rows = self._rows[batch.row_offset] = torch.tensor([batch.row_offset], device=device)
         # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
         # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
         # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)
         with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            logits = self.fn(tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)  # [B, Tb, V]
+            logits = self.fn(tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)  # [1, Tb, V]
         if batch.logits_index is None:
             return None
-        index = batch.logits_index
-        b = torch.arange(B, device=device)
-        return logits[b if index.dim() == 1 else b[:, None], index]
+        return logits[:, batch.logits_index[0]]  # [1, V] (index [1]) or [1, L, V] (index [1, L])
