@@ -276,9 +276,9 @@ class CompiledStep:
             else:
                 mask = torch.cat([attention_mask(pos, L, w, additive=True) for w in self.windows], dim=1).transpose(0, 1)
         else:
-            parents = [list(batch.parents[0]) + list(range(len(batch.parents[0]) - 1, Tb - 1))]  # padding: a chain below
-            pos = start + torch.tensor([depths_of(parents[0])], device=device)
-            ancestors = ancestor_mask(parents[0])[None].to(device)  # [1, Tb, Tb]
+            parents = list(batch.parents[0]) + list(range(len(batch.parents[0]) - 1, Tb - 1))  # padding: a chain below
+            pos = start + torch.tensor([depths_of(parents)], device=device)  # [1, Tb]
+            ancestors = ancestor_mask(parents)[None].to(device)  # [1, Tb, Tb]
             first = torch.tensor([start], device=device)
             mask = torch.cat([tree_mask(pos, ancestors, first, L, w, additive=True) for w in self.windows],
                              dim=1).transpose(0, 1)  # [W, 1, Tb, L]: one per window
