@@ -1,9 +1,9 @@
 """What ``specdec demo`` runs: the configurations it measures on this machine, which wins, and why.
 
-No configuration is fastest on every machine. On the CPUs measured so far one backend has the
-cheaper one-token step (llama.cpp) and the other the flatter verify pass (torch: oneDNN, AMX), and
-a drafter pays only where what it gets accepted per verify pass outweighs what the pass and the
-drafting cost (cost_model.py). So the demo measures instead of assuming: plain decoding on each
+No configuration is fastest on every machine. On the CPUs measured so far the cheaper one-token
+step is llama.cpp's or torch's (where specdec's 16-bit weight kernel runs), torch has the flatter
+verify pass (oneDNN, AMX, the 16-bit kernel), and a drafter pays only where what it gets accepted
+per verify pass outweighs what the pass and the drafting cost (cost_model.py). So the demo measures instead of assuming: plain decoding on each
 backend and a few speculative configurations (method, k, backend), each on the same short probe
 prompts, one prompt at a time, rotating the order so that machine noise hits every configuration
 alike (as specdec.bench does for two). The fastest plain backend is the baseline; the speculative
