@@ -1,17 +1,18 @@
 """What ``specdec demo`` runs: the configurations it measures on this machine, which wins, and why.
 
-No configuration is fastest on every machine. On the CPUs measured so far the cheaper one-token
-step is llama.cpp's or torch's (where specdec's 16-bit weight kernel runs), torch has the flatter
-verify pass (oneDNN, AMX, the 16-bit kernel), and a drafter pays only where what it gets accepted
-per verify pass outweighs what the pass and the drafting cost (cost_model.py). So the demo
-measures instead of assuming: plain decoding on each backend and a few speculative configurations
-(method, k, backend), each on the same short probe prompts, one prompt at a time, rotating the
-order so that machine noise hits every configuration alike (as specdec.bench does for two). The
-fastest plain backend is the baseline; the speculative configuration with the most tokens/s is the
-one the demo runs. Why it wins is said from what this run measured: each backend's one-token step and verify pass of VERIFY_K + 1 tokens, timed on the
-candidates' own loaded runners right after the probe (``forward_costs``), the tokens each method
-gets per pass (τ), and per backend the limit that holds it back most (``limits``): its step against
-the fastest backend's, its verify pass in steps, or acceptance (tokens a round could emit over τ).
+No configuration is fastest on every machine. On the CPUs measured so far the cheaper one-token step
+is llama.cpp's or torch's (where specdec's 16-bit weight kernel runs), torch has the flatter verify
+pass (oneDNN, AMX, the 16-bit kernel), and a drafter pays only where what it gets accepted per
+verify pass outweighs what the pass and the drafting cost (cost_model.py). So the demo measures
+instead of assuming: plain decoding on each backend and a few speculative configurations (method, k,
+backend), each on the same short probe prompts, one prompt at a time, rotating the order so that
+machine noise hits every configuration alike (as specdec.bench does for two). The fastest plain
+backend is the baseline; the speculative configuration with the most tokens/s is the one the demo
+runs. Why it wins is said from what this run measured: each backend's one-token step and verify pass
+of VERIFY_K + 1 tokens, timed on the candidates' own loaded runners right after the probe
+(``forward_costs``), the tokens each method gets per pass (τ), and per backend the limit that holds
+it back most (``limits``): its step against the fastest backend's, its verify pass in steps, or
+acceptance (tokens a round could emit over τ).
 The acceptance measured per method is kept for ``backend="auto"`` (backend_choice.record_acceptance).
 
 The choice (``choose``) and its explanation (``explain``) are pure functions of ``Measured``
