@@ -74,3 +74,15 @@ def test_supports_names_what_the_kernel_takes():
     assert not ca.supports(torch.bfloat16, cpu, 64)
     assert not ca.supports(torch.float32, cpu, 60)
     assert not ca.supports(torch.float32, torch.device("meta"), 64)
+
+
+def test_a_kernel_that_does_not_build_is_unavailable_with_the_reason(tmp_path, monkeypatch, capsys):
+    """No compiler, no OpenMP, a broken source: the kernel is reported unavailable with why (and the
+    runner takes its other path), never an exception out of ``available``."""
+    from specdec.models import native
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    got = native.availability("no_such_kernel", lambda: native.build("broken", "this is not C++\n", "a broken kernel"),
+                              "a broken kernel")
+    assert not got.ok and got.reason.startswith("building a broken kernel failed:"), got
+    assert "building a broken kernel into" in capsys.readouterr().err  # said before the build, then " failed"
