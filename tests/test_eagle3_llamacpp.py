@@ -141,12 +141,15 @@ def test_the_heads_chain_step_computes_its_general_step(models, rows):
     """HeadRunner.chain_step (a chain's draft step, one token per row, rows at different positions, cache
     rows out of order) returns the logits and g that ``step`` returns at T = 1, and writes the same k, v."""
     from specdec.drafters.eagle3 import HeadRunner
+    from specdec.models import cache_attention
     from specdec.models.eagle3 import load_head
 
     hf = models["hf"]
     head = load_head(models["head"], hf.model.embed_tokens.weight.detach(), LAYERS)
     D = head.config.hidden_size
     runners = [HeadRunner(head, torch.bfloat16, torch.device("cpu")) for _ in range(2)]
+    # one row's chain step attends with specdec's cache attention kernel where it runs
+    assert runners[1].in_cache == cache_attention.available().ok
     torch.manual_seed(7)
     history = torch.randint(0, head.config.vocab_size, (3, 9))  # three cache rows of 9 positions
     hidden = torch.randn(3, 9, D)
