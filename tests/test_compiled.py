@@ -22,18 +22,24 @@ TREE = DraftTree([11, 12, 13, 14, 15, 16, 17], [-1, -1, 0, 0, 1, 2, 5])  # 1 + 7
 CASES = {  # name: (arch, dtype, model kwargs, atol)
     "llama-float32": ("llama", "float32", {}, 2e-5),
     "mistral-window-bf16": ("mistral", "bfloat16", dict(sliding_window=6), 0.1),  # bf16 products rounded apart
+    "llama-float32-gathered": ("llama", "float32", {}, 2e-5),  # as where the cache attention kernel does not run
 }
+GATHERED = {"llama-float32-gathered"}  # attention over keys gathered from the cache (no specdec::cache_attention)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory, one_thread):
     arch, dtype, kw, atol = CASES[request.param]
     folder = str(make_model(tmp_path_factory.mktemp(request.param), arch, **kw))
-    compiled = LlamaRunner(load_model(folder, dtype), enforce_eager=False)
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param in GATHERED:
+            mp.setattr(cache_attention, "supports", lambda *a: False)
+        compiled = LlamaRunner(load_model(folder, dtype), enforce_eager=False)
     eager = LlamaRunner(load_model(folder, dtype), enforce_eager=True)
     assert compiled.compiled is not None and eager.compiled is None
     d = compiled.model.dims  # attention from the cache where the kernel runs (float32 here), else gathered
-    assert compiled.compiled.in_cache == cache_attention.supports(d.compute_dtype, torch.device("cpu"), d.head_dim)
+    assert compiled.compiled.in_cache == (request.param not in GATHERED and
+                                          cache_attention.supports(d.compute_dtype, torch.device("cpu"), d.head_dim))
     return compiled, eager, atol
 
 

@@ -43,7 +43,6 @@ from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models import cache_attention as attention_kernel
 from specdec.models.base import ModelRunner
-from specdec.models.cache_attention import cache_attention
 from specdec.models.eagle3 import Eagle3Head, check_q_scale
 from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
 from specdec.models.layers import apply_rope, attention, rope_tables
@@ -123,12 +122,12 @@ class HeadRunner:
         self.rows = RowTable()
         # a chain step of one row attends with specdec's kernel where it runs (float32 cache: always here)
         self.in_cache = attention_kernel.supports(torch.float32, torch.device(device), c.head_dim)
-        self._rows: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the kernel's rows input
+        self._row_tensors: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the kernel's rows input
 
     def _row(self, row: int) -> torch.Tensor:
-        t = self._rows.get(row)
+        t = self._row_tensors.get(row)
         if t is None:
-            t = self._rows[row] = torch.tensor([row], device=self.device)
+            t = self._row_tensors[row] = torch.tensor([row], device=self.device)
         return t
 
     def reserve(self, num_rows: int, length: int) -> None:
@@ -182,7 +181,7 @@ class HeadRunner:
             self.cache.k[0, row, :, p] = apply_rope(qkv[0, H * hd : (H + KVH) * hd].view(KVH, hd), cos, sin)
             self.cache.v[0, row, :, p] = qkv[0, (H + KVH) * hd :].view(KVH, hd)
             if self.in_cache:  # the row's keys 0..p read where the cache holds them (about 60 µs less than SDPA)
-                attn = cache_attention(q.view(1, 1, H, hd), self.cache.k, self.cache.v, 0, self._row(row),
+                attn = attention_kernel.cache_attention(q.view(1, 1, H, hd), self.cache.k, self.cache.v, 0, self._row(row),
                                        self.cache.k.new_zeros(1, 1, p + 1))  # [1, 1, H, hd]
                 return self._after_attention(attn.reshape(1, H * hd), residual)
             keys, values = self.cache.k[0, row : row + 1, :, : p + 1], self.cache.v[0, row : row + 1, :, : p + 1]
