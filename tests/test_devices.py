@@ -10,7 +10,7 @@ import torch
 
 from lossless import FALSE_ALARM, chi_square_p
 from specdec import LLM, SamplingParams
-from specdec.models.base import next_token_logits
+from specdec.models.base import ForwardBatch, next_token_logits
 from specdec.models.load import load_model
 from specdec.near_tie import first_divergence
 from tiny_models import make_model, perturbed_copy, random_prompts
@@ -78,3 +78,25 @@ def test_sampled_speculation_follows_the_target(small_vocab, device):
     joint = (first[:, None] * second).reshape(-1).double().numpy()  # p(t1) p(t2 | t1)
     assert chi_square_p(tokens[:, 0] * V + tokens[:, 1], joint) > FALSE_ALARM
     assert llm.get_metrics()["num_accepted_tokens"] > 0  # the drafts did get used
+
+
+def test_verify_rows_equal_one_token_steps_in_bf16(pair, device):
+    """With bf16 weights, a verify pass of 5 tokens scores each token as a one-token step does, up
+    to the order of float32 sums: products give float32 results into a float32 stream (linear.py),
+    so no kernel choice by batch shape rounds a row to another bf16 value."""
+    llm = LLM(pair[0], device=device, dtype="bfloat16", backend="torch")
+    runner = llm.engine.target
+    if runner.lm_head.kind not in ("w16", "mm32"):
+        pytest.skip(f"products here ({runner.lm_head.kind}) give bf16 results; this CPU has another bf16 path")
+    assert runner.compute_dtype == torch.float32
+    prefix, cont = random_prompts(1, [11], seed=8)[0], [7, 3, 12, 5, 9]
+    runner.sync_rows([("steps", 0)])
+    runner.forward(ForwardBatch.from_rows([prefix], [0], logits="none", device=runner.device))
+    steps = torch.cat([runner.forward(ForwardBatch.from_rows([[t]], [len(prefix) + j], device=runner.device))
+                       for j, t in enumerate(cont)])  # [5, V]
+    runner.sync_rows([("verify", 0)])
+    runner.forward(ForwardBatch.from_rows([prefix], [0], logits="none", device=runner.device))
+    verify = runner.forward(ForwardBatch.from_rows([cont], [len(prefix)], logits="all", device=runner.device))[0]
+    assert steps.dtype == verify.dtype == torch.float32
+    # a bf16 result rounded another way would move a logit by ~4e-3 of its size (here ~1e-2)
+    torch.testing.assert_close(verify.cpu(), steps.cpu(), atol=2e-3, rtol=0)

@@ -16,7 +16,11 @@ shape CPU BLAS handles badly. Three layouts fix that:
 - anything else on CPU: ``(w @ x^T)^T`` with a row-major x of at least two rows, because
   ``F.linear``'s ``x @ w^T`` takes slow paths for few rows.
 
-On other devices it is ``F.linear``.
+On CUDA, bf16 or f16 weights multiply rows rounded to their dtype and give float32 results
+(``torch.mm(..., out_dtype=float32)``: cuBLAS accumulates in float32 and writes the sums unrounded), so
+the residual stream and the logits stay float32 there as on the CPU: rounding every product to bf16
+would let a row's result move by a bf16 step with the kernel cuBLAS picks for the batch's shape, and
+logits rounded to bf16 tie. Elsewhere it is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -42,8 +46,25 @@ ONEDNN_MIN_ROWS = 4
 # decoding. Read by oneDNN when it first builds a kernel; a value set by the user stays.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 KERNEL_NAMES = {"onednn": "oneDNN bf16 inner product", "w16": "16-bit weights, float32 products (specdec AVX2 kernel)",
-                "wxt": "w @ x^T (ATen)", "dense": "F.linear"}  # by kind
+                "wxt": "w @ x^T (ATen)", "mm32": "16-bit products with float32 results (torch.mm out_dtype)",
+                "dense": "F.linear"}  # by kind
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+_MM_OUT_FLOAT32: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def mm_out_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for ``dtype`` inputs on ``device``
+    (CUDA, torch >= 2.8), tried once per device and dtype."""
+    key = (str(device), dtype)
+    if key not in _MM_OUT_FLOAT32:
+        try:
+            a = torch.ones(2, 8, dtype=dtype, device=device)
+            _MM_OUT_FLOAT32[key] = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_FLOAT32[key] = False
+    return _MM_OUT_FLOAT32[key]
 
 
 def onednn_rows(rows: int, min_rows: int) -> int:
@@ -67,7 +88,9 @@ class Linear:
         self.min_rows = min_rows  # the onednn kind pads fewer rows to this many
         self.dtype = weight.dtype
         self.bias = bias
-        if weight.device.type != "cpu":
+        if weight.device.type == "cuda" and weight.dtype in HALF_DTYPES and mm_out_float32(weight.device, weight.dtype):
+            self.kind = "mm32"
+        elif weight.device.type != "cpu":
             self.kind = "dense"
         elif weight.dtype == torch.bfloat16 and native_bf16().native:
             self.kind = "onednn"
@@ -80,7 +103,7 @@ class Linear:
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] in any float dtype -> [..., out] in the weight's dtype (float32 for ``w16``).
+        """x [..., in] in any float dtype -> [..., out] in the weight's dtype (float32 for ``w16`` and ``mm32``).
 
         x is cast to the weight's dtype first (to float32 for ``w16``): with bf16 weights on oneDNN or
         ATen both the input and the result are rounded to bf16. Adding the result to a float32 tensor
@@ -90,7 +113,11 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
         x2 = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
-        if self.kind == "onednn":
+        if self.kind == "mm32":
+            y = torch.mm(x2, self.weight.t(), out_dtype=torch.float32)  # [rows, out] float32
+            if self.bias is not None:
+                y = y + self.bias
+        elif self.kind == "onednn":
             padded = onednn_rows(rows, self.min_rows)  # rows are computed independently: padding changes nothing else
             if padded > rows:
                 x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])

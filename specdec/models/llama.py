@@ -67,11 +67,12 @@ class LlamaRunner(ModelRunner):
         self.tokenizer = loaded.tokenizer
         self.device = inner.embed_tokens.weight.device
         self.dtype = inner.embed_tokens.weight.dtype  # of the weights
-        # The residual stream, norms, RoPE, attention and the KV cache: float32 on CPU whatever the
-        # weights are (CPU kernels for half-precision elementwise ops and attention are slower than
-        # float32 ones), the weights' dtype elsewhere. With bf16 weights each matrix product reads
-        # half the bytes, takes its input rounded to bf16 and gives a bf16 result (logits included).
-        compute_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        # The residual stream, norms, RoPE, attention and the KV cache: float32 whatever the weights
+        # are. On CPU its kernels for half-precision elementwise ops and attention are slower than
+        # float32 ones; on CUDA a bf16 stream would round every layer's result, and the rounding moves
+        # with the kernel a batch's shape picks: a verify pass's rows would then differ from the
+        # one-token steps of plain decoding by far more than a near-tie (linear.py: products into float32).
+        compute_dtype = torch.float32
         dims = Dims(hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
                     num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
                     head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -130,7 +131,7 @@ class LlamaRunner(ModelRunner):
         dtype = str(self.dtype).removeprefix("torch.")
         step = "eager" if self.compiled is None else "compiled step (inductor)"
         if self.device.type != "cpu":
-            return f"{self.device.type}: {dtype} weights, {KERNEL_NAMES['dense']}, {step}"
+            return f"{self.device.type}: {dtype} weights, {KERNEL_NAMES[self.lm_head.kind]}, {step}"
         return f"{native_bf16().isa}: {dtype} weights, {KERNEL_NAMES.get(self.lm_head.kind, self.lm_head.kind)}, {step}"
 
     # -- weights ---------------------------------------------------------------------------------
