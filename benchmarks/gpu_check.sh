@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# The GPU check, in under 8 minutes on a machine with CUDA:
-#   1. the suite's device-parametrized tests on cuda (pytest -k cuda: tests/test_devices.py and any
-#      other test taking the `device` fixture);
-#   2. `specdec bench` on the shipped pair (8 held-out code prompts, greedy: outputs must match);
-#   3. the chi-square self-test, `specdec verify-lossless`, on the shipped pair.
-# Prints a short report; logs, JSON results and report.txt go to $OUT when it is set (else a temp folder).
+# The GPU check, in about 7 minutes on a machine with CUDA (eager: CUDA graphs are not yet the default there):
+#   1. the suite's device-parametrized tests on cuda (tests/test_devices.py: the `device` fixture);
+#   2. benchmarks/row_invariance.py: does a verify pass score tokens as one-token steps do;
+#   3. the chi-square self-test, `specdec verify-lossless`, on the shipped pair;
+#   4. `specdec bench` on the shipped pair (8 held-out code prompts, greedy: outputs must match);
+#   5. the same with suffix decoding (no draft model);
+#   6. the 1B stand-in (benchmarks/make_standin.py: TinyLlama-1.1B's cost, the shipped target's
+#      function) with the shipped draft and suffix decoding: the size users run;
+#   7. the shipped target with its EAGLE-3 head.
+# Each step has its own time limit; a step that runs out is reported as such and the next one runs.
+# Prints a short report; logs, JSON results and report.txt go to a folder, packed after every step
+# into $OUT/gpu_check.tar.gz when OUT is set (else the folder is a temp folder, left in place).
 #
 # Usage: benchmarks/gpu_check.sh [--device cpu]
 #   --device cpu runs the same steps on the CPU, to check the script itself where no GPU is lent
-#   (smaller there: PROMPTS=2 MAX_TOKENS=32 SAMPLES=300 fit the CPU in the steps' time limits).
+#   (smaller there: PROMPTS=2 MAX_TOKENS=32 SAMPLES=300 STANDIN=0 fit the CPU in the steps' time limits).
 # Needs the project's environment (make install): .venv/bin/python, or $PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,9 +27,8 @@ elif [ $# -gt 0 ]; then
   exit 2
 fi
 PY=${PYTHON:-.venv/bin/python}
-[ -x "$PY" ] || { echo "error: $PY not found; run make install or set PYTHON" >&2; exit 2; }
-DIR=${OUT:-$(mktemp -d)}
-mkdir -p "$DIR"
+command -v "$PY" >/dev/null || { echo "error: $PY not found; run make install or set PYTHON" >&2; exit 2; }
+DIR=$(mktemp -d)
 export HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$DEVICE" = cuda ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -33,23 +38,38 @@ if [ "$DEVICE" = cuda ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cu
 fi
 
 FAILED=()
+# pack: the folder into $OUT (one file: what comes back from a lent machine is a few files)
+pack() { if [ -n "${OUT:-}" ]; then tar -czf "$OUT/gpu_check.tar.gz" -C "$DIR" . ; fi; }
 # run NAME LIMIT_S CMD...: the command's output to $DIR/NAME.log, its time and exit status noted
 run() {
   local name=$1 limit=$2
   shift 2
   local t0=$SECONDS rc=0
+  echo "== $name (limit ${limit} s)"
   timeout "$limit" "$@" >"$DIR/$name.log" 2>&1 || rc=$?
   echo "$rc $((SECONDS - t0))" >"$DIR/$name.rc"
-  [ "$rc" -eq 0 ] || FAILED+=("$name")
+  echo "   exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || { FAILED+=("$name"); tail -n 25 "$DIR/$name.log"; }
+  pack
 }
+PAIR=(--model specdec/demo-target --prompts benchmarks/prompts/code_heldout.jsonl
+      --num-prompts "${PROMPTS:-8}" --max-tokens "${MAX_TOKENS:-128}" --device "$DEVICE" --json)
 
+"$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no cuda')"
 # 1. pytest exits 5 when nothing is collected: here that means no device-parametrized test exists, a failure.
-run tests 270 "$PY" -m pytest -q -rs -p no:cacheprovider -k "$DEVICE and not bad_input" tests
-run bench 120 "$PY" -m specdec bench --model specdec/demo-target --draft specdec/demo-draft \
-  --prompts benchmarks/prompts/code_heldout.jsonl --num-prompts "${PROMPTS:-8}" --max-tokens "${MAX_TOKENS:-128}" \
-  --device "$DEVICE" --json
-run lossless 120 "$PY" -m specdec verify-lossless --model specdec/demo-target --draft specdec/demo-draft \
-  --samples "${SAMPLES:-2000}" --device "$DEVICE" --json
+run tests 60 "$PY" -m pytest -q -rs -p no:cacheprovider -k "$DEVICE and not bad_input" tests/test_devices.py
+run rows 45 "$PY" benchmarks/row_invariance.py --device "$DEVICE" --num-prompts "${PROMPTS:-8}"
+run lossless 60 env SPECDEC_ENFORCE_EAGER=1 "$PY" -m specdec verify-lossless --model specdec/demo-target --draft specdec/demo-draft \
+  --samples "${SAMPLES:-1000}" --device "$DEVICE" --json
+run bench 60 "$PY" -m specdec bench "${PAIR[@]}" --draft specdec/demo-draft --enforce-eager
+run bench_suffix 50 "$PY" -m specdec bench "${PAIR[@]}" --method suffix --enforce-eager
+if [ "${STANDIN:-1}" = 1 ]; then
+  run standin 90 bash -c "'$PY' benchmarks/make_standin.py --shape tinyllama-1.1b --out '$DIR/standin' \
+    && '$PY' -m specdec bench --model '$DIR/standin' --draft specdec/demo-draft --enable-suffix-decoding \
+       --prompts benchmarks/prompts/code_heldout.jsonl --num-prompts ${PROMPTS:-4} --max-tokens ${MAX_TOKENS:-128} \
+       --device $DEVICE --json --enforce-eager; rc=\$?; rm -rf '$DIR/standin'; exit \$rc"
+fi
+run bench_eagle3 45 "$PY" -m specdec bench "${PAIR[@]}" --method eagle3 --draft specdec/demo-eagle3 --enforce-eager
 
 "$PY" - "$DIR" "$DEVICE" <<'EOF' | tee "$DIR/report.txt"
 import json, sys
@@ -59,41 +79,55 @@ out, device = Path(sys.argv[1]), sys.argv[2]
 
 
 def status(name):
+    if not Path(out, f"{name}.rc").exists():
+        return "not run"
     rc, secs = (Path(out, f"{name}.rc").read_text().split())
     verdict = {"0": "ok", "124": "TIMED OUT", "5": "FAILED (no tests collected)"}.get(rc, f"FAILED (exit {rc})")
     return f"{verdict}, {secs} s"
 
 
 def last_json(name):
-    for line in reversed(Path(out, f"{name}.log").read_text().splitlines()):
+    path = Path(out, f"{name}.log")
+    for line in reversed(path.read_text().splitlines() if path.exists() else []):
         if line.startswith("{"):
             return json.loads(line)
     return None
 
 
+def bench_line(n, name, what):
+    b = last_json(name)
+    line = f"{n}. bench, {what}: {status(name)}"
+    if b:
+        gm = b.get("greedy_match") or {}
+        line += (f": plain {b['ar']['tokens_per_s']:.1f} tok/s, speculative {b['spec']['tokens_per_s']:.1f} tok/s, "
+                 f"{b['speedup']:.2f}x, tau {b['spec']['mean_acceptance_length']:.2f}, "
+                 f"greedy equal {gm.get('matched', 0) + gm.get('near_ties', 0)}/{gm.get('total', '?')}")
+    print(line)
+    for side, path in ((b or {}).get("paths") or {}).items():
+        print(f"   {side} path: {path}")
+
+
 import torch
 
 name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
-print(f"specdec GPU check on {device} ({name}), torch {torch.__version__}; logs in {out}")
+print(f"specdec GPU check on {device} ({name}), torch {torch.__version__}")
 log = Path(out, "tests.log").read_text().strip().splitlines()
 print(f"1. device tests: {status('tests')}: {log[-1] if log else '(no output)'}")
-b = last_json("bench")
-line = f"2. bench, shipped pair: {status('bench')}"
-if b:
-    gm = b.get("greedy_match") or {}
-    line += (f": plain {b['ar']['tokens_per_s']:.1f} tok/s, speculative {b['spec']['tokens_per_s']:.1f} tok/s, "
-             f"{b['speedup']:.2f}x, tau {b['spec']['mean_acceptance_length']:.2f}, "
-             f"greedy equal {gm.get('matched', 0) + gm.get('near_ties', 0)}/{gm.get('total', '?')}")
-print(line)
-for side, path in ((b or {}).get("paths") or {}).items():
-    print(f"   {side} path: {path}")
+r = last_json("rows")
+print(f"2. verify rows against one-token steps: {status('rows')}" + (
+    f": {r['path']}; verify {r['verify_vs_steps']}; beside another request {r['beside_vs_steps']}" if r else ""))
 v = last_json("lossless")
 line = f"3. verify-lossless: {status('lossless')}"
 if v:
     ps = [t["p_value"] for t in v.get("tests", [])]
     line += f": {'passed' if v.get('passed') else 'FAILED'}, {len(ps)} tests, smallest p {min(ps):.3g}" if ps else ""
 print(line)
+bench_line(4, "bench", "shipped pair, draft model, eager")
+bench_line(5, "bench_suffix", "shipped target, suffix decoding, eager")
+bench_line(6, "standin", "1B stand-in + shipped draft with suffix decoding, eager")
+bench_line(7, "bench_eagle3", "shipped target + EAGLE-3 head, eager")
 EOF
+pack
 
 if [ ${#FAILED[@]} -gt 0 ]; then
   echo "FAILED: ${FAILED[*]} (see $DIR/<step>.log)"
