@@ -1,12 +1,14 @@
 """The torch runner compiled against eager, end to end, in one process: plain and draft_model k=4 on the
 shipped pair, greedy, 96 tokens, 3 code prompts, the four LLMs alternating; checks greedy outputs and, where
-compiled and eager part, the eager target's top-2 logit gap there.
+compiled and eager part, the eager target's top-2 logit gap there. On CUDA (second argument) the
+compiled step runs as CUDA graphs (torch.compile mode="reduce-overhead").
 
-    python benchmarks/compiled_vs_eager.py [threads]
+    python benchmarks/compiled_vs_eager.py [threads] [cpu|cuda]
 """
 import statistics, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
+DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 from specdec import LLM, SamplingParams
 T, D = "specdec/assets/demo-target", "specdec/assets/demo-draft"
 PROMPTS = ["def fibonacci(n):", "import json\n\ndef load_config(path):", "class Stack:\n    def __init__(self):"]
@@ -14,8 +16,8 @@ spec = {"method": "draft_model", "model": D, "num_speculative_tokens": 4, "adapt
 llms = {}
 for eager in (True, False):
     t = time.time()
-    llms[("plain", eager)] = LLM(T, backend="torch", enforce_eager=eager)
-    llms[("draft k=4", eager)] = LLM(T, backend="torch", enforce_eager=eager, speculative_config=spec)
+    llms[("plain", eager)] = LLM(T, backend="torch", device=DEVICE, enforce_eager=eager)
+    llms[("draft k=4", eager)] = LLM(T, backend="torch", device=DEVICE, enforce_eager=eager, speculative_config=spec)
     print(f"load eager={eager}: {time.time() - t:.1f} s", flush=True)
 params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
 for l in llms.values():

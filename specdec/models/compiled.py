@@ -26,7 +26,8 @@ one extern call per layer that reads k and v in the cache, instead of a gathered
 Inductor's FX graph and AOT autograd caches keep the compiled graphs on disk
 (TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/specdec/inductor/<isa key>): a second load compiles nothing.
 
-On CUDA the same graph is compiled with mode="reduce-overhead" (CUDA graphs); not tested here.
+On CUDA the same graph is compiled with mode="reduce-overhead"; inductor then runs it without CUDA
+graphs (it skips them for graphs that write their inputs, the KV cache here), as fused Triton kernels.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class CompiledStep:
         self.cuda = self.device.type == "cuda"
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             install_linear_fallback()
-        options = {} if self.cuda else {"cpp_wrapper": True}
+        options = None if self.cuda else {"cpp_wrapper": True}  # torch.compile takes a mode or options, not both
         # dynamo counts the graphs of StepGraph.forward across the process's runners (sizes x targets,
         # drafts, kept-state variants): its default of 8 is a hard failure under fullgraph
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

@@ -56,8 +56,8 @@ class LlamaRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None,
                  enforce_eager: bool | None = None, compile_sizes: Sequence[int] | None = None):
         """``enforce_eager`` (vLLM's name): True runs every forward eager; False compiles the few-token
-        step at once (compiled.py); None: compile on CPU unless SPECDEC_ENFORCE_EAGER=1 (on other
-        devices the compiled path, CUDA graphs there, is untested: eager unless asked). ``compile_sizes``:
+        step at once (compiled.py); None: compile on CPU unless SPECDEC_ENFORCE_EAGER=1 (on CUDA eager
+        unless asked: the compiled path ran there once, on one GPU). ``compile_sizes``:
         the token counts per row compiled (default: compiled.sizes_for the weights' product kind)."""
         cfg = loaded.config
         model = loaded.hf_model
