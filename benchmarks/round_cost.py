@@ -175,7 +175,7 @@ def instrumented(llm, recorder: Recorder):
         if hasattr(runner, "forward"):
             recorder.wrap(runner, "forward", "draft", fed_tokens)
         # a model's steps; an EAGLE-3 head's (drafters/eagle3.py)
-        for name in ("greedy_steps", "step", "chain_step", "fuse"):
+        for name in ("greedy_steps", "step", "chain_step", "catch_up_row", "fuse"):
             if hasattr(runner, name):
                 recorder.wrap(runner, name, "draft")
         if hasattr(runner, "_decode"):

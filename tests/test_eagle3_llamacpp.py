@@ -168,6 +168,35 @@ def test_the_heads_chain_step_computes_its_general_step(models, rows):
         torch.testing.assert_close(runners[1].cache.v[0, row, :, : p + 1], runners[0].cache.v[0, row, :, : p + 1])
 
 
+def test_the_heads_one_row_catch_up_computes_its_general_step(models):
+    """HeadRunner.catch_up_row (one row's T tokens, only the last query going on) returns what ``step``
+    with ``query_at`` returns and writes the same k, v; positions past the catch-up stay as they were."""
+    from specdec.drafters.eagle3 import HeadRunner
+    from specdec.models.eagle3 import load_head
+
+    hf = models["hf"]
+    head = load_head(models["head"], hf.model.embed_tokens.weight.detach(), LAYERS)
+    D = head.config.hidden_size
+    runners = [HeadRunner(head, torch.bfloat16, torch.device("cpu")) for _ in range(2)]
+    if not runners[1].in_cache:
+        pytest.skip("the cache attention kernel does not run here (cache_attention.available())")
+    torch.manual_seed(5)
+    ids, hidden = torch.randint(0, head.config.vocab_size, (2, 12)), torch.randn(2, 12, D)
+    with torch.inference_mode():
+        for r in runners:
+            r.reserve(2, 32)
+            r.step(ids, hidden, [0, 1], torch.arange(12)[None].expand(2, 12).contiguous())  # rows 0, 1: 12 positions
+        start, T = 7, 4  # row 1 catches up at positions 7..10 (11 keeps its old entry)
+        new_ids, new_hidden = torch.randint(0, head.config.vocab_size, (T,)), torch.randn(T, D)
+        pos = torch.arange(start, start + T)[None]
+        want_logits, want_g = runners[0].step(new_ids[None], new_hidden[None], [1], pos, query_at=torch.tensor([T - 1]))
+        got_logits, got_g = runners[1].catch_up_row(new_ids, new_hidden, 1, start)
+    torch.testing.assert_close(got_logits, want_logits[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_g, want_g[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runners[1].cache.k, runners[0].cache.k)
+    torch.testing.assert_close(runners[1].cache.v, runners[0].cache.v)
+
+
 def test_the_head_runner_fuses_as_the_head_with_and_without_norm_before_fc(models):
     """HeadRunner.fuse is Eagle3Head.fuse: fc over the target's states, after input_norm when the head
     has norm_before_fc (a head without it must not be normed)."""

@@ -201,6 +201,25 @@ class HeadRunner:
         attn = attention(q, keys, values, mask)  # [B, H, 1, hd]
         return self._after_attention(attn.reshape(B, H * hd), residual)
 
+    def catch_up_row(self, ids: torch.Tensor, hidden: torch.Tensor, row: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` for one row's T tokens at positions start..start+T-1 with ``query_at`` the last (a
+        catch-up), in fewer operations: ids [T], hidden [T, D] float32. Writes the T tokens' k, v, and
+        only the last query goes on, attending with the cache attention kernel (``in_cache``).
+        Returns logits [1, Vd] and g [1, D], float32."""
+        c = self.c
+        T = ids.shape[0]
+        H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv, residual = self._attention_input(ids, hidden)  # [T, (H + 2 KVH) hd], [T, D]
+        last = start + T - 1
+        cos, sin = self.cos[start : last + 1, None], self.sin[start : last + 1, None]  # [T, 1, hd]
+        k = apply_rope(qkv[:, H * hd : (H + KVH) * hd].view(T, KVH, hd), cos, sin)  # [T, KVH, hd]
+        self.cache.k[0, row, :, start : last + 1] = k.transpose(0, 1)  # [KVH, T, hd]
+        self.cache.v[0, row, :, start : last + 1] = qkv[:, (H + KVH) * hd :].view(T, KVH, hd).transpose(0, 1)
+        q = apply_rope(qkv[-1, : H * hd].view(1, 1, H, hd), cos[-1], sin[-1])  # the last token's query only
+        attn = attention_kernel.cache_attention(q, self.cache.k, self.cache.v, 0, self._row(row),
+                                                self.cache.k.new_zeros(1, 1, last + 1))  # [1, 1, H, hd]
+        return self._after_attention(attn.reshape(1, H * hd), residual[-1:])
+
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
              real: torch.Tensor | None = None, query_at: torch.Tensor | None = None,
              slots: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -505,6 +524,8 @@ class Eagle3Drafter(Drafter):
             for i, (s, r, st) in enumerate(zip(seqs, rows, starts)):
                 ids[i, : n[i]] = torch.tensor(s.token_ids[st + 1 :])  # token p + 1 at position p
                 feats[i, : n[i]] = self.target.hidden_states(r, st, st + n[i])
+        if G == 1 and isinstance(self.runner, HeadRunner) and self.runner.in_cache:  # one row: the lean path
+            return self.runner.catch_up_row(ids[0].to(dev), self.runner.fuse(feats[0]), rows[0], starts[0])
         t = torch.arange(T, device=dev)
         lengths = torch.tensor(n, device=dev)
         real = t[None] < lengths[:, None]  # [G, T]
