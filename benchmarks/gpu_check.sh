@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in about 7 minutes on a machine with CUDA (eager: CUDA graphs are not yet the default there):
+# The GPU check, in about 8 minutes on a machine with CUDA (eager, the default there, but for step 8):
 #   1. the suite's device-parametrized tests on cuda (tests/test_devices.py: the `device` fixture);
 #   2. benchmarks/row_invariance.py: does a verify pass score tokens as one-token steps do;
 #   3. the chi-square self-test, `specdec verify-lossless`, on the shipped pair;
@@ -7,7 +7,8 @@
 #   5. the same with suffix decoding (no draft model);
 #   6. the 1B stand-in (benchmarks/make_standin.py: TinyLlama-1.1B's cost, the shipped target's
 #      function) with the shipped draft and suffix decoding: the size users run;
-#   7. the shipped target with its EAGLE-3 head.
+#   7. the shipped target with its EAGLE-3 head;
+#   8. the compiled step against eager (benchmarks/compiled_vs_eager.py: plain and draft k=4, outputs equal).
 # Each step has its own time limit; a step that runs out is reported as such and the next one runs.
 # Prints a short report; logs, JSON results and report.txt go to a folder, packed after every step
 # into $OUT/gpu_check.tar.gz when OUT is set (else the folder is a temp folder, left in place).
@@ -70,6 +71,7 @@ if [ "${STANDIN:-1}" = 1 ]; then
        --device $DEVICE --json --enforce-eager; rc=\$?; rm -rf '$DIR/standin'; exit \$rc"
 fi
 run bench_eagle3 45 "$PY" -m specdec bench "${PAIR[@]}" --method eagle3 --draft specdec/demo-eagle3 --enforce-eager
+run compiled 150 "$PY" benchmarks/compiled_vs_eager.py 8 "$DEVICE"
 
 "$PY" - "$DIR" "$DEVICE" <<'EOF' | tee "$DIR/report.txt"
 import json, sys
@@ -126,6 +128,9 @@ bench_line(4, "bench", "shipped pair, draft model, eager")
 bench_line(5, "bench_suffix", "shipped target, suffix decoding, eager")
 bench_line(6, "standin", "1B stand-in + shipped draft with suffix decoding, eager")
 bench_line(7, "bench_eagle3", "shipped target + EAGLE-3 head, eager")
+table = [l for l in (Path(out, "compiled.log").read_text().splitlines() if Path(out, "compiled.log").exists() else [])
+         if l.startswith(("| plain", "| draft", "outputs equal"))]
+print(f"8. compiled step against eager: {status('compiled')}" + "".join(f"\n   {l}" for l in table))
 EOF
 pack
 
