@@ -11,6 +11,7 @@ import torch
 from specdec.config import ModelConfig
 from specdec.models import cache_attention
 from specdec.models.base import ForwardBatch
+from specdec.models.compiled import compile_settings
 from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
 from specdec.scheduler import KvBudget
@@ -190,3 +191,12 @@ def test_two_runners_of_one_shape_keep_their_own_weights(tmp_path, one_thread):
                                        atol=2e-5, rtol=0)
             outs.append(c)
     assert not torch.allclose(outs[0], outs[1])  # the two models differ
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_compile_settings_are_ones_torch_compile_takes(device):
+    """torch.compile refuses a mode and options together (the CUDA step failed at load that way): the
+    settings for each device are accepted (torch.compile checks them before compiling anything)."""
+    settings = compile_settings(torch.device(device))
+    assert len(settings) == 1 and set(settings) <= {"mode", "options"}
+    torch.compile(lambda x: x + 1, backend="inductor", fullgraph=True, dynamic=False, **settings)

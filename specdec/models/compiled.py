@@ -151,6 +151,14 @@ class StepGraph(nn.Module):
         return logits(m, x)  # [B, T, V]
 
 
+def compile_settings(device: torch.device) -> dict:
+    """torch.compile's mode or options for ``device`` (it refuses both at once): inductor's C++ wrapper
+    on CPU (the linears called without Python in between), mode "reduce-overhead" on CUDA."""
+    if device.type == "cuda":
+        return {"mode": "reduce-overhead"}
+    return {"options": {"cpp_wrapper": True}}
+
+
 def sizes_for(linear_kind: str) -> tuple[int, ...]:
     """The token counts per row to compile for a runner whose products are of ``linear_kind``
     (linear.Linear.kind): where a product's cost steps with its rows, sizes at the steps; else 1 and 8
@@ -180,15 +188,13 @@ class CompiledStep:
         self._row_tensors: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the graph's rows input
         self.in_cache = attention_kernel.supports(m.dims.compute_dtype, self.device, m.dims.head_dim)
         self.graph = StepGraph(m, self.windows, long_window, self.kept_layers, self.in_cache)
-        self.cuda = self.device.type == "cuda"
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
             install_linear_fallback()
-        options = None if self.cuda else {"cpp_wrapper": True}  # torch.compile takes a mode or options, not both
         # dynamo counts the graphs of StepGraph.forward across the process's runners (sizes x targets,
         # drafts, kept-state variants): its default of 8 is a hard failure under fullgraph
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self.fn = torch.compile(self.graph, backend="inductor", fullgraph=True, dynamic=False, options=options,
-                                mode="reduce-overhead" if self.cuda else None)
+        self.fn = torch.compile(self.graph, backend="inductor", fullgraph=True, dynamic=False,
+                                **compile_settings(self.device))
         self.compile_seconds = self._warm()
 
     def _warm(self) -> float:
