@@ -113,23 +113,20 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
         x2 = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
-        if self.kind == "mm32":
-            y = torch.mm(x2, self.weight.t(), out_dtype=torch.float32)  # [rows, out] float32
-            if self.bias is not None:
-                y = y + self.bias
-        elif self.kind == "onednn":
+        if self.kind == "onednn":  # the bias inside the kernel
             padded = onednn_rows(rows, self.min_rows)  # rows are computed independently: padding changes nothing else
             if padded > rows:
                 x2 = torch.cat([x2, x2.new_zeros(padded - rows, x2.shape[1])])
             y = torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], "")[:rows]  # [rows, out]
+            return y.reshape(*x.shape[:-1], self.out_features)
+        if self.kind == "mm32":
+            y = torch.mm(x2, self.weight.t(), out_dtype=torch.float32)  # [rows, out] float32
         elif self.kind == "w16":
             y = linear16.linear16(x2, self.weight, self.out_features)  # [rows, out] float32
-            if self.bias is not None:
-                y = y + self.bias
         else:
             if rows == 1:
                 x2 = torch.cat([x2, x2])  # one column would take the slow matrix-vector path again
             y = (self.weight @ x2.t()).t()[:rows]  # x2^T is a transposed view of the row-major x2
-            if self.bias is not None:
-                y = y + self.bias
+        if self.bias is not None:
+            y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
