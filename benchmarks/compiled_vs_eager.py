@@ -1,7 +1,7 @@
 """The torch runner compiled against eager, end to end, in one process: plain and draft_model k=4 on the
 shipped pair, greedy, 96 tokens, 3 code prompts, the four LLMs alternating; checks greedy outputs and, where
-compiled and eager part, the eager target's top-2 logit gap there. On CUDA (second argument) the
-compiled step runs as CUDA graphs (torch.compile mode="reduce-overhead").
+compiled and eager part, the eager target's top-2 logit gap there. On CUDA (second argument) the step
+is compiled with mode="reduce-overhead" (inductor skips CUDA graphs for it: it writes the KV cache).
 
     python benchmarks/compiled_vs_eager.py [threads] [cpu|cuda]
 """
