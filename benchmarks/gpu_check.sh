@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, in about 8 minutes on a machine with CUDA (eager, the default there, but for step 8):
+# The GPU check, in about 8 minutes on a machine with CUDA (the default path there: the compiled step
+# replayed as CUDA graphs; eager with --device cpu, to fit its time limits):
 #   1. the suite's device-parametrized tests on cuda (tests/test_devices.py: the `device` fixture);
 #   2. benchmarks/row_invariance.py: does a verify pass score tokens as one-token steps do;
 #   3. the chi-square self-test, `specdec verify-lossless`, on the shipped pair;
@@ -8,7 +9,11 @@
 #   6. the 1B stand-in (benchmarks/make_standin.py: TinyLlama-1.1B's cost, the shipped target's
 #      function) with the shipped draft and suffix decoding: the size users run;
 #   7. the shipped target with its EAGLE-3 head;
-#   8. the compiled step against eager (benchmarks/compiled_vs_eager.py: plain and draft k=4, outputs equal).
+#   8. the compiled step (CUDA graphs) against eager (benchmarks/compiled_vs_eager.py: plain and draft
+#      k=4, outputs equal);
+#   9. the same on the 1B stand-in.
+# STEPS="tests compiled ..." runs only the named steps (tests rows lossless bench bench_suffix standin
+# bench_eagle3 compiled compiled_standin); all by default.
 # Each step has its own time limit; a step that runs out is reported as such and the next one runs.
 # Prints a short report; logs, JSON results and report.txt go to a folder, packed after every step
 # into $OUT/gpu_check.tar.gz when OUT is set (else the folder is a temp folder, left in place).
@@ -45,6 +50,7 @@ pack() { if [ -n "${OUT:-}" ]; then tar -czf "$OUT/gpu_check.tar.gz" -C "$DIR" .
 run() {
   local name=$1 limit=$2
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi
   local t0=$SECONDS rc=0
   echo "== $name (limit ${limit} s)"
   timeout "$limit" "$@" >"$DIR/$name.log" 2>&1 || rc=$?
@@ -53,25 +59,32 @@ run() {
   [ "$rc" -eq 0 ] || { FAILED+=("$name"); tail -n 25 "$DIR/$name.log"; }
   pack
 }
+EAGER=(); EAGER_ENV=()
+if [ "$DEVICE" = cpu ]; then EAGER=(--enforce-eager); EAGER_ENV=(SPECDEC_ENFORCE_EAGER=1); fi
 PAIR=(--model specdec/demo-target --prompts benchmarks/prompts/code_heldout.jsonl
       --num-prompts "${PROMPTS:-8}" --max-tokens "${MAX_TOKENS:-128}" --device "$DEVICE" --json)
 
 "$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no cuda')"
 # 1. pytest exits 5 when nothing is collected: here that means no device-parametrized test exists, a failure.
-run tests 60 "$PY" -m pytest -q -rs -p no:cacheprovider -k "$DEVICE and not bad_input" tests/test_devices.py
-run rows 45 "$PY" benchmarks/row_invariance.py --device "$DEVICE" --num-prompts "${PROMPTS:-8}"
-run lossless 60 env SPECDEC_ENFORCE_EAGER=1 "$PY" -m specdec verify-lossless --model specdec/demo-target --draft specdec/demo-draft \
+run tests 120 "$PY" -m pytest -q -rs -p no:cacheprovider -k "$DEVICE and not bad_input" tests/test_devices.py
+COMPILED=(--compiled); [ "$DEVICE" = cpu ] && COMPILED=()
+run rows 90 "$PY" benchmarks/row_invariance.py --device "$DEVICE" --num-prompts "${PROMPTS:-8}" "${COMPILED[@]}"
+run lossless 90 env "${EAGER_ENV[@]}" "$PY" -m specdec verify-lossless --model specdec/demo-target --draft specdec/demo-draft \
   --samples "${SAMPLES:-1000}" --device "$DEVICE" --json
-run bench 60 "$PY" -m specdec bench "${PAIR[@]}" --draft specdec/demo-draft --enforce-eager
-run bench_suffix 50 "$PY" -m specdec bench "${PAIR[@]}" --method suffix --enforce-eager
+run bench 90 "$PY" -m specdec bench "${PAIR[@]}" --draft specdec/demo-draft "${EAGER[@]}"
+run bench_suffix 60 "$PY" -m specdec bench "${PAIR[@]}" --method suffix "${EAGER[@]}"
 if [ "${STANDIN:-1}" = 1 ]; then
-  run standin 90 bash -c "'$PY' benchmarks/make_standin.py --shape tinyllama-1.1b --out '$DIR/standin' \
+  run standin 150 bash -c "'$PY' benchmarks/make_standin.py --shape tinyllama-1.1b --out '$DIR/standin' \
     && '$PY' -m specdec bench --model '$DIR/standin' --draft specdec/demo-draft --enable-suffix-decoding \
        --prompts benchmarks/prompts/code_heldout.jsonl --num-prompts ${PROMPTS:-4} --max-tokens ${MAX_TOKENS:-128} \
-       --device $DEVICE --json --enforce-eager; rc=\$?; rm -rf '$DIR/standin'; exit \$rc"
+       --device $DEVICE --json ${EAGER[*]}; rc=\$?; rm -rf '$DIR/standin'; exit \$rc"
 fi
-run bench_eagle3 45 "$PY" -m specdec bench "${PAIR[@]}" --method eagle3 --draft specdec/demo-eagle3 --enforce-eager
-run compiled 150 "$PY" benchmarks/compiled_vs_eager.py 8 "$DEVICE"
+run bench_eagle3 60 "$PY" -m specdec bench "${PAIR[@]}" --method eagle3 --draft specdec/demo-eagle3 "${EAGER[@]}"
+run compiled 200 "$PY" benchmarks/compiled_vs_eager.py 8 "$DEVICE"
+if [ "${STANDIN:-1}" = 1 ]; then
+  run compiled_standin 240 bash -c "'$PY' benchmarks/make_standin.py --shape tinyllama-1.1b --out '$DIR/standin' \
+    && '$PY' benchmarks/compiled_vs_eager.py 8 $DEVICE '$DIR/standin'; rc=\$?; rm -rf '$DIR/standin'; exit \$rc"
+fi
 
 "$PY" - "$DIR" "$DEVICE" <<'EOF' | tee "$DIR/report.txt"
 import json, sys
@@ -113,7 +126,7 @@ import torch
 
 name = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
 print(f"specdec GPU check on {device} ({name}), torch {torch.__version__}")
-log = Path(out, "tests.log").read_text().strip().splitlines()
+log = Path(out, "tests.log").read_text().strip().splitlines() if Path(out, "tests.log").exists() else []
 print(f"1. device tests: {status('tests')}: {log[-1] if log else '(no output)'}")
 r = last_json("rows")
 print(f"2. verify rows against one-token steps: {status('rows')}" + (
@@ -124,13 +137,16 @@ if v:
     ps = [t["p_value"] for t in v.get("tests", [])]
     line += f": {'passed' if v.get('passed') else 'FAILED'}, {len(ps)} tests, smallest p {min(ps):.3g}" if ps else ""
 print(line)
-bench_line(4, "bench", "shipped pair, draft model, eager")
-bench_line(5, "bench_suffix", "shipped target, suffix decoding, eager")
-bench_line(6, "standin", "1B stand-in + shipped draft with suffix decoding, eager")
-bench_line(7, "bench_eagle3", "shipped target + EAGLE-3 head, eager")
-table = [l for l in (Path(out, "compiled.log").read_text().splitlines() if Path(out, "compiled.log").exists() else [])
-         if l.startswith(("| plain", "| draft", "outputs equal"))]
-print(f"8. compiled step against eager: {status('compiled')}" + "".join(f"\n   {l}" for l in table))
+path = "eager" if device == "cpu" else "compiled"
+bench_line(4, "bench", f"shipped pair, draft model, {path}")
+bench_line(5, "bench_suffix", f"shipped target, suffix decoding, {path}")
+bench_line(6, "standin", f"1B stand-in + shipped draft with suffix decoding, {path}")
+bench_line(7, "bench_eagle3", f"shipped target + EAGLE-3 head, {path}")
+for n, name, what in ((8, "compiled", "shipped pair"), (9, "compiled_standin", "1B stand-in")):
+    log = Path(out, f"{name}.log")
+    table = [l for l in (log.read_text().splitlines() if log.exists() else [])
+             if l.startswith(("target", "| plain", "| draft", "draft k=4 /", "outputs equal"))]
+    print(f"{n}. compiled step against eager, {what}: {status(name)}" + "".join(f"\n   {l}" for l in table))
 EOF
 pack
 

@@ -12,7 +12,10 @@ positions change their argmax or their top-8 set (where a top-k sampler's suppor
 gap between the 8th and 9th logits there. Batch 1 decoding's own numbers: the path (device, dtype,
 product kernel) is printed with them.
 
-  python benchmarks/row_invariance.py --device cuda [--model specdec/demo-target] [--dtype auto]
+  python benchmarks/row_invariance.py --device cuda [--model specdec/demo-target] [--dtype auto] [--compiled]
+
+--compiled runs steps and verify passes on the compiled step (the CUDA graphs on CUDA: one graph per
+padded size, so the kernels differ between the two); "beside" (two rows) runs eager either way.
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=48, help="prompt tokens prefilled before the continuation")
     ap.add_argument("-k", type=int, default=4, help="draft tokens: the verify pass holds k+1")
+    ap.add_argument("--compiled", action="store_true", help="the compiled step (default: eager)")
     args = ap.parse_args()
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, backend="torch", enforce_eager=True)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, backend="torch", enforce_eager=not args.compiled)
     runner, tok = llm.engine.target, llm.get_tokenizer()
     ids = [tok.encode(r["prompt"]) for r in load_prompts(args.prompts)[: args.num_prompts + 1]]
     need = args.prefix + args.k + 1

@@ -26,8 +26,10 @@ one extern call per layer that reads k and v in the cache, instead of a gathered
 Inductor's FX graph and AOT autograd caches keep the compiled graphs on disk
 (TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/specdec/inductor/<isa key>): a second load compiles nothing.
 
-On CUDA the same graph is compiled with mode="reduce-overhead"; inductor then runs it without CUDA
-graphs (it skips them for graphs that write their inputs, the KV cache here), as fused Triton kernels.
+On CUDA the same graph is compiled with mode="reduce-overhead" and replayed as CUDA graphs (one per
+size and attended length L): the KV cache tensors are marked as static addresses (``static_inputs``),
+which is what lets inductor's CUDA graph trees keep a graph that writes them (it skips graphs that
+write other inputs); a cache that grows moves, and the graphs are recorded again.
 """
 
 from __future__ import annotations
@@ -159,6 +161,15 @@ def compile_settings(device: torch.device) -> dict:
     return {"options": {"cpp_wrapper": True}}
 
 
+def static_inputs(*tensors: torch.Tensor | None) -> None:
+    """Mark the graph inputs it writes in place (the KV cache, kept states) as static addresses, so that
+    inductor's CUDA graph trees record the graph rather than skip it (``mark_static_address``, unguarded:
+    a new address, after the cache grows, records again instead of compiling again)."""
+    for t in tensors:
+        if t is not None and getattr(t, "_dynamo_static_input_type", None) is None:
+            torch._dynamo.mark_static_address(t)
+
+
 def sizes_for(linear_kind: str) -> tuple[int, ...]:
     """The token counts per row to compile for a runner whose products are of ``linear_kind``
     (linear.Linear.kind): where a product's cost steps with its rows, sizes at the steps; else 1 and 8
@@ -185,6 +196,7 @@ class CompiledStep:
             w.sliding_window if w.sliding_window is not None and w.sliding_window < long_window else None
             for w in m.layers))
         self.kept_layers = list(host.kept_layers)
+        self.cuda_graphs = self.device.type == "cuda"  # mode "reduce-overhead": replayed as CUDA graphs
         self._row_tensors: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the graph's rows input
         self.in_cache = attention_kernel.supports(m.dims.compute_dtype, self.device, m.dims.head_dim)
         self.graph = StepGraph(m, self.windows, long_window, self.kept_layers, self.in_cache)
@@ -227,6 +239,8 @@ class CompiledStep:
             for t, dims in ((k, (1, 3)), (v, (1, 3)), (mask, (3,)), (states, (0, 1))):
                 if t is not None:
                     torch._dynamo.mark_dynamic(t, dims)
+            if self.cuda_graphs:
+                static_inputs(k, v, states)
             try:
                 with torch.inference_mode():
                     self.fn(tokens, pos, pos.clone(), torch.zeros(1, dtype=torch.long, device=device), mask, k, v, states)
@@ -294,8 +308,12 @@ class CompiledStep:
         # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
         # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
         # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)
+        if self.cuda_graphs:
+            static_inputs(cache.k, cache.v, cache.states)  # a grown cache is a new tensor
+            torch.compiler.cudagraph_mark_step_begin()  # earlier replays' outputs are no longer read
         with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
             logits = self.fn(tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)  # [1, Tb, V]
         if batch.logits_index is None:
             return None
+        # a gather, so a copy: on CUDA the graph's own output is overwritten by its next replay
         return logits[:, batch.logits_index[0]]  # [1, V] (index [1]) or [1, L, V] (index [1, L])

@@ -56,8 +56,8 @@ class LlamaRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None,
                  enforce_eager: bool | None = None, compile_sizes: Sequence[int] | None = None):
         """``enforce_eager`` (vLLM's name): True runs every forward eager; False compiles the few-token
-        step at once (compiled.py); None: compile on CPU unless SPECDEC_ENFORCE_EAGER=1 (on CUDA eager
-        unless asked: the compiled path ran there once, on one GPU). ``compile_sizes``:
+        step at once (compiled.py; on CUDA replayed as CUDA graphs); None: compile on CPU and CUDA unless
+        SPECDEC_ENFORCE_EAGER=1 (other devices run eager). ``compile_sizes``:
         the token counts per row compiled (default: compiled.sizes_for the weights' product kind)."""
         cfg = loaded.config
         model = loaded.hf_model
@@ -105,7 +105,7 @@ class LlamaRunner(ModelRunner):
         self.kept_layers: list[int] = []  # keep_hidden_states' layer ids, in the order they are concatenated
         # the compiled step (compiled.py), and which path the last forward took: "compiled" or "eager: <why>"
         if enforce_eager is None:
-            enforce_eager = enforce_eager_default() or self.device.type != "cpu"
+            enforce_eager = enforce_eager_default() or self.device.type not in ("cpu", "cuda")
         self.enforce_eager = bool(enforce_eager)
         self.compile_sizes = tuple(compile_sizes or sizes_for(self.lm_head.kind))
         self.compiled: CompiledStep | None = None
