@@ -11,9 +11,10 @@
 #   7. the shipped target with its EAGLE-3 head;
 #   8. the compiled step (CUDA graphs) against eager (benchmarks/compiled_vs_eager.py: plain and draft
 #      k=4, outputs equal);
-#   9. the same on the 1B stand-in.
+#   9. the same on the 1B stand-in;
+#  10. benchmarks/round_cost.py: where a round's time goes (kernels against host work), with a profile.
 # STEPS="tests compiled ..." runs only the named steps (tests rows lossless bench bench_suffix standin
-# bench_eagle3 compiled compiled_standin); all by default.
+# bench_eagle3 compiled compiled_standin round_cost); all by default.
 # Each step has its own time limit; a step that runs out is reported as such and the next one runs.
 # Prints a short report; logs, JSON results and report.txt go to a folder, packed after every step
 # into $OUT/gpu_check.tar.gz when OUT is set (else the folder is a temp folder, left in place).
@@ -85,6 +86,8 @@ if [ "${STANDIN:-1}" = 1 ]; then
   run compiled_standin 240 bash -c "'$PY' benchmarks/make_standin.py --shape tinyllama-1.1b --out '$DIR/standin' \
     && '$PY' benchmarks/compiled_vs_eager.py 8 $DEVICE '$DIR/standin'; rc=\$?; rm -rf '$DIR/standin'; exit \$rc"
 fi
+run round_cost 150 "$PY" benchmarks/round_cost.py --device "$DEVICE" --backends torch --methods draft_model,eagle3 \
+  --ks 2,4 --num-prompts "${PROMPTS:-4}" --max-tokens "${MAX_TOKENS:-64}" --profile 25 "${EAGER[@]}"
 
 "$PY" - "$DIR" "$DEVICE" <<'EOF' | tee "$DIR/report.txt"
 import json, sys
@@ -147,6 +150,9 @@ for n, name, what in ((8, "compiled", "shipped pair"), (9, "compiled_standin", "
     table = [l for l in (log.read_text().splitlines() if log.exists() else [])
              if l.startswith(("target", "| plain", "| draft", "draft k=4 /", "outputs equal"))]
     print(f"{n}. compiled step against eager, {what}: {status(name)}" + "".join(f"\n   {l}" for l in table))
+log = Path(out, "round_cost.log")
+table = [l for l in (log.read_text().splitlines() if log.exists() else []) if l.startswith(("| torch", "torch "))]
+print(f"10. round cost: {status('round_cost')}" + "".join(f"\n   {l}" for l in table))
 EOF
 pack
 

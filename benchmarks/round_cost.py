@@ -35,6 +35,13 @@ torch's threads (before ``head_threads``), and, an experiment, with the head's w
 halving its bytes would give; specdec's head runs in the target's dtype).
 With eagle3 on llama.cpp it ends with a verify-sized forward timed with and without the kept states.
 
+``--device cuda`` (torch backend only) runs on a GPU; each wrapped call then ends with
+``torch.cuda.synchronize()``, so that its "kernel" time holds the GPU's work too (this removes what
+overlap the host's next launches had with it: the round's wall time grows by a little).
+
+``--profile N`` ends with one more prompt per configuration under cProfile (not counted in the table)
+and prints each configuration's N costliest functions by own time: where host time goes.
+
 ``--model`` takes the stand-in too (benchmarks/make_standin.py): its HF folder, or a GGUF file for
 llama.cpp (``--gguf`` per backend: ``--model-llama.cpp X.gguf``).
 """
@@ -76,6 +83,9 @@ class Round:
         return self.draft_kernel + self.verify_kernel
 
 
+SYNC: Callable[[], None] = lambda: None  # noqa: E731  # torch.cuda.synchronize with --device cuda
+
+
 @dataclass
 class Recorder:
     """The intervals of one ``Engine.step``: (kind, start, end) of each wrapped call."""
@@ -95,6 +105,7 @@ class Recorder:
             try:
                 return inner(*args, **kwargs)
             finally:
+                SYNC()
                 n = tokens_of(*args, **kwargs) if tokens_of else 0
                 self.events.append((kind, t0, time.perf_counter(), n))
 
@@ -250,7 +261,8 @@ def build(args) -> list[Config]:
             name = (f"{backend} plain" if method is None else
                     f"{backend} {method} " + (f"adaptive k<={k}" if adaptive else f"k={k}"))
             c = Config(backend, k, name, adaptive)
-            c.llm = LLM(model=model, backend=backend, speculative_config=spec, enforce_eager=args.enforce_eager)
+            c.llm = LLM(model=model, backend=backend, speculative_config=spec, enforce_eager=args.enforce_eager,
+                        device=args.device)
             if method == "eagle3 q8_0-head":
                 from specdec.models.llamacpp_head import LlamaCppHead
 
@@ -399,6 +411,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept (the last ones)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--enforce-eager", action="store_true", help="torch: eager, not the compiled step")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (torch backend only)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then profile one prompt per configuration (cProfile) and print its N costliest functions")
     args = ap.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not args.methods or any(m not in ("draft_model", "eagle3") for m in args.methods):
@@ -407,6 +422,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [b for b in args.backends if b not in ("llama.cpp", "torch")]
     if bad or not args.backends:
         ap.error(f"--backends takes llama.cpp and/or torch, got {args.backends}")
+    if args.device != "cpu" and args.backends != ["torch"]:
+        ap.error(f"--device {args.device} runs the torch backend only: pass --backends torch")
     try:
         args.ks = [int(k) for k in args.ks.split(",") if k.strip()]
     except ValueError:
@@ -420,14 +437,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    global SYNC
     args = parse(argv)
     torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        SYNC = torch.cuda.synchronize
     configs = build(args)
     prompts = load_prompts(args.num_prompts, configs[0].llm.tokenizer, args.max_prompt)
     t0 = time.perf_counter()
     run(configs, prompts, args.max_tokens)
     print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, batch 1, {args.threads} threads, "
-          f"configurations alternating; {time.perf_counter() - t0:.0f} s; {cpu_path()}")
+          f"configurations alternating; {time.perf_counter() - t0:.0f} s; {cpu_path()}"
+          + (f"; {torch.cuda.get_device_name()}, torch {torch.__version__}" if args.device != "cpu" else ""))
     print("ms per round (plain: per token) by phase; kernel = inside the runners' forward / greedy_steps calls; "
           f"rounds that prefilled left out ({', '.join(f'{c.name} {c.recorder.skipped}' for c in configs)})")
     print(table(configs))
@@ -444,6 +465,29 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{c.name}: {describe_head(c.llm.engine.drafter.runner)}")
     if "eagle3" in args.methods and "llama.cpp" in args.backends:
         print(keep_cost(configs, max(args.ks) + 1))
+    if args.profile:
+        profile(configs, prompts[0], args.max_tokens, args.profile)
+
+
+def profile(configs: list[Config], ids: list[int], max_tokens: int, top: int) -> None:
+    """One prompt per configuration under cProfile: its ``top`` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    from specdec import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for c in configs:
+        prof = cProfile.Profile()
+        prof.enable()
+        c.llm.generate([{"prompt_token_ids": ids}], params)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        body = text.getvalue()
+        print(f"\n## {c.name}: cProfile, {max_tokens} tokens (times inflated by the profiler)\n"
+              + body[body.find("   ncalls"):].rstrip())
 
 
 def keep_cost(configs: list[Config], tokens: int, context: int = 300, repeats: int = 60) -> str:

@@ -93,6 +93,14 @@ def test_greedy_steps_use_the_compiled_step_and_equal_eager(pair):
         outs.append(r.greedy_steps([PROMPT[-1]], [len(PROMPT) - 1], 12))
     assert compiled.last_path == "compiled"
     assert outs[0] == outs[1]
+    # a stop token ends the loop there, also when argmaxes are read a few steps at a time (as on CUDA)
+    stop = outs[1][0][5]
+    expected = outs[1][0][: outs[1][0].index(stop) + 1]
+    for every in (1, 4):
+        compiled.compiled.read_every = every
+        got = compiled.greedy_steps([PROMPT[-1]], [len(PROMPT) - 1], 12, stop_token_ids=[stop])
+        assert got == [expected], every
+    compiled.compiled.read_every = 1
 
 
 def test_tree_pass_equals_eager(pair):

@@ -46,6 +46,7 @@ from torch import nn
 from specdec.models import cache_attention as attention_kernel
 from specdec.models.kv_cache import CACHE_STEP
 from specdec.models.layers import ModelWeights, attention, attention_mask, decoder, logits, rope_tables
+from specdec.sampling import argmax
 from specdec.models.timings import cache_dir, isa_key
 from specdec.tree import ancestor_mask, depths_of, tree_mask
 
@@ -59,6 +60,7 @@ DEFAULT_SIZES = (1, 8)  # fed tokens per row compiled at load: 1 (decode), up to
 # more tile each (AVX2, shipped target: 6.0 ms at T = 3, 8.1 at 5, 10.8 at 8; padded to 8, T = 3 cost 10.7)
 W16_SIZES = (1, 3, 6, 9)
 RECOMPILE_LIMIT = 64  # graphs of the compiled step per process (torch._dynamo.config.recompile_limit)
+STOP_READ_EVERY = 4  # CUDA greedy_steps: argmaxes read (waiting for the GPU) every this many steps
 ATTEND_STEP = 64  # the attended length L is a multiple of this: at most 63 masked keys more than needed
 # inductor's on-disk caches (generated code, compiled graphs) live beside specdec's other caches, not in
 # /tmp, so that a compile is once per machine; set before inductor first reads it. A value set stays.
@@ -197,6 +199,7 @@ class CompiledStep:
             for w in m.layers))
         self.kept_layers = list(host.kept_layers)
         self.cuda_graphs = self.device.type == "cuda"  # mode "reduce-overhead": replayed as CUDA graphs
+        self.read_every = STOP_READ_EVERY if self.device.type == "cuda" else 1  # greedy_steps' stop reads
         self._row_tensors: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the graph's rows input
         self.in_cache = attention_kernel.supports(m.dims.compute_dtype, self.device, m.dims.head_dim)
         self.graph = StepGraph(m, self.windows, long_window, self.kept_layers, self.in_cache)
@@ -263,8 +266,12 @@ class CompiledStep:
     def why_not(self, batch: ForwardBatch) -> str | None:
         """Why the compiled graph cannot run ``batch`` (then it runs eager), or None when it can."""
         B, T = batch.token_ids.shape
-        if batch.num_layers is not None and batch.num_layers != self.num_layers:
-            return f"a layer subset (num_layers={batch.num_layers})"
+        return self.why_not_shape(B, T, batch.num_layers)
+
+    def why_not_shape(self, B: int, T: int, num_layers: int | None = None) -> str | None:
+        """``why_not`` for a batch of B rows of T tokens through ``num_layers`` layers (None: all)."""
+        if num_layers is not None and num_layers != self.num_layers:
+            return f"a layer subset (num_layers={num_layers})"
         if B != 1:
             return f"{B} rows (compiled: one row)"
         if T > self.sizes[-1]:
@@ -276,35 +283,68 @@ class CompiledStep:
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """``batch`` (one row: ``why_not``) through the compiled graph, padded to its size: padding tokens
         continue the row (a chain past the last token, or in a tree a chain below the last node), write
-        past the row's tokens and are seen by no real token. Few tensor ops here: at a draft model's size
-        this host work is a third of a step."""
-        device = self.device
+        past the row's tokens and are seen by no real token."""
         T = batch.token_ids.shape[1]
         Tb = next(s for s in self.sizes if s >= T)
-        start = batch.start[0]
+        tokens = torch.zeros(1, Tb, dtype=torch.long, device=self.device)  # made here: an inference tensor, as traced
+        tokens[:, :T] = batch.token_ids
+        logits = self._call(tokens, batch.start[0], batch.row_offset, None if batch.parents is None else batch.parents[0])
+        if batch.logits_index is None:
+            return None
+        # a gather, so a copy: on CUDA the graph's own output is overwritten by its next replay
+        return logits[:, batch.logits_index[0]]  # [1, V] (index [1]) or [1, L, V] (index [1, L])
+
+    def greedy_steps(self, token: int, start: int, steps: int, row: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
+        """ModelRunner.greedy_steps for one row on the one-token graph (``why_not_shape(1, 1)`` is None):
+        feeds ``token`` at ``start``, then each argmax, without building a ForwardBatch per step. The
+        argmaxes stay on the device; on CUDA they are read (a read waits for the GPU, which the loop
+        otherwise runs ahead of) every ``read_every`` steps (STOP_READ_EVERY; 1 on CPU) when stop tokens are given, else once at the
+        end. Steps past the first stop write cache positions the caller does not count (rollback is a
+        length change) and are dropped from what is returned."""
+        x = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
+        stops = set(stop_token_ids)
+        out: list[torch.Tensor] = []  # [1] argmaxes, the last len(out) - len(ids) not yet read
+        ids: list[int] = []
+        for i in range(steps):
+            x = argmax(self._call(x, start + i, row)[:, 0]).view(1, 1)  # [1, 1]
+            out.append(x)
+            if stops and (len(out) - len(ids) >= self.read_every or i + 1 == steps):
+                read = len(ids)
+                ids += torch.cat(out[read:], dim=1)[0].tolist()
+                first = next((j for j in range(read, len(ids)) if ids[j] in stops), None)
+                if first is not None:
+                    return ids[: first + 1]
+        if len(ids) < len(out):
+            ids += torch.cat(out[len(ids):], dim=1)[0].tolist()
+        return ids
+
+    def _call(self, tokens: torch.Tensor, start: int, row: int, parents: list[int] | None = None) -> torch.Tensor:
+        """tokens [1, Tb] (Tb a compiled size) at positions from ``start`` (a chain; or a tree of
+        ``parents``, padded here as a chain below its last node) into cache row ``row``: the graph's
+        logits [1, Tb, V] (on CUDA its output buffer, overwritten by the next replay)."""
+        device = self.device
+        Tb = tokens.shape[1]
         end = start + Tb
         L = max(-(-end // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)  # keys 0..L-1 attended, masked past each token
-        self.host.reserve(batch.row_offset + 1, L + 1)  # the graph was traced with the cache longer than L: keep it so
+        self.host.reserve(row + 1, L + 1)  # the graph was traced with the cache longer than L: keep it so
         cache = self.host.cache
-        tokens = torch.zeros(1, Tb, dtype=torch.long, device=device)  # made here: an inference tensor, as traced
-        tokens[:, :T] = batch.token_ids
         slots = torch.arange(start, end, device=device)[None]  # [1, Tb]
-        if batch.parents is None:
+        if parents is None:
             pos = torch.arange(start, end, device=device)[None]  # not slots itself: the graph was traced with distinct ones
             if self.windows == [None]:  # -inf past each token's own position: key j > start + t
                 mask = torch.full((1, 1, Tb, L), float("-inf"), device=device).triu_(start + 1)  # [W=1, 1, Tb, L]
             else:
                 mask = torch.cat([attention_mask(pos, L, w, additive=True) for w in self.windows], dim=1).transpose(0, 1)
         else:
-            parents = list(batch.parents[0]) + list(range(len(batch.parents[0]) - 1, Tb - 1))  # padding: a chain below
+            parents = list(parents) + list(range(len(parents) - 1, Tb - 1))  # padding: a chain below
             pos = start + torch.tensor([depths_of(parents)], device=device)  # [1, Tb]
             ancestors = ancestor_mask(parents)[None].to(device)  # [1, Tb, Tb]
             first = torch.tensor([start], device=device)
             mask = torch.cat([tree_mask(pos, ancestors, first, L, w, additive=True) for w in self.windows],
                              dim=1).transpose(0, 1)  # [W, 1, Tb, L]: one per window
-        rows = self._row_tensors.get(batch.row_offset)
+        rows = self._row_tensors.get(row)
         if rows is None:
-            rows = self._row_tensors[batch.row_offset] = torch.tensor([batch.row_offset], device=device)
+            rows = self._row_tensors[row] = torch.tensor([row], device=device)
         # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
         # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
         # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)
@@ -312,8 +352,4 @@ class CompiledStep:
             static_inputs(cache.k, cache.v, cache.states)  # a grown cache is a new tensor
             torch.compiler.cudagraph_mark_step_begin()  # earlier replays' outputs are no longer read
         with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            logits = self.fn(tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)  # [1, Tb, V]
-        if batch.logits_index is None:
-            return None
-        # a gather, so a copy: on CUDA the graph's own output is overwritten by its next replay
-        return logits[:, batch.logits_index[0]]  # [1, V] (index [1]) or [1, L, V] (index [1, L])
+            return self.fn(tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)  # [1, Tb, V]

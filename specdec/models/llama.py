@@ -257,6 +257,16 @@ class LlamaRunner(ModelRunner):
             log.debug("torch runner: eager forward: %s", reason)
         return self._eager_forward(batch)
 
+    @torch.inference_mode()
+    def greedy_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int = 0,
+                     stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
+        """The base contract; one row on the compiled step runs its lean loop (CompiledStep.greedy_steps)."""
+        if self.compiled is None or len(token_ids) != 1 or 1 not in self.compiled.sizes \
+                or self.compiled.why_not_shape(1, 1) is not None:
+            return super().greedy_steps(token_ids, start, steps, row_offset, stop_token_ids)
+        self.last_path = "compiled"
+        return [self.compiled.greedy_steps(int(token_ids[0]), start[0], steps, row_offset, stop_token_ids)]
+
     def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         B, T = batch.token_ids.shape  # [B, T]
         # Rows padded to T by more than a quarter of the batch are packed: every layer runs on the N
