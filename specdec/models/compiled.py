@@ -291,8 +291,11 @@ class CompiledStep:
         logits = self._call(tokens, batch.start[0], batch.row_offset, None if batch.parents is None else batch.parents[0])
         if batch.logits_index is None:
             return None
-        # a gather, so a copy: on CUDA the graph's own output is overwritten by its next replay
-        return logits[:, batch.logits_index[0]]  # [1, V] (index [1]) or [1, L, V] (index [1, L])
+        index = batch.logits_index[0]  # [] ("last") or [L]
+        # index_select copies: on CUDA the graph's own output is overwritten by its next replay (indexing
+        # with the 0-d index would return a view of it)
+        out = logits.index_select(1, index.reshape(-1))  # [1, 1 or L, V]
+        return out[:, 0] if index.dim() == 0 else out  # [1, V] or [1, L, V]
 
     def greedy_steps(self, token: int, start: int, steps: int, row: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
         """ModelRunner.greedy_steps for one row on the one-token graph (``why_not_shape(1, 1)`` is None):
