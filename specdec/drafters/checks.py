@@ -16,12 +16,12 @@ def check_proposal(proposal: DraftProposal, num_wanted: list[int], vocab_size: i
     if ids.dim() != 2 or ids.shape[0] != B or len(proposal.num_draft_tokens) != B:
         raise ValueError(f"propose returned drafts of shape {tuple(ids.shape)} for {B} sequences; "
                          "return [B, k] token ids and one draft count per row")
+    rows = ids.tolist()  # [B, k] on the host: a few ints, cheaper than tensor ops per row at batch 1
     for b, (n, want) in enumerate(zip(proposal.num_draft_tokens, num_wanted)):
         if not 0 <= n <= min(want, ids.shape[1]):
             raise ValueError(f"propose gave row {b} {n} drafts; it asked for {want} (at most {ids.shape[1]} fit)")
-        row = ids[b, :n]
-        if n and not bool(((row >= 0) & (row < vocab_size)).all()):
-            raise ValueError(f"propose's drafts for row {b} {row.tolist()} leave the vocabulary 0..{vocab_size - 1}")
+        if not all(0 <= t < vocab_size for t in rows[b][:n]):
+            raise ValueError(f"propose's drafts for row {b} {rows[b][:n]} leave the vocabulary 0..{vocab_size - 1}")
     q = proposal.draft_probs
     if q is not None and (q.dim() != 3 or tuple(q.shape[:2]) != tuple(ids.shape) or q.shape[2] != vocab_size):
         raise ValueError(f"propose's draft_probs have shape {tuple(q.shape)}; the drafts need "

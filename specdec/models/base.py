@@ -21,6 +21,8 @@ from specdec.sampling import argmax
 def pad_rows(rows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
     """Right-pad token rows (possibly empty) with 0 into one [B, longest] long tensor."""
     width = max((len(r) for r in rows), default=0)
+    if rows and all(len(r) == width for r in rows):  # nothing to pad (one row, or a dense batch): one call
+        return torch.tensor([list(r) for r in rows], dtype=torch.long, device=device)
     out = torch.zeros(len(rows), width, dtype=torch.long)  # padding past a row's tokens is never read
     for b, r in enumerate(rows):
         if len(r):
