@@ -30,6 +30,8 @@ On CUDA the same graph is compiled with mode="reduce-overhead" and replayed as C
 size and attended length L): the KV cache tensors are marked as static addresses (``static_inputs``),
 which is what lets inductor's CUDA graph trees keep a graph that writes them (it skips graphs that
 write other inputs); a cache that grows moves, and the graphs are recorded again.
+Plain greedy decoding of one row (and a draft model's greedy drafts) runs ``CompiledStep.greedy_steps``,
+a loop over the one-token graph that feeds each argmax back without a ForwardBatch per step.
 """
 
 from __future__ import annotations
@@ -300,10 +302,10 @@ class CompiledStep:
     def greedy_steps(self, token: int, start: int, steps: int, row: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
         """ModelRunner.greedy_steps for one row on the one-token graph (``why_not_shape(1, 1)`` is None):
         feeds ``token`` at ``start``, then each argmax, without building a ForwardBatch per step. The
-        argmaxes stay on the device; on CUDA they are read (a read waits for the GPU, which the loop
-        otherwise runs ahead of) every ``read_every`` steps (STOP_READ_EVERY; 1 on CPU) when stop tokens are given, else once at the
-        end. Steps past the first stop write cache positions the caller does not count (rollback is a
-        length change) and are dropped from what is returned."""
+        argmaxes stay on the device; they are read (on CUDA a read waits for the GPU, which the loop
+        otherwise runs ahead of) every ``read_every`` steps when stop tokens are given (STOP_READ_EVERY
+        on CUDA, 1 on CPU), else once at the end. Steps past the first stop write cache positions the
+        caller does not count (rollback is a length change) and are dropped from what is returned."""
         x = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
         stops = set(stop_token_ids)
         out: list[torch.Tensor] = []  # [1] argmaxes, the last len(out) - len(ids) not yet read
