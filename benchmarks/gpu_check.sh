@@ -11,10 +11,10 @@
 #   7. the shipped target with its EAGLE-3 head;
 #   8. the compiled step (CUDA graphs) against eager (benchmarks/compiled_vs_eager.py: plain and draft
 #      k=4, outputs equal);
-#   9. the same on the 1B stand-in;
+#   9. the same on the 1B stand-in (only when STEPS names it: compiled_standin, about 2.5 minutes);
 #  10. benchmarks/round_cost.py: where a round's time goes (kernels against host work), with a profile.
 # STEPS="tests compiled ..." runs only the named steps (tests rows lossless bench bench_suffix standin
-# bench_eagle3 compiled compiled_standin round_cost); all by default.
+# bench_eagle3 compiled compiled_standin round_cost); by default all but compiled_standin.
 # Each step has its own time limit; a step that runs out is reported as such and the next one runs.
 # Prints a short report; logs, JSON results and report.txt go to a folder, packed after every step
 # into $OUT/gpu_check.tar.gz when OUT is set (else the folder is a temp folder, left in place).
@@ -82,7 +82,7 @@ if [ "${STANDIN:-1}" = 1 ]; then
 fi
 run bench_eagle3 60 "$PY" -m specdec bench "${PAIR[@]}" --method eagle3 --draft specdec/demo-eagle3 "${EAGER[@]}"
 run compiled 200 "$PY" benchmarks/compiled_vs_eager.py 8 "$DEVICE"
-if [ "${STANDIN:-1}" = 1 ]; then
+if [ "${STANDIN:-1}" = 1 ] && [[ " ${STEPS:-} " == *" compiled_standin "* ]]; then
   run compiled_standin 240 bash -c "'$PY' benchmarks/make_standin.py --shape tinyllama-1.1b --out '$DIR/standin' \
     && '$PY' benchmarks/compiled_vs_eager.py 8 $DEVICE '$DIR/standin'; rc=\$?; rm -rf '$DIR/standin'; exit \$rc"
 fi
