@@ -48,8 +48,8 @@ from torch import nn
 from specdec.models import cache_attention as attention_kernel
 from specdec.models.kv_cache import CACHE_STEP
 from specdec.models.layers import ModelWeights, attention, attention_mask, decoder, logits, rope_tables
-from specdec.sampling import argmax
 from specdec.models.timings import cache_dir, isa_key
+from specdec.sampling import argmax
 from specdec.tree import ancestor_mask, depths_of, tree_mask
 
 if TYPE_CHECKING:
