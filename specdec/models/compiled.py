@@ -210,6 +210,10 @@ class CompiledStep:
         # dynamo counts the graphs of StepGraph.forward across the process's runners (sizes x targets,
         # drafts, kept-state variants): its default of 8 is a hard failure under fullgraph
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        if self.cuda_graphs:  # a graph per size and attended length (a multiple of ATTEND_STEP): past 8 by design,
+            import torch._inductor.config as inductor_config  # so inductor's warning at 8 would only alarm
+
+            inductor_config.triton.cudagraph_dynamic_shape_warn_limit = None
         self.fn = torch.compile(self.graph, backend="inductor", fullgraph=True, dynamic=False,
                                 **compile_settings(self.device))
         self.compile_seconds = self._warm()
