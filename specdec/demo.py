@@ -609,8 +609,9 @@ def final_lines(r: dict, fast_backend: str, backend: str, speedup: float, peer: 
         lines.append("not to be trusted: " + "; ".join(r["doubts"]) + " (another job shared the CPU: run it again "
                      "when the machine is quiet)")
     elif r.get("expected_speedup"):
+        measured = f", measured {r['decode_speedup']:.2f}x" if r.get("decode_speedup") else ""
         lines.append(f"as τ and the measured costs predict ({r['expected_speedup']:.2f}x on {backend}, "
-                     "decoding alone)")
+                     f"decoding alone{measured})")
     lines.append(acceptance_text(r["spec"]["metrics"]))
     gm = r.get("greedy_match")
     if gm is not None:

@@ -83,6 +83,9 @@ def test_final_lines_are_short_and_honest():
     assert lines[:2] == ["speedup: 1.40x over plain torch, the fastest plain backend here (alternating prompt by "
                          "prompt after a warm-up)", "as τ and the measured costs predict (1.42x on torch, decoding "
                          "alone)"]
+    r.update(decode_speedup=1.37)  # the measured ratio of the decoding alone stands beside the prediction
+    assert demo.final_lines(r, "torch", "torch", 1.40, peer=None)[1] == (
+        "as τ and the measured costs predict (1.42x on torch, decoding alone, measured 1.37x)")
 
 
 def test_a_cpu_out_of_arithmetic_is_named():
