@@ -268,6 +268,16 @@ def test_greedy_output_equals_plain_decoding_on_llamacpp(models, config):
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
+def test_bench_describes_the_head_in_llamacpp(models):
+    """``specdec bench`` ends by naming each compute path; the head's runner in llama.cpp is no ModelRunner
+    (it failed there: `specdec bench --method eagle3` on a CPU where auto picks llama.cpp)."""
+    from specdec.bench import compute_paths
+
+    llm = LLM(models["gguf"], backend="llama.cpp", speculative_config=spec(models["head"]))
+    paths = compute_paths(llm)
+    assert paths["draft"] == llm.engine.drafter.runner.describe() and "llama.cpp" in paths["target"]
+
+
 # -- sampled outputs -------------------------------------------------------------------------------------
 
 
