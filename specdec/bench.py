@@ -232,18 +232,22 @@ def run_bench(ar_llm: LLM, spec_llm: LLM, prompts: list[Prompt] | list[dict], pa
 
 def compute_paths(llm: LLM) -> dict[str, str]:
     """Which compute path the target and the draft model took and why (``cpu.describe_path``)."""
+    from specdec.models.base import ModelRunner
     from specdec.models.dtype_choice import describe_path
 
     requested = llm.model_config.dtype
     paths = {"backend": f"{llm.backend} ({llm.backend_reason})", "target": describe_path(llm.engine.target, requested)}
     draft = getattr(llm.engine.drafter, "runner", None)
     if draft is not None:
-        paths["draft"] = describe_path(draft, requested) if hasattr(draft, "describe") else _describe_head(draft)
+        paths["draft"] = describe_path(draft, requested) if isinstance(draft, ModelRunner) else _describe_head(draft)
     return paths
 
 
 def _describe_head(runner) -> str:
-    """A draft runner that is not a model runner (an EAGLE-3 head's): what it is, its layers and kernels."""
+    """A draft runner that is not a model runner (an EAGLE-3 head's): its own line where it has one (the
+    head in llama.cpp), else what it is, its layers and kernels."""
+    if hasattr(runner, "describe"):
+        return runner.describe()
     c, fc = getattr(runner, "c", None), getattr(runner, "fc", None)
     if c is None or not hasattr(c, "layer_ids"):
         return type(runner).__name__

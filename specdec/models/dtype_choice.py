@@ -128,8 +128,7 @@ def describe_path(runner, requested: str) -> str:
     """One line for ``specdec demo`` and ``bench``: the runner's compute path (``ModelRunner.describe``)
     and, for weights cast at load on a CPU, why that dtype, given the dtype that was asked for."""
     line = runner.describe()
-    # an EAGLE-3 head in llama.cpp (llamacpp_head.LlamaCppHead) describes itself but is no ModelRunner
-    if not getattr(runner, "casts_weights", False) or runner.device.type != "cpu":
+    if not runner.casts_weights or runner.device.type != "cpu":
         return line
     support = native_bf16()
     checkpoint = getattr(runner.config, "dtype", None) or getattr(runner.config, "torch_dtype", None)
