@@ -68,7 +68,7 @@ def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
     dozen small tensor ops cost more than the loop at batch 1."""
     B, k = draft_token_ids.shape
     target_argmax = argmax(target_logits).tolist()  # [B, k+1]
-    drafts = draft_token_ids.tolist() if k else [[]] * B  # [B, k]
+    drafts = draft_token_ids.tolist()  # [B, k]
     limits = [k] * B if num_draft is None else num_draft.tolist()  # [B]
     num_accepted, next_ids = [], []
     for d, t, limit in zip(drafts, target_argmax, limits):
