@@ -4,6 +4,7 @@ docs/algorithm.md) says pays most for the batch, with measured quantities instea
     measure.py     what it measures: acceptance per draft position (estimate and upper bound), the
                    verify pass per length, a draft step, per batch size
     probe.py       how it probes while speculation is off, within a budget
+    pace.py        how it paces drafting that only the confidence bound keeps on, within a budget
     controller.py  how it chooses k (``choose_k``), and AdaptiveK, the object the engine talks to
     trees.py       how it chooses a tree shape, and what tree rounds teach it
 """

@@ -12,7 +12,8 @@ The batch drafts the k of the highest estimated S(k) where that beats plain deco
 does not but S at the upper confidence bound of the drafter's acceptance says some k may, it keeps
 drafting (``choose_k``). A drafter is given up only once the bound, from the
 samples seen, is at or below break-even at every k, so a few unlucky early rounds do not switch off
-a drafter that pays. Once off, probes (probe.py) bring it back where the text has become easier.
+a drafter that pays; while the bound alone keeps it on, its rounds' cost is paced (pace.py). Once
+off, probes (probe.py) bring it back where the text has become easier.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 from specdec.adaptive.measure import Acceptance, Costs, Timing
+from specdec.adaptive.pace import Pacer
 from specdec.adaptive.probe import Prober
 from specdec.adaptive.trees import TreeChooser
 from specdec.cost_model import mean_expected_tokens, round_cost, speedup
@@ -55,6 +57,7 @@ class AdaptiveK:
         self.acceptance = Acceptance()
         self.costs = Costs()
         self.prober = Prober()
+        self.pacer = Pacer()
         self.trees = TreeChooser(self.acceptance, self.costs)
         self.rounds = 0  # rounds recorded
         self.last_k = 0  # the previous round's k: a round after plain ones drafts from a lagging draft state
@@ -89,10 +92,12 @@ class AdaptiveK:
 
     def choose(self, seq_ids: list[int]) -> list[int]:
         """k per row (one k for the batch): 0 while this batch size's plain step is timed, while
-        speculation is off (but for probes), else ``choose_k``."""
+        speculation is off (but for probes) or its learning rounds are paced, else ``choose_k``."""
         B = len(seq_ids)
         if self.costs.plain_due(B, self.rounds):
             return self._note(B, 0, "plain timed", None)  # every S at B is relative to a fresh plain step
+        if self.pacer.waiting():
+            return self._note(B, 0, "paced", None)  # plain rounds change no estimate: the decision stands
         was_probe, self.prober.probing = self.prober.probing, False
         estimated = None
         if self.prober.holds_off(B, was_probe):
@@ -106,6 +111,9 @@ class AdaptiveK:
                 hope = self.costs.optimistic_line(B)
                 best, why = choose_k(estimated, self.speedups(B, [self.acceptance.upper(self.k_max)], hope),
                                      self.speedups(B, alphas, hope)), "bound"
+                if best and not self.pacer.allows(self._plain_token(B)):
+                    return self._note(B, 0, "paced", estimated)
+                self.pacer.learning = best > 0
         if best == 0:
             k = self.prober.off(B, was_probe, self.costs, self.k_max)
             return self._note(B, k, "probe" if k else why if why == "off" else "gave up", estimated)
@@ -129,6 +137,10 @@ class AdaptiveK:
                 return n
         return k
 
+    def _plain_token(self, B: int) -> float:
+        """Seconds of a plain token at batch size B: its step and its host work."""
+        return self.costs.verify_line(B)(1) + self.costs.overhead(B, plain=True)
+
     def speedups(self, B: int, alphas_per_seq: list[list[float]], line=None) -> list[float]:
         """S(k) for k = 0..k_max at batch size B for sequences whose acceptance is ``alphas_per_seq``,
         with the verify costs of ``line`` (default: the measured ``verify_line``)."""
@@ -137,7 +149,7 @@ class AdaptiveK:
         line = line or self.costs.verify_line(B)
         t1 = line(1)
         cost = self.costs.draft_cost  # per drafted position; a parallel draft's per round at k
-        plain = t1 + self.costs.overhead(B, plain=True)  # a plain token's wall time
+        plain = t1 + self.costs.overhead(B, plain=True)  # a plain token's wall time (_plain_token)
         extra = self.costs.overhead(B, plain=False)  # a round's host work
         return [1.0] + [speedup(tokens[k], round_cost(k, cost(B, t1, k), line(k + 1), self.costs.parallel) + extra,
                                 plain) for k in range(1, K + 1)]
@@ -169,18 +181,24 @@ class AdaptiveK:
         B = len(seq_ids)
         k_round = max(num_draft)
         self.rounds += 1
+        round_s = draft_time_s + (verify_time_s or 0.0) * num_steps
         if verify_time_s is not None and self._same_batch(seq_ids):  # a pass with a prompt: not timed
             wall, cpu = self._round_wall()
-            spent = draft_time_s + verify_time_s * num_steps
+            spent = round_s
             if 0.5 * wall < spent <= 1.05 * wall:  # the round's calls fill its wall time: a real round
                 # The share of the round this process ran (1 with one busy thread): on a shared machine
                 # a round preempted for half its wall time is timed 2x, and lengths timed in busy and
                 # quiet moments cannot be compared. Running several threads, the share is capped at 1.
                 share = min(1.0, cpu / wall)
                 draft_time_s, verify_time_s, wall, spent = (x * share for x in (draft_time_s, verify_time_s, wall, spent))
+                round_s = wall
             outside = wall - spent
             self.costs.record_overhead(B, k_round == 0, outside / num_steps if k_round == 0 else outside)
         self._stamp(seq_ids)
+        excess = None
+        if self.pacer.learning and verify_time_s is not None and k_round > 0:  # what learning cost this round
+            excess = round_s - sum(1 + min(n, d) for n, d in zip(num_accepted, num_draft)) / B * self._plain_token(B)
+        self.pacer.record(round_s, excess)
         if verify_time_s is not None:
             if k_round == 0:
                 self.costs.plain_measured_at[B] = self.rounds
@@ -218,6 +236,7 @@ class AdaptiveK:
         if verify_s is not None and n_round > 0 and self._same_batch(seq_ids):
             self.costs.record_overhead(B, False, self._round_wall()[0] - draft_s - verify_s)
         self._stamp(seq_ids)
+        self.pacer.record(draft_s + (verify_s or 0.0), None)
         if n_round == 0:
             self.last_k = 0
             return

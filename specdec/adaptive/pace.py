@@ -1,0 +1,48 @@
+"""How the controller paces drafting that only its confidence bound keeps on.
+
+Where the estimate says no k pays but the bound says one may (controller.choose_k), the controller
+drafts to learn. Near break-even the bound may need hundreds of rounds to decide, and each of them
+may cost more than the plain steps it replaces: on a short run the learning was the run (the 1B
+stand-in at q4_k_m, 3 prompts x 48 tokens: 0.91x plain, drafting all along). So these learning
+rounds keep an account of their measured excess over plain decoding (a round's time less its
+tokens' plain time; negative where it paid, never below zero in all), and one runs only while the
+account is within EXPLORE_SHARE of the time decoded so far plus EXPLORE_ALLOWANCE plain steps; past
+that the controller decodes plainly until the elapsed time has caught up. Learning rounds that pay
+are not paced, a few unlucky ones fit in the allowance, and a drafter that cannot pay costs about
+EXPLORE_SHARE of a long run while its bound decides. Rounds the estimate chooses are not paced.
+"""
+
+from __future__ import annotations
+
+EXPLORE_SHARE = 0.01  # learning may cost this share of the decoding time so far ...
+EXPLORE_ALLOWANCE = 3.0  # ... plus this many plain steps (three wholly rejected rounds are not paced)
+
+
+class Pacer:
+    """The learning rounds' account: the time decoded, their excess, and the time learning waits for."""
+
+    def __init__(self):
+        self.elapsed_s = 0.0  # every reported round's time (draft, verify and host work)
+        self.excess_s = 0.0  # learning rounds' time beyond plain decoding of the tokens they gave (>= 0)
+        self.learning = False  # the round just chosen is a learning round
+        self.resume_at_s = 0.0  # while elapsed_s is below this, learning waits
+
+    def allows(self, plain_s: float) -> bool:
+        """Whether a learning round may run now (``plain_s``: a plain token's wall time); if not, the
+        elapsed time it has to wait for is kept (``waiting``)."""
+        if self.excess_s <= EXPLORE_SHARE * self.elapsed_s + EXPLORE_ALLOWANCE * plain_s:
+            return True
+        self.resume_at_s = (self.excess_s - EXPLORE_ALLOWANCE * plain_s) / EXPLORE_SHARE
+        return False
+
+    def waiting(self) -> bool:
+        """Whether learning is paced off until more time has been decoded (plain rounds change no
+        estimate, so the decision stands without weighing k again)."""
+        return self.elapsed_s < self.resume_at_s
+
+    def record(self, seconds: float, excess_s: float | None) -> None:
+        """A round's time; ``excess_s``: a learning round's time beyond plain decoding of its tokens."""
+        self.elapsed_s += seconds
+        if excess_s is not None:
+            self.excess_s = max(0.0, self.excess_s + excess_s)
+        self.learning = False
