@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--trace", action="store_true", help="print the adaptive runs' decisions")
+    ap.add_argument("--unpaced", action="store_true", help="also each adaptive run with its learning rounds unpaced "
+                    "(adaptive/pace.py), for comparison")
     args = ap.parse_args()
     if args.method not in ("draft_model", "ngram", "suffix"):
         ap.error(f"--method must be draft_model, ngram or suffix, got {args.method!r}")
@@ -52,11 +54,14 @@ def main() -> None:
         return cfg | {"model": args.draft} if args.method == "draft_model" else cfg
 
     configs = {"plain": None} | {f"k={k} fixed": spec(int(k), False) for k in args.ks.split(",")} \
-        | {f"adaptive k<={k}": spec(int(k), True) for k in args.adaptive_k.split(",")}
+        | {f"adaptive k<={k}": spec(int(k), True) for k in args.adaptive_k.split(",")} \
+        | ({f"adaptive k<={k} unpaced": spec(int(k), True) for k in args.adaptive_k.split(",")} if args.unpaced else {})
     llms = {}
     for name, cfg in configs.items():
         llms[name] = LLM(args.model, speculative_config=cfg, backend=args.backend,
                          enforce_eager=args.enforce_eager or None)
+        if name.endswith("unpaced"):
+            llms[name].engine.controller.pacer.share = float("inf")
         llms[name].generate([prompts[0]], params)  # warm-up
         if args.trace and llms[name].engine.controller is not None:
             llms[name].engine.controller.trace = []

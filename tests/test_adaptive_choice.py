@@ -97,17 +97,16 @@ def run_time(ctrl: AdaptiveK, rounds: int, alpha: float, c: float, slope: float,
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_learning_where_nothing_pays_is_paced_on_a_short_run(seed, monkeypatch):
+def test_learning_where_nothing_pays_is_paced_on_a_short_run(seed):
     """Near break-even (best S 0.93 at k = 1) the bound needs many rounds to rule drafting out. Paced,
     learning costs the allowance and a share of the run: >= 0.93x plain over 150 rounds (unpaced,
     drafting nearly all along: 0.88-0.93x, 0.91 on average over 8 seeds)."""
-    import specdec.adaptive.pace as pace
-
     alpha, c, slope = 0.4, 0.15, 0.35
     assert max(true_speedups(alpha, c, slope)[1:]) == pytest.approx(0.933, abs=0.001)
     assert run_time(AdaptiveK(8), 150, alpha, c, slope, random.Random(seed)) >= 0.93
-    monkeypatch.setattr(pace, "EXPLORE_SHARE", float("inf"))  # unpaced
-    assert run_time(AdaptiveK(8), 150, alpha, c, slope, random.Random(seed)) < 0.93
+    unpaced = AdaptiveK(8)
+    unpaced.pacer.share = float("inf")
+    assert run_time(unpaced, 150, alpha, c, slope, random.Random(seed)) < 0.93
 
 
 def test_host_work_per_round_makes_a_longer_round_pay_more():

@@ -21,7 +21,8 @@ EXPLORE_ALLOWANCE = 3.0  # ... plus this many plain steps (three wholly rejected
 class Pacer:
     """The learning rounds' account: the time decoded, their excess, and the time learning waits for."""
 
-    def __init__(self):
+    def __init__(self, share: float = EXPLORE_SHARE):
+        self.share = share  # EXPLORE_SHARE (inf: unpaced, as benchmarks/bench_adaptive.py --unpaced compares)
         self.elapsed_s = 0.0  # every reported round's time (draft, verify and host work)
         self.excess_s = 0.0  # learning rounds' time beyond plain decoding of the tokens they gave (>= 0)
         self.learning = False  # the round just chosen is a learning round
@@ -30,9 +31,9 @@ class Pacer:
     def allows(self, plain_s: float) -> bool:
         """Whether a learning round may run now (``plain_s``: a plain token's wall time); if not, the
         elapsed time it has to wait for is kept (``waiting``)."""
-        if self.excess_s <= EXPLORE_SHARE * self.elapsed_s + EXPLORE_ALLOWANCE * plain_s:
+        if self.excess_s <= self.share * self.elapsed_s + EXPLORE_ALLOWANCE * plain_s:
             return True
-        self.resume_at_s = (self.excess_s - EXPLORE_ALLOWANCE * plain_s) / EXPLORE_SHARE
+        self.resume_at_s = (self.excess_s - EXPLORE_ALLOWANCE * plain_s) / self.share
         return False
 
     def waiting(self) -> bool:
