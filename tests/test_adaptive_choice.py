@@ -212,3 +212,15 @@ def test_a_draft_rounds_time_is_a_line_in_k():
             ctrl.costs.record_draft(1, k, ms / 1000)
     got = [k * ctrl.costs.draft_cost(1, T1, k) * 1000 for k in (1, 2, 4, 8)]
     assert got == pytest.approx([0.6, 0.75, 1.05, 1.65], abs=0.01)
+
+
+def test_a_paced_wait_is_weighed_again_for_a_new_request():
+    """Pacing holds plain rounds for the rows it paced; a batch with another row is weighed again (its
+    text may pay), and learning that is still over budget stays paced without drafting."""
+    ctrl = AdaptiveK(8)
+    ctrl.trace = []
+    run_time(ctrl, 150, 0.4, 0.15, 0.35, random.Random(0))  # near break-even, losing: paced by now
+    assert ctrl.pacer.waiting([0]) and ctrl.choose([0]) == [0] and ctrl.trace[-1][2] == "paced"
+    assert not ctrl.pacer.waiting([1])
+    ctrl.choose([1])
+    assert ctrl.trace[-1][3] is not None  # the new row's S(k) was estimated, not held

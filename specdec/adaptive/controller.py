@@ -96,7 +96,7 @@ class AdaptiveK:
         B = len(seq_ids)
         if self.costs.plain_due(B, self.rounds):
             return self._note(B, 0, "plain timed", None)  # every S at B is relative to a fresh plain step
-        if self.pacer.waiting():
+        if self.pacer.waiting(seq_ids):
             return self._note(B, 0, "paced", None)  # plain rounds change no estimate: the decision stands
         was_probe, self.prober.probing = self.prober.probing, False
         estimated = None
@@ -111,7 +111,7 @@ class AdaptiveK:
                 hope = self.costs.optimistic_line(B)
                 best, why = choose_k(estimated, self.speedups(B, [self.acceptance.upper(self.k_max)], hope),
                                      self.speedups(B, alphas, hope)), "bound"
-                if best and not self.pacer.allows(self._plain_token(B)):
+                if best and not self.pacer.allows(self._plain_token(B), seq_ids):
                     return self._note(B, 0, "paced", estimated)
                 self.pacer.learning = best > 0
         if best == 0:

@@ -26,20 +26,23 @@ class Pacer:
         self.elapsed_s = 0.0  # every reported round's time (draft, verify and host work)
         self.excess_s = 0.0  # learning rounds' time beyond plain decoding of the tokens they gave (>= 0)
         self.learning = False  # the round just chosen is a learning round
-        self.resume_at_s = 0.0  # while elapsed_s is below this, learning waits
+        self.resume_at_s = 0.0  # while elapsed_s is below this, learning waits ...
+        self.paced_ids: list[int] = []  # ... if the batch is still these rows (a new row's estimate may differ)
 
-    def allows(self, plain_s: float) -> bool:
-        """Whether a learning round may run now (``plain_s``: a plain token's wall time); if not, the
-        elapsed time it has to wait for is kept (``waiting``)."""
+    def allows(self, plain_s: float, seq_ids: list[int]) -> bool:
+        """Whether a learning round for the rows ``seq_ids`` may run now (``plain_s``: a plain token's
+        wall time); if not, the elapsed time they wait for is kept (``waiting``)."""
         if self.excess_s <= self.share * self.elapsed_s + EXPLORE_ALLOWANCE * plain_s:
             return True
         self.resume_at_s = (self.excess_s - EXPLORE_ALLOWANCE * plain_s) / self.share
+        self.paced_ids = list(seq_ids)
         return False
 
-    def waiting(self) -> bool:
-        """Whether learning is paced off until more time has been decoded (plain rounds change no
-        estimate, so the decision stands without weighing k again)."""
-        return self.elapsed_s < self.resume_at_s
+    def waiting(self, seq_ids: list[int]) -> bool:
+        """Whether learning for these rows is paced off until more time has been decoded (plain rounds
+        change no estimate, so the decision stands without weighing k again). A batch with other rows
+        is weighed again: a new request's text may pay where the last one's did not."""
+        return self.elapsed_s < self.resume_at_s and seq_ids == self.paced_ids
 
     def record(self, seconds: float, excess_s: float | None) -> None:
         """A round's time; ``excess_s``: a learning round's time beyond plain decoding of its tokens."""
