@@ -11,34 +11,24 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
+from pathlib import Path
 
-from specdec.adaptive import AdaptiveK
-from specdec.cost_model import expected_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from specdec.adaptive import AdaptiveK  # noqa: E402
+from test_adaptive_choice import run_time, true_speedups  # noqa: E402  (the tests' simulation, one copy)
 
 LOSING = [(0.4, 0.15, 0.35), (0.5, 0.25, 0.4), (0.6, 0.3, 0.45), (0.1, 0.1, 0.3), (0.45, 0.15, 0.3)]
 PAYING = [(0.5, 0.15, 0.3), (0.55, 0.1, 0.35), (0.72, 0.15, 0.3), (0.3, 0.05, 0.2), (0.6, 0.1, 0.3)]
 
 
-def best_fixed(alpha: float, c: float, slope: float, k_max: int = 8) -> float:
-    """The best fixed k's speed over plain decoding (1.0: plain decoding is best)."""
-    return max([1.0] + [expected_tokens([alpha] * k, k) / (k * c + 1 + slope * k) for k in range(1, k_max + 1)])
-
-
 def run(alpha: float, c: float, slope: float, rounds: int, seed: int, paced: bool = True) -> float:
     """One run at batch 1: its tokens over the time plain decoding would have taken for them."""
-    ctrl, rng, t1 = AdaptiveK(8), random.Random(seed), 0.010
+    ctrl = AdaptiveK(8)
     if not paced:
         ctrl.pacer.share = float("inf")
-    tokens = seconds = 0.0
-    for _ in range(rounds):
-        k = ctrl.choose([0])[0]
-        accepted = 0
-        while accepted < k and rng.random() < alpha:
-            accepted += 1
-        draft, verify = k * c * t1, t1 * (1 + slope * k)
-        ctrl.record([0], [k], [accepted], draft, verify)
-        tokens, seconds = tokens + 1 + accepted, seconds + draft + verify
-    return tokens * t1 / seconds
+    return run_time(ctrl, rounds, alpha, c, slope, random.Random(seed))
 
 
 def main() -> None:
@@ -49,7 +39,7 @@ def main() -> None:
     print("| case (alpha, c, slope) | best fixed | rounds | paced: mean (min) | unpaced: mean (min) |")
     print("| --- | --- | --- | --- | --- |")
     for case in LOSING + PAYING:
-        best = best_fixed(*case)
+        best = max(true_speedups(*case))  # S(0) = 1: plain decoding where nothing pays
         for rounds in map(int, a.rounds.split(",")):
             cells = []
             for paced in (True, False):
