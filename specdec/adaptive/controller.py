@@ -48,6 +48,11 @@ def choose_k(estimated: Sequence[float], upper: Sequence[float], hopeful: Sequen
     return max(may_pay, key=hopeful.__getitem__) if may_pay else 0
 
 
+def tokens_per_row(num_draft: list[int], num_accepted: list[int]) -> float:
+    """Tokens a round gave each row on average: its accepted drafts and the bonus or recovered one."""
+    return sum(1 + min(n, d) for n, d in zip(num_accepted, num_draft)) / len(num_draft)
+
+
 class AdaptiveK:
     """The adaptive controller of one engine: ``choose`` (or ``choose_tree``) before a round,
     ``record`` (or ``record_tree``) after it, ``release`` when sequences finish."""
@@ -137,9 +142,10 @@ class AdaptiveK:
                 return n
         return k
 
-    def _plain_token(self, B: int) -> float:
-        """Seconds of a plain token at batch size B: its step and its host work."""
-        return self.costs.verify_line(B)(1) + self.costs.overhead(B, plain=True)
+    def _plain_token(self, B: int, t1: float | None = None) -> float:
+        """Seconds of a plain token at batch size B: its step (``t1`` where the caller has it) and its
+        host work."""
+        return (self.costs.verify_line(B)(1) if t1 is None else t1) + self.costs.overhead(B, plain=True)
 
     def speedups(self, B: int, alphas_per_seq: list[list[float]], line=None) -> list[float]:
         """S(k) for k = 0..k_max at batch size B for sequences whose acceptance is ``alphas_per_seq``,
@@ -149,7 +155,7 @@ class AdaptiveK:
         line = line or self.costs.verify_line(B)
         t1 = line(1)
         cost = self.costs.draft_cost  # per drafted position; a parallel draft's per round at k
-        plain = t1 + self.costs.overhead(B, plain=True)  # a plain token's wall time (_plain_token)
+        plain = self._plain_token(B, t1)  # a plain token's wall time
         extra = self.costs.overhead(B, plain=False)  # a round's host work
         return [1.0] + [speedup(tokens[k], round_cost(k, cost(B, t1, k), line(k + 1), self.costs.parallel) + extra,
                                 plain) for k in range(1, K + 1)]
@@ -197,14 +203,14 @@ class AdaptiveK:
         self._stamp(seq_ids)
         excess = None
         if self.pacer.learning and verify_time_s is not None and k_round > 0:  # what learning cost this round
-            excess = round_s - sum(1 + min(n, d) for n, d in zip(num_accepted, num_draft)) / B * self._plain_token(B)
+            excess = round_s - tokens_per_row(num_draft, num_accepted) * self._plain_token(B)
         self.pacer.record(round_s, excess)
         if verify_time_s is not None:
             if k_round == 0:
                 self.costs.plain_measured_at[B] = self.rounds
                 self.prober.record_plain(verify_time_s * num_steps)
             elif self.prober.probing and B == self.prober.off_batch:
-                tokens = sum(1 + min(n, d) for n, d in zip(num_accepted, num_draft)) / B
+                tokens = tokens_per_row(num_draft, num_accepted)
                 self.prober.record_probe(B, draft_time_s + verify_time_s - tokens * self.costs.verify_line(B)(1))
             self.costs.record_verify(B, k_round + 1, verify_time_s, self.rounds)
         # A round right after plain ones first feeds the drafter everything it missed (a draft model
