@@ -29,8 +29,8 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
 rounds of any k are split the same way. ``--eagle3-head-variants`` adds eagle3 beside llama.cpp with the
 torch head (the head runs in llama.cpp there by default: models/llamacpp_head.py, on the target's
 threads), with the head in llama.cpp on one thread for passes of up to 16 tokens, and with its file in q8_0;
-the variants below are the torch head's. ``--eagle3-variants`` adds eagle3 with its chain steps through
-the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
+the variants below are the torch head's, run eager. ``--eagle3-variants`` adds eagle3 with its chain steps
+eager (the torch head's one-row chain step is compiled beside a compiled target), through the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
 torch's threads (before ``head_threads``), and, an experiment, with the head's weights in int8 (what
 halving its bytes would give; specdec's head runs in the target's dtype).
 With eagle3 on llama.cpp it ends with a verify-sized forward timed with and without the kept states.
@@ -251,7 +251,7 @@ def build(args) -> list[Config]:
         if args.adaptive:
             runs += [(m, max(args.ks), True) for m in args.methods]
         if args.eagle3_variants:
-            runs += [(f"eagle3 {v}", k, False) for v in ("general-step", "torch-threads", "int8") for k in args.ks]
+            runs += [(f"eagle3 {v}", k, False) for v in ("eager-chain", "general-step", "torch-threads", "int8") for k in args.ks]
         if args.eagle3_head_variants:
             runs += [(f"eagle3 {v}", k, False) for v in ("torch-head", "one-thread-head", "q8_0-head") for k in args.ks]
         for method, k, adaptive in runs:
@@ -321,13 +321,18 @@ def general_steps(drafter) -> None:
 
 
 def int8_head(drafter) -> None:
-    """Swap an EAGLE-3 drafter's head products for int8-weight ones (``--eagle3-variants``)."""
+    """Swap an EAGLE-3 drafter's head products for int8-weight ones (``--eagle3-variants``); its chain
+    steps then run eager (the compiled step reads the weights it was compiled with)."""
+    from dataclasses import replace
+
     head, r = drafter.head, drafter.runner
     a, m = head.midlayer.self_attn, head.midlayer.mlp
-    r.fc, r.o, r.down, r.lm_head = (Int8Linear(w) for w in (head.fc.weight, a.o_proj.weight, m.down_proj.weight,
-                                                             head.lm_head.weight))
-    r.qkv = Int8Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
-    r.gate_up = Int8Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+    fc, o, down, lm_head = (Int8Linear(w) for w in (head.fc.weight, a.o_proj.weight, m.down_proj.weight,
+                                                    head.lm_head.weight))
+    r.w = replace(r.w, fc=fc, o=o, down=down, lm_head=lm_head,
+                  qkv=Int8Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                  gate_up=Int8Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])))
+    r.compiled = None
 
 
 def run(configs: list[Config], prompts: list[list[int]], max_tokens: int) -> None:
@@ -399,8 +404,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--methods", default="draft_model", help="model drafters, comma-separated: draft_model, eagle3")
     ap.add_argument("--adaptive", action="store_true", help="also each method adaptive, k up to the largest of --ks")
     ap.add_argument("--eagle3-variants", action="store_true",
-                    help="also eagle3 at each k with its chain steps through the head's general step, on all of "
-                         "torch's threads, and (an experiment) with the head's weights in int8, bf16 activations")
+                    help="also eagle3 at each k with its chain steps eager (not compiled), through the head's general "
+                         "step, on all of torch's threads, and (an experiment) with the head's weights in int8, "
+                         "bf16 activations (the variants run the head eager)")
     ap.add_argument("--eagle3-head-variants", action="store_true",
                     help="also eagle3 beside llama.cpp with the torch head, with the head in llama.cpp on one "
                          "thread for passes of up to 16 tokens, and with its file in q8_0")

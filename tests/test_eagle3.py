@@ -319,7 +319,7 @@ def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path, dtype):
     prompts = random_prompts(3, [4, 9, 17], seed=2)
     expected = plain_greedy(target, prompts, 30, dtype=dtype)
     llm = LLM(target, backend="torch", dtype=dtype, speculative_config=spec(head, 4, adaptive=False))
-    assert llm.engine.drafter.runner.qkv.dtype == getattr(torch, dtype)
+    assert llm.engine.drafter.runner.w.qkv.dtype == getattr(torch, dtype)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     for p, e, o in zip(prompts, expected, outs):

@@ -34,6 +34,7 @@ g, its k, v at its own slot past the committed entries, attending to those, its 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models import cache_attention as attention_kernel
 from specdec.models.base import ModelRunner
-from specdec.models.eagle3 import Eagle3Head, check_q_scale
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head, check_q_scale
 from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
 from specdec.models.layers import apply_rope, attention, rope_tables
 from specdec.models.linear import Linear
@@ -85,17 +86,30 @@ def tree_pool(shape: TreeShape) -> int:
     return shape.max_children + (shape.max_depth - 1) * shape.max_children ** 2
 
 
-class HeadRunner:
-    """The head's forward over its own KV cache (one layer, float32, rows like the target's): the
-    weights of ``Eagle3Head`` packed into ``Linear`` kernels of ``dtype``; norms, RoPE and attention
-    (models/layers.py's) in float32. Computes what ``Eagle3Head.step`` computes (within the weights' dtype's rounding).
-    ``step`` runs any shape (a catch-up, a tree level); ``chain_step`` a chain's draft step, one token per
-    row, in fewer operations; both share the layer's code (``_attention_input``, ``_after_attention``)."""
+@dataclass(frozen=True)
+class HeadWeights:
+    """An ``Eagle3Head``'s weights packed into ``Linear`` kernels of one dtype (norms float32), and the
+    layer's math over them: what ``HeadRunner`` runs eager and models/compiled_head.py compiles (one
+    definition). Never changed after ``pack``: the compiled step reads them as they are."""
 
-    def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device):
-        c = head.config
-        self.c, self.device = c, device
+    c: Eagle3Config
+    fc: Linear  # 3 Dt -> D
+    qkv: Linear  # 2D -> (H + 2 KVH) hd
+    o: Linear  # H hd -> D
+    gate_up: Linear  # D -> 2 I
+    down: Linear  # I -> D
+    lm_head: Linear  # D -> Vd
+    input_norm: torch.Tensor  # [D] each, float32
+    hidden_norm: torch.Tensor
+    post_norm: torch.Tensor
+    final_norm: torch.Tensor
+    fc_norm: torch.Tensor | None  # [3 Dt]: a head with norm_before_fc normalizes the features before fc
+    embed: torch.Tensor  # [V, D] the target's
+
+    @classmethod
+    def pack(cls, head: Eagle3Head, dtype: torch.dtype, device: torch.device) -> HeadWeights:
         L = head.midlayer
+        a, m = L.self_attn, L.mlp
 
         def lin(*weights: torch.Tensor) -> Linear:
             return Linear(torch.cat([w.detach() for w in weights]).to(device=device, dtype=dtype).contiguous())
@@ -103,19 +117,68 @@ class HeadRunner:
         def vec(w: torch.Tensor) -> torch.Tensor:
             return w.detach().to(device=device, dtype=torch.float32)
 
-        a, m = L.self_attn, L.mlp
-        self.fc = lin(head.fc.weight)  # 3 Dt -> D
-        self.qkv = lin(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)  # 2D -> (H + 2 KVH) hd
-        self.o = lin(a.o_proj.weight)  # H hd -> D
-        self.gate_up = lin(m.gate_proj.weight, m.up_proj.weight)  # D -> 2 I
-        self.down = lin(m.down_proj.weight)  # I -> D
-        self.lm_head = lin(head.lm_head.weight)  # D -> Vd
-        self.input_norm, self.hidden_norm = vec(L.input_layernorm.weight), vec(L.hidden_norm.weight)
-        self.post_norm, self.final_norm = vec(L.post_attention_layernorm.weight), vec(head.norm.weight)
-        # a head with norm_before_fc normalizes the [3 Dt] features before fc (models/eagle3.py)
-        fc_norm = getattr(head, "input_norm", None) if getattr(c, "norm_before_fc", False) else None
-        self.fc_norm = None if fc_norm is None else vec(fc_norm.weight)
-        self.embed = head.embed_tokens.detach().to(device)  # [V, D] the target's
+        fc_norm = getattr(head, "input_norm", None) if getattr(head.config, "norm_before_fc", False) else None
+        return cls(head.config, lin(head.fc.weight), lin(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                   lin(a.o_proj.weight), lin(m.gate_proj.weight, m.up_proj.weight), lin(m.down_proj.weight),
+                   lin(head.lm_head.weight), vec(L.input_layernorm.weight), vec(L.hidden_norm.weight),
+                   vec(L.post_attention_layernorm.weight), vec(head.norm.weight),
+                   None if fc_norm is None else vec(fc_norm.weight), head.embed_tokens.detach().to(device))
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's layer inputs [..., 3 Dt] -> the head's hidden state [..., D] float32."""
+        if self.fc_norm is not None:
+            features = F.rms_norm(features.float(), (features.shape[-1],), self.fc_norm, self.c.rms_norm_eps)
+        return self.fc(features).float()
+
+    def attention_input(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [...] and hidden [..., D] float32 -> q, k, v fused [..., (H + 2 KVH) hd] float32 (not yet
+        rotated) and the residual [..., D] the attention's output adds to."""
+        c, D = self.c, self.c.hidden_size
+        emb = F.embedding(ids, self.embed).float()  # [..., D]
+        h_normed = F.rms_norm(hidden, (D,), self.hidden_norm, c.rms_norm_eps)
+        x = torch.cat([F.rms_norm(emb, (D,), self.input_norm, c.rms_norm_eps), h_normed], dim=-1)  # [..., 2D]
+        return self.qkv(x).float(), (h_normed if c.norm_before_residual else hidden)
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """attn [..., H hd] -> draft-vocabulary logits [..., Vd] and the pre-norm output g [..., D], float32."""
+        D, eps = self.c.hidden_size, self.c.rms_norm_eps
+        a = residual + self.o(attn)  # [..., D] (bf16 + float32 promotes to float32)
+        gate, up = self.gate_up(F.rms_norm(a, (D,), self.post_norm, eps)).float().chunk(2, dim=-1)
+        g = a + self.down(F.silu(gate) * up)  # [..., D]: pre-norm output
+        return self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float(), g
+
+    def row_pass(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
+                 bias: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row's pass over tensors only (what the compiled chain step traces): ids [T] at positions
+        pos [T] of cache row rows [1]; writes their k, v; the last token's query attends to the row's keys
+        0..L-1 with additive ``bias`` [1, 1, L] (0: seen, -inf: not). Logits [1, Vd] and g [1, D], float32."""
+        c = self.c
+        T = ids.shape[0]
+        H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv, residual = self.attention_input(ids, hidden)  # [T, (H + 2 KVH) hd], [T, D]
+        cos, sin = cos_table[pos][:, None], sin_table[pos][:, None]  # [T, 1, hd]
+        k = apply_rope(qkv[:, H * hd : (H + KVH) * hd].view(T, KVH, hd), cos, sin)  # [T, KVH, hd]
+        at = (torch.zeros_like(pos), rows.expand(T), None, pos)  # cache[0, row, :, pos[t]]
+        torch.ops.aten.index_put_(k_cache, at, k)
+        torch.ops.aten.index_put_(v_cache, at, qkv[:, (H + KVH) * hd :].view(T, KVH, hd))
+        q = apply_rope(qkv[-1, : H * hd].view(1, 1, H, hd), cos[-1], sin[-1])  # the last token's query only
+        attn = attention_kernel.cache_attention(q, k_cache, v_cache, 0, rows, bias)  # [1, 1, H, hd]
+        return self.after_attention(attn.reshape(1, H * hd), residual[-1:])
+
+
+class HeadRunner:
+    """The head's forward over its own KV cache (one layer, float32, rows like the target's): the
+    weights of ``Eagle3Head`` packed into ``Linear`` kernels of ``dtype`` (``HeadWeights``); norms, RoPE
+    and attention (models/layers.py's) in float32. Computes what ``Eagle3Head.step`` computes (within the
+    weights' dtype's rounding). ``step`` runs any shape (a catch-up, a tree level); ``chain_step`` a
+    chain's draft step, one token per row, in fewer operations (compiled where the target is:
+    ``compile``); all share the layer's code (``HeadWeights``)."""
+
+    def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device):
+        c = head.config
+        self.c, self.device = c, device
+        self.w = HeadWeights.pack(head, dtype, device)
         self.inv_freq = head.inv_freq.detach().float().to(device)  # [hd / 2]
         self.cos = self.sin = torch.empty(0, c.head_dim, device=device)
         self.cache: KVCache | None = None
@@ -123,6 +186,19 @@ class HeadRunner:
         # a chain step of one row attends with specdec's kernel where it runs (float32 cache: always here)
         self.in_cache = attention_kernel.supports(torch.float32, torch.device(device), c.head_dim)
         self._row_tensors: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the kernel's rows input
+        self.compiled = None  # CompiledHeadStep: chain steps of one row compiled (``compile``)
+
+    @property
+    def fc(self) -> Linear:
+        return self.w.fc  # the drafter reads its in_features (the target states' width), as of LlamaCppHead's
+
+    def compile(self, name: str) -> None:
+        """Compile the one-row chain step (models/compiled_head.py), where it runs: the cache attention
+        kernel's CPUs. Called beside a compiled torch target (a target run eager keeps the head eager too)."""
+        if self.in_cache and self.compiled is None:
+            from specdec.models.compiled_head import CompiledHeadStep
+
+            self.compiled = CompiledHeadStep(self, name)
 
     def _row(self, row: int) -> torch.Tensor:
         t = self._row_tensors.get(row)
@@ -144,26 +220,7 @@ class HeadRunner:
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's layer inputs [..., 3 Dt] -> the head's hidden state [..., D] float32."""
-        if self.fc_norm is not None:
-            features = F.rms_norm(features.float(), (features.shape[-1],), self.fc_norm, self.c.rms_norm_eps)
-        return self.fc(features).float()
-
-    def _attention_input(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [...] and hidden [..., D] float32 -> q, k, v fused [..., (H + 2 KVH) hd] float32 (not yet
-        rotated) and the residual [..., D] the attention's output adds to."""
-        c, D = self.c, self.c.hidden_size
-        emb = F.embedding(ids, self.embed).float()  # [..., D]
-        h_normed = F.rms_norm(hidden, (D,), self.hidden_norm, c.rms_norm_eps)
-        x = torch.cat([F.rms_norm(emb, (D,), self.input_norm, c.rms_norm_eps), h_normed], dim=-1)  # [..., 2D]
-        return self.qkv(x).float(), (h_normed if c.norm_before_residual else hidden)
-
-    def _after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """attn [..., H hd] -> draft-vocabulary logits [..., Vd] and the pre-norm output g [..., D], float32."""
-        D, eps = self.c.hidden_size, self.c.rms_norm_eps
-        a = residual + self.o(attn)  # [..., D] (bf16 + float32 promotes to float32)
-        gate, up = self.gate_up(F.rms_norm(a, (D,), self.post_norm, eps)).float().chunk(2, dim=-1)
-        g = a + self.down(F.silu(gate) * up)  # [..., D]: pre-norm output
-        return self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float(), g
+        return self.w.fuse(features)
 
     def chain_step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int],
                    pos: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +232,7 @@ class HeadRunner:
         H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         if B == 1 and self.in_cache:  # the row's keys 0..p read where the cache holds them (about 60 µs less than SDPA)
             return self._row_pass(ids, hidden, rows[0], pos[0])
-        qkv, residual = self._attention_input(ids, hidden)  # [B, (H + 2 KVH) hd]
+        qkv, residual = self.w.attention_input(ids, hidden)  # [B, (H + 2 KVH) hd]
         if B == 1:
             row, p = rows[0], pos[0]
             cos, sin = self.cos[p], self.sin[p]  # [hd]
@@ -197,7 +254,7 @@ class HeadRunner:
             values = self.cache.v[0, cache_rows, :, :end]
             mask = (torch.arange(end, device=self.device)[None] <= at[:, None])[:, None, None]  # [B, 1, 1, end]
         attn = attention(q, keys, values, mask)  # [B, H, 1, hd]
-        return self._after_attention(attn.reshape(B, H * hd), residual)
+        return self.w.after_attention(attn.reshape(B, H * hd), residual)
 
     def catch_up_row(self, ids: torch.Tensor, hidden: torch.Tensor, row: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``step`` for one row's T tokens at positions start..start+T-1 with ``query_at`` the last (a
@@ -209,19 +266,13 @@ class HeadRunner:
     def _row_pass(self, ids: torch.Tensor, hidden: torch.Tensor, row: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """catch_up_row's pass, also one row's chain step (T = 1). Apart from the public methods so that
         wrappers timing them (benchmarks/round_cost.py) never count a call twice."""
-        c = self.c
         T = ids.shape[0]
-        H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv, residual = self._attention_input(ids, hidden)  # [T, (H + 2 KVH) hd], [T, D]
-        last = start + T - 1
-        cos, sin = self.cos[start : last + 1, None], self.sin[start : last + 1, None]  # [T, 1, hd]
-        k = apply_rope(qkv[:, H * hd : (H + KVH) * hd].view(T, KVH, hd), cos, sin)  # [T, KVH, hd]
-        self.cache.k[0, row, :, start : last + 1] = k.transpose(0, 1)  # [KVH, T, hd]
-        self.cache.v[0, row, :, start : last + 1] = qkv[:, (H + KVH) * hd :].view(T, KVH, hd).transpose(0, 1)
-        q = apply_rope(qkv[-1, : H * hd].view(1, 1, H, hd), cos[-1], sin[-1])  # the last token's query only
-        attn = attention_kernel.cache_attention(q, self.cache.k, self.cache.v, 0, self._row(row),
-                                                self.cache.k.new_zeros(1, 1, last + 1))  # [1, 1, H, hd]
-        return self._after_attention(attn.reshape(1, H * hd), residual[-1:])
+        if T == 1 and self.compiled is not None:  # a chain step: the compiled pass (models/compiled_head.py)
+            return self.compiled.chain_step(ids, hidden, row, start)
+        end = start + T
+        pos = torch.arange(start, end, device=self.device)  # [T]
+        bias = self.cache.k.new_zeros(1, 1, end)  # [1, 1, L = end]: every key up to the last token's
+        return self.w.row_pass(ids, hidden, pos, self._row(row), bias, self.cache.k, self.cache.v, self.cos, self.sin)
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
              real: torch.Tensor | None = None, query_at: torch.Tensor | None = None,
@@ -237,7 +288,7 @@ class HeadRunner:
         c = self.c
         B, T = ids.shape
         H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv, residual = self._attention_input(ids, hidden.float())  # [B, T, (H + 2 KVH) hd], [B, T, D]
+        qkv, residual = self.w.attention_input(ids, hidden.float())  # [B, T, (H + 2 KVH) hd], [B, T, D]
         q = qkv[..., : H * hd].view(B, T, H, hd)
         k = qkv[..., H * hd : (H + KVH) * hd].view(B, T, KVH, hd)
         v = qkv[..., (H + KVH) * hd :].view(B, T, KVH, hd)
@@ -263,7 +314,7 @@ class HeadRunner:
         elif not (B == 1 and T == 1):
             mask = (torch.arange(end, device=self.device)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, end]
         attn = attention(q.transpose(1, 2), keys, values, mask)  # [B, H, T, hd]
-        return self._after_attention(attn.transpose(1, 2).reshape(B, T, H * hd), residual)  # [B, T, Vd], [B, T, D]
+        return self.w.after_attention(attn.transpose(1, 2).reshape(B, T, H * hd), residual)  # [B, T, Vd], [B, T, D]
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -291,6 +342,8 @@ class Eagle3Drafter(Drafter):
         # beside a llama.cpp target the head runs as llama.cpp's own eagle3 model (models/llamacpp_head.py,
         # HeadRunner's methods), else, or where this llama.cpp build cannot, in torch
         self.runner = native_head(head, target) or HeadRunner(head, dtype, self.device)
+        if isinstance(self.runner, HeadRunner) and getattr(target, "compiled", None) is not None:
+            self.runner.compile(getattr(head, "name", "") or "head")
         if not isinstance(self.runner, HeadRunner):  # llama.cpp's eagle3 graphs draft chains (trees: chains_as_trees)
             self.can_draft_trees = False
         self.one_thread = getattr(target, "backend", "torch") != "torch"  # head_threads: small rounds on one torch thread

@@ -181,6 +181,35 @@ def sizes_for(linear_kind: str) -> tuple[int, ...]:
     return W16_SIZES if linear_kind == "w16" else DEFAULT_SIZES
 
 
+def warm_announced(what: str, warm) -> float:
+    """Run ``warm()`` (it compiles, or loads compiled code from inductor's caches) and say so on stderr,
+    one line per ``what`` and process: how long the compile took, or that the code came from the cache.
+    Returns its seconds; a failure ends the line with "failed" and goes on up."""
+    first = what not in _ANNOUNCED
+    if first:  # the compile may take minutes: say so before it starts
+        print(f"{what} ({EAGER_HINT.split(' to ')[0]} to skip) ...", end="", file=sys.stderr, flush=True)
+    from torch._dynamo.utils import counters  # imported late: it reads TORCHINDUCTOR_CACHE_DIR, set above
+
+    misses = counters["inductor"]["fxgraph_cache_miss"]
+    t0 = time.perf_counter()
+    try:
+        warm()
+    except Exception:
+        if first:
+            print(" failed", file=sys.stderr, flush=True)
+        raise
+    seconds = time.perf_counter() - t0
+    compiled = counters["inductor"]["fxgraph_cache_miss"] > misses
+    done = (f"compiled in {seconds:.0f} s (kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']} for later loads)"
+            if compiled else f"loaded compiled code from the cache ({seconds:.1f} s)")
+    if first:
+        print(f" {done}", file=sys.stderr, flush=True)
+    elif compiled:  # again in this process, but it compiled (kept hidden states change the graph)
+        print(f"{what}: {done}", file=sys.stderr, flush=True)
+    _ANNOUNCED.add(what)
+    return seconds
+
+
 class CompiledStep:
     """The compiled forward of one runner for batches of one row and up to max(sizes) tokens: it
     compiles each size at construction (one line on stderr per model; inductor's FX graph and AOT
@@ -221,53 +250,38 @@ class CompiledStep:
     def _warm(self) -> float:
         """Compile every size now: each on scratch inputs whose cache rows (2) and lengths (768 cached,
         512 attended) differ from each other, so the cache's rows and length and the attended length
-        are traced as dynamic dims and no later batch compiles again. Prints one line per model and
-        process: how long the compile took, or that the compiled code came from the cache."""
+        are traced as dynamic dims and no later batch compiles again (``warm_announced``)."""
         m, device = self.host.model, self.device
         d = m.dims
         dtype = str(m.embed.dtype).removeprefix("torch.")
         what = f"specdec: the compiled torch step of {self.host.name} ({dtype} weights, T={','.join(map(str, self.sizes))})"
-        first = what not in _ANNOUNCED
-        if first:  # the compile may take minutes: say so before it starts
-            print(f"{what} ({EAGER_HINT.split(' to ')[0]} to skip) ...", end="", file=sys.stderr, flush=True)
-        from torch._dynamo.utils import counters  # imported late: it reads TORCHINDUCTOR_CACHE_DIR, set above
 
-        misses = counters["inductor"]["fxgraph_cache_miss"]
-        t0 = time.perf_counter()
-        rows, cached, attended = 2, 3 * CACHE_STEP, 2 * CACHE_STEP
-        shape = (self.num_layers, rows, d.num_kv_heads, cached, d.head_dim)
-        for T in self.sizes:
-            with torch.inference_mode():  # as the runner's cache is made
-                k = torch.zeros(shape, dtype=d.compute_dtype, device=device)
-                v = torch.zeros_like(k)
-                states = torch.zeros(rows, cached, len(self.kept_layers) * d.hidden_size, device=device) \
-                    if self.kept_layers else None
-                tokens = torch.zeros(1, T, dtype=torch.long, device=device)
-                pos = torch.arange(T, device=device)[None]
-                mask = torch.zeros(len(self.windows), 1, T, attended, device=device)
-            for t, dims in ((k, (1, 3)), (v, (1, 3)), (mask, (3,)), (states, (0, 1))):
-                if t is not None:
-                    torch._dynamo.mark_dynamic(t, dims)
-            if self.cuda_graphs:
-                static_inputs(k, v, states)
-            try:
-                with torch.inference_mode():
-                    self.fn(tokens, pos, pos.clone(), torch.zeros(1, dtype=torch.long, device=device), mask, k, v, states)
-            except Exception as e:
-                if first:
-                    print(" failed", file=sys.stderr, flush=True)
-                raise RuntimeError(f"compiling the torch forward (T={T}) failed: {type(e).__name__}: "
-                                   f"{str(e).splitlines()[0] if str(e) else ''}; {EAGER_HINT}") from e
-        seconds = time.perf_counter() - t0
-        compiled = counters["inductor"]["fxgraph_cache_miss"] > misses
-        done = (f"compiled in {seconds:.0f} s (kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']} for later loads)"
-                if compiled else f"loaded compiled code from the cache ({seconds:.1f} s)")
-        if first:
-            print(f" {done}", file=sys.stderr, flush=True)
-        elif compiled:  # again in this process, but it compiled (kept hidden states change the graph)
-            print(f"{what}: {done}", file=sys.stderr, flush=True)
-        _ANNOUNCED.add(what)
-        return seconds
+        def warm() -> None:
+            rows, cached, attended = 2, 3 * CACHE_STEP, 2 * CACHE_STEP
+            shape = (self.num_layers, rows, d.num_kv_heads, cached, d.head_dim)
+            for T in self.sizes:
+                with torch.inference_mode():  # as the runner's cache is made
+                    k = torch.zeros(shape, dtype=d.compute_dtype, device=device)
+                    v = torch.zeros_like(k)
+                    states = torch.zeros(rows, cached, len(self.kept_layers) * d.hidden_size, device=device) \
+                        if self.kept_layers else None
+                    tokens = torch.zeros(1, T, dtype=torch.long, device=device)
+                    pos = torch.arange(T, device=device)[None]
+                    mask = torch.zeros(len(self.windows), 1, T, attended, device=device)
+                for t, dims in ((k, (1, 3)), (v, (1, 3)), (mask, (3,)), (states, (0, 1))):
+                    if t is not None:
+                        torch._dynamo.mark_dynamic(t, dims)
+                if self.cuda_graphs:
+                    static_inputs(k, v, states)
+                try:
+                    with torch.inference_mode():
+                        self.fn(tokens, pos, pos.clone(), torch.zeros(1, dtype=torch.long, device=device), mask, k, v,
+                                states)
+                except Exception as e:
+                    raise RuntimeError(f"compiling the torch forward (T={T}) failed: {type(e).__name__}: "
+                                       f"{str(e).splitlines()[0] if str(e) else ''}; {EAGER_HINT}") from e
+
+        return warm_announced(what, warm)
 
     def why_not(self, batch: ForwardBatch) -> str | None:
         """Why the compiled graph cannot run ``batch`` (then it runs eager), or None when it can."""

@@ -368,4 +368,5 @@ def load_head(path: str | Path, embed_tokens: torch.Tensor, num_layers: int, voc
     head.d2t = head.d2t.long()
     head.t2d = head.t2d.bool()
     head.set_embedding(embed_tokens.to(device))
+    head.name = p.name  # for messages
     return head.eval().requires_grad_(False)

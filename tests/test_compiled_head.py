@@ -1,0 +1,85 @@
+"""The EAGLE-3 head's compiled chain step (models/compiled_head.py) against its eager pass on the same
+weights: logits, g and the k, v it writes, across attended lengths, a grown cache, rollback and two
+heads in one process; and through ``LLM`` beside a compiled target, greedy output equal to plain
+decoding with the compiled step having run. The first run on a machine compiles (seconds per head);
+inductor's disk cache makes later runs fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.drafters.eagle3 import HeadRunner
+from specdec.models import cache_attention
+from specdec.models.eagle3 import load_head
+from specdec.models.load import load_model
+from test_eagle3 import LAYERS, make_head, plain_greedy, spec
+from tiny_models import make_model, random_prompts
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not cache_attention.available().ok,
+                                 reason="the compiled chain step runs where the cache attention kernel does")]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled_head")
+    target = str(make_model(root / "target", "llama", layers=LAYERS, seed=0, max_pos=512))
+    hf = load_model(target).hf_model
+    heads = [load_head(make_head(target, root / f"head{i}", seed=i, draft_vocab=40, norm_before_fc=bool(i)),
+                       hf.model.embed_tokens.weight.detach(), LAYERS) for i in range(2)]
+    return {"target": target, "hf": hf, "heads": heads, "root": root}
+
+
+def test_compiled_chain_steps_equal_eager_ones(models):
+    """Chain steps of one row at positions that cross the attended length's steps (64) and the cache's
+    first 256 positions (it grows), then rolled back; two heads of one shape keep their own weights."""
+    D = models["heads"][0].config.hidden_size
+    for head in models["heads"]:
+        eager = HeadRunner(head, torch.bfloat16, torch.device("cpu"))
+        compiled = HeadRunner(head, torch.bfloat16, torch.device("cpu"))
+        compiled.compile("test head")
+        assert compiled.compiled is not None and eager.compiled is None
+        torch.manual_seed(3)
+        history = torch.randint(0, head.config.vocab_size, (1, 60))
+        with torch.inference_mode():
+            hidden = torch.randn(1, 60, D)
+            for r in (eager, compiled):
+                r.reserve(2, 64)
+                r.step(history, hidden, [1], torch.arange(60)[None])  # row 1: positions 0..59
+            positions = list(range(60, 70)) + [250, 251, 300, 62, 63, 64]  # 300: the cache grows; 62..: rollback
+            for p in positions:
+                ids, g = torch.randint(0, head.config.vocab_size, (1,)), torch.randn(1, D)
+                for r in (eager, compiled):  # as the drafter reserves a round's positions (Eagle3Drafter._start)
+                    r.reserve(2, p + 2)
+                want_logits, want_g = eager.chain_step(ids, g, [1], [p])
+                got_logits, got_g = compiled.chain_step(ids, g, [1], [p])
+                torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(got_g, want_g, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(compiled.cache.k[0, 1, :, : p + 1], eager.cache.k[0, 1, :, : p + 1])
+                torch.testing.assert_close(compiled.cache.v[0, 1, :, : p + 1], eager.cache.v[0, 1, :, : p + 1])
+        assert compiled.cache.max_len > 256
+
+
+def test_greedy_output_beside_a_compiled_target_equals_plain_decoding(models):
+    target = models["target"]
+    prompts = random_prompts(3, [2, 9, 30], seed=5)
+    expected = plain_greedy(target, prompts, 16)
+    llm = LLM(target, backend="torch", enforce_eager=False,
+              speculative_config=spec(str(models["root"] / "head0"), 3, adaptive=False))
+    runner = llm.engine.drafter.runner
+    assert runner.compiled is not None
+    calls = []
+    chain_step = runner.compiled.chain_step
+    runner.compiled.chain_step = lambda *a: calls.append(1) or chain_step(*a)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = [llm.generate([{"prompt_token_ids": p}], sp)[0] for p in prompts]  # one row: the compiled chain step
+    assert [[o.outputs[0].token_ids] for o in outs] == expected
+    assert calls and llm.get_metrics()["num_draft_tokens"] > 0
+
+
+def test_an_eager_target_keeps_the_head_eager(models):
+    llm = LLM(models["target"], backend="torch", enforce_eager=True,
+              speculative_config=spec(str(models["root"] / "head0"), 3, adaptive=False))
+    assert llm.engine.drafter.runner.compiled is None
