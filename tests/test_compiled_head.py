@@ -1,6 +1,6 @@
-"""The EAGLE-3 head's compiled chain step (models/compiled_head.py) against its eager pass on the same
-weights: logits, g and the k, v it writes, across attended lengths, a grown cache, rollback and two
-heads in one process; and through ``LLM`` beside a compiled target, greedy output equal to plain
+"""The EAGLE-3 head's compiled one-row passes (models/compiled_head.py) against its eager pass on the
+same weights: chain steps and padded catch-ups give the same logits, g and k, v, across attended
+lengths, a grown cache, rollback and two heads in one process; and through ``LLM`` beside a compiled target, greedy output equal to plain
 decoding with the compiled step having run. The first run on a machine compiles (seconds per head);
 inductor's disk cache makes later runs fast."""
 
@@ -62,6 +62,32 @@ def test_compiled_chain_steps_equal_eager_ones(models):
         assert compiled.cache.max_len > 256
 
 
+def test_compiled_catch_ups_equal_eager_ones(models):
+    """Catch-ups of 1 to 10 tokens (padded to 3, 6, 9; 10 runs eager): the last token's logits and g, and
+    the k, v of the real tokens; the padding's entries past them are rewritten by the next pass."""
+    head = models["heads"][1]
+    D = head.config.hidden_size
+    eager = HeadRunner(head, torch.bfloat16, torch.device("cpu"))
+    compiled = HeadRunner(head, torch.bfloat16, torch.device("cpu"))
+    compiled.compile("test head")
+    assert compiled.compiled.why_not(9) is None and compiled.compiled.why_not(10) == "10 tokens (compiled: up to 9)"
+    torch.manual_seed(4)
+    start = 0
+    with torch.inference_mode():
+        for T in [5, 1, 2, 3, 4, 6, 7, 8, 9, 10, 4]:
+            ids, hidden = torch.randint(0, head.config.vocab_size, (T,)), torch.randn(T, D)
+            for r in (eager, compiled):
+                r.reserve(2, start + T + 1)
+            want_logits, want_g = eager.catch_up_row(ids, hidden, 1, start)
+            got_logits, got_g = compiled.catch_up_row(ids, hidden, 1, start)
+            torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got_g, want_g, rtol=1e-4, atol=1e-4)
+            end = start + T
+            torch.testing.assert_close(compiled.cache.k[0, 1, :, :end], eager.cache.k[0, 1, :, :end])
+            torch.testing.assert_close(compiled.cache.v[0, 1, :, :end], eager.cache.v[0, 1, :, :end])
+            start = end - 1  # as a round after one accepted token: the last entry is written again
+
+
 def test_greedy_output_beside_a_compiled_target_equals_plain_decoding(models):
     target = models["target"]
     prompts = random_prompts(3, [2, 9, 30], seed=5)
@@ -71,8 +97,8 @@ def test_greedy_output_beside_a_compiled_target_equals_plain_decoding(models):
     runner = llm.engine.drafter.runner
     assert runner.compiled is not None
     calls = []
-    chain_step = runner.compiled.chain_step
-    runner.compiled.chain_step = lambda *a: calls.append(1) or chain_step(*a)
+    row_pass = runner.compiled.row_pass
+    runner.compiled.row_pass = lambda *a: calls.append(1) or row_pass(*a)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = [llm.generate([{"prompt_token_ids": p}], sp)[0] for p in prompts]  # one row: the compiled chain step
     assert [[o.outputs[0].token_ids] for o in outs] == expected

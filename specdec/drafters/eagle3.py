@@ -147,12 +147,13 @@ class HeadWeights:
         g = a + self.down(F.silu(gate) * up)  # [..., D]: pre-norm output
         return self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float(), g
 
-    def row_pass(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
-                 bias: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos_table: torch.Tensor,
-                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row's pass over tensors only (what the compiled chain step traces): ids [T] at positions
-        pos [T] of cache row rows [1]; writes their k, v; the last token's query attends to the row's keys
-        0..L-1 with additive ``bias`` [1, 1, L] (0: seen, -inf: not). Logits [1, Vd] and g [1, D], float32."""
+    def row_pass(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, query: torch.Tensor,
+                 rows: torch.Tensor, bias: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row's pass over tensors only (what the compiled step traces): ids [T] at positions pos [T]
+        of cache row rows [1]; writes their k, v; token ``query`` [1] (an index into the T) alone goes
+        on, attending to the row's keys 0..L-1 with additive ``bias`` [1, 1, L] (0: seen, -inf: not).
+        Logits [1, Vd] and g [1, D], float32."""
         c = self.c
         T = ids.shape[0]
         H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -162,9 +163,9 @@ class HeadWeights:
         at = (torch.zeros_like(pos), rows.expand(T), None, pos)  # cache[0, row, :, pos[t]]
         torch.ops.aten.index_put_(k_cache, at, k)
         torch.ops.aten.index_put_(v_cache, at, qkv[:, (H + KVH) * hd :].view(T, KVH, hd))
-        q = apply_rope(qkv[-1, : H * hd].view(1, 1, H, hd), cos[-1], sin[-1])  # the last token's query only
+        q = apply_rope(qkv[query, : H * hd].view(1, 1, H, hd), cos[query], sin[query])  # that token's query only
         attn = attention_kernel.cache_attention(q, k_cache, v_cache, 0, rows, bias)  # [1, 1, H, hd]
-        return self.after_attention(attn.reshape(1, H * hd), residual[-1:])
+        return self.after_attention(attn.reshape(1, H * hd), residual[query])
 
 
 class HeadRunner:
@@ -172,8 +173,8 @@ class HeadRunner:
     weights of ``Eagle3Head`` packed into ``Linear`` kernels of ``dtype`` (``HeadWeights``); norms, RoPE
     and attention (models/layers.py's) in float32. Computes what ``Eagle3Head.step`` computes (within the
     weights' dtype's rounding). ``step`` runs any shape (a catch-up, a tree level); ``chain_step`` a
-    chain's draft step, one token per row, in fewer operations (compiled where the target is:
-    ``compile``); all share the layer's code (``HeadWeights``)."""
+    chain's draft step, one token per row, in fewer operations; one row's chain steps and catch-ups are
+    compiled where the target is (``compile``); all share the layer's code (``HeadWeights``)."""
 
     def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device):
         c = head.config
@@ -186,15 +187,16 @@ class HeadRunner:
         # a chain step of one row attends with specdec's kernel where it runs (float32 cache: always here)
         self.in_cache = attention_kernel.supports(torch.float32, torch.device(device), c.head_dim)
         self._row_tensors: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the kernel's rows input
-        self.compiled = None  # CompiledHeadStep: chain steps of one row compiled (``compile``)
+        self.compiled = None  # CompiledHeadStep: one row's passes compiled (``compile``)
 
     @property
     def fc(self) -> Linear:
         return self.w.fc  # the drafter reads its in_features (the target states' width), as of LlamaCppHead's
 
     def compile(self, name: str) -> None:
-        """Compile the one-row chain step (models/compiled_head.py), where it runs: the cache attention
-        kernel's CPUs. Called beside a compiled torch target (a target run eager keeps the head eager too)."""
+        """Compile one row's passes, chain steps and catch-ups (models/compiled_head.py), where they run:
+        the cache attention kernel's CPUs. Called beside a compiled torch target (a target run eager keeps
+        the head eager too)."""
         if self.in_cache and self.compiled is None:
             from specdec.models.compiled_head import CompiledHeadStep
 
@@ -264,15 +266,18 @@ class HeadRunner:
         return self._row_pass(ids, hidden, row, start)
 
     def _row_pass(self, ids: torch.Tensor, hidden: torch.Tensor, row: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """catch_up_row's pass, also one row's chain step (T = 1). Apart from the public methods so that
-        wrappers timing them (benchmarks/round_cost.py) never count a call twice."""
+        """catch_up_row's pass, also one row's chain step (T = 1), compiled where it can be
+        (models/compiled_head.py). Apart from the public methods so that wrappers timing them
+        (benchmarks/round_cost.py) never count a call twice."""
         T = ids.shape[0]
-        if T == 1 and self.compiled is not None:  # a chain step: the compiled pass (models/compiled_head.py)
-            return self.compiled.chain_step(ids, hidden, row, start)
+        if self.compiled is not None and self.compiled.why_not(T) is None:
+            return self.compiled.row_pass(ids, hidden, row, start)
         end = start + T
         pos = torch.arange(start, end, device=self.device)  # [T]
         bias = self.cache.k.new_zeros(1, 1, end)  # [1, 1, L = end]: every key up to the last token's
-        return self.w.row_pass(ids, hidden, pos, self._row(row), bias, self.cache.k, self.cache.v, self.cos, self.sin)
+        query = torch.tensor([T - 1], device=self.device)
+        return self.w.row_pass(ids, hidden, pos, query, self._row(row), bias, self.cache.k, self.cache.v, self.cos,
+                               self.sin)
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
              real: torch.Tensor | None = None, query_at: torch.Tensor | None = None,
