@@ -148,11 +148,11 @@ class HeadWeights:
         return self.lm_head(F.rms_norm(g, (D,), self.final_norm, eps)).float(), g
 
     def row_pass(self, ids: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor, query: torch.Tensor,
-                 rows: torch.Tensor, bias: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rows: torch.Tensor, key_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One row's pass over tensors only (what the compiled step traces): ids [T] at positions pos [T]
         of cache row rows [1]; writes their k, v; token ``query`` [1] (an index into the T) alone goes
-        on, attending to the row's keys 0..L-1 with additive ``bias`` [1, 1, L] (0: seen, -inf: not).
+        on, attending to the row's keys at positions key_pos [1, 1, L] (float: 0..L-1) up to its own.
         Logits [1, Vd] and g [1, D], float32."""
         c = self.c
         T = ids.shape[0]
@@ -164,6 +164,7 @@ class HeadWeights:
         torch.ops.aten.index_put_(k_cache, at, k)
         torch.ops.aten.index_put_(v_cache, at, qkv[:, (H + KVH) * hd :].view(T, KVH, hd))
         q = apply_rope(qkv[query, : H * hd].view(1, 1, H, hd), cos[query], sin[query])  # that token's query only
+        bias = torch.where(key_pos <= pos[query].to(key_pos.dtype), 0.0, float("-inf"))  # [1, 1, L] additive
         attn = attention_kernel.cache_attention(q, k_cache, v_cache, 0, rows, bias)  # [1, 1, H, hd]
         return self.after_attention(attn.reshape(1, H * hd), residual[query])
 
@@ -274,10 +275,10 @@ class HeadRunner:
             return self.compiled.row_pass(ids, hidden, row, start)
         end = start + T
         pos = torch.arange(start, end, device=self.device)  # [T]
-        bias = self.cache.k.new_zeros(1, 1, end)  # [1, 1, L = end]: every key up to the last token's
+        key_pos = torch.arange(end, dtype=torch.float32, device=self.device)[None, None]  # [1, 1, L = end]
         query = torch.tensor([T - 1], device=self.device)
-        return self.w.row_pass(ids, hidden, pos, query, self._row(row), bias, self.cache.k, self.cache.v, self.cos,
-                               self.sin)
+        return self.w.row_pass(ids, hidden, pos, query, self._row(row), key_pos, self.cache.k, self.cache.v,
+                               self.cos, self.sin)
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, rows: list[int], pos: torch.Tensor,
              real: torch.Tensor | None = None, query_at: torch.Tensor | None = None,

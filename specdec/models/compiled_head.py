@@ -8,14 +8,14 @@ attention kernel. What it compiles is the eager pass itself, ``HeadWeights.row_p
 (drafters/eagle3.py), so there is one definition of the head however it runs:
 
     inputs:  ids [Tb] long, hidden [Tb, D] float32, pos [Tb] long, query [1] long (the token that goes
-             on), rows [1] long (the cache row), bias [1, 1, L] float (additive: 0 for keys 0..its
-             position, -inf past; L a multiple of ATTEND_STEP), the head's k, v cache
-             [1, rows, KVH, max_len, hd] float32 and its RoPE tables [max_len, hd]
+             on), rows [1] long (the cache row), key_pos [1, 1, L] float (0..L-1: it sees those up to
+             its own position; L a multiple of ATTEND_STEP, one tensor kept per L), the head's k, v
+             cache [1, rows, KVH, max_len, hd] float32 and its RoPE tables [max_len, hd]
     output:  draft-vocabulary logits [1, Vd] and the pre-norm output g [1, D], float32
 
 Tb is one of ``SIZES`` (linear16's cost steps every 3 rows): a catch-up of T tokens is padded to the
 next, its padding continuing the row past its last token. The padding's k and v land past the query's
-position, where no query of this round reads (the bias hides them) and the next chain step or catch-up
+position, where no query of this round reads (the mask hides them) and the next chain step or catch-up
 writes first (rollback is a length change). The cache's rows and length, the tables' length and L
 are traced as dynamic dims, so nothing compiles again after load. Longer catch-ups (a prompt's) and
 batches of several rows stay eager.
@@ -38,6 +38,8 @@ class CompiledHeadStep:
     def __init__(self, runner, name: str):
         self.runner = runner
         self.device = runner.device
+        self._key_pos = torch.zeros(1, 1, 0)  # [1, 1, L] float 0..L-1 for the last L
+        self._query: dict[int, torch.Tensor] = {}  # T -> [1] long T - 1
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self.fn = torch.compile(runner.w.row_pass, backend="inductor", fullgraph=True, dynamic=False,
                                 **compile_settings(self.device))
@@ -56,15 +58,15 @@ class CompiledHeadStep:
                 v = torch.zeros_like(k)
                 cos = torch.zeros(cached + 1, c.head_dim, device=dev)
                 sin = torch.zeros_like(cos)
-                bias = torch.zeros(1, 1, attended, device=dev)
+                key_pos = torch.arange(attended, dtype=torch.float32, device=dev)[None, None]
                 ids, pos = torch.zeros(T, dtype=torch.long, device=dev), torch.arange(1, T + 1, device=dev)
                 query, row = torch.tensor([T - 1], device=dev), torch.zeros(1, dtype=torch.long, device=dev)
                 hidden = torch.zeros(T, c.hidden_size, device=dev)
-            for t, dims in ((k, (1, 3)), (v, (1, 3)), (cos, (0,)), (sin, (0,)), (bias, (2,))):
+            for t, dims in ((k, (1, 3)), (v, (1, 3)), (cos, (0,)), (sin, (0,)), (key_pos, (2,))):
                 torch._dynamo.mark_dynamic(t, dims)
             try:
                 with torch.inference_mode():
-                    self.fn(ids, hidden, pos, query, row, bias, k, v, cos, sin)
+                    self.fn(ids, hidden, pos, query, row, key_pos, k, v, cos, sin)
             except Exception as e:
                 raise RuntimeError(f"compiling the EAGLE-3 head's pass (T={T}) failed: {type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''}; {EAGER_HINT}") from e
@@ -80,16 +82,21 @@ class CompiledHeadStep:
         T = ids.shape[0]
         Tb = next(s for s in SIZES if s >= T)
         last = start + T - 1  # the query's position
-        L = max(-(-(last + 1) // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)  # keys 0..L-1, masked past it
+        L = max(-(-(last + 1) // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)  # keys 0..L-1, seen up to it
         r.reserve(max(row + 1, 2), max(L, start + Tb) + 1)  # traced with 2+ rows and the cache longer than L
-        bias = torch.zeros(1, 1, L, device=dev)
-        bias[..., last + 1 :] = float("-inf")
+        if self._key_pos.shape[2] != L:
+            with torch.inference_mode():
+                self._key_pos = torch.arange(L, dtype=torch.float32, device=dev)[None, None]
+        query = self._query.get(T)
+        if query is None:
+            with torch.inference_mode():
+                query = self._query[T] = torch.tensor([T - 1], device=dev)
         ids, hidden = ids.reshape(T), hidden.reshape(T, -1)
         if Tb > T:  # padding continues the row past its last token (see the module docstring)
             ids = torch.cat([ids, ids.new_zeros(Tb - T)])
             hidden = torch.cat([hidden, hidden.new_zeros(Tb - T, hidden.shape[1])])
-        args = (ids.contiguous(), hidden.contiguous(), torch.arange(start, start + Tb, device=dev),
-                torch.tensor([T - 1], device=dev), r._row(row), bias, r.cache.k, r.cache.v, r.cos, r.sin)
+        args = (ids.contiguous(), hidden.contiguous(), torch.arange(start, start + Tb, device=dev), query, r._row(row),
+                self._key_pos, r.cache.k, r.cache.v, r.cos, r.sin)
         # contiguous: g arrives as a view with the strides of its pass. Dynamo checks only the guards that
         # tell its graphs apart (which head, which size): the rest hold by construction
         try:
