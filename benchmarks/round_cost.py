@@ -27,8 +27,8 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
 
 ``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
 rounds of any k are split the same way. ``--eagle3-head-variants`` adds eagle3 beside llama.cpp with the
-torch head (the head runs in llama.cpp there by default: models/llamacpp_head.py, on the target's
-threads), with the head in llama.cpp on one thread for passes of up to 16 tokens, and with its file in q8_0;
+torch head, eager and compiled (the head runs in llama.cpp there by default: models/llamacpp_head.py, on
+the target's threads), with the head in llama.cpp on one thread for passes of up to 16 tokens, and with its file in q8_0;
 the variants below are the torch head's, run eager. ``--eagle3-variants`` adds eagle3 with its chain steps
 eager (the torch head's one-row chain step is compiled beside a compiled target), through the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
 torch's threads (before ``head_threads``), and, an experiment, with the head's weights in int8 (what
@@ -253,7 +253,8 @@ def build(args) -> list[Config]:
         if args.eagle3_variants:
             runs += [(f"eagle3 {v}", k, False) for v in ("eager-chain", "general-step", "torch-threads", "int8") for k in args.ks]
         if args.eagle3_head_variants:
-            runs += [(f"eagle3 {v}", k, False) for v in ("torch-head", "one-thread-head", "q8_0-head") for k in args.ks]
+            runs += [(f"eagle3 {v}", k, False) for v in ("torch-head", "compiled-torch-head", "one-thread-head", "q8_0-head")
+                     for k in args.ks]
         for method, k, adaptive in runs:
             spec = None if method is None else {
                 "method": method.split()[0], "model": drafts.get(method.split()[0], args.draft),
@@ -272,6 +273,8 @@ def build(args) -> list[Config]:
                 c.llm.engine.drafter.runner.one_thread_tokens = 16  # a round's small passes on one thread
             elif method is not None and method.startswith("eagle3 "):  # the variants are the torch head's
                 torch_head(c.llm.engine.drafter)
+                if method == "eagle3 compiled-torch-head":
+                    c.llm.engine.drafter.runner.compile(args.eagle3_head)
             if method == "eagle3 int8":
                 int8_head(c.llm.engine.drafter)
             elif method == "eagle3 general-step":
@@ -408,8 +411,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "step, on all of torch's threads, and (an experiment) with the head's weights in int8, "
                          "bf16 activations (the variants run the head eager)")
     ap.add_argument("--eagle3-head-variants", action="store_true",
-                    help="also eagle3 beside llama.cpp with the torch head, with the head in llama.cpp on one "
-                         "thread for passes of up to 16 tokens, and with its file in q8_0")
+                    help="also eagle3 beside llama.cpp with the torch head (eager, and compiled), with the head in "
+                         "llama.cpp on one thread for passes of up to 16 tokens, and with its file in q8_0")
     ap.add_argument("--backends", default="llama.cpp,torch")
     ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=4)

@@ -80,8 +80,10 @@ class KvBudget:
         """Bytes of ``rows`` rows whose target cache spans ``length`` positions (``positions``), at
         most ``length - k - 1`` tokens each."""
         tokens = max(length - self.k - 1, 0)
-        target_rows = max(rows, self.target_min_rows) if rows else 0
-        return target_rows * length * self.target_bytes + rows * sum(u.bytes(tokens) for u in self.drafter)
+        if not rows:
+            return 0
+        return (max(rows, self.target_min_rows) * length * self.target_bytes
+                + sum(max(rows, u.min_rows) * u.bytes(tokens) for u in self.drafter))
 
     @property
     def reserved(self) -> int:

@@ -109,3 +109,23 @@ def test_an_eager_target_keeps_the_head_eager(models):
     llm = LLM(models["target"], backend="torch", enforce_eager=True,
               speculative_config=spec(str(models["root"] / "head0"), 3, adaptive=False))
     assert llm.engine.drafter.runner.compiled is None
+
+
+def test_a_kv_budget_counts_the_rows_the_compiled_head_keeps(models):
+    """The compiled passes traced the head's cache rows as a dynamic dim (>= 2): one running row holds two,
+    and the drafter's KvUse says so, so that the scheduler's budget counts what the cache holds."""
+    from specdec.scheduler import KvBudget
+
+    llm = LLM(models["target"], backend="torch", enforce_eager=False,
+              speculative_config=spec(str(models["root"] / "head0"), 3, adaptive=False))
+    drafter, target = llm.engine.drafter, llm.engine.target
+    drafter.runner.reserve(1, 300)
+    cache = drafter.runner.cache
+    assert cache.k.shape[1] == 2 and drafter.runner.min_cache_rows == 2
+    head_use = drafter.kv_use(3)[0]
+    assert head_use.min_rows == 2
+    held = cache.k.nbytes + cache.v.nbytes
+    tokens = cache.max_len - head_use.extra  # a row whose head cache spans max_len positions
+    assert head_use.bytes(tokens) * 2 == held
+    budget = KvBudget(10**9, 0, 4, 1024, 0, drafter=[head_use])
+    assert budget.bytes_for(1, tokens + 1) == held  # length - k - 1 tokens (k = 0)

@@ -46,6 +46,7 @@ class KvUse:
     per_token: float = 1.0  # its positions per target token (a draft with another tokenizer spells more)
     extra: int = 0  # positions a round writes past the history: drafts fed, tree blocks, a head's slots
     step: int = 1  # the cache grows in steps of this many positions
+    min_rows: int = 1  # rows the cache holds however few run (a compiled pass traced 2+ rows)
 
     def positions(self, num_tokens: int) -> int:
         n = math.ceil(self.per_token * num_tokens - 1e-9) + self.extra
@@ -104,8 +105,9 @@ class Drafter(ABC):
 
 
 def runner_kv(runner, per_token: float = 1.0, extra: int = 0) -> KvUse:
-    """A model runner's own KV cache as a KvUse: its bytes per position, the steps it grows in."""
-    return KvUse(runner.kv_bytes_per_token(), per_token, extra, runner.cache_step)
+    """A model runner's own KV cache as a KvUse: its bytes per position, the steps it grows in, the rows it
+    holds however few run."""
+    return KvUse(runner.kv_bytes_per_token(), per_token, extra, runner.cache_step, runner.min_cache_rows)
 
 
 def grew_from(tokens: list[int], history: list[int], tail_check: int = 8) -> bool:

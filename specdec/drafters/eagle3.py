@@ -191,6 +191,11 @@ class HeadRunner:
         self.compiled = None  # CompiledHeadStep: one row's passes compiled (``compile``)
 
     @property
+    def min_cache_rows(self) -> int:
+        """2 where one row's passes are compiled (traced with the cache's rows dynamic, >= 2), else 1."""
+        return 2 if self.compiled is not None else 1
+
+    @property
     def fc(self) -> Linear:
         return self.w.fc  # the drafter reads its in_features (the target states' width), as of LlamaCppHead's
 
@@ -210,7 +215,7 @@ class HeadRunner:
         return t
 
     def reserve(self, num_rows: int, length: int) -> None:
-        self.cache = grow(self.cache, num_rows, length, CACHE_STEP, lambda rows, max_len: KVCache(
+        self.cache = grow(self.cache, max(num_rows, self.min_cache_rows), length, CACHE_STEP, lambda rows, max_len: KVCache(
             1, rows, self.c.num_key_value_heads, max_len, self.c.head_dim, torch.float32, self.device))
         max_len = self.cache.max_len
         if self.cos.shape[0] < max_len:
@@ -534,7 +539,8 @@ class Eagle3Drafter(Drafter):
         (float32), in the target's cache: at its positions, the history and a verify pass's."""
         c = self.head.config
         pool = tree_pool(tree) if tree is not None else 0
-        head = KvUse(2 * c.num_key_value_heads * c.head_dim * 4, extra=max(k, pool) + 1, step=CACHE_STEP)
+        head = KvUse(2 * c.num_key_value_heads * c.head_dim * 4, extra=max(k, pool) + 1, step=CACHE_STEP,
+                     min_rows=getattr(self.runner, "min_cache_rows", 1))
         verify = max(k, tree.num_nodes if tree is not None else 0) + 1
         states = KvUse(len(c.layer_ids) * c.target_hidden_size * 4, extra=verify, step=self.target.cache_step)
         return [head, states]

@@ -83,7 +83,7 @@ class CompiledHeadStep:
         Tb = next(s for s in SIZES if s >= T)
         last = start + T - 1  # the query's position
         L = max(-(-(last + 1) // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)  # keys 0..L-1, seen up to it
-        r.reserve(max(row + 1, 2), max(L, start + Tb) + 1)  # traced with 2+ rows and the cache longer than L
+        r.reserve(row + 1, max(L, start + Tb) + 1)  # traced with the cache longer than L (and 2+ rows: reserve)
         if self._key_pos.shape[2] != L:
             with torch.inference_mode():
                 self._key_pos = torch.arange(L, dtype=torch.float32, device=dev)[None, None]
