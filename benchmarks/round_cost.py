@@ -252,7 +252,7 @@ def build(args) -> list[Config]:
             runs += [(m, max(args.ks), True) for m in args.methods]
         if args.eagle3_variants:
             runs += [(f"eagle3 {v}", k, False) for v in ("eager-chain", "general-step", "torch-threads", "int8") for k in args.ks]
-        if args.eagle3_head_variants:
+        if args.eagle3_head_variants and backend == "llama.cpp":  # the head beside a llama.cpp target
             runs += [(f"eagle3 {v}", k, False) for v in ("torch-head", "compiled-torch-head", "one-thread-head", "q8_0-head")
                      for k in args.ks]
         for method, k, adaptive in runs:

@@ -129,3 +129,31 @@ def test_a_kv_budget_counts_the_rows_the_compiled_head_keeps(models):
     assert head_use.bytes(tokens) * 2 == held
     budget = KvBudget(10**9, 0, 4, 1024, 0, drafter=[head_use])
     assert budget.bytes_for(1, tokens + 1) == held  # length - k - 1 tokens (k = 0)
+
+
+def test_beside_a_llamacpp_target_the_head_runs_where_it_is_fastest(models):
+    """A bf16 llama.cpp target: where the torch head's products run on specdec's 16-bit kernel (x86 without
+    native bf16) the head runs compiled in torch, else in llama.cpp's eagle3 graphs; eager asked, llama.cpp's.
+    Greedy output equals plain decoding on llama.cpp either way."""
+    import llama_cpp  # noqa: F401  (a required dependency: built by `make install`)
+
+    from specdec.models.gguf import convert
+    from specdec.models.llamacpp_head import LlamaCppHead
+
+    gguf = convert(models["target"], str(models["root"] / "target-bf16.gguf"), "bf16")
+    head = str(models["root"] / "head0")
+    prompts = random_prompts(2, [9, 30], seed=6)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(gguf, backend="llama.cpp")
+    expected = [plain.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p in prompts]
+    llm = LLM(gguf, backend="llama.cpp", enforce_eager=False, speculative_config=spec(head, 3, adaptive=False))
+    runner = llm.engine.drafter.runner
+    w16 = HeadRunner(llm.engine.drafter.head, torch.bfloat16, torch.device("cpu")).w.qkv.kind == "w16"
+    if w16:
+        assert isinstance(runner, HeadRunner) and runner.compiled is not None
+    else:
+        assert isinstance(runner, LlamaCppHead)
+    got = [llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p in prompts]
+    assert got == expected and llm.get_metrics()["num_draft_tokens"] > 0
+    eager = LLM(gguf, backend="llama.cpp", enforce_eager=True, speculative_config=spec(head, 3, adaptive=False))
+    assert isinstance(eager.engine.drafter.runner, LlamaCppHead)

@@ -335,6 +335,30 @@ def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
+def head_runner(head: Eagle3Head, target: ModelRunner):
+    """What runs the head beside ``target``, decided here once. Its products take the target's weights'
+    dtype: bf16 beside a bf16 target (half the bytes), float32 beside a float32 one.
+
+    - A torch target: the torch head (HeadRunner), its one-row passes compiled where the target's step is.
+    - A llama.cpp target: llama.cpp's own eagle3 graphs (models/llamacpp_head.py), but where the torch head
+      runs compiled on specdec's 16-bit kernel (x86 without native bf16, where llama.cpp's bf16 products
+      convert each weight once per input row) the torch head (EPYC-AVX2: its drafting 4.7 against 5.6 ms a
+      round; docs/benchmarks.md, "the EAGLE-3 head's passes compiled"); the torch head eager where the
+      build cannot run eagle3.
+    """
+    dtype = torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
+    torch_head = HeadRunner(head, dtype, target.device)
+    name = getattr(head, "name", "") or "head"
+    if getattr(target, "backend", "torch") != "llama.cpp":
+        if getattr(target, "compiled", None) is not None:
+            torch_head.compile(name)
+        return torch_head
+    if not target.enforce_eager and torch_head.in_cache and torch_head.w.qkv.kind == "w16":
+        torch_head.compile(name)
+        return torch_head
+    return native_head(head, target) or torch_head
+
+
 class Eagle3Drafter(Drafter):
     can_draft_trees = True  # the head runs in torch beside a torch target (the only one that keeps states)
 
@@ -347,14 +371,7 @@ class Eagle3Drafter(Drafter):
         target.keep_hidden_states(head.config.layer_ids)  # ValueError on a backend that cannot
         self.head, self.target, self.draft_p_min = head, target, draft_p_min
         self.device = target.device
-        # the head's products in the target's weights' dtype: bf16 beside a bf16 target (oneDNN, half the
-        # bytes: measured 3x faster for this head's shapes at one row), float32 beside a float32 one
-        dtype = torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
-        # beside a llama.cpp target the head runs as llama.cpp's own eagle3 model (models/llamacpp_head.py,
-        # HeadRunner's methods), else, or where this llama.cpp build cannot, in torch
-        self.runner = native_head(head, target) or HeadRunner(head, dtype, self.device)
-        if isinstance(self.runner, HeadRunner) and getattr(target, "compiled", None) is not None:
-            self.runner.compile(getattr(head, "name", "") or "head")
+        self.runner = head_runner(head, target)
         if not isinstance(self.runner, HeadRunner):  # llama.cpp's eagle3 graphs draft chains (trees: chains_as_trees)
             self.can_draft_trees = False
         self.one_thread = getattr(target, "backend", "torch") != "torch"  # head_threads: small rounds on one torch thread

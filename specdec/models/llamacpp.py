@@ -54,11 +54,16 @@ class LlamaCppRunner(ModelRunner):
     casts_weights = False  # a GGUF file's weights run in their own types
 
     def __init__(self, path: str, tokenizer=None, max_model_len: int | None = None, vocab_size: int | None = None,
-                 threads: int | None = None, info: GGUFInfo | None = None, flash_attn: bool = False):
+                 threads: int | None = None, info: GGUFInfo | None = None, flash_attn: bool = False,
+                 enforce_eager: bool | None = None):
         """``flash_attn``: llama.cpp's flash attention, off unless asked for (benchmarks/verify_cost.py
-        compares both; with it a float32 file's attention rounds to f16)."""
+        compares both; with it a float32 file's attention rounds to f16). ``enforce_eager``: torch code
+        run beside this target (an EAGLE-3 head) stays eager; None: unless SPECDEC_ENFORCE_EAGER=1."""
+        from specdec.models.compiled import enforce_eager_default
+
         lib = load_library()
         self.lib = lib
+        self.enforce_eager = enforce_eager_default() if enforce_eager is None else bool(enforce_eager)
         self.info = info or read_info(path)
         self.path = path
         self.tokenizer = tokenizer

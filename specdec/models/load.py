@@ -37,7 +37,7 @@ def load(source: ModelSource, backend: str, dtype: str | None, device: str = "cp
     to, on llama.cpp what a checkpoint is converted to; None for a GGUF file on llama.cpp.
     ``tokenizer``: an HF tokenizer folder for a GGUF model (default: its own). ``enforce_eager``
     (torch): True runs eager, False compiles the few-token step at load (compiled.py), None: compile
-    unless SPECDEC_ENFORCE_EAGER=1."""
+    unless SPECDEC_ENFORCE_EAGER=1; on llama.cpp it says the same of torch code beside it (an EAGLE-3 head)."""
     if backend == "torch":
         loaded = load_hf(source, DTYPES[dtype], device, trust_remote_code)
         if tokenizer:
@@ -47,7 +47,8 @@ def load(source: ModelSource, backend: str, dtype: str | None, device: str = "cp
     path, info = (source.path, source.gguf) if source.is_gguf else (converted_gguf(source, dtype), None)
     info = info or read_info(path)
     tok = load_tokenizer(tokenizer) if tokenizer else gguf_tokenizer(info)
-    runner = LlamaCppRunner(path, tokenizer=tok, max_model_len=max_model_len, vocab_size=vocab_size, info=info)
+    runner = LlamaCppRunner(path, tokenizer=tok, max_model_len=max_model_len, vocab_size=vocab_size, info=info,
+                            enforce_eager=enforce_eager)
     return runner, eos_token_ids(None, info, tok)
 
 
