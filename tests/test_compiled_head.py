@@ -157,3 +157,20 @@ def test_beside_a_llamacpp_target_the_head_runs_where_it_is_fastest(models):
     assert got == expected and llm.get_metrics()["num_draft_tokens"] > 0
     eager = LLM(gguf, backend="llama.cpp", enforce_eager=True, speculative_config=spec(head, 3, adaptive=False))
     assert isinstance(eager.engine.drafter.runner, LlamaCppHead)
+
+
+def test_inputs_unlike_the_traced_ones_compile_again_rather_than_fail(models):
+    """The compiled pass skips dynamo's guards; an input it was not traced for (made outside inference mode,
+    a strided view) makes it check them and compile once more, with the same result as eager."""
+    head = models["heads"][0]
+    D = head.config.hidden_size
+    eager, compiled = (HeadRunner(head, torch.bfloat16, torch.device("cpu")) for _ in range(2))
+    compiled.compile("test head")
+    for r in (eager, compiled):
+        r.reserve(2, 64)
+    ids = torch.tensor([3])  # not an inference tensor: the traced ones were
+    hidden = torch.randn(D, 2)[:, 0][None]  # [1, D], a strided view
+    want = eager.chain_step(ids, hidden, [0], [5])
+    got = compiled.chain_step(ids, hidden, [0], [5])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
