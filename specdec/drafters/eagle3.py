@@ -55,9 +55,9 @@ from specdec.tree import DraftTree, TreeShape, depths_of
 
 CATCH_UP_TOGETHER = 4  # rows catching up on at most this many positions share one padded head pass
 # Beside a target that is not torch (llama.cpp, whose OpenMP workers keep spinning between its decodes),
-# a round of at most this many rows drafts on one torch thread: the head's passes are small products and
-# many small operations, and a second torch thread only competes for the target's cores
-# (docs/benchmarks.md, "EAGLE-3 on the llama.cpp backend")
+# a round of at most this many rows drafts on one torch thread where the torch head runs eager: its passes
+# are small products and many small operations, and a second torch thread only competes for the target's
+# cores (docs/benchmarks.md, "EAGLE-3 on the llama.cpp backend"); compiled, it drafts on torch's threads
 ONE_THREAD_ROWS = 4
 OFF_VOCAB = -1e30  # logit of target tokens outside the draft vocabulary: q = 0 there, finite so that a row
 #                    whose grammar allows none of the draft vocabulary still gets a distribution
@@ -374,7 +374,10 @@ class Eagle3Drafter(Drafter):
         self.runner = head_runner(head, target)
         if not isinstance(self.runner, HeadRunner):  # llama.cpp's eagle3 graphs draft chains (trees: chains_as_trees)
             self.can_draft_trees = False
-        self.one_thread = getattr(target, "backend", "torch") != "torch"  # head_threads: small rounds on one torch thread
+        # head_threads: beside a target that is not torch, the eager torch head's small rounds on one torch
+        # thread; compiled, its passes have few small ops left and two threads draft faster (docs/benchmarks.md)
+        self.one_thread = (getattr(target, "backend", "torch") != "torch"
+                           and not (isinstance(self.runner, HeadRunner) and self.runner.compiled is not None))
         V = target.vocab_size
         ids = head.draft_to_target.to(self.device)  # [Vd] target id of each draft id
         self.keep = (ids < V).nonzero().flatten()  # draft ids the target's vocabulary has
