@@ -1,6 +1,8 @@
-"""EAGLE-3 on the llama.cpp backend end to end: the head in llama.cpp (models/llamacpp_head.py; on the
-target's threads, and its passes of up to 16 tokens on one thread) against the torch head, the draft model
-and plain decoding, in one process, alternating prompt by prompt.
+"""EAGLE-3 on the llama.cpp backend end to end: the head as specdec runs it by default
+(drafters/eagle3.head_runner: the compiled torch head where its products run on specdec's 16-bit kernel,
+else llama.cpp's eagle3 graphs), the head in llama.cpp (models/llamacpp_head.py; on the target's threads,
+and its passes of up to 16 tokens on one thread), the eager torch head on one thread, the draft model and
+plain decoding, in one process, alternating prompt by prompt.
 
 Batch 1, fixed k, greedy and sampled (temperature 1, seeded per prompt), the shipped target, draft and
 head by default; prints tok/s, the ratio to plain and to draft_model, τ (tokens per verify pass) and
@@ -37,7 +39,7 @@ def main() -> None:
 
     from specdec import LLM, SamplingParams
     from specdec.drafters.eagle3 import HeadRunner
-    from specdec.models.llamacpp_head import describe_head
+    from specdec.models.llamacpp_head import LlamaCppHead, describe_head
 
     torch.set_num_threads(args.threads)
     spec = {"num_speculative_tokens": args.k, "adaptive": False, "draft_tree": "chain"}
@@ -45,18 +47,19 @@ def main() -> None:
         "plain": LLM(args.model, backend="llama.cpp"),
         "draft_model": LLM(args.model, backend="llama.cpp",
                            speculative_config={"method": "draft_model", "model": args.draft, **spec}),
-        "eagle3 (llama.cpp head)": LLM(args.model, backend="llama.cpp",
-                                       speculative_config={"method": "eagle3", "model": args.head, **spec}),
-        "eagle3 (llama.cpp head, small passes on one thread)": LLM(args.model, backend="llama.cpp",
-                                                 speculative_config={"method": "eagle3", "model": args.head, **spec}),
-        "eagle3 (torch head)": LLM(args.model, backend="llama.cpp",
-                                   speculative_config={"method": "eagle3", "model": args.head, **spec}),
     }
-    runs["eagle3 (llama.cpp head, small passes on one thread)"].engine.drafter.runner.one_thread_tokens = 16
-    d = runs["eagle3 (torch head)"].engine.drafter
+    eagle3 = ["eagle3 (default)", "eagle3 (llama.cpp head)", "eagle3 (llama.cpp head, small passes on one thread)",
+              "eagle3 (torch head, eager, one thread)"]
+    for name in eagle3:
+        runs[name] = LLM(args.model, backend="llama.cpp", speculative_config={"method": "eagle3", "model": args.head, **spec})
+    for name in eagle3[1:3]:  # llama.cpp's eagle3 graphs, whatever the default (drafters/eagle3.head_runner)
+        d = runs[name].engine.drafter
+        if not isinstance(d.runner, LlamaCppHead):
+            d.runner, d.can_draft_trees = LlamaCppHead(d.head, d.target), False
+    runs[eagle3[2]].engine.drafter.runner.one_thread_tokens = 16
+    d = runs[eagle3[3]].engine.drafter
     dtype = torch.bfloat16 if d.target.dtype == torch.bfloat16 else torch.float32
-    d.runner = HeadRunner(d.head, dtype, d.device)
-    d.can_draft_trees = True
+    d.runner, d.can_draft_trees, d.one_thread = HeadRunner(d.head, dtype, d.device), True, True
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = prompts[: args.num_prompts]
     print(f"{runs['plain'].target.describe()}; k={args.k}; {len(prompts)} prompts x {args.max_tokens} tokens")
