@@ -342,9 +342,9 @@ def head_runner(head: Eagle3Head, target: ModelRunner):
     - A torch target: the torch head (HeadRunner), its one-row passes compiled where the target's step is.
     - A llama.cpp target: llama.cpp's own eagle3 graphs (models/llamacpp_head.py), but where the torch head
       runs compiled on specdec's 16-bit kernel (x86 without native bf16, where llama.cpp's bf16 products
-      convert each weight once per input row) the torch head (EPYC-AVX2: its drafting 4.7 against 5.6 ms a
-      round; docs/benchmarks.md, "the EAGLE-3 head's passes compiled"); the torch head eager where the
-      build cannot run eagle3.
+      convert each weight once per input row) the torch head (EPYC-AVX2, on torch's threads: its drafting
+      3.6 against 5.6 ms a round; docs/benchmarks.md, "the EAGLE-3 head's passes compiled"); the torch
+      head eager where the build cannot run eagle3.
     """
     dtype = torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
     torch_head = HeadRunner(head, dtype, target.device)
