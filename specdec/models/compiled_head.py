@@ -2,14 +2,14 @@
 
 A chain step of one row is one decoder layer at one token: five products and some forty small ops
 (four RMSNorms, RoPE, the cache writes, casts, SiLU, residuals); a catch-up is the same at a few
-tokens, of which only the last goes past k and v. Eager, the small ops cost about as much as the
-products' host work; compiled, inductor fuses them into a few C++ loops around the products and the
-attention kernel. What it compiles is the eager pass itself, ``HeadWeights.row_pass``
+tokens, of which only the last goes past k and v. Eager, dispatching the small ops costs about as
+much as the products themselves; compiled, inductor fuses them into a few C++ loops around the products
+and the attention kernel (figures: docs/benchmarks.md, "the EAGLE-3 head's passes compiled"). What it compiles is the eager pass itself, ``HeadWeights.row_pass``
 (drafters/eagle3.py), so there is one definition of the head however it runs:
 
     inputs:  ids [Tb] long, hidden [Tb, D] float32, pos [Tb] long, query [1] long (the token that goes
              on), rows [1] long (the cache row), key_pos [1, 1, L] float (0..L-1: it sees those up to
-             its own position; L a multiple of ATTEND_STEP, one tensor kept per L), the head's k, v
+             its own position; L a multiple of ATTEND_STEP, the last L's tensor kept), the head's k, v
              cache [1, rows, KVH, max_len, hd] float32 and its RoPE tables [max_len, hd]
     output:  draft-vocabulary logits [1, Vd] and the pre-norm output g [1, D], float32
 
