@@ -35,32 +35,38 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
         first = argmax(logits)  # [B] x_1
         rest = torch.tensor(greedy_steps(first.tolist(), k - 1), dtype=torch.long, device=device)  # [B, k-1]
         return DraftProposal(torch.cat([first[:, None], rest], dim=1), None, list(num_draft))
-    limit = torch.tensor(num_draft, device=device)  # [B]
-    active = limit > 0  # [B] rows still drafting
-    lengths = torch.zeros(B, dtype=torch.long, device=device)
+    # the rows' bookkeeping in Python lists: a handful of tensor ops per step cost more than the lists at batch 1
+    active = [n > 0 for n in num_draft]  # rows still drafting
+    lengths = [0] * B
+    greedy = sb.greedy.tolist() if not sb.all_greedy else None  # [B] bool, read once
     draft_ids, draft_probs = [], []
     for i in range(k):
-        active &= i < limit
+        active = [a and i < n for a, n in zip(active, num_draft)]
         logits = process_draft_logits(logits, seqs, draft_ids)  # penalties / grammar as the target's at i
         if sb.all_greedy and draft_p_min == 0.0:
             x = argmax(logits)  # [B]
         else:
             q = probs_from_logits(logits, sb)  # [B, V]
-            if draft_p_min > 0.0:
-                active &= q.amax(dim=-1) >= draft_p_min  # too unsure: this row proposes nothing more
-            x = argmax(q if sb.all_greedy else logits)  # [B]; greedy rows keep it
-            if not sb.all_greedy:
+            if draft_p_min > 0.0:  # too unsure: this row proposes nothing more
+                active = [a and sure for a, sure in zip(active, (q.amax(dim=-1) >= draft_p_min).tolist())]
+            if sb.all_greedy:
+                x = argmax(q)  # [B]
+            else:
                 draft_probs.append(q)
-                rows = (active & ~sb.greedy).nonzero().flatten().tolist()  # the sampled rows that draft x_i
-                if rows:
-                    x[rows] = sample(q[rows], [seqs[b].generator for b in rows])
-        lengths += active.long()
+                rows = [b for b in range(B) if active[b] and not greedy[b]]  # the sampled rows that draft x_i
+                if len(rows) == B:  # every row samples: no argmax to keep, no gather of q
+                    x = sample(q, [s.generator for s in seqs])
+                else:
+                    x = argmax(logits)  # greedy rows keep it
+                    if rows:
+                        x[rows] = sample(q[rows], [seqs[b].generator for b in rows])
+        lengths = [n + a for n, a in zip(lengths, active)]
         draft_ids.append(x)
-        if not bool(active.any()):
+        if not any(active):
             break
         if i + 1 < k:  # the last draft need not be fed: its distribution is never used
             logits = feed(x, i)
-    n = int(lengths.max()) if B else 0
+    n = max(lengths, default=0)
     draft = torch.stack(draft_ids[:n], dim=1) if n else torch.zeros(B, 0, dtype=torch.long, device=device)
     probs = torch.stack(draft_probs[:n], dim=1) if n and draft_probs else None  # [B, n, V]
-    return DraftProposal(draft, probs, lengths.tolist())
+    return DraftProposal(draft, probs, lengths)
