@@ -51,10 +51,10 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
         for i, b in enumerate(greedy_rows):
             num_accepted[b], next_ids[b] = g.num_accepted[i], g.next_token_ids[i]
     if sampled_rows:
-        rows = torch.tensor(sampled_rows, device=target_logits.device)
-        target_probs = probs_from_logits(target_logits[rows], sb.select(sampled_rows))  # [Bs, k+1, V]
-        s = rejection_sample(draft_token_ids[rows], None if draft_probs is None else draft_probs[rows],
-                             target_probs, [generators[b] for b in sampled_rows], num_draft[rows])
+        take = _take(sampled_rows, B, target_logits.device)
+        target_probs = probs_from_logits(take(target_logits), sb if len(sampled_rows) == B else sb.select(sampled_rows))
+        s = rejection_sample(take(draft_token_ids), None if draft_probs is None else take(draft_probs),
+                             target_probs, [generators[b] for b in sampled_rows], take(num_draft))  # [Bs, k+1, V]
         for i, b in enumerate(sampled_rows):
             num_accepted[b], next_ids[b] = s.num_accepted[i], s.next_token_ids[i]
     return VerifyResult(num_accepted, next_ids)
@@ -104,18 +104,27 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     sampled = [b for b in range(B) if not one_hot[b]]
     num_accepted, next_ids = [0] * B, [0] * B
     if exact:
-        rows = torch.tensor(exact, device=device)
-        acc, nxt = _exact_match(draft_token_ids[rows], target_probs[rows], [generators[b] for b in exact],
+        take = _take(exact, B, device)
+        acc, nxt = _exact_match(take(draft_token_ids), take(target_probs), [generators[b] for b in exact],
                                 [n_rows[b] for b in exact])
         for i, b in enumerate(exact):
             num_accepted[b], next_ids[b] = acc[i], nxt[i]
     if sampled:
-        rows = torch.tensor(sampled, device=device)
-        s = _accept_or_recover(draft_token_ids[rows], draft_probs[rows], target_probs[rows],
-                               [generators[b] for b in sampled], num_draft[rows])
+        take = _take(sampled, B, device)
+        s = _accept_or_recover(take(draft_token_ids), take(draft_probs), take(target_probs),
+                               [generators[b] for b in sampled], take(num_draft))
         for i, b in enumerate(sampled):
             num_accepted[b], next_ids[b] = s.num_accepted[i], s.next_token_ids[i]
     return VerifyResult(num_accepted, next_ids)
+
+
+def _take(rows: list[int], B: int, device: torch.device):
+    """The function t -> t[rows] for one subset of a batch's B rows; t itself (no copy) when the subset
+    is every row, in order, as at batch 1."""
+    if rows == list(range(B)):
+        return lambda t: t
+    index = torch.tensor(rows, device=device)
+    return lambda t: t[index]
 
 
 def _exact_match(draft_token_ids: torch.Tensor, target_probs: torch.Tensor, generators: Sequence[torch.Generator],
