@@ -63,6 +63,10 @@ class SamplingBatch:
         return self.temperature.device
 
     def select(self, rows: Sequence[int]) -> SamplingBatch:
+        """The batch of ``rows``; this one itself when they are every row in order (batch 1 mostly): a
+        SamplingBatch is never changed once built (``from_params`` hands the same one back)."""
+        if list(rows) == list(range(len(self.greedy))):
+            return self
         idx = torch.tensor(rows, device=self.temperature.device)
         return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
                              self.greedy[idx], self.all_greedy, self.needs_sort, self.needs_min_p,

@@ -52,7 +52,7 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
             num_accepted[b], next_ids[b] = g.num_accepted[i], g.next_token_ids[i]
     if sampled_rows:
         take = _take(sampled_rows, B, target_logits.device)
-        target_probs = probs_from_logits(take(target_logits), sb if len(sampled_rows) == B else sb.select(sampled_rows))
+        target_probs = probs_from_logits(take(target_logits), sb.select(sampled_rows))
         s = rejection_sample(take(draft_token_ids), None if draft_probs is None else take(draft_probs),
                              target_probs, [generators[b] for b in sampled_rows], take(num_draft))  # [Bs, k+1, V]
         for i, b in enumerate(sampled_rows):

@@ -132,3 +132,13 @@ def test_sampled_tokens_follow_the_probabilities():
     p /= p.sum()
     draws = torch.stack([sample(p, [make_generator(s)])[0] for s in range(20000)]).numpy()
     assert chi_square_p(draws, p[0].double().numpy()) > FALSE_ALARM
+
+
+def test_select_takes_the_rows_asked_and_every_row_in_order_is_the_batch_itself():
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=0), SamplingParams(top_k=3)]
+    sb = SamplingBatch.from_params(params)
+    assert sb.select([0, 1, 2]) is sb
+    sub = sb.select([2, 0])
+    assert sub is not sb and sub.params == (params[2], params[0])
+    assert sub.temperature.tolist() == [1.0, 0.5] and sub.top_k.tolist() == [3, 0] and sub.greedy.tolist() == [False, False]
+    assert sb.select([1, 0, 2]).temperature.tolist() == [1.0, 0.5, 1.0]  # every row, another order: a new batch

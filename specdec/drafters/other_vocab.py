@@ -113,9 +113,8 @@ class OtherVocabDrafter(Drafter):
             for b, row in zip(rows, self._draft_string(sub, [views[b] for b in rows], logits, pos, steps)):
                 drafts[b] = row[: num_draft[b]]
             return DraftProposal.from_rows(drafts, sb.device)
-        sub_sb = sb if len(rows) == B else sb.select(rows)
         proposal = self._draft_intersection(sub, [views[b] for b in rows], logits, pos,
-                                            [num_draft[b] for b in rows], sub_sb)
+                                            [num_draft[b] for b in rows], sb.select(rows))
         if len(rows) == B:
             return proposal
         n = proposal.draft_token_ids.shape[1]
