@@ -38,7 +38,7 @@ def main() -> None:
     import torch
 
     from specdec import LLM, SamplingParams
-    from specdec.drafters.eagle3 import HeadRunner
+    from specdec.drafters.eagle3 import HeadRunner, head_dtype
     from specdec.models.llamacpp_head import LlamaCppHead, describe_head
 
     torch.set_num_threads(args.threads)
@@ -58,8 +58,7 @@ def main() -> None:
             d.runner, d.can_draft_trees = LlamaCppHead(d.head, d.target), False
     runs[eagle3[2]].engine.drafter.runner.one_thread_tokens = 16
     d = runs[eagle3[3]].engine.drafter
-    dtype = torch.bfloat16 if d.target.dtype == torch.bfloat16 else torch.float32
-    d.runner, d.can_draft_trees, d.one_thread = HeadRunner(d.head, dtype, d.device), True, True
+    d.runner, d.can_draft_trees = HeadRunner(d.head, head_dtype(d.target), d.device), True  # eager: one thread
     prompts = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines() if line.strip()]
     prompts = prompts[: args.num_prompts]
     print(f"{runs['plain'].target.describe()}; k={args.k}; {len(prompts)} prompts x {args.max_tokens} tokens")

@@ -280,7 +280,7 @@ def build(args) -> list[Config]:
             elif method == "eagle3 general-step":
                 general_steps(c.llm.engine.drafter)
             elif method == "eagle3 torch-threads":
-                c.llm.engine.drafter.one_thread = False  # the head on torch's threads, as before head_threads
+                c.llm.engine.drafter.pinned_one_thread = False  # the head on torch's threads, as before head_threads
             configs.append(c)
     return configs
 
@@ -304,10 +304,9 @@ class Int8Linear:
 def torch_head(drafter) -> None:
     """An EAGLE-3 drafter beside a llama.cpp target with the torch head (HeadRunner) instead of the head in
     llama.cpp (models/llamacpp_head.py), to time both in one run."""
-    from specdec.drafters.eagle3 import HeadRunner
+    from specdec.drafters.eagle3 import HeadRunner, head_dtype
 
-    dtype = torch.bfloat16 if drafter.target.dtype == torch.bfloat16 else torch.float32
-    drafter.runner = HeadRunner(drafter.head, dtype, drafter.device)
+    drafter.runner = HeadRunner(drafter.head, head_dtype(drafter.target), drafter.device)
 
 
 def general_steps(drafter) -> None:

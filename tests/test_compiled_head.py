@@ -155,8 +155,14 @@ def test_beside_a_llamacpp_target_the_head_runs_where_it_is_fastest(models):
         assert isinstance(runner, LlamaCppHead)
     got = [llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p in prompts]
     assert got == expected and llm.get_metrics()["num_draft_tokens"] > 0
+    assert llm.engine.drafter.one_thread == (not w16)  # head_threads: the compiled head on torch's threads
     eager = LLM(gguf, backend="llama.cpp", enforce_eager=True, speculative_config=spec(head, 3, adaptive=False))
-    assert isinstance(eager.engine.drafter.runner, LlamaCppHead)
+    d = eager.engine.drafter
+    assert isinstance(d.runner, LlamaCppHead) and d.one_thread
+    d.runner = HeadRunner(d.head, torch.bfloat16, torch.device("cpu"))  # an eager torch head swapped in: one thread
+    assert d.one_thread
+    d.runner.compile("test head")
+    assert not d.one_thread
 
 
 def test_inputs_unlike_the_traced_ones_compile_again_rather_than_fail(models):

@@ -201,8 +201,7 @@ class HeadRunner:
 
     def compile(self, name: str) -> None:
         """Compile one row's passes, chain steps and catch-ups (models/compiled_head.py), where they run:
-        the cache attention kernel's CPUs. Called beside a compiled torch target (a target run eager keeps
-        the head eager too)."""
+        the cache attention kernel's CPUs. ``head_runner`` calls it unless eager is asked."""
         if self.in_cache and self.compiled is None:
             from specdec.models.compiled_head import CompiledHeadStep
 
@@ -335,9 +334,14 @@ def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
+def head_dtype(target: ModelRunner) -> torch.dtype:
+    """The torch head's products take the target's weights' dtype: bf16 beside a bf16 target (half the
+    bytes), float32 beside anything else."""
+    return torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
+
+
 def head_runner(head: Eagle3Head, target: ModelRunner):
-    """What runs the head beside ``target``, decided here once. Its products take the target's weights'
-    dtype: bf16 beside a bf16 target (half the bytes), float32 beside a float32 one.
+    """What runs the head beside ``target``, decided here once (the torch head's dtype: ``head_dtype``).
 
     - A torch target: the torch head (HeadRunner), its one-row passes compiled where the target's step is.
     - A llama.cpp target: llama.cpp's own eagle3 graphs (models/llamacpp_head.py), but where the torch head
@@ -346,8 +350,7 @@ def head_runner(head: Eagle3Head, target: ModelRunner):
       3.6 against 5.6 ms a round; docs/benchmarks.md, "the EAGLE-3 head's passes compiled"); the torch
       head eager where the build cannot run eagle3.
     """
-    dtype = torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
-    torch_head = HeadRunner(head, dtype, target.device)
+    torch_head = HeadRunner(head, head_dtype(target), target.device)
     name = getattr(head, "name", "") or "head"
     if getattr(target, "backend", "torch") != "llama.cpp":
         if getattr(target, "compiled", None) is not None:
@@ -374,10 +377,7 @@ class Eagle3Drafter(Drafter):
         self.runner = head_runner(head, target)
         if not isinstance(self.runner, HeadRunner):  # llama.cpp's eagle3 graphs draft chains (trees: chains_as_trees)
             self.can_draft_trees = False
-        # head_threads: beside a target that is not torch, the eager torch head's small rounds on one torch
-        # thread; compiled, its passes have few small ops left and two threads draft faster (docs/benchmarks.md)
-        self.one_thread = (getattr(target, "backend", "torch") != "torch"
-                           and not (isinstance(self.runner, HeadRunner) and self.runner.compiled is not None))
+        self.pinned_one_thread: bool | None = None  # a benchmark's choice over ``one_thread``'s rule
         V = target.vocab_size
         ids = head.draft_to_target.to(self.device)  # [Vd] target id of each draft id
         self.keep = (ids < V).nonzero().flatten()  # draft ids the target's vocabulary has
@@ -387,6 +387,17 @@ class Eagle3Drafter(Drafter):
         self.q_scale = getattr(head.config, "draft_temperature_scale", 1.0)  # 1: q as the head gives it
         self.done: dict[int, int] = {}  # seq_id -> step-0 entries at positions 0..done-1 are in the head's KV
         self.seen: dict[int, list[int]] = {}  # seq_id -> the history those entries read (t_0..t_done)
+
+    @property
+    def one_thread(self) -> bool:
+        """Whether ``head_threads`` runs small rounds on one torch thread: beside a target that is not torch,
+        unless the torch head runs compiled (eager, many small ops, and a second thread competes with the
+        target's spinning workers; compiled, few small ops are left and two threads draft faster
+        (docs/benchmarks.md). Read from the runner now running, so a runner swapped in keeps the rule."""
+        if self.pinned_one_thread is not None:
+            return self.pinned_one_thread
+        return (getattr(self.target, "backend", "torch") != "torch"
+                and not (isinstance(self.runner, HeadRunner) and self.runner.compiled is not None))
 
     @property
     def q_scale(self) -> float:
