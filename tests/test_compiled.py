@@ -103,6 +103,29 @@ def test_greedy_steps_use_the_compiled_step_and_equal_eager(pair):
     compiled.compiled.read_every = 1
 
 
+def test_each_size_is_called_without_dynamo_and_equals_the_call_through_it(pair):
+    """DirectGraphs: every compiled size was planned, and its direct call gives what the call through
+    dynamo gives (the same kernels on the same inputs: bitwise), cache writes included."""
+    compiled, _, _ = pair
+    step = compiled.compiled
+    assert sorted(step.direct.graphs) == sorted(step.sizes)
+    outs = []
+    for direct in (step.direct, None):
+        compiled.release()
+        compiled.sync_rows(["d"])
+        compiled.forward(ForwardBatch.from_rows([PROMPT[:20]], [0], logits="none"))
+        saved, step.direct = step.direct, direct
+        try:
+            logits = [compiled.forward(ForwardBatch.from_rows([tokens], [start], logits="all"))
+                      for tokens, start in (([PROMPT[20]], 20), (PROMPT[21:26], 21), (PROMPT[26:29], 26))]
+        finally:
+            step.direct = saved
+        outs.append((logits, compiled.cache.k[:, 0, :, :29].clone(), compiled.cache.v[:, 0, :, :29].clone()))
+    (la, ka, va), (lb, kb, vb) = outs
+    assert all(torch.equal(a, b) for a, b in zip(la, lb))
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
 def test_tree_pass_equals_eager(pair):
     compiled, eager, atol = pair
     for r in (compiled, eager):

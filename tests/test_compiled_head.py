@@ -12,6 +12,7 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.drafters.eagle3 import HeadRunner
 from specdec.models import cache_attention
+from specdec.models.compiled_head import SIZES
 from specdec.models.eagle3 import load_head
 from specdec.models.load import load_model
 from test_eagle3 import LAYERS, make_head, plain_greedy, spec
@@ -41,6 +42,7 @@ def test_compiled_chain_steps_equal_eager_ones(models):
         compiled = HeadRunner(head, torch.bfloat16, torch.device("cpu"))
         compiled.compile("test head")
         assert compiled.compiled is not None and eager.compiled is None
+        assert sorted(compiled.compiled.direct.graphs) == list(SIZES)  # each size called without dynamo's frame
         torch.manual_seed(3)
         history = torch.randint(0, head.config.vocab_size, (1, 60))
         with torch.inference_mode():
@@ -166,8 +168,8 @@ def test_beside_a_llamacpp_target_the_head_runs_where_it_is_fastest(models):
 
 
 def test_inputs_unlike_the_traced_ones_compile_again_rather_than_fail(models):
-    """The compiled pass skips dynamo's guards; an input it was not traced for (made outside inference mode,
-    a strided view) makes it check them and compile once more, with the same result as eager."""
+    """The compiled pass skips dynamo's frame (DirectGraphs), or, through it, dynamo's guards; an input it
+    was not traced for (made outside inference mode, a strided view) still gives eager's result."""
     head = models["heads"][0]
     D = head.config.hidden_size
     eager, compiled = (HeadRunner(head, torch.bfloat16, torch.device("cpu")) for _ in range(2))

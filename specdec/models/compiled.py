@@ -165,6 +165,73 @@ def compile_settings(device: torch.device) -> dict:
     return {"options": {"cpp_wrapper": True}}
 
 
+class DirectGraphs:
+    """A torch.compile backend (inductor's ``compile_fx``) that keeps each graph it compiles with the
+    plan of its inputs, so that a caller who knows which graph its inputs select (``key``: a size of one
+    input) calls it without dynamo's frame: on CPU, dynamo's bytecode (gathering each weight by
+    attribute from the traced object, through its wrappers) took 0.15 ms of a 0.5 ms draft step and
+    0.3 ms of the shipped target's 2.7 ms one (EPYC-AVX2, docs/benchmarks.md). The plan reads each
+    graph input's source: the traced function's arguments and their sizes per call, anything reached
+    from ``self`` (weights, tables) once, at compile; a graph with another kind of input is called
+    through dynamo as before (``call`` returns None). As with ``skip_guard_eval_unsafe``, the caller
+    vouches that its inputs are like the traced ones (same dtypes, devices, static dims)."""
+
+    def __init__(self, fn, key_input: str, key_dim: int, options: dict | None = None):
+        import inspect
+
+        self.names = list(inspect.signature(fn).parameters)  # the traced function's inputs, in order
+        self.key_input, self.key_dim = self.names.index(key_input), key_dim
+        self.options = dict(options or {})
+        self.graphs: dict[int, tuple] = {}  # key -> (compiled, argument template, [(slot, input, dim or None)])
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs, config_patches=self.options)
+        planned = self._plan(gm)
+        if planned is not None:
+            key, template, per_call = planned
+            self.graphs[key] = (compiled, template, per_call)
+        return compiled
+
+    def _plan(self, gm: torch.fx.GraphModule):
+        """(key, argument template with what is read once, [(slot, input index, dim or None)]), or None."""
+        import re
+
+        template, per_call, key = [], [], None
+        for slot, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+            arg = node.meta.get("grapharg")
+            name = arg.source.name if arg is not None and arg.source is not None else ""
+            name = name() if callable(name) else name
+            found = re.fullmatch(r"L\['(\w+)'\](?:\.size\(\)\[(\d+)\])?", name)
+            if found and found.group(1) in self.names and found.group(1) != "self":
+                i = self.names.index(found.group(1))
+                per_call.append((slot, i, None if found.group(2) is None else int(found.group(2))))
+                template.append(None)
+                if i == self.key_input and found.group(2) is None:
+                    key = node.meta["example_value"].shape[self.key_dim]
+            elif name.startswith("L['self']") and not arg.pass_arg_as_tensor and arg.example is not None:
+                template.append(arg.example)  # a weight or table of the traced object: the same every call
+            else:
+                return None
+        outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        if key is None or not isinstance(key, int) or not isinstance(outputs, (tuple, list)):
+            return None
+        return key, template, per_call
+
+    def call(self, key: int, *inputs):
+        """The graph of ``key`` on ``inputs`` (the traced function's arguments, in order): its outputs as a
+        list, or None when no graph of that key was planned (then call through dynamo)."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            return None
+        compiled, template, per_call = entry
+        args = list(template)
+        for slot, i, dim in per_call:
+            args[slot] = inputs[i] if dim is None else inputs[i].shape[dim]
+        return compiled(*args)  # as dynamo calls it
+
+
 def static_inputs(*tensors: torch.Tensor | None) -> None:
     """Mark the graph inputs it writes in place (the KV cache, kept states) as static addresses, so that
     inductor's CUDA graph trees record the graph rather than skip it (``mark_static_address``, unguarded:
@@ -243,8 +310,13 @@ class CompiledStep:
             import torch._inductor.config as inductor_config  # so inductor's warning at 8 would only alarm
 
             inductor_config.triton.cudagraph_dynamic_shape_warn_limit = None
-        self.fn = torch.compile(self.graph, backend="inductor", fullgraph=True, dynamic=False,
-                                **compile_settings(self.device))
+        if self.cuda_graphs:
+            self.direct = None
+            self.fn = torch.compile(self.graph, backend="inductor", fullgraph=True, dynamic=False,
+                                    **compile_settings(self.device))
+        else:  # each size's graph called without dynamo's frame (DirectGraphs)
+            self.direct = DirectGraphs(self.graph.forward, "tokens", 1, compile_settings(self.device)["options"])
+            self.fn = torch.compile(self.graph, backend=self.direct, fullgraph=True, dynamic=False)
         self.compile_seconds = self._warm()
 
     def _warm(self) -> float:
@@ -368,6 +440,11 @@ class CompiledStep:
         rows = self._row_tensors.get(row)
         if rows is None:
             rows = self._row_tensors[row] = torch.tensor([row], device=device)
+        if self.direct is not None:
+            with torch.inference_mode():
+                out = self.direct.call(Tb, tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)
+            if out is not None:
+                return out[0]  # [1, Tb, V]
         # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
         # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
         # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)

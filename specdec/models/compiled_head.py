@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.compiled import ATTEND_STEP, EAGER_HINT, RECOMPILE_LIMIT, W16_SIZES, compile_settings, warm_announced
+from specdec.models.compiled import (ATTEND_STEP, EAGER_HINT, RECOMPILE_LIMIT, W16_SIZES, DirectGraphs, compile_settings,
+                                     warm_announced)
 from specdec.models.kv_cache import CACHE_STEP
 
 SIZES = W16_SIZES  # tokens per pass: 1 (a chain step), 3, 6, 9 (catch-ups, padded)
@@ -41,8 +42,13 @@ class CompiledHeadStep:
         self._key_pos = torch.zeros(1, 1, 0)  # [1, 1, L] float 0..L-1 for the last L
         self._query: dict[int, torch.Tensor] = {}  # T -> [1] long T - 1
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self.fn = torch.compile(runner.w.row_pass, backend="inductor", fullgraph=True, dynamic=False,
-                                **compile_settings(self.device))
+        if self.device.type == "cpu":  # each size's graph called without dynamo's frame
+            self.direct = DirectGraphs(runner.w.row_pass, "ids", 0, compile_settings(self.device)["options"])
+            self.fn = torch.compile(runner.w.row_pass, backend=self.direct, fullgraph=True, dynamic=False)
+        else:
+            self.direct = None
+            self.fn = torch.compile(runner.w.row_pass, backend="inductor", fullgraph=True, dynamic=False,
+                                    **compile_settings(self.device))
         sizes = ",".join(map(str, SIZES))
         self.compile_seconds = warm_announced(f"specdec: the compiled passes of EAGLE-3 head {name} (T={sizes})",
                                               self._warm)
@@ -97,8 +103,14 @@ class CompiledHeadStep:
             hidden = torch.cat([hidden, hidden.new_zeros(Tb - T, hidden.shape[1])])
         args = (ids.contiguous(), hidden.contiguous(), torch.arange(start, start + Tb, device=dev), query, r._row(row),
                 self._key_pos, r.cache.k, r.cache.v, r.cos, r.sin)
-        # contiguous: g arrives as a view with the strides of its pass. Dynamo checks only the guards that
-        # tell its graphs apart (which head, which size): the rest hold by construction
+        # contiguous: g arrives as a view with the strides of its pass
+        if self.direct is not None:
+            with torch.inference_mode():
+                out = self.direct.call(Tb, *args)
+            if out is not None:
+                return out[0], out[1]
+        # dynamo checks only the guards that tell its graphs apart (which head, which size): the rest hold by
+        # construction
         try:
             with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self.fn(*args)
