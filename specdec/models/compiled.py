@@ -17,7 +17,8 @@ Each row's T is padded to the smallest compiled size (``sizes_for``: 1 for decod
 and small trees; 1, 3, 6, 9 with the 16-bit weight kernel, whose cost steps every 3 rows; padding
 tokens continue the row, write past its tokens and are seen by none).
 The cache's rows and length and the attended length L (a multiple of ATTEND_STEP) are traced as
-dynamic dims, so no batch compiles again after load. Batches of several rows, longer feeds
+dynamic dims, so no batch compiles again after load; on CPU the graph of a batch's size is then called
+directly, not through dynamo's frame (``DirectGraphs``). Batches of several rows, longer feeds
 (prefills) and layer subsets run eager (``CompiledStep.why_not``; the runner's ``last_path`` says
 which path ran). The linears call the runner's own prepacked oneDNN weights (bf16) or ``w @ x^T``
 (float32) as extern kernels; norms, RoPE, residuals, cache writes and softmax are fused C++ loops.
