@@ -11,7 +11,8 @@ alike, so verify passes stay flat:
     inputs:  tokens [B, T] long, pos [B, T] long (RoPE), slots [B, T] long (where k, v and kept
              states are written), rows [B] long (cache rows), mask [W, B, T, L] float (additive,
              0 = seen, -inf = not; one per distinct sliding window W), the KV cache tensors
-    output:  logits [B, T, V] float32 at every fed position
+    outputs: logits [B, T, V] float32 at every fed position, and their argmax [B, T] long (the
+             first maximal index, as torch's: what a greedy step feeds next without leaving the graph)
 
 Each row's T is padded to the smallest compiled size (``sizes_for``: 1 for decoding, 8 for verify passes
 and small trees; 1, 3, 6, 9 with the 16-bit weight kernel, whose cost steps every 3 rows; padding
@@ -50,7 +51,6 @@ from specdec.models import cache_attention as attention_kernel
 from specdec.models.kv_cache import CACHE_STEP
 from specdec.models.layers import ModelWeights, attention, attention_mask, decoder, logits, rope_tables
 from specdec.models.timings import cache_dir, isa_key
-from specdec.sampling import argmax
 from specdec.tree import ancestor_mask, depths_of, tree_mask
 
 if TYPE_CHECKING:
@@ -155,7 +155,8 @@ class StepGraph(nn.Module):
         x, kept = decoder(m, tokens, cos[:, :, None], sin[:, :, None], attend, len(m.layers), self.kept_layers)
         if kept:
             states[row_of, slots] = torch.cat([kept[i] for i in self.kept_layers], dim=-1).float()  # [B, T, n * D]
-        return logits(m, x)  # [B, T, V]
+        out = logits(m, x)  # [B, T, V]
+        return out, out.argmax(dim=-1)  # [B, T, V], [B, T]
 
 
 def compile_settings(device: torch.device) -> dict:
@@ -231,6 +232,12 @@ class DirectGraphs:
         for slot, i, dim in per_call:
             args[slot] = inputs[i] if dim is None else inputs[i].shape[dim]
         return compiled(*args)  # as dynamo calls it
+
+
+def attended_length(end: int) -> int:
+    """The attended length L for tokens up to position ``end`` - 1: keys 0..L-1, masked past each token (a
+    multiple of ATTEND_STEP, at least two, as traced)."""
+    return max(-(-end // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)
 
 
 def static_inputs(*tensors: torch.Tensor | None) -> None:
@@ -381,7 +388,7 @@ class CompiledStep:
         Tb = next(s for s in self.sizes if s >= T)
         tokens = torch.zeros(1, Tb, dtype=torch.long, device=self.device)  # made here: an inference tensor, as traced
         tokens[:, :T] = batch.token_ids
-        logits = self._call(tokens, batch.start[0], batch.row_offset, None if batch.parents is None else batch.parents[0])
+        logits, _ = self._call(tokens, batch.start[0], batch.row_offset, None if batch.parents is None else batch.parents[0])
         if batch.logits_index is None:
             return None
         index = batch.logits_index[0]  # [] ("last") or [L]
@@ -392,17 +399,30 @@ class CompiledStep:
 
     def greedy_steps(self, token: int, start: int, steps: int, row: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
         """ModelRunner.greedy_steps for one row on the one-token graph (``why_not_shape(1, 1)`` is None):
-        feeds ``token`` at ``start``, then each argmax, without building a ForwardBatch per step. The
-        argmaxes stay on the device; they are read (on CUDA a read waits for the GPU, which the loop
-        otherwise runs ahead of) every ``read_every`` steps when stop tokens are given (STOP_READ_EVERY
-        on CUDA, 1 on CPU), else once at the end. Steps past the first stop write cache positions the
-        caller does not count (rollback is a length change) and are dropped from what is returned."""
-        x = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
+        feeds ``token`` at ``start``, then each argmax, without building a ForwardBatch per step: the
+        positions and masks of all steps are made at once (attending up to the last step's length), and
+        each step feeds the graph's own argmax. The argmaxes stay on the device; they are read (on CUDA
+        a read waits for the GPU, which the loop otherwise runs ahead of) every ``read_every`` steps
+        when stop tokens are given (STOP_READ_EVERY on CUDA, 1 on CPU), else once at the end. Steps past
+        the first stop write cache positions the caller does not count (rollback is a length change)
+        and are dropped from what is returned."""
+        device = self.device
+        L = attended_length(start + steps)
+        self.host.reserve(row + 1, L + 1)  # the graph was traced with the cache longer than L: keep it so
+        with torch.inference_mode():
+            x = torch.tensor([[token]], dtype=torch.long, device=device)  # [1, 1]
+            pos = torch.arange(start, start + steps, device=device)  # step i at start + i
+            slots = pos.clone().view(steps, 1, 1)  # [steps, 1, 1] (distinct from pos, as traced)
+            masks = torch.cat([attention_mask(pos[None], L, w, additive=True) for w in self.windows], dim=1)
+            masks = masks.permute(2, 1, 0, 3)[:, :, :, None].contiguous()  # [steps, W, 1, 1, L]
+            pos = pos.view(steps, 1, 1)
         stops = set(stop_token_ids)
-        out: list[torch.Tensor] = []  # [1] argmaxes, the last len(out) - len(ids) not yet read
+        out: list[torch.Tensor] = []  # [1, 1] argmaxes, the last len(out) - len(ids) not yet read
         ids: list[int] = []
         for i in range(steps):
-            x = argmax(self._call(x, start + i, row)[:, 0]).view(1, 1)  # [1, 1]
+            _, x = self._graph(x, pos[i], slots[i], row, masks[i])  # [1, 1]
+            if self.cuda_graphs:
+                x = x.clone()  # the graph's output buffer: the next replay writes it
             out.append(x)
             if stops and (len(out) - len(ids) >= self.read_every or i + 1 == steps):
                 read = len(ids)
@@ -417,13 +437,12 @@ class CompiledStep:
     def _call(self, tokens: torch.Tensor, start: int, row: int, parents: list[int] | None = None) -> torch.Tensor:
         """tokens [1, Tb] (Tb a compiled size) at positions from ``start`` (a chain; or a tree of
         ``parents``, padded here as a chain below its last node) into cache row ``row``: the graph's
-        logits [1, Tb, V] (on CUDA its output buffer, overwritten by the next replay)."""
+        logits [1, Tb, V] and argmax [1, Tb] (on CUDA its output buffers, overwritten by the next replay)."""
         device = self.device
         Tb = tokens.shape[1]
         end = start + Tb
-        L = max(-(-end // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)  # keys 0..L-1 attended, masked past each token
+        L = attended_length(end)
         self.host.reserve(row + 1, L + 1)  # the graph was traced with the cache longer than L: keep it so
-        cache = self.host.cache
         slots = torch.arange(start, end, device=device)[None]  # [1, Tb]
         if parents is None:
             pos = torch.arange(start, end, device=device)[None]  # not slots itself: the graph was traced with distinct ones
@@ -438,14 +457,22 @@ class CompiledStep:
             first = torch.tensor([start], device=device)
             mask = torch.cat([tree_mask(pos, ancestors, first, L, w, additive=True) for w in self.windows],
                              dim=1).transpose(0, 1)  # [W, 1, Tb, L]: one per window
+        return self._graph(tokens, pos, slots, row, mask)
+
+    def _graph(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, row: int,
+               mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph of tokens' size [1, Tb] on these inputs (the cache reserved past the mask's length):
+        logits [1, Tb, V] and their argmax [1, Tb]."""
+        cache = self.host.cache
         rows = self._row_tensors.get(row)
         if rows is None:
-            rows = self._row_tensors[row] = torch.tensor([row], device=device)
+            with torch.inference_mode():
+                rows = self._row_tensors[row] = torch.tensor([row], device=self.device)
         if self.direct is not None:
             with torch.inference_mode():
-                out = self.direct.call(Tb, tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)
+                out = self.direct.call(tokens.shape[1], tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)
             if out is not None:
-                return out[0]  # [1, Tb, V]
+                return out[0], out[1]
         # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
         # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
         # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)
@@ -453,4 +480,4 @@ class CompiledStep:
             static_inputs(cache.k, cache.v, cache.states)  # a grown cache is a new tensor
             torch.compiler.cudagraph_mark_step_begin()  # earlier replays' outputs are no longer read
         with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self.fn(tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)  # [1, Tb, V]
+            return self.fn(tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.compiled import (ATTEND_STEP, EAGER_HINT, RECOMPILE_LIMIT, W16_SIZES, DirectGraphs, compile_settings,
-                                     warm_announced)
+from specdec.models.compiled import (ATTEND_STEP, EAGER_HINT, RECOMPILE_LIMIT, W16_SIZES, DirectGraphs, attended_length,
+                                     compile_settings, warm_announced)
 from specdec.models.kv_cache import CACHE_STEP
 
 SIZES = W16_SIZES  # tokens per pass: 1 (a chain step), 3, 6, 9 (catch-ups, padded)
@@ -88,7 +88,7 @@ class CompiledHeadStep:
         T = ids.shape[0]
         Tb = next(s for s in SIZES if s >= T)
         last = start + T - 1  # the query's position
-        L = max(-(-(last + 1) // ATTEND_STEP) * ATTEND_STEP, 2 * ATTEND_STEP)  # keys 0..L-1, seen up to it
+        L = attended_length(last + 1)  # keys 0..L-1, seen up to it
         r.reserve(row + 1, max(L, start + Tb) + 1)  # traced with the cache longer than L (and 2+ rows: reserve)
         if self._key_pos.shape[2] != L:
             with torch.inference_mode():
