@@ -126,6 +126,22 @@ def test_each_size_is_called_without_dynamo_and_equals_the_call_through_it(pair)
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+def test_a_compiled_runner_dropped_frees_its_weights(tmp_path, one_thread):
+    """Dynamo keeps its backends for the process's life; the plans of DirectGraphs (which hold the
+    weights) are held by the runner only, so an LLM dropped frees its memory."""
+    import gc
+    import weakref
+
+    runner = LlamaRunner(load_model(str(make_model(tmp_path, "llama"))), enforce_eager=False)
+    runner.sync_rows(["a"])
+    runner.forward(ForwardBatch.from_rows([PROMPT[:3]], [0], logits="last"))
+    assert runner.compiled.direct.graphs
+    weight = weakref.ref(runner.model.embed)
+    del runner
+    gc.collect()
+    assert weight() is None
+
+
 def test_tree_pass_equals_eager(pair):
     compiled, eager, atol = pair
     for r in (compiled, eager):

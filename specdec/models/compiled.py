@@ -186,15 +186,25 @@ class DirectGraphs:
         self.options = dict(options or {})
         self.graphs: dict[int, tuple] = {}  # key -> (compiled, argument template, [(slot, input, dim or None)])
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
+    def backend(self):
+        """What torch.compile takes as its backend. Dynamo keeps its backends for the process's life: this
+        one holds the graphs weakly, so that a runner dropped takes its weights (in the plans) with it."""
+        import weakref
 
-        compiled = compile_fx(gm, example_inputs, config_patches=self.options)
-        planned = self._plan(gm)
-        if planned is not None:
-            key, template, per_call = planned
-            self.graphs[key] = (compiled, template, per_call)
-        return compiled
+        ref = weakref.ref(self)
+
+        def compile_and_plan(gm: torch.fx.GraphModule, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            graphs = ref()
+            compiled = compile_fx(gm, example_inputs, config_patches=graphs.options if graphs else {})
+            planned = graphs._plan(gm) if graphs is not None else None
+            if planned is not None:
+                key, template, per_call = planned
+                graphs.graphs[key] = (compiled, template, per_call)
+            return compiled
+
+        return compile_and_plan
 
     def _plan(self, gm: torch.fx.GraphModule):
         """(key, argument template with what is read once, [(slot, input index, dim or None)]), or None."""
@@ -324,7 +334,7 @@ class CompiledStep:
                                     **compile_settings(self.device))
         else:  # each size's graph called without dynamo's frame (DirectGraphs)
             self.direct = DirectGraphs(self.graph.forward, "tokens", 1, compile_settings(self.device)["options"])
-            self.fn = torch.compile(self.graph, backend=self.direct, fullgraph=True, dynamic=False)
+            self.fn = torch.compile(self.graph, backend=self.direct.backend(), fullgraph=True, dynamic=False)
         self.compile_seconds = self._warm()
 
     def _warm(self) -> float:

@@ -44,7 +44,7 @@ class CompiledHeadStep:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         if self.device.type == "cpu":  # each size's graph called without dynamo's frame
             self.direct = DirectGraphs(runner.w.row_pass, "ids", 0, compile_settings(self.device)["options"])
-            self.fn = torch.compile(runner.w.row_pass, backend=self.direct, fullgraph=True, dynamic=False)
+            self.fn = torch.compile(runner.w.row_pass, backend=self.direct.backend(), fullgraph=True, dynamic=False)
         else:
             self.direct = None
             self.fn = torch.compile(runner.w.row_pass, backend="inductor", fullgraph=True, dynamic=False,
