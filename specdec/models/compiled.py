@@ -423,8 +423,9 @@ class CompiledStep:
             x = torch.tensor([[token]], dtype=torch.long, device=device)  # [1, 1]
             pos = torch.arange(start, start + steps, device=device)  # step i at start + i
             slots = pos.clone().view(steps, 1, 1)  # [steps, 1, 1] (distinct from pos, as traced)
-            masks = torch.cat([attention_mask(pos[None], L, w, additive=True) for w in self.windows], dim=1)
-            masks = masks.permute(2, 1, 0, 3)[:, :, :, None].contiguous()  # [steps, W, 1, 1, L]
+            each = torch.cat([attention_mask(pos[None], L, w, additive=True) for w in self.windows], dim=1)  # [1, W, steps, L]
+            masks = torch.empty(steps, len(self.windows), 1, 1, L, device=device)  # strides as traced, size-1 dims too
+            masks.copy_(each.permute(2, 1, 0, 3)[:, :, :, None])  # [steps, W, 1, 1, L]
             pos = pos.view(steps, 1, 1)
         stops = set(stop_token_ids)
         out: list[torch.Tensor] = []  # [1, 1] argmaxes, the last len(out) - len(ids) not yet read
@@ -486,6 +487,9 @@ class CompiledStep:
         # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
         # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
         # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)
+        # as traced: tensors of their own (greedy_steps' are views into all its steps' positions and masks)
+        tokens, pos, slots, mask = (t if t._base is None else t.clone(memory_format=torch.contiguous_format)
+                                    for t in (tokens, pos, slots, mask))
         if self.cuda_graphs:
             static_inputs(cache.k, cache.v, cache.states)  # a grown cache is a new tensor
             torch.compiler.cudagraph_mark_step_begin()  # earlier replays' outputs are no longer read
