@@ -26,6 +26,7 @@ app = typer.Typer(help="Lossless speculative decoding for Hugging Face Llama-fam
                   no_args_is_help=True, add_completion=False, pretty_exceptions_show_locals=False)
 
 DEMO_TARGET, DEMO_DRAFT, DEMO_HEAD = "specdec/demo-target", "specdec/demo-draft", "specdec/demo-eagle3"
+DEMO_PARD = "specdec/demo-draft-pard"  # the demo's parallel draft (its method "pard": draft_model, parallel_drafting)
 # Each ends where the tokenizer ends a token in running text: a prompt ending in a bare newline
 # leaves a token that training text merges with the next line's indentation, and the model then
 # starts a top-level line instead of the function body.
@@ -167,9 +168,10 @@ def demo(
         "--backend", help="auto: measure every backend here (llama.cpp and torch; the one $SPECDEC_AUTO_BACKEND "
                           "names if set) and run the fastest; torch or llama.cpp: that one only.")] = "auto",
     method: Annotated[list[str] | None, typer.Option(
-        "--method", help="Measure only this speculative method: draft_model, suffix, eagle3 (when the head is "
-                         "installed) or a list chosen per request such as suffix,eagle3; repeat the option for "
-                         "several. Default: each of the three and suffix with the best model drafter.")] = None,
+        "--method", help="Measure only this speculative method: draft_model, pard (the shipped parallel draft: "
+                         "draft_model with parallel_drafting), suffix, eagle3 (when the head is installed) or a "
+                         "list chosen per request such as suffix,eagle3; repeat the option for several. Default: "
+                         "each of the four and suffix with the best model drafter.")] = None,
     k: KOpt = None,
     probe_rounds: Annotated[int, typer.Option(
         min=1, help="Times each configuration runs the probe prompts before the choice.")] = PROBE_ROUNDS,
@@ -186,6 +188,7 @@ def demo(
                    "--prompt ...` with your own checkpoints instead", err=True)
         raise typer.Exit(1)
     head = DEMO_HEAD if DEMO_HEAD in SHIPPED and (SHIPPED[DEMO_HEAD] / "config.json").exists() else None
+    pard = DEMO_PARD if DEMO_PARD in SHIPPED and (SHIPPED[DEMO_PARD] / "config.json").exists() else None
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     with errors_exit_2():
         from specdec import SamplingParams
@@ -195,13 +198,17 @@ def demo(
         backends = _demo_backends(backend, device)
         methods = [m.strip() for m in method] if method else None
         if methods is not None:
-            for entry in methods:
-                parse_methods(entry)  # the same errors as --method elsewhere
+            for entry in methods:  # the same errors as --method elsewhere ("pard" is the demo's name for a draft_model)
+                parse_methods(",".join("draft_model" if m.strip() == "pard" else m for m in entry.split(",")))
+            if any("pard" in entry.split(",") for entry in methods) and pard is None:
+                raise CliError(f"--method pard: the shipped parallel draft {DEMO_PARD} is not installed (no "
+                               f"{SHIPPED.get(DEMO_PARD, DEMO_PARD)}/config.json); train one with `specdec distill "
+                               "--method pard` or leave pard out")
             if any("eagle3" in entry.split(",") for entry in methods) and head is None:
                 raise CliError(f"--method eagle3: the shipped EAGLE-3 head {DEMO_HEAD} is not installed (no "
                                f"{SHIPPED.get(DEMO_HEAD, DEMO_HEAD)}/config.json); train one with `specdec distill "
                                "--method eagle3` or leave eagle3 out")
-        cands = candidates(backends, DEMO_DRAFT, head, methods, k)
+        cands = candidates(backends, DEMO_DRAFT, head, methods, k, pard=pard)
         probe_tokens = min(PROBE_TOKENS, max_tokens)
         err.print(f"specdec demo: measuring {len(cands)} configurations on this machine ({len(PROBE_PROMPTS)} "
                   f"probe prompts x {probe_rounds}, {probe_tokens} tokens each, greedy, batch 1, alternating)",

@@ -64,6 +64,7 @@ class Candidate:
     method: str | tuple[str, ...] | None = None
     k: int = 0
     model: str | None = None  # the draft model or the EAGLE-3 head
+    parallel: bool = False  # the draft model is a parallel draft (PARD, parallel_drafting): "pard" in its name
 
     @property
     def plain(self) -> bool:
@@ -73,7 +74,8 @@ class Candidate:
     def method_name(self) -> str:
         if self.method is None:
             return "plain"
-        return self.method if isinstance(self.method, str) else ",".join(self.method)
+        names = [self.method] if isinstance(self.method, str) else list(self.method)
+        return ",".join("pard" if self.parallel and m == "draft_model" else m for m in names)
 
     @property
     def name(self) -> str:
@@ -87,6 +89,8 @@ class Candidate:
                      "num_speculative_tokens": self.k}
         if self.model is not None:
             cfg["model"] = self.model
+        if self.parallel:
+            cfg["parallel_drafting"] = True
         if "suffix" in methods:
             cfg.update(OWN_TEXT_ONLY)
         return cfg
@@ -142,15 +146,17 @@ class DemoChoice:
 
 
 def candidates(backends: list[str], draft: str | None, head: str | None, methods: list[str] | None = None,
-               k: int | None = None) -> list[Candidate]:
-    """Plain decoding on each backend, then per backend: the draft model, suffix decoding, the EAGLE-3
-    head (when one is installed) and the list of suffix and the best model drafter (chosen per request).
+               k: int | None = None, pard: str | None = None) -> list[Candidate]:
+    """Plain decoding on each backend, then per backend: the draft model, the parallel draft ``pard``
+    (method "pard": draft_model with parallel_drafting), suffix decoding, the EAGLE-3 head (each when
+    installed) and the list of suffix and the best model drafter (chosen per request; the parallel
+    draft where installed: it measured fastest of the three on both backends, docs/benchmarks.md).
     ``methods``: only these speculative methods (one entry may be a list, e.g. ["suffix,eagle3"]);
     ``k``: this k for every one."""
-    model_for = {"draft_model": draft, "eagle3": head}
+    model_for = {"draft_model": draft, "pard": pard, "eagle3": head}
     if methods is None:
-        model = "eagle3" if head else ("draft_model" if draft else None)
-        methods = [m for m in ("draft_model", "suffix", "eagle3") if m == "suffix" or model_for[m]]
+        model = next((m for m in ("pard", "eagle3", "draft_model") if model_for[m]), None)
+        methods = [m for m in ("draft_model", "pard", "suffix", "eagle3") if m == "suffix" or model_for[m]]
         if model:
             methods.append(f"suffix,{model}")
     out = [Candidate(b) for b in backends]
@@ -159,14 +165,17 @@ def candidates(backends: list[str], draft: str | None, head: str | None, methods
             names = tuple(entry.split(","))
             needs = [m for m in names if m in model_for]
             if len(needs) > 1:
-                raise ValueError(f"method list {entry!r} names both draft_model and eagle3; they read one model each, "
+                raise ValueError(f"method list {entry!r} names {' and '.join(needs)}; they read one model each, "
                                  "list one of them")
             model = model_for[needs[0]] if needs else None
             if needs and model is None:
                 raise ValueError(f"method {needs[0]} needs its model, and none is installed: "
-                                 + ("pass --draft D" if needs[0] == "draft_model" else "pass --draft HEAD"))
+                                 + ("pass --draft HEAD" if needs[0] == "eagle3" else "pass --draft D"))
             default_k = MODEL_K if needs else SUFFIX_K
-            out.append(Candidate(b, names[0] if len(names) == 1 else names, default_k if k is None else k, model))
+            parallel = "pard" in names
+            names = tuple("draft_model" if m == "pard" else m for m in names)
+            out.append(Candidate(b, names[0] if len(names) == 1 else names, default_k if k is None else k, model,
+                                 parallel))
     return out
 
 

@@ -135,8 +135,26 @@ def test_candidates_default_set_and_forced_ones():
     assert [c.name for c in forced] == ["torch plain", "torch + eagle3 k=3", "torch + suffix k=3"]
     with pytest.raises(ValueError, match="method eagle3 needs its model, and none is installed"):
         candidates(["torch"], "D", None, ["eagle3"])
-    with pytest.raises(ValueError, match="names both draft_model and eagle3"):
+    with pytest.raises(ValueError, match="names draft_model and eagle3; they read one model each"):
         candidates(["torch"], "D", "H", ["draft_model,eagle3"])
+
+
+def test_candidates_with_the_parallel_draft():
+    """The shipped parallel draft ("pard": draft_model with parallel_drafting) is a candidate of its own and,
+    where installed, the model drafter beside suffix."""
+    cands = candidates(["torch"], "D", "H", pard="P")
+    assert [c.name for c in cands] == ["torch plain", "torch + draft_model k=6", "torch + pard k=6",
+                                       "torch + suffix k=16", "torch + eagle3 k=6", "torch + suffix,pard k=6"]
+    assert cands[2].speculative_config() == {"method": "draft_model", "num_speculative_tokens": 6, "model": "P",
+                                             "parallel_drafting": True}
+    assert cands[5].speculative_config() == {"method": ["suffix", "draft_model"], "num_speculative_tokens": 6,
+                                             "model": "P", "parallel_drafting": True,
+                                             "suffix_decoding_max_cached_requests": 0}
+    assert cands[1].speculative_config()["model"] == "D" and "parallel_drafting" not in cands[1].speculative_config()
+    with pytest.raises(ValueError, match="method pard needs its model, and none is installed"):
+        candidates(["torch"], "D", "H", ["pard"])
+    with pytest.raises(ValueError, match="names pard and eagle3"):
+        candidates(["torch"], "D", "H", ["pard,eagle3"], pard="P")
 
 
 # -- measurement on tiny models, timed by a fake clock ---------------------------------------------
@@ -231,6 +249,7 @@ def _install(monkeypatch, pair, head: Path | None = None) -> None:
     monkeypatch.setitem(SHIPPED, "specdec/demo-target", Path(pair["target"]))
     monkeypatch.setitem(SHIPPED, "specdec/demo-draft", Path(pair["draft"]))
     monkeypatch.setitem(SHIPPED, "specdec/demo-eagle3", head or Path(pair["target"]).parent / "no-head")
+    monkeypatch.setitem(SHIPPED, "specdec/demo-draft-pard", Path(pair["target"]).parent / "no-pard")
 
 
 def _inject(monkeypatch, ms_per_token: dict[str, float]) -> None:
@@ -303,6 +322,7 @@ def test_demo_across_backends_compares_with_the_fastest_plain(monkeypatch, pair)
     (["--method", "eagle3"], "the shipped EAGLE-3 head specdec/demo-eagle3 is not installed"),
     (["--method", "suffix,,ngram"], "has an empty name"),
     (["--method", "draft_model,eagle3"], "the shipped EAGLE-3 head"),
+    (["--method", "pard"], "the shipped parallel draft specdec/demo-draft-pard is not installed"),
 ])
 def test_demo_bad_input_exits_2(monkeypatch, pair, args, message):
     _install(monkeypatch, pair)
