@@ -10,7 +10,7 @@ default attention backend, and the stateful SDPA model), with the draft (``draft
 (``optimum-cli export openvino``, tokenizers converted by openvino-tokenizers) into
 ~/.cache/specdec/openvino. specdec runs in this process: ``LLM`` with each of --backends, plain and
 its best methods (draft_model k=8 adaptive, suffix k=32 x3 and k=8, suffix in front of the draft,
-eagle3 with specdec/demo-eagle3).
+eagle3 with specdec/demo-eagle3, the parallel draft specdec/demo-draft-pard k=6 adaptive).
 
 Reported: per configuration the median tok/s over prompts (end to end, prefill included), each
 engine's best, the ratios specdec / OpenVINO, τ where the engine counts it, the CPU path beside each
@@ -185,9 +185,13 @@ def build_configs(args, has_enforce_eager: bool) -> list[Config]:
                "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8, "adaptive": False},
                "suffix + draft k=8 adaptive": {"method": "draft_model", "model": args.draft, "num_speculative_tokens": 8,
                                                "enable_suffix_decoding": True},
-               "eagle3 k=8 adaptive": {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": 8}}
+               "eagle3 k=8 adaptive": {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": 8},
+               "pard k=6 adaptive": {"method": "draft_model", "model": args.pard, "num_speculative_tokens": 6,
+                                     "parallel_drafting": True}}
     if not args.eagle3_head:
         del methods["eagle3 k=8 adaptive"]
+    if not args.pard:
+        del methods["pard k=6 adaptive"]
     eager_modes = {"default": [None], "true": [True], "both": [None, True]}[args.enforce_eager]
     out = []
     for backend in args.backends.split(","):
@@ -274,6 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", default="specdec/demo-target", help="HF checkpoint (a name or a folder)")
     ap.add_argument("--draft", default="specdec/demo-draft")
     ap.add_argument("--eagle3-head", default="specdec/demo-eagle3", help="'' for none")
+    ap.add_argument("--pard", default="specdec/demo-draft-pard", help="a parallel draft (PARD); '' for none")
     ap.add_argument("--weight-format", default="fp16", choices=("fp16", "int8", "fp32"),
                     help="the IR's weights (optimum-cli --weight-format); OpenVINO computes in bf16 or f32 anyway")
     ap.add_argument("--backends", default="auto,torch,llama.cpp", help="specdec backends to run")
