@@ -519,11 +519,23 @@ def doubts(f: FinalFigures, band: float = EXPLAIN_BAND) -> list[str]:
     return out
 
 
+def drafts_per_round(metrics: dict) -> dict[int, int] | None:
+    """{k: rounds that drafted exactly k tokens} from the per-position counts (a chain round of k drafts
+    counts at positions 0..k-1); None where trees were drafted (their positions are depths)."""
+    per_pos = metrics.get("num_draft_tokens_per_pos") or []
+    if metrics.get("num_tree_drafts") or not per_pos:
+        return None
+    rounds = {i + 1: n - (per_pos[i + 1] if i + 1 < len(per_pos) else 0) for i, n in enumerate(per_pos)}
+    return {k: n for k, n in rounds.items() if n > 0}
+
+
 def final_figures(result, spec_llm, choice: DemoChoice | None = None, peer: str | None = None,
                   costs: dict[str, tuple[float, float]] | None = None, k: int = VERIFY_K) -> FinalFigures:
     """``FinalFigures`` of a ``bench.BenchResult`` of plain (same backend) vs ``spec_llm``: τ and rounds
     from its metrics; the verify pass and the one-token step from the adaptive controller's measured
-    line, else from ``costs`` (``forward_costs``, interpolated between 1 and k + 1 tokens); ``peer``:
+    line (averaged over the rounds' numbers of drafts: with the 16-bit kernel the cost steps every 3
+    tokens, so a round of 6 drafts and one of 1 cost more than two of 3), else from ``costs``
+    (``forward_costs``, interpolated between 1 and k + 1 tokens); ``peer``:
     the fastest plain backend's name in the result, compared with the probe's plain figures in ``choice``."""
     m = result.spec_metrics
     drafted, passes = m["num_drafts"], m["num_verify_passes"]
@@ -534,7 +546,9 @@ def final_figures(result, spec_llm, choice: DemoChoice | None = None, peer: str 
     if controller is not None and any(b == 1 for b, _ in controller.verify_time):
         line = controller.verify_line(1)
         step = line(1)
-        verify_steps = line(round(mean_k) + 1) / step
+        rounds = drafts_per_round(m)
+        verify_steps = (sum(n * line(k + 1) for k, n in rounds.items()) / sum(rounds.values()) / step if rounds
+                        else line(round(mean_k) + 1) / step)
     elif costs and backend in costs:
         step, tk = costs[backend][0] / 1e3, costs[backend][1] / 1e3
         verify_steps = 1 + (tk / step - 1) * mean_k / k

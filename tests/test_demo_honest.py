@@ -40,6 +40,28 @@ def test_expected_ratio_from_tau_and_costs():
     assert expected_ratio(1.0, 0, 64, 1.8, 0.3, host_steps=0.2) == pytest.approx(1.0)
 
 
+def test_drafts_per_round_from_the_per_position_counts():
+    """Rounds of 6, 1, 1 and 3 drafts: positions 0..5 were drafted 4, 2, 2, 1, 1, 1 times."""
+    m = {"num_draft_tokens_per_pos": [4, 2, 2, 1, 1, 1], "num_tree_drafts": 0}
+    assert demo.drafts_per_round(m) == {1: 2, 3: 1, 6: 1}
+    assert demo.drafts_per_round({"num_draft_tokens_per_pos": [], "num_tree_drafts": 0}) is None
+    assert demo.drafts_per_round({**m, "num_tree_drafts": 3}) is None  # a tree's positions are depths
+
+
+def test_the_verify_cost_is_averaged_over_the_rounds_drafts():
+    """Rounds of 1, 1 and 7 drafts on a step-shaped verify cost (the 16-bit kernel's: 1-3 tokens one
+    step, 4-6 two, 7-9 three) cost (1 + 1 + 3) / 3 steps a round, not the cost at the mean (3 drafts: 2)."""
+    from types import SimpleNamespace
+
+    line = lambda T: 1.0 if T <= 3 else (2.0 if T <= 6 else 3.0)  # noqa: E731
+    controller = SimpleNamespace(verify_time={(1, 1): None}, verify_line=lambda B: line)
+    spec = SimpleNamespace(engine=SimpleNamespace(controller=controller), backend="torch")
+    metrics = {"num_drafts": 3, "num_verify_passes": 3, "num_draft_tokens": 9, "num_tree_drafts": 0,
+               "num_draft_tokens_per_pos": [3, 1, 1, 1, 1, 1, 1], "mean_acceptance_length": 2.0, "draft_time_s": 0.0}
+    figures = demo.final_figures(SimpleNamespace(spec_metrics=metrics, decode_speedup=1.2), spec)
+    assert figures.verify_steps == pytest.approx(5 / 3)
+
+
 def test_a_ratio_the_figures_cannot_explain_is_doubted():
     # the fresh-clone run of issue 37: "speedup 2.13x" from a run that drafted nothing (τ 1)
     nothing = FinalFigures(ratio=2.13, tau=1.0, drafted_rounds=0, plain_steps=190, verify_steps=1.8, draft_steps=0.0)
