@@ -28,7 +28,7 @@ def test_configs_from_arguments():
     with_eager = peer.build_configs(args, has_enforce_eager=True)
     without = peer.build_configs(args, has_enforce_eager=False)
     methods = ["plain", "draft k=8 adaptive", "suffix k=32 x3", "suffix k=8", "suffix + draft k=8 adaptive",
-               "eagle3 k=8 adaptive"]
+               "eagle3 k=8 adaptive", "pard k=6 adaptive"]
     torch_names = [c.name for c in with_eager if c.backend == "torch"]
     assert torch_names == [f"torch {m}" for m in methods] + [f"torch {m} eager" for m in methods]
     assert [c.name for c in without if c.backend == "torch"] == [f"torch {m}" for m in methods]
@@ -42,8 +42,10 @@ def test_configs_from_arguments():
     assert by_name["torch suffix + draft k=8 adaptive"].spec == {"method": "draft_model", "model": args.draft,
                                                                  "num_speculative_tokens": 8,
                                                                  "enable_suffix_decoding": True}
-    no_head = peer.build_configs(peer.parse_args(["--eagle3-head", "", "--backends", "llama.cpp"]), False)
-    assert not any("eagle3" in c.name for c in no_head)
+    assert by_name["torch pard k=6 adaptive"].spec == {"method": "draft_model", "model": args.pard,
+                                                       "num_speculative_tokens": 6, "parallel_drafting": True}
+    no_head = peer.build_configs(peer.parse_args(["--eagle3-head", "", "--pard", "", "--backends", "llama.cpp"]), False)
+    assert not any("eagle3" in c.name or "pard" in c.name for c in no_head)
     with pytest.raises(ValueError, match="--backends"):
         peer.build_configs(peer.parse_args(["--backends", "onnx"]), False)
 
