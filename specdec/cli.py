@@ -251,7 +251,7 @@ def demo(
                "backend": spec_c.backend, "backend_reason": "measured by the demo: the best speculative configuration",
                "configuration": spec_c.name, "speculative_config": spec_c.speculative_config(), "why": why,
                "measured": [m.as_dict() for m in measured], "measure_time_s": measure_s,
-               "doubts": result["doubts"], "remeasured": result["remeasured"],
+               "doubts": result["doubts"], "remeasured": result["remeasured"], "runs": result["runs"],
                "expected_same_backend_speedup": result["expected_speedup"],
                "num_draft_tokens": result["spec"]["metrics"]["num_draft_tokens"],
                "forward_ms": None if costs is None else {b: {"1": t1, str(VERIFY_K + 1): tk}

@@ -91,16 +91,16 @@ def test_drafted_nothing_is_said_as_such():
 
 
 def test_final_lines_are_short_and_honest():
-    r = {"speedup": 1.0, "remeasured": 2, "expected_speedup": 1.0, "greedy_match": {"matched": 3, "near_ties": 0,
+    r = {"speedup": 1.0, "runs": 5, "remeasured": 2, "expected_speedup": 1.0, "greedy_match": {"matched": 3, "near_ties": 0,
                                                                                    "total": 3},
          "doubts": ["2.13x over plain on the same backend is more than τ 1.00 allows"],
          "spec": {"metrics": {"num_draft_tokens": 0, "acceptance_rate": 0.0, "mean_acceptance_length": 1.0}}}
     lines = demo.final_lines(r, "llama.cpp", "torch", 2.13, peer="plain llama.cpp")
-    assert lines[0].startswith("speedup: 2.13x over plain llama.cpp") and "measured 3 times" in lines[0]
+    assert lines[0].startswith("speedup: 2.13x over plain llama.cpp") and "fastest of 5 runs" in lines[0]
     assert lines[2].startswith("not to be trusted: 2.13x over plain on the same backend is more than τ 1.00 allows")
     assert lines[3].startswith("drafted nothing") and not any("0.0%" in line for line in lines)
     assert len(lines) <= 5
-    r.update(doubts=[], remeasured=0, expected_speedup=1.42)
+    r.update(doubts=[], runs=1, remeasured=0, expected_speedup=1.42)
     lines = demo.final_lines(r, "torch", "torch", 1.40, peer=None)
     assert lines[:2] == ["speedup: 1.40x over plain torch, the fastest plain backend here (alternating prompt by "
                          "prompt after a warm-up)", "as τ and the measured costs predict (1.42x on torch, decoding "
@@ -160,7 +160,7 @@ def test_final_comparison_returns_checked_figures(pair):
     costs = demo.forward_costs({demo.Candidate("torch"): plain})  # the step and a verify pass of 5, timed now
     r = demo.final_comparison(plain, spec, ["w1 w2 w3", "w5 w6", "w9 w8 w7 w6"], params, costs=costs)
     assert r["greedy_match"]["matched"] == 3
-    assert 0 <= r["remeasured"] <= demo.FINAL_EXTRA_ROUNDS
+    assert 0 <= r["remeasured"] <= demo.FINAL_EXTRA_ROUNDS and r["runs"] == demo.FINAL_ROUNDS + r["remeasured"]
     assert not r["doubts"] or r["remeasured"] == demo.FINAL_EXTRA_ROUNDS  # flagged only after measuring again
     assert r["spec"]["metrics"]["num_draft_tokens"] > 0 and r["spec"]["mean_acceptance_length"] > 1.5
     assert r["expected_speedup"] is not None and r["expected_speedup"] > 0
