@@ -17,7 +17,7 @@ from rich.table import Table
 
 from specdec.cli_common import (TAU, CliError, DeviceOpt, Drafting, JsonOpt, KOpt, Loading, ModelOpt, errors_exit_2,
                                 option_groups, parse_methods, print_json, quiet_transformers)
-from specdec.config import SchedulerConfig
+from specdec.config import SPECULATIVE_METHODS, SchedulerConfig
 from specdec.demo import PROBE_ROUNDS
 from specdec.workbench.cli import register as register_workbench
 
@@ -199,7 +199,11 @@ def demo(
         methods = [m.strip() for m in method] if method else None
         if methods is not None:
             for entry in methods:  # the same errors as --method elsewhere ("pard" is the demo's name for a draft_model)
-                parse_methods(",".join("draft_model" if m.strip() == "pard" else m for m in entry.split(",")))
+                parse_methods(entry)
+                unknown = [m.strip() for m in entry.split(",") if m.strip() not in (*SPECULATIVE_METHODS, "pard")]
+                if unknown:
+                    raise CliError(f"--method {entry!r}: unknown method {unknown[0]!r}; the demo takes "
+                                   f"{', '.join((*SPECULATIVE_METHODS, 'pard'))} (or a list of them)")
             if any("pard" in entry.split(",") for entry in methods) and pard is None:
                 raise CliError(f"--method pard: the shipped parallel draft {DEMO_PARD} is not installed (no "
                                f"{SHIPPED.get(DEMO_PARD, DEMO_PARD)}/config.json); train one with `specdec distill "

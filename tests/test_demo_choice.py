@@ -323,6 +323,7 @@ def test_demo_across_backends_compares_with_the_fastest_plain(monkeypatch, pair)
     (["--method", "suffix,,ngram"], "has an empty name"),
     (["--method", "draft_model,eagle3"], "the shipped EAGLE-3 head"),
     (["--method", "pard"], "the shipped parallel draft specdec/demo-draft-pard is not installed"),
+    (["--method", "suffix,pardd"], "unknown method 'pardd'; the demo takes draft_model, ngram, suffix"),
 ])
 def test_demo_bad_input_exits_2(monkeypatch, pair, args, message):
     _install(monkeypatch, pair)
