@@ -38,9 +38,12 @@ a loop over the one-token graph that feeds each argmax back without a ForwardBat
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -179,9 +182,8 @@ class DirectGraphs:
     vouches that its inputs are like the traced ones (same dtypes, devices, static dims)."""
 
     def __init__(self, fn, key_input: str, key_dim: int, options: dict | None = None):
-        import inspect
-
-        self.names = list(inspect.signature(fn).parameters)  # the traced function's inputs, in order
+        traced = fn.forward if isinstance(fn, nn.Module) else fn  # a module's signature is its __call__'s
+        self.names = list(inspect.signature(traced).parameters)  # the traced function's inputs, in order
         self.key_input, self.key_dim = self.names.index(key_input), key_dim
         self.options = dict(options or {})
         self.graphs: dict[int, tuple] = {}  # key -> (compiled, argument template, [(slot, input, dim or None)])
@@ -189,8 +191,6 @@ class DirectGraphs:
     def backend(self):
         """What torch.compile takes as its backend. Dynamo keeps its backends for the process's life: this
         one holds the graphs weakly, so that a runner dropped takes its weights (in the plans) with it."""
-        import weakref
-
         ref = weakref.ref(self)
 
         def compile_and_plan(gm: torch.fx.GraphModule, example_inputs):
@@ -208,8 +208,6 @@ class DirectGraphs:
 
     def _plan(self, gm: torch.fx.GraphModule):
         """(key, argument template with what is read once, [(slot, input index, dim or None)]), or None."""
-        import re
-
         template, per_call, key = [], [], None
         for slot, node in enumerate(gm.graph.find_nodes(op="placeholder")):
             arg = node.meta.get("grapharg")
@@ -242,6 +240,16 @@ class DirectGraphs:
         for slot, i, dim in per_call:
             args[slot] = inputs[i] if dim is None else inputs[i].shape[dim]
         return compiled(*args)  # as dynamo calls it
+
+
+def compile_pass(fn, key_input: str, key_dim: int, device: torch.device):
+    """``fn`` compiled for ``device`` with fullgraph and static sizes but the ones marked dynamic:
+    (the compiled callable, its DirectGraphs or None). On CPU the graphs are kept by DirectGraphs, keyed
+    by ``key_input``'s size ``key_dim``, to be called directly; elsewhere (CUDA graphs) through dynamo."""
+    if device.type != "cpu":
+        return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False, **compile_settings(device)), None
+    direct = DirectGraphs(fn, key_input, key_dim, compile_settings(device)["options"])
+    return torch.compile(fn, backend=direct.backend(), fullgraph=True, dynamic=False), direct
 
 
 def attended_length(end: int) -> int:
@@ -328,13 +336,7 @@ class CompiledStep:
             import torch._inductor.config as inductor_config  # so inductor's warning at 8 would only alarm
 
             inductor_config.triton.cudagraph_dynamic_shape_warn_limit = None
-        if self.cuda_graphs:
-            self.direct = None
-            self.fn = torch.compile(self.graph, backend="inductor", fullgraph=True, dynamic=False,
-                                    **compile_settings(self.device))
-        else:  # each size's graph called without dynamo's frame (DirectGraphs)
-            self.direct = DirectGraphs(self.graph.forward, "tokens", 1, compile_settings(self.device)["options"])
-            self.fn = torch.compile(self.graph, backend=self.direct.backend(), fullgraph=True, dynamic=False)
+        self.fn, self.direct = compile_pass(self.graph, "tokens", 1, self.device)  # keyed by the tokens' T
         self.compile_seconds = self._warm()
 
     def _warm(self) -> float:
@@ -484,12 +486,12 @@ class CompiledStep:
                 out = self.direct.call(tokens.shape[1], tokens, pos, slots, rows, mask, cache.k, cache.v, cache.states)
             if out is not None:
                 return out[0], out[1]
-        # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
-        # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
-        # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)
         # as traced: tensors of their own (greedy_steps' are views into all its steps' positions and masks)
         tokens, pos, slots, mask = (t if t._base is None else t.clone(memory_format=torch.contiguous_format)
                                     for t in (tokens, pos, slots, mask))
+        # dynamo checks only the guards that tell its compiled graphs apart (which runner, which size): the
+        # rest hold by construction here (why_not, the padding above, the cache's traced dims), and checking
+        # them all took about 0.2 ms a step (EPYC-AVX2, shipped target: 3.94 -> 3.75 ms)
         if self.cuda_graphs:
             static_inputs(cache.k, cache.v, cache.states)  # a grown cache is a new tensor
             torch.compiler.cudagraph_mark_step_begin()  # earlier replays' outputs are no longer read

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.compiled import (ATTEND_STEP, EAGER_HINT, RECOMPILE_LIMIT, W16_SIZES, DirectGraphs, attended_length,
-                                     compile_settings, warm_announced)
+from specdec.models.compiled import (ATTEND_STEP, EAGER_HINT, RECOMPILE_LIMIT, W16_SIZES, attended_length, compile_pass,
+                                     warm_announced)
 from specdec.models.kv_cache import CACHE_STEP
 
 SIZES = W16_SIZES  # tokens per pass: 1 (a chain step), 3, 6, 9 (catch-ups, padded)
@@ -42,13 +42,7 @@ class CompiledHeadStep:
         self._key_pos = torch.zeros(1, 1, 0)  # [1, 1, L] float 0..L-1 for the last L
         self._query: dict[int, torch.Tensor] = {}  # T -> [1] long T - 1
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        if self.device.type == "cpu":  # each size's graph called without dynamo's frame
-            self.direct = DirectGraphs(runner.w.row_pass, "ids", 0, compile_settings(self.device)["options"])
-            self.fn = torch.compile(runner.w.row_pass, backend=self.direct.backend(), fullgraph=True, dynamic=False)
-        else:
-            self.direct = None
-            self.fn = torch.compile(runner.w.row_pass, backend="inductor", fullgraph=True, dynamic=False,
-                                    **compile_settings(self.device))
+        self.fn, self.direct = compile_pass(runner.w.row_pass, "ids", 0, self.device)  # keyed by the ids' T
         sizes = ",".join(map(str, SIZES))
         self.compile_seconds = warm_announced(f"specdec: the compiled passes of EAGLE-3 head {name} (T={sizes})",
                                               self._warm)
