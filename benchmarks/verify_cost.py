@@ -61,6 +61,7 @@ def main() -> None:
                     help="also the torch runner compiled for these token counts, e.g. 1,3,5,8 (repeatable)")
     ap.add_argument("--contexts", default="64,600", help="positions already cached before the timed forward")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts T to time, e.g. 1,2,3,4,5")
     ap.add_argument("--burst", type=int, default=1,
                     help="forwards of one length in a row; the second half of each burst is timed (1: alternate)")
     args = ap.parse_args()
@@ -68,18 +69,21 @@ def main() -> None:
         ap.error("give at least one --gguf or --hf model")
     if args.burst < 1:
         ap.error(f"--burst must be at least 1, got {args.burst}")
+    tokens = tuple(int(x) for x in args.tokens.split(","))
+    if not tokens or tokens[0] != 1 or min(tokens) < 1:
+        ap.error(f"--tokens must start with 1 (v(k) is over the one-token step), got {args.tokens!r}")
     torch.set_num_threads(args.threads)
     models = runners(args)
     for C in map(int, args.contexts.split(",")):
-        times: dict[str, dict[int, list[float]]] = {m: {T: [] for T in TOKENS} for m in models}
+        times: dict[str, dict[int, list[float]]] = {m: {T: [] for T in tokens} for m in models}
         for m, r in models.items():  # each runner's row holds C positions of a fixed pseudo-random prompt
-            r.reserve(1, C + max(TOKENS) + 1)
+            r.reserve(1, C + max(tokens) + 1)
             r.sync_rows(["probe"])
             prompt = [(i * 7919) % (r.vocab_size - 10) + 5 for i in range(C)]
             r.forward(ForwardBatch.from_rows([prompt], [0], logits="none"))
         for _ in range(args.repeats):
             for m, r in models.items():
-                for T in TOKENS:
+                for T in tokens:
                     feed = ForwardBatch.from_rows([[(j * 31) % (r.vocab_size - 10) + 5 for j in range(T)]], [C],
                                                   logits="all")
                     for i in range(args.burst):
@@ -90,11 +94,11 @@ def main() -> None:
         shape = "each length alternating" if args.burst == 1 else f"bursts of {args.burst} of each length"
         print(f"\ncontext {C}, {args.threads} threads, {shape}: ms per forward of T tokens (median of "
               f"{args.repeats} repeats); v(k) = t(k+1) / t(1)")
-        print("| model, backend | " + " | ".join(f"T={T}" for T in TOKENS) + " | " +
-              " | ".join(f"v({T - 1})" for T in TOKENS[1:]) + " |")
-        print("| --- " * (2 * len(TOKENS)) + "|")
+        print("| model, backend | " + " | ".join(f"T={T}" for T in tokens) + " | " +
+              " | ".join(f"v({T - 1})" for T in tokens[1:]) + " |")
+        print("| --- " * (2 * len(tokens)) + "|")
         for m in models:
-            med = [1e3 * statistics.median(times[m][T]) for T in TOKENS]
+            med = [1e3 * statistics.median(times[m][T]) for T in tokens]
             print(f"| {m} | " + " | ".join(f"{x:.2f}" for x in med) + " | " +
                   " | ".join(f"{x / med[0]:.2f}" for x in med[1:]) + " |")
 

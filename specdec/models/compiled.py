@@ -61,7 +61,11 @@ if TYPE_CHECKING:
     from specdec.models.kv_cache import KVCache
 
 ENFORCE_EAGER_ENV = "SPECDEC_ENFORCE_EAGER"
-DEFAULT_SIZES = (1, 8)  # fed tokens per row compiled at load: 1 (decode), up to 8 (verify k <= 7, small trees)
+# fed tokens per row compiled at load: 1 (decode), then up to 4, 8, 12 (verify k <= 11, small trees). oneDNN's
+# bf16 product takes its rows 4 at a time (AMD Zen 5, AVX-512 bf16: 1-4 rows cost one read of the weights, 5-8
+# one more; the shipped target's step 1.72 ms at T = 1, 2.04 at 4, 2.53 at 8, 2.85 at 9; padded to 8, T = 2
+# cost 2.51 and T = 9 ran eager at 3.82)
+DEFAULT_SIZES = (1, 4, 8, 12)
 # linear16's kernel takes input rows 3 at a time: 1-3 rows cost one read of the weights, 4-6 and 7-9 one
 # more tile each (AVX2, shipped target: 6.0 ms at T = 3, 8.1 at 5, 10.8 at 8; padded to 8, T = 3 cost 10.7)
 W16_SIZES = (1, 3, 6, 9)
@@ -269,8 +273,8 @@ def static_inputs(*tensors: torch.Tensor | None) -> None:
 
 def sizes_for(linear_kind: str) -> tuple[int, ...]:
     """The token counts per row to compile for a runner whose products are of ``linear_kind``
-    (linear.Linear.kind): where a product's cost steps with its rows, sizes at the steps; else 1 and 8
-    (oneDNN's bf16 product and ATen's float32 one cost about the same for 2 to 8 rows)."""
+    (linear.Linear.kind): the sizes at which a product's cost steps with its rows (linear16: every 3 rows;
+    oneDNN: every 4)."""
     return W16_SIZES if linear_kind == "w16" else DEFAULT_SIZES
 
 
