@@ -22,7 +22,7 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
 (``greedy_steps``): its row gives ms per token. The share outside the kernels is what host code costs.
 
     python benchmarks/round_cost.py [--model specdec/demo-target] [--draft specdec/demo-draft]
-        [--methods draft_model,eagle3] [--eagle3-head specdec/demo-eagle3] [--adaptive]
+        [--methods draft_model,eagle3,suffix,ngram] [--eagle3-head specdec/demo-eagle3] [--adaptive]
         [--backends llama.cpp,torch] [--ks 2,4] [--num-prompts 4] [--max-tokens 64] [--threads 2]
 
 ``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
@@ -122,7 +122,6 @@ class Recorder:
     def close_round(self, t0: float, t1: float, tokens: int, max_feed: int) -> None:
         """Turn the events of the step [t0, t1] into a ``Round``; a step that prefilled is counted apart."""
         ev, self.events = self.events, []
-        kinds = [e[0] for e in ev]
         span = lambda e: e[2] - e[1]  # noqa: E731
         target = [e for e in ev if e[0] == "target"]
         # a forward that fed more than a round's tokens: a prompt's prefill (the target's, or the draft
@@ -148,7 +147,7 @@ class Recorder:
         self.rounds.append(Round(
             t1 - t0, tokens, draft_kernel=draft, draft_host=built - t0 - draft, verify_kernel=span(fwd),
             verify_host=(fwd[1] - built) + (accepted - fwd[2]), update=t1 - accepted, decode=decode,
-            handover=handover, drafted=any(k == "draft" for k in kinds)))
+            handover=handover, drafted=fwd[3] > 1))  # batch 1: a verify pass of more than the newest token
 
 
 def covered(events: list[tuple[str, float, float, int]]) -> float:
@@ -240,6 +239,9 @@ def load_prompts(n: int, tokenizer, max_prompt: int) -> list[list[int]]:
     return [tokenizer.encode(p)[-max_prompt:] for p in rows]
 
 
+METHODS = ("draft_model", "eagle3", "suffix", "ngram")
+
+
 def build(args) -> list[Config]:
     from specdec import LLM
 
@@ -257,8 +259,9 @@ def build(args) -> list[Config]:
                      for k in args.ks]
         for method, k, adaptive in runs:
             spec = None if method is None else {
-                "method": method.split()[0], "model": drafts.get(method.split()[0], args.draft),
-                "num_speculative_tokens": k, "adaptive": adaptive, "draft_tree": "chain"}
+                "method": method.split()[0], "num_speculative_tokens": k, "adaptive": adaptive, "draft_tree": "chain"}
+            if method is not None and method.split()[0] in drafts:
+                spec["model"] = drafts[method.split()[0]]
             name = (f"{backend} plain" if method is None else
                     f"{backend} {method} " + (f"adaptive k<={k}" if adaptive else f"k={k}"))
             c = Config(backend, k, name, adaptive)
@@ -403,7 +406,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-llamacpp", default=None, help="the target for llama.cpp only (e.g. the stand-in's GGUF)")
     ap.add_argument("--draft", default="specdec/demo-draft", help="the draft_model drafter's model")
     ap.add_argument("--eagle3-head", default="specdec/demo-eagle3", help="the eagle3 drafter's head")
-    ap.add_argument("--methods", default="draft_model", help="model drafters, comma-separated: draft_model, eagle3")
+    ap.add_argument("--methods", default="draft_model",
+                    help="drafters, comma-separated: draft_model, eagle3 (models), suffix, ngram (draft-free)")
     ap.add_argument("--adaptive", action="store_true", help="also each method adaptive, k up to the largest of --ks")
     ap.add_argument("--eagle3-variants", action="store_true",
                     help="also eagle3 at each k with its chain steps eager (not compiled), through the head's general "
@@ -424,8 +428,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="then profile one prompt per configuration (cProfile) and print its N costliest functions")
     args = ap.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not args.methods or any(m not in ("draft_model", "eagle3") for m in args.methods):
-        ap.error(f"--methods takes draft_model and/or eagle3, got {args.methods}")
+    if not args.methods or any(m not in METHODS for m in args.methods):
+        ap.error(f"--methods takes {', '.join(METHODS)}, got {args.methods}")
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in args.backends if b not in ("llama.cpp", "torch")]
     if bad or not args.backends:
