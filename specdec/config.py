@@ -263,10 +263,15 @@ class SpeculativeConfig:
     # verify cost per node count (chains where trees lose); "chain": never; "tree": always (a backend
     # that cannot verify trees is an error). Depth: num_speculative_tokens.
     draft_tree: str = "auto"
-    # nodes per tree at most (SGLang's speculative_num_draft_tokens - 1); 7: a tree pass of 8 tokens,
-    # the size the compiled torch step verifies in (larger trees run eager)
+    # nodes per tree at most (SGLang's speculative_num_draft_tokens - 1); 7: a tree pass of 8 tokens
     draft_tree_max_nodes: int = 7
     draft_tree_top_k: int = 4  # children per node at most (SGLang's speculative_eagle_topk)
+
+    @property
+    def longest_verify(self) -> int:
+        """The most tokens a verify pass feeds a row: the newest token and k drafts, or a tree's nodes
+        (the torch target compiles its step up to this size: models/compiled.py, sizes_for)."""
+        return 1 + max(self.num_speculative_tokens, self.draft_tree_max_nodes if self.draft_tree != "chain" else 0)
 
     def __post_init__(self) -> None:
         if isinstance(self.method, (list, tuple)):

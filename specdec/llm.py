@@ -67,7 +67,8 @@ class LLM:
         draft_choice = choose_draft(draft_source, target_choice, dtype, device) if draft_source else None
         self.backend, self.backend_reason = target_choice.backend, target_choice.reason
         self.target, eos = load(target_source, target_choice.backend, target_choice.dtype, device, max_model_len,
-                                trust_remote_code, tokenizer=tokenizer, enforce_eager=enforce_eager)
+                                trust_remote_code, tokenizer=tokenizer, enforce_eager=enforce_eager,
+                                longest_feed=spec.longest_verify if spec else None)
         draft = None
         if draft_source:  # its own vocabulary; with the target's tokenizer, the target's rows (padding cut)
             draft, _ = load(draft_source, draft_choice.backend, draft_choice.dtype, device, enforce_eager=True)

@@ -8,10 +8,11 @@ runs fast."""
 import pytest
 import torch
 
-from specdec.config import ModelConfig
+from specdec import LLM
+from specdec.config import ModelConfig, SpeculativeConfig
 from specdec.models import cache_attention
 from specdec.models.base import ForwardBatch
-from specdec.models.compiled import compile_settings
+from specdec.models.compiled import compile_settings, sizes_for
 from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
 from specdec.scheduler import KvBudget
@@ -252,3 +253,23 @@ def test_compile_settings_are_ones_torch_compile_takes(device):
     settings = compile_settings(torch.device(device))
     assert len(settings) == 1 and set(settings) <= {"mode", "options"}
     torch.compile(lambda x: x + 1, backend="inductor", fullgraph=True, dynamic=False, **settings)
+
+
+def test_compiled_sizes_follow_the_row_blocks_and_reach_the_longest_verify_pass(tmp_path):
+    """oneDNN's sizes at its 4-row blocks, the 16-bit kernel's at its 3-row ones; a longer verify pass
+    (suffix decoding's k = 32) adds a size every two blocks up to it, so it runs compiled, not eager."""
+    assert sizes_for("onednn") == (1, 4, 8, 12) == sizes_for("onednn", 8) == sizes_for("onednn", 12)
+    assert sizes_for("onednn", 33) == (1, 4, 8, 12, 20, 28, 36)
+    assert sizes_for("w16") == (1, 3, 6, 9) == sizes_for("w16", 9)
+    assert sizes_for("w16", 33) == (1, 3, 6, 9, 15, 21, 27, 33)
+    assert SpeculativeConfig(method="suffix", num_speculative_tokens=32).longest_verify == 33
+    assert SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=4).longest_verify == 8  # a tree
+    assert SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=4,
+                             draft_tree="chain").longest_verify == 5
+    folder = str(make_model(tmp_path, "llama"))
+    llm = LLM(folder, backend="torch", enforce_eager=True,
+              speculative_config={"method": "suffix", "num_speculative_tokens": 16})
+    target = llm.engine.target  # what it would compile, were it compiled
+    assert target.compile_sizes == sizes_for(target.lm_head.kind, 17) and target.compile_sizes[-1] >= 17
+    plain = LLM(folder, backend="torch", enforce_eager=True).engine.target
+    assert plain.compile_sizes == sizes_for(plain.lm_head.kind)

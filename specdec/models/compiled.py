@@ -271,11 +271,17 @@ def static_inputs(*tensors: torch.Tensor | None) -> None:
             torch._dynamo.mark_static_address(t)
 
 
-def sizes_for(linear_kind: str) -> tuple[int, ...]:
+def sizes_for(linear_kind: str, longest: int | None = None) -> tuple[int, ...]:
     """The token counts per row to compile for a runner whose products are of ``linear_kind``
     (linear.Linear.kind): the sizes at which a product's cost steps with its rows (linear16: every 3 rows;
-    oneDNN: every 4)."""
-    return W16_SIZES if linear_kind == "w16" else DEFAULT_SIZES
+    oneDNN: every 4), then, up to ``longest`` (the longest feed the engine will make, k + 1 for a chain),
+    a size every two such steps: feeds past the compiled sizes run eager (EPYC-Zen5, shipped target: 16
+    tokens 4.34 ms eager against 3.48 compiled, 24 tokens 5.26 against 4.40)."""
+    sizes = list(W16_SIZES if linear_kind == "w16" else DEFAULT_SIZES)
+    step = 6 if linear_kind == "w16" else 8
+    while longest is not None and sizes[-1] < longest:
+        sizes.append(sizes[-1] + step)
+    return tuple(sizes)
 
 
 def warm_announced(what: str, warm) -> float:

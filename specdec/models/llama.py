@@ -54,11 +54,13 @@ class LlamaRunner(ModelRunner):
     can_verify_trees = True
 
     def __init__(self, loaded: LoadedModel, max_model_len: int | None = None, vocab_size: int | None = None,
-                 enforce_eager: bool | None = None, compile_sizes: Sequence[int] | None = None):
+                 enforce_eager: bool | None = None, compile_sizes: Sequence[int] | None = None,
+                 longest_feed: int | None = None):
         """``enforce_eager`` (vLLM's name): True runs every forward eager; False compiles the few-token
         step at once (compiled.py; on CUDA replayed as CUDA graphs); None: compile on CPU and CUDA unless
         SPECDEC_ENFORCE_EAGER=1 (other devices run eager). ``compile_sizes``:
-        the token counts per row compiled (default: compiled.sizes_for the weights' product kind)."""
+        the token counts per row compiled (default: compiled.sizes_for the weights' product kind, reaching
+        ``longest_feed``: the most tokens a verify pass will feed a row, k + 1 for a chain)."""
         cfg = loaded.config
         model = loaded.hf_model
         inner = model.model
@@ -107,7 +109,7 @@ class LlamaRunner(ModelRunner):
         if enforce_eager is None:
             enforce_eager = enforce_eager_default() or self.device.type not in ("cpu", "cuda")
         self.enforce_eager = bool(enforce_eager)
-        self.compile_sizes = tuple(compile_sizes or sizes_for(self.lm_head.kind))
+        self.compile_sizes = tuple(compile_sizes or sizes_for(self.lm_head.kind, longest_feed))
         self.compiled: CompiledStep | None = None
         self.last_path = "eager: enforce_eager" if self.enforce_eager else "compiled"
         if not self.enforce_eager:

@@ -31,18 +31,21 @@ from specdec.models.resolve import SUPPORTED_ARCHITECTURES, ModelSource, check_a
 
 def load(source: ModelSource, backend: str, dtype: str | None, device: str = "cpu", max_model_len: int | None = None,
          trust_remote_code: bool = False, vocab_size: int | None = None,
-         tokenizer: str | None = None, enforce_eager: bool | None = None) -> tuple[ModelRunner, set[int]]:
+         tokenizer: str | None = None, enforce_eager: bool | None = None,
+         longest_feed: int | None = None) -> tuple[ModelRunner, set[int]]:
     """A runner for ``source`` on ``backend`` ("torch" or "llama.cpp") and the model's end-of-sequence
     ids. ``dtype``: the weights' dtype by name (dtype_choice.dtype_for): on torch what they are cast
     to, on llama.cpp what a checkpoint is converted to; None for a GGUF file on llama.cpp.
     ``tokenizer``: an HF tokenizer folder for a GGUF model (default: its own). ``enforce_eager``
     (torch): True runs eager, False compiles the few-token step at load (compiled.py), None: compile
-    unless SPECDEC_ENFORCE_EAGER=1; on llama.cpp it says the same of torch code beside it (an EAGLE-3 head)."""
+    unless SPECDEC_ENFORCE_EAGER=1; on llama.cpp it says the same of torch code beside it (an EAGLE-3 head).
+    ``longest_feed`` (torch): the most tokens a verify pass will feed a row; the compiled sizes reach it."""
     if backend == "torch":
         loaded = load_hf(source, DTYPES[dtype], device, trust_remote_code)
         if tokenizer:
             loaded.tokenizer = load_tokenizer(tokenizer)
-        runner = LlamaRunner(loaded, max_model_len=max_model_len, vocab_size=vocab_size, enforce_eager=enforce_eager)
+        runner = LlamaRunner(loaded, max_model_len=max_model_len, vocab_size=vocab_size, enforce_eager=enforce_eager,
+                             longest_feed=longest_feed)
         return runner, eos_token_ids(loaded.hf_model, loaded.config, loaded.tokenizer)
     path, info = (source.path, source.gguf) if source.is_gguf else (converted_gguf(source, dtype), None)
     info = info or read_info(path)
@@ -61,7 +64,8 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", trust_remote
 
 def load_runner(name: str, backend: str = "torch", dtype: str = "auto", device: str = "cpu",
                 max_model_len: int | None = None, trust_remote_code: bool = False, vocab_size: int | None = None,
-                tokenizer: str | None = None, enforce_eager: bool | None = None) -> tuple[ModelRunner, set[int]]:
+                tokenizer: str | None = None, enforce_eager: bool | None = None,
+         longest_feed: int | None = None) -> tuple[ModelRunner, set[int]]:
     """``load`` from a name on the backend named ("torch" or "llama.cpp"), the dtype chosen by
     dtype_choice's rule."""
     source = resolve(name)
