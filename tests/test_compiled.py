@@ -10,7 +10,7 @@ import torch
 
 from specdec import LLM
 from specdec.config import ModelConfig, SpeculativeConfig
-from specdec.models import cache_attention
+from specdec.models import cache_attention, linear16
 from specdec.models.base import ForwardBatch
 from specdec.models.compiled import compile_settings, sizes_for
 from specdec.models.llama import LlamaRunner
@@ -260,8 +260,12 @@ def test_compiled_sizes_follow_the_row_blocks_and_reach_the_longest_verify_pass(
     (suffix decoding's k = 32) adds a size every two blocks up to it, so it runs compiled, not eager."""
     assert sizes_for("onednn") == (1, 4, 8, 12) == sizes_for("onednn", 8) == sizes_for("onednn", 12)
     assert sizes_for("onednn", 33) == (1, 4, 8, 12, 20, 28, 36)
-    assert sizes_for("w16") == (1, 3, 6, 9) == sizes_for("w16", 9)
-    assert sizes_for("w16", 33) == (1, 3, 6, 9, 15, 21, 27, 33)
+    if linear16.available().ok and linear16.lanes() == 16:  # passes of up to 8 rows
+        assert sizes_for("w16") == (1, 4, 6, 8, 12) == sizes_for("w16", 12)
+        assert sizes_for("w16", 33) == (1, 4, 6, 8, 12, 20, 28, 36)
+    elif linear16.available().ok:  # AVX2: tiles of 3 rows
+        assert sizes_for("w16") == (1, 3, 6, 9) == sizes_for("w16", 9)
+        assert sizes_for("w16", 33) == (1, 3, 6, 9, 15, 21, 27, 33)
     assert SpeculativeConfig(method="suffix", num_speculative_tokens=32).longest_verify == 33
     assert SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=4).longest_verify == 8  # a tree
     assert SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=4,

@@ -36,6 +36,12 @@ def test_the_kernel_builds_here():
     assert linear16.available().ok, linear16.available().reason
 
 
+def test_the_kernel_runs_16_lanes_wide_where_avx512_runs():
+    """The width follows the CPU and ATen's capability: AVX-512 (unless ATEN_CPU_CAPABILITY holds ATen to
+    AVX2, as the restricted suite does) runs the 16-lane product; the rest of this file checks its sums."""
+    assert linear16.lanes() == (16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8)
+
+
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("out_features,in_features", [(1, 3), (5, 8), (13, 37), (64, 512), (1027, 515)])
 def test_products_equal_the_float32_product_for_1_to_9_rows(wdtype, out_features, in_features):
@@ -166,8 +172,8 @@ def test_demo_target_greedy_equals_the_float32_path(no_native):
 def test_compiled_step_calls_the_kernel_and_equals_float32(no_native, tmp_path):
     """A small bf16 model's compiled step (the kernel as an extern call in inductor's graph) against the
     float32 forward of the same weights: logits within float32 rounding, the compiled path asserted, at
-    each length the kernel's sizes pad to (compiled.W16_SIZES: 1, 3, 6, 9)."""
-    from specdec.models.compiled import W16_SIZES
+    each length the kernel's sizes pad to (compiled.sizes_for: 1, 3, 6, 9; 16 lanes wide 1, 4, 6, 8, 12)."""
+    from specdec.models.compiled import W16_SIZES, W16_WIDE_SIZES
     from specdec.models.base import ForwardBatch
     from specdec.models.llama import LlamaRunner
     from specdec.models.load import load_model
@@ -181,7 +187,7 @@ def test_compiled_step_calls_the_kernel_and_equals_float32(no_native, tmp_path):
         f32_model.hf_model.float()
     f32 = LlamaRunner(f32_model, enforce_eager=True)
     assert compiled.compiled is not None and compiled.lm_head.kind == "w16" and f32.lm_head.kind == "wxt"
-    assert compiled.compiled.sizes == W16_SIZES
+    assert compiled.compiled.sizes == (W16_WIDE_SIZES if linear16.lanes() == 16 else W16_SIZES)
     prompt = list(range(5, 25))
     for r in (compiled, ref, f32):
         r.sync_rows(["a"])

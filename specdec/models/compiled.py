@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from specdec.models import cache_attention as attention_kernel
+from specdec.models import linear16
 from specdec.models.kv_cache import CACHE_STEP
 from specdec.models.layers import ModelWeights, attention, attention_mask, decoder, logits, rope_tables
 from specdec.models.timings import cache_dir, isa_key
@@ -69,6 +70,9 @@ DEFAULT_SIZES = (1, 4, 8, 12)
 # linear16's kernel takes input rows 3 at a time: 1-3 rows cost one read of the weights, 4-6 and 7-9 one
 # more tile each (AVX2, shipped target: 6.0 ms at T = 3, 8.1 at 5, 10.8 at 8; padded to 8, T = 3 cost 10.7)
 W16_SIZES = (1, 3, 6, 9)
+# 16 lanes wide (AVX-512) it takes up to 8 rows per pass, each row adding ~8% (EPYC-Zen5, the shipped target's
+# products: 1.0 ms at 1-3 rows, 1.2 at 4, 1.4 at 6, 1.8 at 8, 2.3 at 9, 2.7 at 12)
+W16_WIDE_SIZES = (1, 4, 6, 8, 12)
 RECOMPILE_LIMIT = 64  # graphs of the compiled step per process (torch._dynamo.config.recompile_limit)
 STOP_READ_EVERY = 4  # CUDA greedy_steps: argmaxes read (waiting for the GPU) every this many steps
 ATTEND_STEP = 64  # the attended length L is a multiple of this: at most 63 masked keys more than needed
@@ -273,12 +277,15 @@ def static_inputs(*tensors: torch.Tensor | None) -> None:
 
 def sizes_for(linear_kind: str, longest: int | None = None) -> tuple[int, ...]:
     """The token counts per row to compile for a runner whose products are of ``linear_kind``
-    (linear.Linear.kind): the sizes at which a product's cost steps with its rows (linear16: every 3 rows;
-    oneDNN: every 4), then, up to ``longest`` (the longest feed the engine will make, k + 1 for a chain),
+    (linear.Linear.kind): the sizes at which a product's cost steps with its rows (linear16: every 3 rows,
+    16 lanes wide passes of 8; oneDNN: every 4), then, up to ``longest`` (the longest feed the engine will make, k + 1 for a chain),
     a size every two such steps: feeds past the compiled sizes run eager (EPYC-Zen5, shipped target: 16
     tokens 4.34 ms eager against 3.48 compiled, 24 tokens 5.26 against 4.40)."""
-    sizes = list(W16_SIZES if linear_kind == "w16" else DEFAULT_SIZES)
-    step = 6 if linear_kind == "w16" else 8
+    if linear_kind == "w16":
+        wide = linear16.lanes() == 16
+        sizes, step = (list(W16_WIDE_SIZES), 8) if wide else (list(W16_SIZES), 6)
+    else:
+        sizes, step = list(DEFAULT_SIZES), 8
     while longest is not None and sizes[-1] < longest:
         sizes.append(sizes[-1] + step)
     return tuple(sizes)

@@ -1,4 +1,4 @@
-"""16-bit weights with float32 products, for x86 CPUs without native bf16 (AVX2 + FMA + F16C).
+"""16-bit weights with float32 products, for x86 CPUs without native bf16 (AVX2 + FMA + F16C; AVX-512).
 
 Without bf16 dot-product instructions torch used to compute a bf16 checkpoint in float32, reading
 4 bytes per weight every step; ATen's own bf16 and f16 kernels round the input to 16 bits and slow
@@ -8,8 +8,9 @@ sequence), converts each 8 values to float32 in registers (a shift for bf16, F16
 multiplies them with float32 rows of x: the weight is read once per call at half the bytes, and the
 result differs from the float32 product of the same (exactly converted) weights only by the order of
 the sums. Tiles of 4 weight rows x 3 input rows keep 12 accumulators in registers, so a few rows (a
-verify pass) cost little more than one. Measurements: docs/benchmarks.md, "16-bit weights with float32
-products".
+verify pass) cost little more than one. Where AVX-512 runs, the same product is computed 16 lanes wide
+(a 64-byte line as two registers, up to 8 input rows per pass), chosen at run time. Measurements:
+docs/benchmarks.md, "16-bit weights with float32 products" and "EPYC-Zen5".
 
 It is a C++ extension (native.py: built once per machine, run on torch's threads) registered as the
 operator ``specdec::linear16``, which the compiled step (compiled.py) calls as an extern kernel like
@@ -28,6 +29,8 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -132,6 +135,125 @@ void product(const float* x, const uint16_t* w, float* y, int64_t T, int64_t N, 
   });
 }
 
+
+// The same product 512 bits wide, for CPUs with AVX-512 (F, BW, DQ, VL): one 64-byte line of the packed
+// layout (4 rows x 8 values) as two 16-lane registers (rows 0-1, rows 2-3), each input row's 8 values
+// broadcast to both halves; up to WIDE_C input rows per pass over the weights. Chosen at run time
+// (``wide_isa``), so the library built with the AVX2 flags runs on every AVX2 CPU.
+constexpr int64_t WIDE_C = 8;  // 2 x 8 accumulators + 8 inputs + 2 weight registers of 32
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
+
+inline __m512 load16(const uint16_t* p, bool bf16) {  // 16 16-bit values (2 rows x 8) -> float32, exactly
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+template <bool BF16, int C, bool TAIL>
+__attribute__((always_inline)) inline void chunk_w(__m512 (&acc)[2][C], const float* x, const uint16_t* w, int64_t K,
+                                                   __mmask8 tail) {
+  __m512 xv[C];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+    xv[c] = _mm512_broadcast_f32x8(TAIL ? _mm256_maskz_loadu_ps(tail, x + c * K) : _mm256_loadu_ps(x + c * K));
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    __m512 wv = load16(w + h * 16, BF16);  // rows 2h, 2h + 1
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(wv, xv[c], acc[h][c]);
+  }
+}
+
+inline float hsum_row(__m512 a, int r) {  // row r's 8 lanes of its row pair's register
+  return hsum((r % 2) ? _mm512_extractf32x8_ps(a, 1) : _mm512_castps512_ps256(a));
+}
+
+template <bool BF16, int C, bool PF>
+void tile_w(const float* x, const uint16_t* wb, int64_t K, __mmask8 tail, float* y, int64_t ldy, int64_t rows) {
+  __m512 acc[2][C];
+  for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+  const int64_t full = K / 8;
+  for (int64_t kc = 0; kc < full; ++kc) {
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
+    chunk_w<BF16, C, false>(acc, x + kc * 8, wb + kc * RB * 8, K, tail);
+  }
+  if (K % 8) chunk_w<BF16, C, true>(acc, x + full * 8, wb + full * RB * 8, K, tail);
+  for (int r = 0; r < RB && r < rows; ++r)
+    for (int c = 0; c < C; ++c) y[c * ldy + r] = hsum_row(acc[r / 2][c], r);
+}
+
+template <bool BF16>
+void tile1_w(const float* x, const uint16_t* wb, int64_t K, __mmask8 tail, float* y, int64_t rows) {
+  __m512 a0[2][1], a1[2][1];  // two sets over alternate chunks, as tile1
+  for (int h = 0; h < 2; ++h) a0[h][0] = a1[h][0] = _mm512_setzero_ps();
+  const int64_t full = K / 8;
+  int64_t kc = 0;
+  for (; kc + 2 <= full; kc += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + 1 + PREFETCH) * RB * 8), _MM_HINT_T0);
+    chunk_w<BF16, 1, false>(a0, x + kc * 8, wb + kc * RB * 8, K, tail);
+    chunk_w<BF16, 1, false>(a1, x + (kc + 1) * 8, wb + (kc + 1) * RB * 8, K, tail);
+  }
+  if (kc < full) chunk_w<BF16, 1, false>(a0, x + kc * 8, wb + kc * RB * 8, K, tail);
+  if (K % 8) chunk_w<BF16, 1, true>(a1, x + full * 8, wb + full * RB * 8, K, tail);
+  for (int r = 0; r < RB && r < rows; ++r) y[r] = hsum_row(_mm512_add_ps(a0[r / 2][0], a1[r / 2][0]), r);
+}
+
+template <bool BF16, bool PF>
+void tiles_w(int64_t C, const float* x, const uint16_t* wb, int64_t K, __mmask8 tail, float* y, int64_t ldy,
+             int64_t rows) {  // C (1..WIDE_C) input rows in one pass
+  switch (C) {
+    case 1: tile_w<BF16, 1, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 2: tile_w<BF16, 2, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 3: tile_w<BF16, 3, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 4: tile_w<BF16, 4, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 5: tile_w<BF16, 5, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 6: tile_w<BF16, 6, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 7: tile_w<BF16, 7, PF>(x, wb, K, tail, y, ldy, rows); break;
+    default: tile_w<BF16, 8, PF>(x, wb, K, tail, y, ldy, rows); break;
+  }
+}
+
+template <bool BF16>
+void product_w(const float* x, const uint16_t* w, float* y, int64_t T, int64_t N, int64_t K) {
+  const int64_t blocks = (N + RB - 1) / RB, KC = (K + 7) / 8;
+  const __mmask8 tail = static_cast<__mmask8>((1u << (K % 8)) - 1);
+  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K * std::max<int64_t>(T, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* wb = w + b * KC * RB * 8;
+      const int64_t rows = N - b * RB;
+      float* yb = y + b * RB;
+      if (T == 1) {  // decoding
+        tile1_w<BF16>(x, wb, K, tail, yb, rows);
+        continue;
+      }
+      tiles_w<BF16, true>(std::min(T, WIDE_C), x, wb, K, tail, yb, N, rows);
+      for (int64_t c = WIDE_C; c < T; c += WIDE_C)
+        tiles_w<BF16, false>(std::min(T - c, WIDE_C), x + c * K, wb, K, tail, yb + c * N, N, rows);
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+// AVX-512 F/BW/DQ/VL here, and ATen not held below it (ATEN_CPU_CAPABILITY, as torch reads it)
+bool wide_isa() {
+  static const bool wide = [] {
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")))
+      return false;
+    const char* held = std::getenv("ATEN_CPU_CAPABILITY");
+    return held == nullptr || held[0] == '\0' || std::string(held) == "avx512";
+  }();
+  return wide;
+}
+
 // x [T, K] float32, w packed [ceil(N / RB), ceil(K / 8), RB, 8] bf16 or f16 -> [T, N] float32
 at::Tensor linear16(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == RB && w.size(3) == 8,
@@ -151,15 +273,21 @@ at::Tensor linear16(const at::Tensor& x, const at::Tensor& w, int64_t N) {
     const int64_t n = std::min(SLAB, T - t0);
     const float* xp = xc.data_ptr<float>() + t0 * K;
     float* yp = y.data_ptr<float>() + t0 * N;
-    if (wc.scalar_type() == at::kBFloat16) product<true>(xp, wp, yp, n, N, K);
-    else product<false>(xp, wp, yp, n, N, K);
+    const bool bf16 = wc.scalar_type() == at::kBFloat16;
+    if (wide_isa()) bf16 ? product_w<true>(xp, wp, yp, n, N, K) : product_w<false>(xp, wp, yp, n, N, K);
+    else bf16 ? product<true>(xp, wp, yp, n, N, K) : product<false>(xp, wp, yp, n, N, K);
   }
   return y;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specdec, m) { m.def("linear16(Tensor x, Tensor w, int out_features) -> Tensor"); }
+int64_t linear16_lanes() { return wide_isa() ? 16 : 8; }
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("linear16(Tensor x, Tensor w, int out_features) -> Tensor");
+  m.def("linear16_lanes() -> int", &linear16_lanes);
+}
 TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("linear16", &linear16); }
 """
 
@@ -193,6 +321,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     padded = weight.new_zeros(np_, kp)
     padded[:n, :k] = weight
     return padded.view(np_ // ROW_BLOCK, ROW_BLOCK, kp // 8, 8).transpose(1, 2).contiguous()
+
+
+def lanes() -> int:
+    """The kernel's float32 lanes on this CPU (``available()`` first): 16 where AVX-512 F/BW/DQ/VL run (and
+    ATEN_CPU_CAPABILITY does not hold ATen below AVX-512), else 8 (AVX2)."""
+    return int(torch.ops.specdec.linear16_lanes())
 
 
 def linear16(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
