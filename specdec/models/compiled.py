@@ -278,9 +278,9 @@ def static_inputs(*tensors: torch.Tensor | None) -> None:
 def sizes_for(linear_kind: str, longest: int | None = None) -> tuple[int, ...]:
     """The token counts per row to compile for a runner whose products are of ``linear_kind``
     (linear.Linear.kind): the sizes at which a product's cost steps with its rows (linear16: every 3 rows,
-    16 lanes wide passes of 8; oneDNN: every 4), then, up to ``longest`` (the longest feed the engine will make, k + 1 for a chain),
-    a size every two such steps: feeds past the compiled sizes run eager (EPYC-Zen5, shipped target: 16
-    tokens 4.34 ms eager against 3.48 compiled, 24 tokens 5.26 against 4.40)."""
+    16 lanes wide passes of 8; oneDNN: every 4), then, up to ``longest`` (the longest feed the engine will
+    make, k + 1 for a chain), a size every two such steps: feeds past the compiled sizes run eager
+    (EPYC-Zen5, shipped target: 16 tokens 4.34 ms eager against 3.48 compiled, 24 tokens 5.26 against 4.40)."""
     if linear_kind == "w16":
         wide = linear16.lanes() == 16
         sizes, step = (list(W16_WIDE_SIZES), 8) if wide else (list(W16_SIZES), 6)
