@@ -69,6 +69,36 @@ __attribute__((always_inline)) inline void chunk(__m256 (&acc)[RB][C], const flo
   }
 }
 
+// The chunks of one pass over a packed block, for the 8- and 16-lane code alike (CHUNK: chunk or chunk_w; a
+// macro because each width's intrinsics must be inlined under its own target options): C input rows into
+// acc, prefetching PF lines ahead; the one-row pass into two accumulator sets, a0 and a1, over alternate chunks.
+#define SWEEP(CHUNK, C)                                                                                \
+  for (int64_t kc = 0; kc < K / 8; ++kc) {                                                             \
+    if (PF) _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);   \
+    CHUNK<BF16, C, false>(acc, x + kc * 8, wb + kc * RB * 8, K, tail);                                 \
+  }                                                                                                    \
+  if (K % 8) CHUNK<BF16, C, true>(acc, x + K / 8 * 8, wb + K / 8 * RB * 8, K, tail);
+#define SWEEP_ONE_ROW(CHUNK)                                                                           \
+  int64_t kc = 0;                                                                                      \
+  for (; kc + 2 <= K / 8; kc += 2) {                                                                   \
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);           \
+    _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + 1 + PREFETCH) * RB * 8), _MM_HINT_T0);       \
+    CHUNK<BF16, 1, false>(a0, x + kc * 8, wb + kc * RB * 8, K, tail);                                  \
+    CHUNK<BF16, 1, false>(a1, x + (kc + 1) * 8, wb + (kc + 1) * RB * 8, K, tail);                      \
+  }                                                                                                    \
+  if (kc < K / 8) CHUNK<BF16, 1, false>(a0, x + kc * 8, wb + kc * RB * 8, K, tail);                     \
+  if (K % 8) CHUNK<BF16, 1, true>(a1, x + K / 8 * 8, wb + K / 8 * RB * 8, K, tail);
+
+// each packed block of the product's weights, in parallel: fn(its packed weights, its outputs, its rows)
+template <class Fn>
+void for_blocks(const uint16_t* w, float* y, int64_t T, int64_t N, int64_t K, const Fn& fn) {
+  const int64_t blocks = (N + RB - 1) / RB, KC = (K + 7) / 8;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K * std::max<int64_t>(T, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) fn(w + b * KC * RB * 8, y + b * RB, N - b * RB);
+  });
+}
+
 // y[c * ldy + r] = sum_k x[c * K + k] * w(r, k) for r < min(RB, rows) of one packed block wb [KC, RB, 8]
 // (zero past K) and c < C input rows; tail: the lanes of x's last, partial chunk. PF: prefetch lines ahead
 // (into the next block), for products of several rows: without it their reads and sums ran one after the other
@@ -79,12 +109,7 @@ inline void tile(const float* x, const uint16_t* wb, int64_t K, __m256i tail, fl
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const int64_t full = K / 8;
-  for (int64_t kc = 0; kc < full; ++kc) {
-    if (PF) _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
-    chunk<BF16, C, false>(acc, x + kc * 8, wb + kc * RB * 8, K, tail);
-  }
-  if (K % 8) chunk<BF16, C, true>(acc, x + full * 8, wb + full * RB * 8, K, tail);
+  SWEEP(chunk, C)
   for (int r = 0; r < RB && r < rows; ++r)
     for (int c = 0; c < C; ++c) y[c * ldy + r] = hsum(acc[r][c]);
 }
@@ -96,42 +121,26 @@ template <bool BF16>
 inline void tile1(const float* x, const uint16_t* wb, int64_t K, __m256i tail, float* y, int64_t rows) {
   __m256 a0[RB][1], a1[RB][1];
   for (int r = 0; r < RB; ++r) a0[r][0] = a1[r][0] = _mm256_setzero_ps();
-  const int64_t full = K / 8;
-  int64_t kc = 0;
-  for (; kc + 2 <= full; kc += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + 1 + PREFETCH) * RB * 8), _MM_HINT_T0);
-    chunk<BF16, 1, false>(a0, x + kc * 8, wb + kc * RB * 8, K, tail);
-    chunk<BF16, 1, false>(a1, x + (kc + 1) * 8, wb + (kc + 1) * RB * 8, K, tail);
-  }
-  if (kc < full) chunk<BF16, 1, false>(a0, x + kc * 8, wb + kc * RB * 8, K, tail);
-  if (K % 8) chunk<BF16, 1, true>(a1, x + full * 8, wb + full * RB * 8, K, tail);
+  SWEEP_ONE_ROW(chunk)
   for (int r = 0; r < RB && r < rows; ++r) y[r] = hsum(_mm256_add_ps(a0[r][0], a1[r][0]));
 }
 
 template <bool BF16>
 void product(const float* x, const uint16_t* w, float* y, int64_t T, int64_t N, int64_t K) {
-  const int64_t blocks = (N + RB - 1) / RB, KC = (K + 7) / 8;
   alignas(32) int32_t lanes[8];
   for (int i = 0; i < 8; ++i) lanes[i] = i < K % 8 ? -1 : 0;
   const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K * std::max<int64_t>(T, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* wb = w + b * KC * RB * 8;
-      const int64_t rows = N - b * RB;
-      float* yb = y + b * RB;
-      if (T == 1) {  // decoding
-        tile1<BF16>(x, wb, K, tail, yb, rows);
-        continue;
-      }
-      if (T >= 3) tile<BF16, 3, true>(x, wb, K, tail, yb, N, rows);
-      else tile<BF16, 2, true>(x, wb, K, tail, yb, N, rows);
-      int64_t c = T >= 3 ? 3 : 2;
-      for (; c + 3 <= T; c += 3) tile<BF16, 3, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
-      if (T - c == 2) tile<BF16, 2, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
-      else if (T - c == 1) tile<BF16, 1, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
+  for_blocks(w, y, T, N, K, [&](const uint16_t* wb, float* yb, int64_t rows) {
+    if (T == 1) {  // decoding
+      tile1<BF16>(x, wb, K, tail, yb, rows);
+      return;
     }
+    if (T >= 3) tile<BF16, 3, true>(x, wb, K, tail, yb, N, rows);
+    else tile<BF16, 2, true>(x, wb, K, tail, yb, N, rows);
+    int64_t c = T >= 3 ? 3 : 2;
+    for (; c + 3 <= T; c += 3) tile<BF16, 3, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
+    if (T - c == 2) tile<BF16, 2, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
+    else if (T - c == 1) tile<BF16, 1, false>(x + c * K, wb, K, tail, yb + c * N, N, rows);
   });
 }
 
@@ -176,12 +185,7 @@ void tile_w(const float* x, const uint16_t* wb, int64_t K, __mmask8 tail, float*
   for (int h = 0; h < 2; ++h)
 #pragma GCC unroll 16
     for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
-  const int64_t full = K / 8;
-  for (int64_t kc = 0; kc < full; ++kc) {
-    if (PF) _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
-    chunk_w<BF16, C, false>(acc, x + kc * 8, wb + kc * RB * 8, K, tail);
-  }
-  if (K % 8) chunk_w<BF16, C, true>(acc, x + full * 8, wb + full * RB * 8, K, tail);
+  SWEEP(chunk_w, C)
   for (int r = 0; r < RB && r < rows; ++r)
     for (int c = 0; c < C; ++c) y[c * ldy + r] = hsum_row(acc[r / 2][c], r);
 }
@@ -190,16 +194,7 @@ template <bool BF16>
 void tile1_w(const float* x, const uint16_t* wb, int64_t K, __mmask8 tail, float* y, int64_t rows) {
   __m512 a0[2][1], a1[2][1];  // two sets over alternate chunks, as tile1
   for (int h = 0; h < 2; ++h) a0[h][0] = a1[h][0] = _mm512_setzero_ps();
-  const int64_t full = K / 8;
-  int64_t kc = 0;
-  for (; kc + 2 <= full; kc += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + 1 + PREFETCH) * RB * 8), _MM_HINT_T0);
-    chunk_w<BF16, 1, false>(a0, x + kc * 8, wb + kc * RB * 8, K, tail);
-    chunk_w<BF16, 1, false>(a1, x + (kc + 1) * 8, wb + (kc + 1) * RB * 8, K, tail);
-  }
-  if (kc < full) chunk_w<BF16, 1, false>(a0, x + kc * 8, wb + kc * RB * 8, K, tail);
-  if (K % 8) chunk_w<BF16, 1, true>(a1, x + full * 8, wb + full * RB * 8, K, tail);
+  SWEEP_ONE_ROW(chunk_w)
   for (int r = 0; r < RB && r < rows; ++r) y[r] = hsum_row(_mm512_add_ps(a0[r / 2][0], a1[r / 2][0]), r);
 }
 
@@ -220,22 +215,15 @@ void tiles_w(int64_t C, const float* x, const uint16_t* wb, int64_t K, __mmask8 
 
 template <bool BF16>
 void product_w(const float* x, const uint16_t* w, float* y, int64_t T, int64_t N, int64_t K) {
-  const int64_t blocks = (N + RB - 1) / RB, KC = (K + 7) / 8;
   const __mmask8 tail = static_cast<__mmask8>((1u << (K % 8)) - 1);
-  const int64_t grain = std::max<int64_t>(1, 16384 / (RB * K * std::max<int64_t>(T, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* wb = w + b * KC * RB * 8;
-      const int64_t rows = N - b * RB;
-      float* yb = y + b * RB;
-      if (T == 1) {  // decoding
-        tile1_w<BF16>(x, wb, K, tail, yb, rows);
-        continue;
-      }
-      tiles_w<BF16, true>(std::min(T, WIDE_C), x, wb, K, tail, yb, N, rows);
-      for (int64_t c = WIDE_C; c < T; c += WIDE_C)
-        tiles_w<BF16, false>(std::min(T - c, WIDE_C), x + c * K, wb, K, tail, yb + c * N, N, rows);
+  for_blocks(w, y, T, N, K, [&](const uint16_t* wb, float* yb, int64_t rows) {
+    if (T == 1) {  // decoding
+      tile1_w<BF16>(x, wb, K, tail, yb, rows);
+      return;
     }
+    tiles_w<BF16, true>(std::min(T, WIDE_C), x, wb, K, tail, yb, N, rows);
+    for (int64_t c = WIDE_C; c < T; c += WIDE_C)
+      tiles_w<BF16, false>(std::min(T - c, WIDE_C), x + c * K, wb, K, tail, yb + c * N, N, rows);
   });
 }
 
