@@ -139,6 +139,22 @@ def test_a_draft_model_is_timed_beside_the_target(measured, tmp_path):
     assert "method draft_model" in key and "draft -" not in key
 
 
+def test_the_torch_target_is_timed_with_the_sizes_it_runs(measured, monkeypatch):
+    """k = 15: the target is timed at 16 tokens, which LLM's target compiles (longest_verify); the probe's
+    torch target has those sizes too, so its verify pass is not timed on a path the real run never takes."""
+    seen = {}
+    real = backend_choice.time_runners
+
+    def spy(runners, lengths, context):
+        seen.update({key: r.compile_sizes for key, r in runners.items() if hasattr(r, "compile_sizes")})
+        return real(runners, lengths, context)
+
+    monkeypatch.setattr(backend_choice, "time_runners", spy)
+    auto_backend(resolve(measured), "float32", 15, "suffix", None)
+    target = LLM(measured, backend="torch", speculative_config={"method": "suffix", "num_speculative_tokens": 15}).target
+    assert seen[("torch", "target")] == target.compile_sizes and target.compile_sizes[-1] >= 16
+
+
 def test_measured_acceptance_replaces_the_prior(measured, monkeypatch):
     """What `specdec demo` measured for this target and method is the acceptance auto weighs."""
     source = resolve(measured)

@@ -290,8 +290,9 @@ def _time_loaded(source: ModelSource, dtype: str, k: int, draft: ModelSource | N
         for b in BACKENDS:
             run_on = "llama.cpp" if s.is_gguf else b  # a GGUF draft runs on llama.cpp beside either target
             path = {"enforce_eager": enforce_eager} if enforce_eager is not None and run_on == "torch" else {}
+            # the target compiled up to the k + 1 tokens it is timed at, as LLM loads it (longest_verify)
             runners[b, role] = load(s, run_on, dtype_for(s, run_on, dtype), "cpu", max_model_len=context + k + 1,
-                                    **path)[0]
+                                    longest_feed=k + 1 if role == "target" else None, **path)[0]
     try:
         ms = time_runners(runners, {(b, role): lengths if role == "target" else (1,) for b, role in runners}, context)
         path = runners["torch", "target"].describe()
