@@ -69,7 +69,10 @@ def main() -> None:
         ap.error("give at least one --gguf or --hf model")
     if args.burst < 1:
         ap.error(f"--burst must be at least 1, got {args.burst}")
-    tokens = tuple(int(x) for x in args.tokens.split(","))
+    try:
+        tokens = tuple(int(x) for x in args.tokens.split(","))
+    except ValueError:
+        ap.error(f"--tokens takes token counts separated by commas, e.g. 1,2,3,5,9; got {args.tokens!r}")
     if not tokens or tokens[0] != 1 or min(tokens) < 1:
         ap.error(f"--tokens must start with 1 (v(k) is over the one-token step), got {args.tokens!r}")
     torch.set_num_threads(args.threads)
