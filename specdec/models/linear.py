@@ -3,12 +3,16 @@
 Decoding and verification multiply every weight matrix by a handful of rows (1 to k+1), a
 shape CPU BLAS handles badly. Three layouts fix that:
 
-- bfloat16 on a CPU with native bf16 instructions (``cpu.native_bf16``: avx512_bf16 / AMX, arm64
-  bf16): the weight is reordered once into oneDNN's blocked layout and multiplied with oneDNN's
-  inner product, which reads half the bytes of float32 and costs nearly the same for 1 to 6 rows
-  (figures: docs/benchmarks.md, "Other backend measurements"). On native x86, for 4 rows and more oneDNN computes each
-  output row the same way whatever the number of rows (tested there only), one reason large models
-  pad to 4 rows.
+- bfloat16 on an x86 CPU with avx512_bf16 (``linear16.dot_products()``): the weight packed once as for
+  linear16 and multiplied by specdec's bf16 dot-product kernel: the input rounded to bf16 as oneDNN
+  rounds it, the sums and the result float32; on EPYC-Zen5 the shipped target's products cost 0.58x
+  oneDNN's at 1 row and 0.7-0.9x up to 33 rows (docs/benchmarks.md, "bf16 dot products").
+- bfloat16 on another CPU with native bf16 instructions (``cpu.native_bf16``: arm64 bf16, or x86 where
+  the kernels cannot build): the weight is reordered once into oneDNN's blocked layout and multiplied
+  with oneDNN's inner product, which reads half the bytes of float32 and costs nearly the same for 1 to
+  6 rows (figures: docs/benchmarks.md, "Other backend measurements"). On native x86, for 4 rows and more
+  oneDNN computes each output row the same way whatever the number of rows (tested there only), one
+  reason large models pad to 4 rows.
 - bf16 or f16 on an x86 CPU without native bf16 but with AVX2 (``linear16.available()``): the weight
   stays in its 16 bits, packed once, and specdec's kernel (linear16.py) converts it to float32 in
   registers and multiplies in float32: half the bytes of float32 weights, the same products up to
@@ -46,6 +50,7 @@ ONEDNN_MIN_ROWS = 4
 # decoding. Read by oneDNN when it first builds a kernel; a value set by the user stays.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 KERNEL_NAMES = {"onednn": "oneDNN bf16 inner product", "w16": "16-bit weights, float32 products (specdec AVX2 kernel)",
+                "w16dot": "bf16 dot products, float32 sums (specdec AVX-512 BF16 kernel)",
                 "wxt": "w @ x^T (ATen)", "mm32": "16-bit products with float32 results (torch.mm out_dtype)",
                 "dense": "F.linear"}  # by kind
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -65,6 +70,17 @@ def mm_out_float32(device: torch.device, dtype: torch.dtype) -> bool:
         except (RuntimeError, TypeError, NotImplementedError):
             _MM_OUT_FLOAT32[key] = False
     return _MM_OUT_FLOAT32[key]
+
+
+NO_DOT_ENV = "SPECDEC_NO_BF16_DOT"  # set to 1: bf16 weights on oneDNN where bf16 is native (the kernel before it)
+
+
+def dot_products() -> bool:
+    """Whether bf16 weights run on linear16's bf16 dot-product kernel here: it builds, avx512_bf16 runs, and
+    SPECDEC_NO_BF16_DOT is not set."""
+    if os.environ.get(NO_DOT_ENV, "0") not in ("0", ""):
+        return False
+    return linear16.available().ok and linear16.dot_products()
 
 
 def onednn_rows(rows: int, min_rows: int) -> int:
@@ -92,6 +108,9 @@ class Linear:
             self.kind = "mm32"
         elif weight.device.type != "cpu":
             self.kind = "dense"
+        elif weight.dtype == torch.bfloat16 and native_bf16().native and dot_products():
+            self.kind = "w16dot"
+            weight = linear16.pack(weight.contiguous())  # [ceil(out / 4), ceil(in / 8), 4, 8]
         elif weight.dtype == torch.bfloat16 and native_bf16().native:
             self.kind = "onednn"
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -103,11 +122,12 @@ class Linear:
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] in any float dtype -> [..., out] in the weight's dtype (float32 for ``w16`` and ``mm32``).
+        """x [..., in] in any float dtype -> [..., out] in the weight's dtype (float32 for ``w16``, ``w16dot`` and
+        ``mm32``).
 
         x is cast to the weight's dtype first (to float32 for ``w16``): with bf16 weights on oneDNN or
-        ATen both the input and the result are rounded to bf16. Adding the result to a float32 tensor
-        promotes it back to float32."""
+        ATen both the input and the result are rounded to bf16, on ``w16dot`` the input only. Adding the
+        result to a float32 tensor promotes it back to float32."""
         x = x.to(torch.float32 if self.kind == "w16" else self.dtype)
         if self.kind == "dense":
             return F.linear(x, self.weight, self.bias)
@@ -123,6 +143,8 @@ class Linear:
             y = torch.mm(x2, self.weight.t(), out_dtype=torch.float32)  # [rows, out] float32
         elif self.kind == "w16":
             y = linear16.linear16(x2, self.weight, self.out_features)  # [rows, out] float32
+        elif self.kind == "w16dot":
+            y = linear16.linear16_dot(x2, self.weight, self.out_features)  # [rows, out] float32
         else:
             if rows == 1:
                 x2 = torch.cat([x2, x2])  # one column would take the slow matrix-vector path again

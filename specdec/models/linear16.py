@@ -39,7 +39,9 @@ _SOURCE = r"""
 namespace {
 
 constexpr int64_t RB = 4;  // weight rows per block: the packed layout [blocks, K / 8, RB, 8]
-constexpr int64_t PREFETCH = 24;  // 64-byte lines ahead
+// 64-byte lines ahead (16 KB): EPYC-Zen5, the shipped target's 33 products with weights from memory: 24 lines
+// ahead 0.90 / 1.15 / 1.61 ms at 1 / 4 / 12 rows, 256 ahead 0.75 / 0.80 / 1.28 (bf16 dot products)
+constexpr int64_t PREFETCH = 256;
 constexpr int64_t SLAB = 48;  // input rows per pass over the weights
 
 inline __m256 load8(const uint16_t* p, bool bf16) {  // 8 16-bit values -> float32, exactly
@@ -229,6 +231,172 @@ void product_w(const float* x, const uint16_t* w, float* y, int64_t T, int64_t N
 
 #pragma GCC pop_options
 
+// bf16 inputs with bf16 dot products (avx512_bf16), float32 sums, for CPUs with native bf16: the same packed
+// layout, a 64-byte line (4 rows x 8 values) as one register of 16 bf16 pairs, lane i holding row i / 4's pair
+// i % 4, and each input row's 8 bf16 values broadcast to the four 128-bit lanes, so one instruction per line
+// and input row (against two conversions and two FMAs in float32). Up to DOT_C input rows per pass.
+constexpr int64_t DOT_C = 16;
+constexpr int64_t DOT_C2 = 12;  // input rows per pass over two blocks: 24 accumulators
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
+
+template <bool BF16, int C, bool TAIL>  // BF16 unused: SWEEP's signature
+__attribute__((always_inline)) inline void chunk_d(__m512 (&acc)[C], const uint16_t* x, const uint16_t* w, int64_t K,
+                                                   __mmask8 tail) {
+  const __m512i wv = _mm512_loadu_si512(w);
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+    const __m128i xs = TAIL ? _mm_maskz_loadu_epi16(tail, x + c * K)
+                            : _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c * K));
+    acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)wv, (__m512bh)_mm512_broadcast_i32x4(xs));
+  }
+}
+
+inline void store_rows(__m512 a, float* y, int64_t rows) {  // row r: the sum of 128-bit lane r
+  const __m128 s = _mm_hadd_ps(_mm_hadd_ps(_mm512_castps512_ps128(a), _mm512_extractf32x4_ps(a, 1)),
+                               _mm_hadd_ps(_mm512_extractf32x4_ps(a, 2), _mm512_extractf32x4_ps(a, 3)));
+  if (rows >= RB) {
+    _mm_storeu_ps(y, s);
+    return;
+  }
+  alignas(16) float v[4];
+  _mm_store_ps(v, s);
+  for (int r = 0; r < rows; ++r) y[r] = v[r];
+}
+
+template <int C, bool PF>
+void tile_d(const uint16_t* x, const uint16_t* wb, int64_t K, __mmask8 tail, float* y, int64_t ldy, int64_t rows) {
+  constexpr bool BF16 = true;
+  __m512 acc[C];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+  SWEEP(chunk_d, C)
+  for (int c = 0; c < C; ++c) store_rows(acc[c], y + c * ldy, rows);
+}
+
+inline void tile1_d(const uint16_t* x, const uint16_t* wb, int64_t K, __mmask8 tail, float* y, int64_t rows) {
+  constexpr bool BF16 = true;
+  __m512 a0[1] = {_mm512_setzero_ps()}, a1[1] = {_mm512_setzero_ps()};  // two chains over alternate lines
+  SWEEP_ONE_ROW(chunk_d)
+  store_rows(_mm512_add_ps(a0[0], a1[0]), y, rows);
+}
+
+template <bool PF>
+void tiles_d(int64_t C, const uint16_t* x, const uint16_t* wb, int64_t K, __mmask8 tail, float* y, int64_t ldy,
+             int64_t rows) {  // C (1..DOT_C) input rows in one pass
+  switch (C) {
+    case 1: tile_d<1, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 2: tile_d<2, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 3: tile_d<3, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 4: tile_d<4, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 5: tile_d<5, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 6: tile_d<6, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 7: tile_d<7, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 8: tile_d<8, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 9: tile_d<9, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 10: tile_d<10, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 11: tile_d<11, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 12: tile_d<12, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 13: tile_d<13, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 14: tile_d<14, PF>(x, wb, K, tail, y, ldy, rows); break;
+    case 15: tile_d<15, PF>(x, wb, K, tail, y, ldy, rows); break;
+    default: tile_d<16, PF>(x, wb, K, tail, y, ldy, rows); break;
+  }
+}
+
+// two packed blocks (8 weight rows) against C input rows in one pass: each input row's broadcast serves two
+// lines, for products of many rows (a prefill), where the broadcasts and x's reads bound the single block's pass
+template <int C, bool TAIL>
+__attribute__((always_inline)) inline void chunk_d2(__m512 (&acc)[2][C], const uint16_t* x, const uint16_t* w0,
+                                                    const uint16_t* w1, int64_t K, __mmask8 tail) {
+  const __m512i v0 = _mm512_loadu_si512(w0), v1 = _mm512_loadu_si512(w1);
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+    const __m128i xs = TAIL ? _mm_maskz_loadu_epi16(tail, x + c * K)
+                            : _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + c * K));
+    const __m512i xb = _mm512_broadcast_i32x4(xs);
+    acc[0][c] = _mm512_dpbf16_ps(acc[0][c], (__m512bh)v0, (__m512bh)xb);
+    acc[1][c] = _mm512_dpbf16_ps(acc[1][c], (__m512bh)v1, (__m512bh)xb);
+  }
+}
+
+template <int C, bool PF>
+void tile_d2(const uint16_t* x, const uint16_t* wb, int64_t KC, int64_t K, __mmask8 tail, float* y, int64_t ldy,
+             int64_t rows) {
+  __m512 acc[2][C];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
+  const uint16_t* wb1 = wb + KC * RB * 8;
+  for (int64_t kc = 0; kc < K / 8; ++kc) {
+    if (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb1 + (kc + PREFETCH) * RB * 8), _MM_HINT_T0);
+    }
+    chunk_d2<C, false>(acc, x + kc * 8, wb + kc * RB * 8, wb1 + kc * RB * 8, K, tail);
+  }
+  if (K % 8) chunk_d2<C, true>(acc, x + K / 8 * 8, wb + K / 8 * RB * 8, wb1 + K / 8 * RB * 8, K, tail);
+  for (int c = 0; c < C; ++c) {
+    store_rows(acc[0][c], y + c * ldy, std::min<int64_t>(rows, RB));
+    store_rows(acc[1][c], y + c * ldy + RB, rows - RB);
+  }
+}
+
+template <bool PF>
+void tiles_d2(int64_t C, const uint16_t* x, const uint16_t* wb, int64_t KC, int64_t K, __mmask8 tail, float* y,
+              int64_t ldy, int64_t rows) {  // C (1..DOT_C2) input rows in one pass over two blocks
+  switch (C) {
+    case 1: tile_d2<1, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 2: tile_d2<2, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 3: tile_d2<3, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 4: tile_d2<4, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 5: tile_d2<5, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 6: tile_d2<6, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 7: tile_d2<7, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 8: tile_d2<8, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 9: tile_d2<9, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 10: tile_d2<10, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    case 11: tile_d2<11, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+    default: tile_d2<12, PF>(x, wb, KC, K, tail, y, ldy, rows); break;
+  }
+}
+
+void product_d(const uint16_t* x, const uint16_t* w, float* y, int64_t T, int64_t N, int64_t K) {
+  const __mmask8 tail = static_cast<__mmask8>((1u << (K % 8)) - 1);
+  if (T > 1 && N > RB) {  // several rows: blocks in pairs, each row's broadcast serving both
+    const int64_t KC = (K + 7) / 8, blocks = (N + RB - 1) / RB, pairs = (blocks + 1) / 2;
+    const int64_t grain = std::max<int64_t>(1, 16384 / (2 * RB * K * T));
+    at::parallel_for(0, pairs, grain, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* wb = w + 2 * p * KC * RB * 8;
+        float* yb = y + 2 * p * RB;
+        const int64_t rows = N - 2 * p * RB;
+        if (rows <= RB) {  // the last, single block
+          for (int64_t c = 0; c < T; c += DOT_C)
+            tiles_d<true>(std::min(T - c, DOT_C), x + c * K, wb, K, tail, yb + c * N, N, rows);
+          continue;
+        }
+        const int64_t C = (T + (T + DOT_C2 - 1) / DOT_C2 - 1) / ((T + DOT_C2 - 1) / DOT_C2);  // passes of equal rows
+        tiles_d2<true>(std::min(T, C), x, wb, KC, K, tail, yb, N, rows);
+        for (int64_t c = C; c < T; c += C)
+          tiles_d2<false>(std::min(T - c, C), x + c * K, wb, KC, K, tail, yb + c * N, N, rows);
+      }
+    });
+    return;
+  }
+  for_blocks(w, y, T, N, K, [&](const uint16_t* wb, float* yb, int64_t rows) {
+    if (T == 1) {  // decoding
+      tile1_d(x, wb, K, tail, yb, rows);
+      return;
+    }
+    tiles_d<true>(std::min(T, DOT_C), x, wb, K, tail, yb, N, rows);
+    for (int64_t c = DOT_C; c < T; c += DOT_C)
+      tiles_d<false>(std::min(T - c, DOT_C), x + c * K, wb, K, tail, yb + c * N, N, rows);
+  });
+}
+
+#pragma GCC pop_options
+
 // AVX-512 F/BW/DQ/VL here, and ATen not held below it (ATEN_CPU_CAPABILITY, as torch reads it)
 bool wide_isa() {
   static const bool wide = [] {
@@ -268,15 +436,54 @@ at::Tensor linear16(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   return y;
 }
 
+// bf16 dot products here (avx512_bf16, with the 16-lane code's AVX-512 subsets)
+bool dot_isa() {
+  static const bool dot = [] {
+    __builtin_cpu_init();
+    return wide_isa() && __builtin_cpu_supports("avx512bf16");
+  }();
+  return dot;
+}
+
+// x [T, K] bfloat16, w packed as for linear16, bf16 -> [T, N] float32
+at::Tensor linear16_dot(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(dot_isa(), "specdec::linear16_dot: this CPU has no avx512_bf16 (or ATEN_CPU_CAPABILITY holds ATen "
+              "below AVX-512); use specdec::linear16");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == RB && w.size(3) == 8,
+              "specdec::linear16_dot: x [rows, in] and a packed w [blocks, in / 8, 4, 8] expected, got ",
+              x.sizes(), " and ", w.sizes());
+  const int64_t T = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.size(0) == (N + RB - 1) / RB && w.size(1) == (K + 7) / 8,
+              "specdec::linear16_dot: the packed weight ", w.sizes(), " does not hold ", N, " x ", K);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "specdec::linear16_dot: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "specdec::linear16_dot: CPU tensors only");
+  at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty({T, N}, xc.options().dtype(at::kFloat));
+  const auto* wp = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  for (int64_t t0 = 0; t0 < T; t0 += SLAB) {
+    const int64_t n = std::min(SLAB, T - t0);
+    product_d(xp + t0 * K, wp, y.data_ptr<float>() + t0 * N, n, N, K);
+  }
+  return y;
+}
+
 }  // namespace
 
 int64_t linear16_lanes() { return wide_isa() ? 16 : 8; }
+bool linear16_dot_isa() { return dot_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("linear16(Tensor x, Tensor w, int out_features) -> Tensor");
   m.def("linear16_lanes() -> int", &linear16_lanes);
+  m.def("linear16_dot(Tensor x, Tensor w, int out_features) -> Tensor");
+  m.def("linear16_dot_isa() -> bool", &linear16_dot_isa);
 }
-TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("linear16", &linear16); }
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("linear16", &linear16);
+  m.impl("linear16_dot", &linear16_dot);
+}
 """
 
 
@@ -297,6 +504,10 @@ def _build() -> None:
     def _(x, packed, out_features):
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("specdec::linear16_dot")
+    def _(x, packed, out_features):
+        return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
 
 ROW_BLOCK = 4  # weight rows per packed block (the kernel's RB)
 
@@ -315,6 +526,18 @@ def lanes() -> int:
     """The kernel's float32 lanes on this CPU (``available()`` first): 16 where AVX-512 F/BW/DQ/VL run (and
     ATEN_CPU_CAPABILITY does not hold ATen below AVX-512), else 8 (AVX2)."""
     return int(torch.ops.specdec.linear16_lanes())
+
+
+def dot_products() -> bool:
+    """Whether ``linear16_dot`` runs here (``available()`` first): avx512_bf16 with AVX-512 F/BW/DQ/VL, and ATen not
+    held below AVX-512."""
+    return bool(torch.ops.specdec.linear16_dot_isa())
+
+
+def linear16_dot(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [rows, in] bfloat16, ``pack(w)`` of a bf16 w [out, in] -> x @ w^T [rows, out] float32, from bf16 dot
+    products (``dot_products()`` first)."""
+    return torch.ops.specdec.linear16_dot(x, packed, out_features)
 
 
 def linear16(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
