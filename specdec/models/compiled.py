@@ -73,6 +73,10 @@ W16_SIZES = (1, 3, 6, 9)
 # 16 lanes wide (AVX-512) it takes up to 8 rows per pass, each row adding ~8% (EPYC-Zen5, the shipped target's
 # products: 1.0 ms at 1-3 rows, 1.2 at 4, 1.4 at 6, 1.8 at 8, 2.3 at 9, 2.7 at 12)
 W16_WIDE_SIZES = (1, 4, 6, 8, 12)
+# bf16 dot products (w16dot) cost ~0.1 ms a row past 2 rows, the step's attention likewise (EPYC-Zen5, the shipped
+# target compiled at every size: 0.90 ms at T = 1, 1.19 at 2-3, 1.29 at 4, 1.40 at 6, 1.61 at 8, 1.90 at 10,
+# 2.12 at 12; padded to 4 / 8 / 12, T = 5 cost 1.58 and T = 9 2.01): a size every two rows
+DOT_SIZES = (1, 2, 4, 6, 8, 10, 12)
 RECOMPILE_LIMIT = 64  # graphs of the compiled step per process (torch._dynamo.config.recompile_limit)
 STOP_READ_EVERY = 4  # CUDA greedy_steps: argmaxes read (waiting for the GPU) every this many steps
 ATTEND_STEP = 64  # the attended length L is a multiple of this: at most 63 masked keys more than needed
@@ -278,12 +282,14 @@ def static_inputs(*tensors: torch.Tensor | None) -> None:
 def sizes_for(linear_kind: str, longest: int | None = None) -> tuple[int, ...]:
     """The token counts per row to compile for a runner whose products are of ``linear_kind``
     (linear.Linear.kind): the sizes at which a product's cost steps with its rows (linear16: every 3 rows,
-    16 lanes wide passes of 8; oneDNN: every 4), then, up to ``longest`` (the longest feed the engine will
+    16 lanes wide passes of 8; its bf16 dot products every 2; oneDNN: every 4), then, up to ``longest`` (the longest feed the engine will
     make, k + 1 for a chain), a size every two such steps: feeds past the compiled sizes run eager
     (EPYC-Zen5, shipped target: 16 tokens 4.34 ms eager against 3.48 compiled, 24 tokens 5.26 against 4.40)."""
     if linear_kind == "w16":
         wide = linear16.lanes() == 16
         sizes, step = (list(W16_WIDE_SIZES), 8) if wide else (list(W16_SIZES), 6)
+    elif linear_kind == "w16dot":
+        sizes, step = list(DOT_SIZES), 8
     else:
         sizes, step = list(DEFAULT_SIZES), 8
     while longest is not None and sizes[-1] < longest:
