@@ -397,19 +397,7 @@ void product_d(const uint16_t* x, const uint16_t* w, float* y, int64_t T, int64_
 
 #pragma GCC pop_options
 
-// AVX-512 F/BW/DQ/VL here, and ATen not held below it (ATEN_CPU_CAPABILITY, as torch reads it)
-bool wide_isa() {
-  static const bool wide = [] {
-    __builtin_cpu_init();
-    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")))
-      return false;
-    const char* held = std::getenv("ATEN_CPU_CAPABILITY");
-    return held == nullptr || held[0] == '\0' || std::string(held) == "avx512";
-  }();
-  return wide;
-}
-
+"""+ native.WIDE_ISA_CPP + r"""
 // x [T, K] float32, w packed [ceil(N / RB), ceil(K / 8), RB, 8] bf16 or f16 -> [T, N] float32
 at::Tensor linear16(const at::Tensor& x, const at::Tensor& w, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == RB && w.size(3) == 8,

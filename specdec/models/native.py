@@ -21,6 +21,24 @@ from specdec.models.timings import cache_dir
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp")
 
 
+# C++ for the kernels' sources: whether the AVX-512 code paths they carry (compiled under their own target options
+# inside libraries built with the AVX2 flags) run here: AVX-512 F/BW/DQ/VL, and ATen not held below AVX-512
+# (ATEN_CPU_CAPABILITY, as torch reads it)
+WIDE_ISA_CPP = r"""
+bool wide_isa() {
+  static const bool wide = [] {
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")))
+      return false;
+    const char* held = std::getenv("ATEN_CPU_CAPABILITY");
+    return held == nullptr || held[0] == '\0' || std::string(held) == "avx512";
+  }();
+  return wide;
+}
+"""
+
+
 @dataclass(frozen=True)
 class Availability:
     ok: bool
