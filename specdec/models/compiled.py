@@ -77,7 +77,7 @@ W16_WIDE_SIZES = (1, 4, 6, 8, 12)
 # target compiled at every size: 0.90 ms at T = 1, 1.19 at 2-3, 1.29 at 4, 1.40 at 6, 1.61 at 8, 1.90 at 10,
 # 2.12 at 12; padded to 4 / 8 / 12, T = 5 cost 1.58 and T = 9 2.01): a size every two rows
 DOT_SIZES = (1, 2, 4, 6, 8, 10, 12)
-RECOMPILE_LIMIT = 64  # graphs of the compiled step per process (torch._dynamo.config.recompile_limit)
+RECOMPILE_LIMIT = 256  # graphs of the compiled step per process (torch._dynamo.config.recompile_limit): sizes x runners
 STOP_READ_EVERY = 4  # CUDA greedy_steps: argmaxes read (waiting for the GPU) every this many steps
 ATTEND_STEP = 64  # the attended length L is a multiple of this: at most 63 masked keys more than needed
 # inductor's on-disk caches (generated code, compiled graphs) live beside specdec's other caches, not in
