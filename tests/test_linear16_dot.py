@@ -1,6 +1,6 @@
 """linear16's bf16 dot-product kernel (``specdec::linear16_dot``, Linear kind "w16dot", CPUs with avx512_bf16):
 the product of bf16 rows and bf16 weights equals the exact product of the same bf16 values up to float32
-sums, for 1 to 97 rows (one block at a time up to 16 rows, pairs of blocks past that), odd shapes and two
+sums, for 1 to 97 rows (1-6 rows against 4 blocks of 16 weight rows, 7-12 against 2, more in passes), odd shapes and two
 threads; bf16 weights take it wherever it runs; bad input is refused with a message; and a model loaded
 through the real path decodes the same greedy tokens eager and compiled."""
 
@@ -27,8 +27,9 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_products_equal_the_exact_product_of_the_bf16_values(out_features, in_features):
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()  # [out, in]
-    packed = linear16.pack(w)
-    for rows in [*range(1, 18), 24, 33, 40, 97]:  # one block at a time to 16 rows, block pairs past them
+    packed = linear16.pack_dot(w)
+    assert packed.shape == (-(-out_features // 16), -(-in_features // 2), 16, 2)
+    for rows in [*range(1, 18), 24, 33, 40, 97]:  # every pass shape, and slabs of 48 rows
         x = torch.randn(rows, in_features, generator=g).bfloat16()  # [rows, in]
         y = linear16.linear16_dot(x, packed, out_features)
         assert y.shape == (rows, out_features) and y.dtype == torch.float32
@@ -43,18 +44,18 @@ def test_two_threads_and_a_prefill_of_rows():
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        y = linear16.linear16_dot(x, linear16.pack(w), 300)
+        y = linear16.linear16_dot(x, linear16.pack_dot(w), 300)
     finally:
         torch.set_num_threads(n)
     assert ((y.double() - reference(x, w)).abs() <= bound(x, w)).all()
 
 
 def test_bad_input_is_refused_with_a_message():
-    w = linear16.pack(torch.randn(8, 16).bfloat16())
+    w = linear16.pack_dot(torch.randn(8, 16).bfloat16())
     with pytest.raises(RuntimeError, match="x and w must be bfloat16"):
         linear16.linear16_dot(torch.randn(2, 16), w, 8)
     with pytest.raises(RuntimeError, match="x and w must be bfloat16"):
-        linear16.linear16_dot(torch.randn(2, 16).bfloat16(), linear16.pack(torch.randn(8, 16).half()), 8)
+        linear16.linear16_dot(torch.randn(2, 16).bfloat16(), linear16.pack_dot(torch.randn(8, 16).half()), 8)
     with pytest.raises(RuntimeError, match="does not hold 8 x 24"):
         linear16.linear16_dot(torch.randn(2, 24).bfloat16(), w, 8)
     with pytest.raises(RuntimeError, match="packed w"):

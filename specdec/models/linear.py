@@ -110,7 +110,7 @@ class Linear:
             self.kind = "dense"
         elif weight.dtype == torch.bfloat16 and native_bf16().native and dot_products():
             self.kind = "w16dot"
-            weight = linear16.pack(weight.contiguous())  # [ceil(out / 4), ceil(in / 8), 4, 8]
+            weight = linear16.pack_dot(weight.contiguous())  # [ceil(out / 16), ceil(in / 2), 16, 2]
         elif weight.dtype == torch.bfloat16 and native_bf16().native:
             self.kind = "onednn"
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
