@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from specdec import LLM, SamplingParams
 from specdec.models import cpu, dtype_choice, linear16, timings
 from specdec.models.base import ForwardBatch
-from specdec.models.linear import Linear
+from specdec.models.linear import NO_DOT_ENV, Linear, dot_products
 from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
 from specdec.near_tie import BF16_RELATIVE_STEP, first_divergence
@@ -46,8 +46,14 @@ LOGIT_TOL = (4 * LAYERS + 1) * 2**0.5 * 2**-8
 K = 4
 
 
+@pytest.fixture
+def onednn(monkeypatch):
+    """bf16 weights on oneDNN where bf16 is native (as where linear16's dot products do not run)."""
+    monkeypatch.setenv(NO_DOT_ENV, "1")
+
+
 @needs_native
-def test_onednn_linear_matches_f_linear():
+def test_onednn_linear_matches_f_linear(onednn):
     g = torch.Generator().manual_seed(0)
     for n_in, n_out in [(64, 96), (100, 37), (512, 1536)]:
         w = (0.05 * torch.randn(n_out, n_in, generator=g)).bfloat16()
@@ -69,7 +75,7 @@ def test_onednn_linear_matches_f_linear():
 @pytest.mark.skipif(not (NATIVE.native and NATIVE.isa.startswith("x86_64")),
                     reason="row invariance is a property of oneDNN's native x86 bf16 kernels (avx512_bf16 / AMX), "
                            f"not of this CPU's path ({NATIVE.isa}: {NATIVE.reason})")
-def test_onednn_rows_are_computed_alike_whatever_the_row_count():
+def test_onednn_rows_are_computed_alike_whatever_the_row_count(onednn):
     g = torch.Generator().manual_seed(1)
     for n_in, n_out in [(64, 96), (512, 1536)]:
         lin = Linear((0.05 * torch.randn(n_out, n_in, generator=g)).bfloat16(), torch.randn(n_out).bfloat16())
@@ -228,7 +234,8 @@ def verify_noise(runner: LlamaRunner, ids: torch.Tensor, T: int) -> torch.Tensor
 
 
 def kind(native: bool) -> str:
-    return "onednn" if native else slow_kind()
+    """bf16 weights' kind: with native bf16, linear16's dot products where they run (avx512_bf16), else oneDNN."""
+    return ("w16dot" if dot_products() else "onednn") if native else slow_kind()
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "switched-off"])

@@ -170,6 +170,14 @@ void attend_w(const float* const (&q)[NQ], const float* k, const float* v, const
 #pragma GCC pop_options
 
 """+ native.WIDE_ISA_CPP + r"""
+// the keys a query attends over: up to its last one not masked (-inf) in its bias row (at least one), so that
+// masked keys past it cost nothing (a causal prefill's half, the attended length's padding)
+inline int64_t seen_keys(const float* bias, int64_t L) {
+  int64_t n = L;
+  while (n > 1 && bias[n - 1] == -INFINITY) --n;
+  return n;
+}
+
 // q [B, T, H, hd]; k, v [layers, rows, KVH, len, hd] float32; rows [B] (each batch row's cache row);
 // bias [B, T, L] additive (0 seen, -inf not), L <= len -> [B, T, H, hd]
 at::Tensor cache_attention(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v, int64_t layer,
@@ -209,22 +217,27 @@ at::Tensor cache_attention(const at::Tensor& q_, const at::Tensor& k, const at::
         for (int64_t m = 0; m < M; m += 2) {
           const int64_t t0 = m / G, h0 = g * G + m % G, t1 = (m + 1) / G, h1 = g * G + (m + 1) % G;
           const int64_t q0 = ((b * T + t0) * H + h0) * hd, q1 = ((b * T + t1) * H + h1) * hd;
+          const float* b0 = bp + (b * T + t0) * L;
           if (m + 1 < M) {
-            attend_w<2>({qp + q0, qp + q1}, kp, vp, {bp + (b * T + t0) * L, bp + (b * T + t1) * L}, scale, L, hd,
-                        {s.data(), s.data() + L}, {op + q0, op + q1});
+            const float* b1 = bp + (b * T + t1) * L;
+            const int64_t Lq = std::max(seen_keys(b0, L), seen_keys(b1, L));
+            attend_w<2>({qp + q0, qp + q1}, kp, vp, {b0, b1}, scale, Lq, hd, {s.data(), s.data() + L}, {op + q0, op + q1});
           } else {
-            attend_w<1>({qp + q0}, kp, vp, {bp + (b * T + t0) * L}, scale, L, hd, {s.data()}, {op + q0});
+            attend_w<1>({qp + q0}, kp, vp, {b0}, scale, seen_keys(b0, L), hd, {s.data()}, {op + q0});
           }
         }
         continue;
       }
-      for (int64_t t = 0; t < T; ++t)
+      for (int64_t t = 0; t < T; ++t) {
+        const float* bt = bp + (b * T + t) * L;
+        const int64_t Lq = seen_keys(bt, L);
         for (int64_t h = g * G; h < (g + 1) * G; ++h) {
           const int64_t qi = ((b * T + t) * H + h) * hd;
-          scores(qp + qi, k.data_ptr<float>() + at_row, bp + (b * T + t) * L, scale, L, hd, s.data());
-          softmax(s.data(), L);
-          values(s.data(), v.data_ptr<float>() + at_row, L, hd, op + qi);
+          scores(qp + qi, kp, bt, scale, Lq, hd, s.data());
+          softmax(s.data(), Lq);
+          values(s.data(), vp, Lq, hd, op + qi);
         }
+      }
     }
   });
   return out;

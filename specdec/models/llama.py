@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.models import cache_attention as attention_kernel
 from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
 from specdec.models.compiled import CompiledStep, enforce_eager_default, sizes_for
 from specdec.models.cpu import native_bf16
@@ -327,7 +328,7 @@ class _Dense:
         self.r0, self.r1 = row_offset, row_offset + B
         self.rows = None if B == 1 else torch.arange(self.r0, self.r1, device=device)[:, None].expand(B, T)
         self.small = B > 1 and T <= FEW_QUERIES
-        self.masks: dict[int | None, torch.Tensor | None] = {}
+        self.masks: dict[Hashable, torch.Tensor | None] = {}  # by window; the kernel's bias and row tensor
         self.tree = None
         if parents is not None:  # positions by depth, a mask of ancestors (tree.py); slots stay start + t
             depth = torch.tensor([depths_of(p) for p in parents], device=device)  # [B, T]
@@ -359,6 +360,12 @@ class _Dense:
         rows = torch.arange(x.shape[0], device=x.device)
         return x[rows if index.dim() == 1 else rows[:, None], index]
 
+    def row_tensor(self) -> torch.Tensor:
+        """[1] long: the cache row of a one-row batch."""
+        if "row" not in self.masks:
+            self.masks["row"] = torch.tensor([self.r0], device=self.pos.device)
+        return self.masks["row"]
+
     def attend(self, cache: KVCache, li: int, q, k, v, window: int | None) -> torch.Tensor:
         """q [B, T, H, hd]; k, v [B, T, KVH, hd] -> [B, T, H, hd]."""
         r0, r1, end = self.r0, self.r1, self.end
@@ -369,6 +376,13 @@ class _Dense:
         else:
             cache.k[li][self.rows, :, self.slot] = k  # [B, T, KVH, hd] into rows at their slots
             cache.v[li][self.rows, :, self.slot] = v.to(cache.v.dtype)
+        if self.rows is None and self.tree is None and attention_kernel.supports(q.dtype, q.device, q.shape[-1]):
+            # one row (a prefill, an eager step): specdec's kernel reads the cache in place and skips the keys its
+            # causal mask hides (EPYC-Zen5, 8 heads on 4, a prefill of 250 tokens: 0.47 ms a layer, SDPA 0.81)
+            if ("bias", window) not in self.masks:
+                self.masks[("bias", window)] = attention_mask(self.pos, end, window, additive=True)[:, 0]  # [1, T, end]
+            return attention_kernel.cache_attention(q, cache.k, cache.v, li, self.row_tensor(),
+                                                    self.masks[("bias", window)])  # [1, T, H, hd]
         keys, values = cache.k[li, r0:r1, :, :end], cache.v[li, r0:r1, :, :end]  # [B, KVH, end, hd]
         if window not in self.masks:
             if self.tree is None:
