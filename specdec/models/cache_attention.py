@@ -65,21 +65,28 @@ inline void scores(const float* q, const float* k, const float* bias, float scal
   }
 }
 
-// s[j] <- exp(s[j] - max s) / sum: in place, L values
+// s[j] <- exp(s[j] - max s) / sum: in place, L values; the max and the sum kept in vectors, reduced once
 inline void softmax(float* s, int64_t L) {
   using Vec = at::vec::Vectorized<float>;
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) mx = std::max(mx, s[j]);
-  float sum = 0.f;
+  constexpr int64_t W = Vec::size();
+  auto add = [](Vec& x, Vec& y) { return x + y; };
+  auto max = [](Vec& x, Vec& y) { return at::vec::maximum(x, y); };
+  Vec mv(-INFINITY);
   int64_t j = 0;
-  for (; j + 8 <= L; j += 8) {
+  for (; j + W <= L; j += W) mv = at::vec::maximum(mv, Vec::loadu(s + j));
+  float mx = at::vec::vec_reduce_all<float>(max, mv);
+  for (; j < L; ++j) mx = std::max(mx, s[j]);
+  Vec sv(0.f);
+  for (j = 0; j + W <= L; j += W) {
     const Vec e = (Vec::loadu(s + j) - Vec(mx)).exp_u20();
     e.store(s + j);
-    sum += at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, e);
+    sv = sv + e;
   }
+  float sum = at::vec::vec_reduce_all<float>(add, sv);
   for (; j < L; ++j) sum += (s[j] = std::exp(s[j] - mx));
   const float inv = 1.f / sum;
-  for (j = 0; j < L; ++j) s[j] *= inv;
+  for (j = 0; j + W <= L; j += W) (Vec::loadu(s + j) * Vec(inv)).store(s + j);
+  for (; j < L; ++j) s[j] *= inv;
 }
 
 // out [hd] = sum_j p[j] v[j]; v [L, hd]: 64 outputs at a time in 8 registers
