@@ -260,7 +260,9 @@ def test_compiled_sizes_follow_the_row_blocks_and_reach_the_longest_verify_pass(
     (suffix decoding's k = 32) adds a size every two blocks up to it, so it runs compiled, not eager."""
     assert sizes_for("onednn") == (1, 4, 8, 12) == sizes_for("onednn", 8) == sizes_for("onednn", 12)
     assert sizes_for("onednn", 33) == (1, 4, 8, 12, 20, 28, 36)
-    assert sizes_for("w16dot") == (1, 2, 4, 6, 8, 10, 12) and sizes_for("w16dot", 17) == (1, 2, 4, 6, 8, 10, 12, 20)
+    assert sizes_for("w16dot") == (1, 2, 4, 6, 8, 10, 12) == sizes_for("w16dot", 12)
+    assert sizes_for("w16dot", 9) == (1, 2, 4, 6, 8, 9, 10, 12) and sizes_for("w16dot", 17) == (1, 2, 4, 6, 8, 10, 12, 17)
+    assert sizes_for("w16dot", 33) == (1, 2, 4, 6, 8, 10, 12, 20, 28, 33)
     if linear16.available().ok and linear16.lanes() == 16:  # passes of up to 8 rows
         assert sizes_for("w16") == (1, 4, 6, 8, 12) == sizes_for("w16", 12)
         assert sizes_for("w16", 33) == (1, 4, 6, 8, 12, 20, 28, 36)

@@ -79,8 +79,8 @@ def test_bf16_weights_take_it_where_bf16_is_native(monkeypatch):
 
 def test_a_model_compiled_and_eager_on_the_kernel(tmp_path):
     """A small bf16 model loaded through the real path runs its products here, and its compiled step (the
-    kernel an extern call in inductor's graph) gives the eager step's logits at each compiled size and past
-    them; both within bf16 input rounding of the float32 forward of the same weights."""
+    kernel an extern call in inductor's graph) gives the eager step's logits at and between its compiled
+    sizes (1, 2, 4, 6, 8, 10, 12, 17) and past them; both within bf16 input rounding of the float32 forward of the same weights."""
     from specdec.models.base import ForwardBatch
     from specdec.models.compiled import sizes_for
     from specdec.models.llama import LlamaRunner
@@ -104,7 +104,7 @@ def test_a_model_compiled_and_eager_on_the_kernel(tmp_path):
     for n in (1, 2, 5, 8, 9, 13, 17, 20):
         tokens = prompt[12:12 + n]
         outs = [r.forward(ForwardBatch.from_rows([tokens], [12], logits="all")) for r in (compiled, eager, f32)]
-        assert compiled.last_path == ("compiled" if n <= 20 and n <= compiled.compiled.sizes[-1] else "eager")
+        assert (compiled.last_path == "compiled") if n <= 17 else compiled.last_path.startswith("eager")
         scale = outs[2].abs().max().item()
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-3 * scale)
         torch.testing.assert_close(outs[1], outs[2], rtol=0, atol=3e-2 * scale)
