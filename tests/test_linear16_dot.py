@@ -77,6 +77,14 @@ def test_bf16_weights_take_it_where_bf16_is_native(monkeypatch):
     assert Linear(w.bfloat16()).kind == "w16"
 
 
+def test_cpus_with_amx_keep_onednn(monkeypatch):
+    """AMX multiplies a prefill's rows far faster than dot products, and oneDNN's AMX kernels were measured there:
+    a CPU with amx_bf16 keeps oneDNN (as SPECDEC_NO_BF16_DOT=1 asks anywhere)."""
+    caps = {**torch.cpu.get_capabilities(), "amx_bf16": True}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+    assert not dot_products() and Linear(torch.randn(24, 40).bfloat16()).kind == "onednn"
+
+
 def test_a_model_compiled_and_eager_on_the_kernel(tmp_path):
     """A small bf16 model loaded through the real path runs its products here, and its compiled step (the
     kernel an extern call in inductor's graph) gives the eager step's logits at and between its compiled

@@ -1,14 +1,14 @@
 """Linear layers laid out for the fastest CPU kernel of their dtype.
 
 Decoding and verification multiply every weight matrix by a handful of rows (1 to k+1), a
-shape CPU BLAS handles badly. Three layouts fix that:
+shape CPU BLAS handles badly. Four layouts fix that:
 
-- bfloat16 on an x86 CPU with avx512_bf16 (``linear16.dot_products()``): the weight packed once as for
-  linear16 and multiplied by specdec's bf16 dot-product kernel: the input rounded to bf16 as oneDNN
+- bfloat16 on an x86 CPU with avx512_bf16 and no AMX (``dot_products()``): the weight packed once and
+  multiplied by specdec's bf16 dot-product kernel (linear16.py): the input rounded to bf16 as oneDNN
   rounds it, the sums and the result float32; on EPYC-Zen5 the shipped target's products cost 0.58x
   oneDNN's at 1 row and 0.7-0.9x up to 33 rows (docs/benchmarks.md, "bf16 dot products").
-- bfloat16 on another CPU with native bf16 instructions (``cpu.native_bf16``: arm64 bf16, or x86 where
-  the kernels cannot build): the weight is reordered once into oneDNN's blocked layout and multiplied
+- bfloat16 on another CPU with native bf16 instructions (``cpu.native_bf16``: arm64 bf16, x86 with AMX, or
+  where the kernels cannot build): the weight is reordered once into oneDNN's blocked layout and multiplied
   with oneDNN's inner product, which reads half the bytes of float32 and costs nearly the same for 1 to
   6 rows (figures: docs/benchmarks.md, "Other backend measurements"). On native x86, for 4 rows and more
   oneDNN computes each output row the same way whatever the number of rows (tested there only), one
@@ -76,9 +76,13 @@ NO_DOT_ENV = "SPECDEC_NO_BF16_DOT"  # set to 1: bf16 weights on oneDNN where bf1
 
 
 def dot_products() -> bool:
-    """Whether bf16 weights run on linear16's bf16 dot-product kernel here: it builds, avx512_bf16 runs, and
-    SPECDEC_NO_BF16_DOT is not set."""
+    """Whether bf16 weights run on linear16's bf16 dot-product kernel here: it builds, avx512_bf16 runs, the CPU
+    has no AMX (oneDNN's AMX kernels, measured on Xeon-AMX, stay there: the kernel is measured on AMD Zen 5
+    only, and AMX multiplies a prefill's many rows far faster than dot products), and SPECDEC_NO_BF16_DOT is not
+    set."""
     if os.environ.get(NO_DOT_ENV, "0") not in ("0", ""):
+        return False
+    if torch.cpu.get_capabilities().get("amx_bf16"):
         return False
     return linear16.available().ok and linear16.dot_products()
 
