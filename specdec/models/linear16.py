@@ -12,6 +12,10 @@ verify pass) cost little more than one. Where AVX-512 runs, the same product is 
 (a 64-byte line as two registers, up to 8 input rows per pass), chosen at run time. Measurements:
 docs/benchmarks.md, "16-bit weights with float32 products" and "EPYC-Zen5".
 
+The same library carries ``specdec::linear16_dot`` for CPUs with avx512_bf16: bf16 weights on their own
+packed layout (``pack_dot``) times bf16-rounded rows, with bf16 dot-product instructions into float32 sums
+(linear.py's kind ``w16dot``; docs/benchmarks.md, "bf16 dot products").
+
 It is a C++ extension (native.py: built once per machine, run on torch's threads) registered as the
 operator ``specdec::linear16``, which the compiled step (compiled.py) calls as an extern kernel like
 oneDNN's. ``available()`` says whether this CPU and this install can use it, and why not.
@@ -245,6 +249,10 @@ constexpr int64_t DOT_PREFETCH = 64;
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
 
+inline __mmask16 rows_mask(int64_t rows) {  // the first min(rows, 16) lanes of a block's output
+  return rows >= DB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+}
+
 template <int NB, int C, bool PF>
 void tile_dot(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t KP, float* y, int64_t ldy, int64_t rows) {
   __m512 acc[NB][C];
@@ -279,8 +287,7 @@ void tile_dot(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t KP, floa
     }
   }
   for (int j = 0; j < NB; ++j) {
-    const int64_t r = rows - j * DB;
-    const __mmask16 m = r >= DB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << r) - 1);
+    const __mmask16 m = rows_mask(rows - j * DB);
     for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * ldy + j * DB, m, acc[j][c]);
   }
 }
@@ -309,7 +316,7 @@ void tile1_dot(const uint16_t* x, int64_t K, const uint16_t* w0, float* y, int64
     a[1] = _mm512_dpbf16_ps(a[1], (__m512bh)_mm512_loadu_si512(w0 + full * 32),
                             (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[K - 1])));
   const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-  _mm512_mask_storeu_ps(y, rows >= DB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1), sum);
+  _mm512_mask_storeu_ps(y, rows_mask(rows), sum);
 }
 
 #define DOT_CASE(NB, C) case C: tile_dot<NB, C, PF>(x, K, w0, KP, y, ldy, rows); break;
@@ -366,7 +373,7 @@ void product_d(const uint16_t* x, const uint16_t* w, float* y, int64_t T, int64_
   }
   const int64_t NB = (T > 6 && T <= 12) ? 2 : 4, cmax = NB == 2 ? 12 : 6;
   const int64_t units = (blocks + NB - 1) / NB;
-  const int64_t grain = std::max<int64_t>(1, 16384 / (NB * DB * K * std::max<int64_t>(T, 1)));
+  const int64_t grain = std::max<int64_t>(1, 16384 / (NB * DB * K * T));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u * NB, nb = std::min(NB, blocks - b);
@@ -480,29 +487,29 @@ def _build() -> None:
 
 
 ROW_BLOCK = 4  # weight rows per packed block (the kernel's RB)
+DOT_BLOCK = 16  # weight rows per block of the dot layout (the kernel's DB)
+
+
+def _blocked(weight: torch.Tensor, rows: int, values: int) -> torch.Tensor:
+    """weight [out, in] -> [ceil(out / rows), ceil(in / values), rows, values], zero-padded: a block of ``rows``
+    rows as a sequence of lines of ``values`` inputs each."""
+    n, k = weight.shape
+    np_, kp = -(-n // rows) * rows, -(-k // values) * values
+    padded = weight.new_zeros(np_, kp)
+    padded[:n, :k] = weight
+    return padded.view(np_ // rows, rows, kp // values, values).transpose(1, 2).contiguous()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] bf16 or f16 -> [ceil(out / 4), ceil(in / 8), 4, 8], zero-padded: each 64-byte line
     holds 8 values of 4 rows, so a block of rows streams from memory as one sequence."""
-    n, k = weight.shape
-    np_, kp = -(-n // ROW_BLOCK) * ROW_BLOCK, -(-k // 8) * 8
-    padded = weight.new_zeros(np_, kp)
-    padded[:n, :k] = weight
-    return padded.view(np_ // ROW_BLOCK, ROW_BLOCK, kp // 8, 8).transpose(1, 2).contiguous()
-
-
-DOT_BLOCK = 16  # weight rows per block of the dot layout (the kernel's DB)
+    return _blocked(weight, ROW_BLOCK, 8)
 
 
 def pack_dot(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] bf16 -> [ceil(out / 16), ceil(in / 2), 16, 2], zero-padded, for ``linear16_dot``: each
     64-byte line holds one pair of inputs for 16 rows."""
-    n, k = weight.shape
-    np_, kp = -(-n // DOT_BLOCK) * DOT_BLOCK, -(-k // 2) * 2
-    padded = weight.new_zeros(np_, kp)
-    padded[:n, :k] = weight
-    return padded.view(np_ // DOT_BLOCK, DOT_BLOCK, kp // 2, 2).transpose(1, 2).contiguous()
+    return _blocked(weight, DOT_BLOCK, 2)
 
 
 def lanes() -> int:
