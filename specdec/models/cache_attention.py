@@ -7,9 +7,10 @@ straight from the cache row: the keys are read once, 8 at a time against each qu
 tree per 8 dot products), the scores of a query stay in a buffer of L floats, and its output in 8
 registers per 64 values. Query heads that share a KV head are done by the thread that reads it. Where
 AVX-512 runs (chosen at run time) the same sums are 16 lanes wide and take that KV head's queries (its
-grouped heads at each fed token) four at a time, reading each key and value once for all four (EPYC-Zen5,
-8 heads on 4, 320 keys: 10 queries a row 26-28 µs a layer, 9 queries 52 µs one at a time). The result equals ``layers.few_query_attention`` on the gathered keys up to the order of the sums
-(tests/test_cache_attention.py). A C++ extension (native.py); ``available()`` says whether it runs here.
+grouped heads at each fed token) four at a time, reading each key and value once for all four
+(EPYC-Zen5, 8 heads on 4, 320 keys: 10 queries a row 26-28 µs a layer, 9 queries 52 µs one at a time).
+A query's keys stop at its last unmasked one. The result equals ``layers.few_query_attention`` on the
+gathered keys up to the order of the sums (tests/test_cache_attention.py). A C++ extension (native.py); ``available()`` says whether it runs here.
 """
 
 from __future__ import annotations
@@ -195,6 +196,27 @@ inline int64_t seen_keys(const float* bias, int64_t L) {
   return n;
 }
 
+// the NQ queries m0 .. m0 + NQ - 1 of KV head g in batch row b (query m: token m / G, head g * G + m % G), 16 lanes
+// wide, over the keys any of them sees; s: NQ score buffers of L floats
+template <int NQ>
+void attend_group(int64_t m0, int64_t b, int64_t g, int64_t T, int64_t H, int64_t G, int64_t hd, int64_t L,
+                  const float* qp, const float* bp, float* op, const float* kp, const float* vp, float scale, float* s) {
+  const float* qs[NQ];
+  const float* bs[NQ];
+  float* os[NQ];
+  float* ss[NQ];
+  int64_t Lq = 1;
+  for (int u = 0; u < NQ; ++u) {
+    const int64_t t = (m0 + u) / G, qi = ((b * T + t) * H + g * G + (m0 + u) % G) * hd;
+    qs[u] = qp + qi;
+    bs[u] = bp + (b * T + t) * L;
+    os[u] = op + qi;
+    ss[u] = s + u * L;
+    Lq = std::max(Lq, seen_keys(bs[u], L));
+  }
+  attend_w<NQ>(qs, kp, vp, bs, scale, Lq, hd, ss, os);
+}
+
 // q [B, T, H, hd]; k, v [layers, rows, KVH, len, hd] float32; rows [B] (each batch row's cache row);
 // bias [B, T, L] additive (0 seen, -inf not), L <= len -> [B, T, H, hd]
 at::Tensor cache_attention(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v, int64_t layer,
@@ -229,36 +251,15 @@ at::Tensor cache_attention(const at::Tensor& q_, const at::Tensor& k, const at::
       const int64_t at_row = ((layer * R + rp[b]) * KVH + g) * len * hd;  // [len, hd] of this KV head
       const float* kp = k.data_ptr<float>() + at_row;
       const float* vp = v.data_ptr<float>() + at_row;
-      if (wide) {  // the KV head's T * G queries, two at a time
+      if (wide) {  // the KV head's T * G queries, four at a time, then two, then one
         const int64_t M = T * G;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) {  // four at a time
-          const float* bq[4];
-          const float* qq[4];
-          float* oq[4];
-          int64_t Lq = 1;
-          for (int u = 0; u < 4; ++u) {
-            const int64_t t = (m + u) / G, h = g * G + (m + u) % G, qi = ((b * T + t) * H + h) * hd;
-            bq[u] = bp + (b * T + t) * L;
-            qq[u] = qp + qi;
-            oq[u] = op + qi;
-            Lq = std::max(Lq, seen_keys(bq[u], L));
-          }
-          attend_w<4>({qq[0], qq[1], qq[2], qq[3]}, kp, vp, {bq[0], bq[1], bq[2], bq[3]}, scale, Lq, hd,
-                      {s.data(), s.data() + L, s.data() + 2 * L, s.data() + 3 * L}, {oq[0], oq[1], oq[2], oq[3]});
+        for (; m + 4 <= M; m += 4) attend_group<4>(m, b, g, T, H, G, hd, L, qp, bp, op, kp, vp, scale, s.data());
+        if (m + 2 <= M) {
+          attend_group<2>(m, b, g, T, H, G, hd, L, qp, bp, op, kp, vp, scale, s.data());
+          m += 2;
         }
-        for (; m < M; m += 2) {
-          const int64_t t0 = m / G, h0 = g * G + m % G, t1 = (m + 1) / G, h1 = g * G + (m + 1) % G;
-          const int64_t q0 = ((b * T + t0) * H + h0) * hd, q1 = ((b * T + t1) * H + h1) * hd;
-          const float* b0 = bp + (b * T + t0) * L;
-          if (m + 1 < M) {
-            const float* b1 = bp + (b * T + t1) * L;
-            const int64_t Lq = std::max(seen_keys(b0, L), seen_keys(b1, L));
-            attend_w<2>({qp + q0, qp + q1}, kp, vp, {b0, b1}, scale, Lq, hd, {s.data(), s.data() + L}, {op + q0, op + q1});
-          } else {
-            attend_w<1>({qp + q0}, kp, vp, {b0}, scale, seen_keys(b0, L), hd, {s.data()}, {op + q0});
-          }
-        }
+        if (m < M) attend_group<1>(m, b, g, T, H, G, hd, L, qp, bp, op, kp, vp, scale, s.data());
         continue;
       }
       for (int64_t t = 0; t < T; ++t) {
