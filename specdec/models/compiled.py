@@ -282,24 +282,24 @@ def static_inputs(*tensors: torch.Tensor | None) -> None:
 def sizes_for(linear_kind: str, longest: int | None = None) -> tuple[int, ...]:
     """The token counts per row to compile for a runner whose products are of ``linear_kind``
     (linear.Linear.kind): the sizes at which a product's cost steps with its rows (linear16: every 3 rows,
-    16 lanes wide passes of 8; its bf16 dot products every 2; oneDNN: every 4), then, up to ``longest`` (the longest feed the engine will
-    make, k + 1 for a chain), a size every two such steps, and for bf16 dot products ``longest`` itself: feeds past
-    the compiled sizes run eager
-    (EPYC-Zen5, shipped target: 16 tokens 4.34 ms eager against 3.48 compiled, 24 tokens 5.26 against 4.40)."""
+    16 lanes wide passes of 8; its bf16 dot products every 2; oneDNN: every 4), then, up to ``longest``
+    (the longest feed the engine will make, k + 1 for a chain), a size every two such steps; feeds past
+    the compiled sizes run eager (EPYC-Zen5, shipped target: 16 tokens 4.34 ms eager against 3.48
+    compiled, 24 tokens 5.26 against 4.40). With bf16 dot products, whose cost grows by the row, ``longest``
+    is a size of its own (a full draft's pass unpadded: T = 9 1.76 ms, padded to 10 1.90)."""
+    exact = linear_kind == "w16dot"
     if linear_kind == "w16":
         wide = linear16.lanes() == 16
         sizes, step = (list(W16_WIDE_SIZES), 8) if wide else (list(W16_SIZES), 6)
-    elif linear_kind == "w16dot":
+    elif exact:
         sizes, step = list(DOT_SIZES), 8
     else:
         sizes, step = list(DEFAULT_SIZES), 8
-    if linear_kind == "w16dot" and longest is not None:  # a full draft's pass unpadded: its cost grows by the row
-        while sizes[-1] + step < longest:  # (T = 9 1.76 ms, padded to 10 1.90)
-            sizes.append(sizes[-1] + step)
-        return tuple(sorted({*sizes, longest}))
-    while longest is not None and sizes[-1] < longest:
+    if longest is None:
+        return tuple(sizes)
+    while sizes[-1] < longest and not (exact and sizes[-1] + step >= longest):
         sizes.append(sizes[-1] + step)
-    return tuple(sizes)
+    return tuple(sorted({*sizes, longest})) if exact else tuple(sizes)
 
 
 def warm_announced(what: str, warm) -> float:

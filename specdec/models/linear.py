@@ -112,12 +112,13 @@ class Linear:
             self.kind = "mm32"
         elif weight.device.type != "cpu":
             self.kind = "dense"
-        elif weight.dtype == torch.bfloat16 and native_bf16().native and dot_products():
-            self.kind = "w16dot"
-            weight = linear16.pack_dot(weight.contiguous())  # [ceil(out / 16), ceil(in / 2), 16, 2]
         elif weight.dtype == torch.bfloat16 and native_bf16().native:
-            self.kind = "onednn"
-            weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+            if dot_products():
+                self.kind = "w16dot"
+                weight = linear16.pack_dot(weight.contiguous())  # [ceil(out / 16), ceil(in / 2), 16, 2]
+            else:
+                self.kind = "onednn"
+                weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif weight.dtype in HALF_DTYPES and linear16.available().ok:
             self.kind = "w16"
             weight = linear16.pack(weight.contiguous())  # [ceil(out / 4), ceil(in / 8), 4, 8]

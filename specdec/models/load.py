@@ -65,12 +65,12 @@ def load_model(name: str, dtype: str = "auto", device: str = "cpu", trust_remote
 def load_runner(name: str, backend: str = "torch", dtype: str = "auto", device: str = "cpu",
                 max_model_len: int | None = None, trust_remote_code: bool = False, vocab_size: int | None = None,
                 tokenizer: str | None = None, enforce_eager: bool | None = None,
-         longest_feed: int | None = None) -> tuple[ModelRunner, set[int]]:
+                longest_feed: int | None = None) -> tuple[ModelRunner, set[int]]:
     """``load`` from a name on the backend named ("torch" or "llama.cpp"), the dtype chosen by
     dtype_choice's rule."""
     source = resolve(name)
     return load(source, backend, dtype_for(source, backend, dtype, device), device, max_model_len,
-                trust_remote_code, vocab_size, tokenizer, enforce_eager)
+                trust_remote_code, vocab_size, tokenizer, enforce_eager, longest_feed)
 
 
 def load_hf(source: ModelSource, dtype: torch.dtype, device: str = "cpu", trust_remote_code: bool = False) -> LoadedModel:
