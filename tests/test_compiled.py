@@ -256,8 +256,9 @@ def test_compile_settings_are_ones_torch_compile_takes(device):
 
 
 def test_compiled_sizes_follow_the_row_blocks_and_reach_the_longest_verify_pass(tmp_path):
-    """oneDNN's sizes at its 4-row blocks, the 16-bit kernel's at its 3-row ones; a longer verify pass
-    (suffix decoding's k = 32) adds a size every two blocks up to it, so it runs compiled, not eager."""
+    """oneDNN's sizes at its 4-row blocks, the 16-bit kernel's at its 3-row ones, its bf16 dot products' every
+    2 rows; a longer verify pass (suffix decoding's k = 32) adds a size every two blocks up to it, so it runs
+    compiled, not eager; with bf16 dot products the longest pass is a size of its own."""
     assert sizes_for("onednn") == (1, 4, 8, 12) == sizes_for("onednn", 8) == sizes_for("onednn", 12)
     assert sizes_for("onednn", 33) == (1, 4, 8, 12, 20, 28, 36)
     assert sizes_for("w16dot") == (1, 2, 4, 6, 8, 10, 12) == sizes_for("w16dot", 12)

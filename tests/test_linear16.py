@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.models import cpu, linear16
-from specdec.models.linear import Linear
+from specdec.models.linear import Linear, dot_products
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
@@ -87,7 +87,7 @@ def test_bad_input_is_refused_with_a_message():
 def test_the_kind_is_chosen_only_without_native_bf16(monkeypatch):
     w = torch.randn(24, 40)
     native = cpu.native_bf16().native
-    assert Linear(w.bfloat16()).kind == (("w16dot" if linear16.dot_products() else "onednn") if native else "w16")
+    assert Linear(w.bfloat16()).kind == (("w16dot" if dot_products() else "onednn") if native else "w16")
     assert Linear(w.half()).kind == "w16"  # no native f16 kernel on any CPU path here
     assert Linear(w).kind == "wxt"  # float32 weights stay on ATen
     monkeypatch.setenv(cpu.NO_NATIVE_ENV, "1")
