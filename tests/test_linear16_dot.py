@@ -37,6 +37,20 @@ def test_products_equal_the_exact_product_of_the_bf16_values(out_features, in_fe
         assert (err <= bound(x, w)).all(), f"rows={rows}: max error {err.max():.3g}"
 
 
+def test_two_or_more_rows_give_each_row_the_same_sums_whatever_their_count():
+    """Passes of several rows sum each row in one order (one chain per row and block), so a row's result does not
+    depend on how many rows share the call; one row alone (decoding) sums in four chains, within rounding."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 300, generator=g).bfloat16()
+    packed = linear16.pack_dot(w)
+    x = torch.randn(40, 300, generator=g).bfloat16()
+    full = linear16.linear16_dot(x, packed, 70)
+    for n in (2, 3, 5, 7, 12, 13, 17, 33):
+        assert torch.equal(linear16.linear16_dot(x[:n], packed, 70), full[:n]), f"{n} rows"
+    alone = linear16.linear16_dot(x[:1], packed, 70)
+    torch.testing.assert_close(alone, full[:1], rtol=0, atol=float(bound(x[:1], w).max()))
+
+
 def test_two_threads_and_a_prefill_of_rows():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 200, generator=g).bfloat16()
