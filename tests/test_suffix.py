@@ -11,7 +11,8 @@ import pytest
 
 from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
-from specdec.drafters.suffix import END_MASK, SLOT_SHIFT, SuffixDrafter
+from specdec.drafters import suffix_native
+from specdec.drafters.suffix import END_MASK, SLOT_SHIFT, SuffixDrafter, SuffixTrie
 from test_drafters_lookup import target  # noqa: F401 (the fixture: a tiny model whose greedy output loops)
 from test_drafters_lookup import METHODS, make_seq, propose, repetitive_prompts, substring_counts, trie_counts
 
@@ -71,13 +72,19 @@ class KeptOutputs:
         return [now[i] if o is None else o for i, o in self.kept]
 
 
+IMPLEMENTATIONS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    suffix_native.unavailable_reason(check_env=False) is not None, reason="no native suffix tries"))]
+
+
+@pytest.mark.parametrize("native", IMPLEMENTATIONS, ids=["python", "native"])
 @pytest.mark.parametrize("bound", [0, 1, 3, 10])
-def test_global_trie_holds_exactly_the_kept_outputs(bound):
+def test_global_trie_holds_exactly_the_kept_outputs(bound, native):
     """Random rounds of running requests (growing, sometimes replaced by a shorter history, released, new
     ones joining): the global trie always equals one built afresh from the outputs it should keep."""
     rng = random.Random(bound)
     depth = 5
-    d = SuffixDrafter(max_tree_depth=depth, max_cached_requests=bound, max_spec_factor=2.0, min_token_prob=0.2)
+    d = SuffixDrafter(max_tree_depth=depth, max_cached_requests=bound, max_spec_factor=2.0, min_token_prob=0.2,
+                      native=native)
     new = lambda: make_seq([rng.randrange(3) for _ in range(rng.randint(1, 6))])  # noqa: E731 (all prompt)
     running, model = [new() for _ in range(3)], KeptOutputs(bound)
     for _ in range(80):
@@ -99,11 +106,31 @@ def test_global_trie_holds_exactly_the_kept_outputs(bound):
         assert len(d.cache.seqs) <= bound
         assert list(d.cache.seqs.values()) == expected
         assert trie_counts(d.cache) == substring_counts(expected, depth)
-        assert all(len(suffixes) < depth for suffixes in d.cache.growing.values())  # one step each per token
+        growing = [slot for slot in d.cache.seqs if is_growing(d.cache, slot)]
+        assert all(len(open_suffixes(d.cache, slot)) < depth for slot in growing)  # one step each per token
         for s in running:  # drafting reads a running output's open suffixes instead of walking the trie
             req = d.requests.get(s.seq_id)
             if req is not None and req.slot is not None:
                 assert_open_suffixes_are_the_matches(d.cache, req.slot)
+
+
+def is_growing(trie, slot) -> bool:
+    return slot in trie.growing if isinstance(trie, SuffixTrie) else trie.is_growing(slot)
+
+
+def open_suffixes(trie, slot) -> list[tuple[int, int]]:
+    """(node, depth) of a growing sequence's open suffixes, a node named by id() in the Python trie."""
+    if isinstance(trie, SuffixTrie):
+        return [(id(node), m) for node, m in trie.growing[slot]]
+    return trie.open(slot)
+
+
+def walk(trie, tokens, start, stop):
+    """The position of tokens[start:stop]: a node's name (as open_suffixes), or the Python leaf code."""
+    at = trie.walk(tokens, start, stop)
+    if isinstance(trie, SuffixTrie):
+        return at if type(at) is int else ("node", id(at))
+    return suffix_native.python_leaf(at) if at < 0 else ("node", at)
 
 
 def assert_open_suffixes_are_the_matches(trie, slot):
@@ -112,12 +139,12 @@ def assert_open_suffixes_are_the_matches(trie, slot):
     seq = trie.seqs[slot]
     nodes = []
     for m in range(min(trie.depth - 1, len(seq)), 0, -1):
-        at = trie.walk(seq, len(seq) - m, len(seq))
+        at = walk(trie, seq, len(seq) - m, len(seq))
         if type(at) is int:
             assert at >> SLOT_SHIFT == slot and (at & END_MASK) == len(seq) - 1
         else:
-            nodes.append((id(at), m))
-    assert [(id(node), m) for node, m in trie.growing[slot]] == nodes
+            nodes.append((at[1], m))
+    assert open_suffixes(trie, slot) == nodes
 
 
 def test_the_bound_pushes_out_the_oldest_running_output_which_stops_joining():
@@ -161,15 +188,16 @@ def reference_draft(h: list[int], k: int, depth: int, factor: float, min_prob: f
     return best, best_score
 
 
+@pytest.mark.parametrize("native", IMPLEMENTATIONS, ids=["python", "native"])
 @pytest.mark.parametrize("probability", ["continuations", "occurrences"])
-def test_drafts_equal_the_definition_for_each_estimate(probability):
+def test_drafts_equal_the_definition_for_each_estimate(probability, native):
     rng = random.Random(5)
     for _ in range(300):
         depth, V = rng.randint(2, 7), rng.randint(1, 4)
         factor, min_prob, k = rng.choice([0.5, 1.0, 2.0, 4.0]), rng.choice([0.0, 0.1, 0.3, 0.6]), rng.randint(1, 6)
         h = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
         d = SuffixDrafter(max_tree_depth=depth, max_cached_requests=0, max_spec_factor=factor,
-                          min_token_prob=min_prob, probability=probability)
+                          min_token_prob=min_prob, probability=probability, native=native)
         draft, score = d.draft(make_seq(h), k)
         ref, ref_score = reference_draft(h, k, depth, factor, min_prob, probability == "occurrences")
         assert draft == ref and score == pytest.approx(ref_score), (h, depth, factor, min_prob, k)
