@@ -266,6 +266,21 @@ def test_drafts_on_a_long_loop_with_a_big_vocabulary():
         assert_same_drafters(py, native)
 
 
+def test_the_fast_calls_take_only_their_types():
+    ext = suffix_native.extension()
+    req, trie = ext.Request(4, 1), ext.Trie(4)
+    assert ext.grow(req, [5, 6, 5, 6], trie) is True and req.tokens == [5, 6, 5, 6]
+    assert ext.draft(req, [5, 6, 5, 6, 5], None, 2, 1.0, 0.0, False) == ([6, 5], 2.0)
+    assert ext.draft(req, [7, 6, 5, 6, 5], None, 2, 1.0, 0.0, False) is None  # replaced: nothing changes
+    assert req.tokens == [5, 6, 5, 6, 5]
+    with pytest.raises(TypeError, match="expected a Request"):
+        ext.grow(trie, [1], None)
+    with pytest.raises(TypeError, match="expected a Trie"):
+        ext.draft(req, [1], req, 2, 1.0, 0.0, False)
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        ext.grow(req, [1])
+
+
 # -- which implementation ---------------------------------------------------------------------------
 
 

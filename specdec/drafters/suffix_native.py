@@ -5,9 +5,11 @@ the caches: whatever the tries touch then comes from memory. The Python tries' n
 objects; here nodes live in one array of 64-byte nodes (ids, a free list for removed ones), each with up
 to three children inline as {token, child, insertion number} and more in an open-addressing table, a
 child an int64 (a node id, or a negative leaf code), and the sequences' tokens are held natively. A
-round crosses into C++ once per row to grow the tries (``Request.grow``: the request's trie and its
-output in the global one) and once to draft (``Request.best_match``: the candidate loop of
-``SuffixDrafter._best_match``); trees are built natively from the winning position (``Trie.tree``).
+round crosses into C++ once per row to grow the tries (``grow``: the request's trie and its output in
+the global one) and once to draft (``draft``: the same growth, then the candidate loop of
+``SuffixDrafter._best_match``), both plain CPython calls (pybind11's dispatch, which the other
+methods use, costs more than the work when its data is out of the caches); trees are built
+natively from the winning position (``Trie.tree``).
 Measured: see docs/benchmarks.md.
 
 The Python classes stay the reference: drafts, scores, trees and counts are the same, tie-breaking
@@ -666,8 +668,25 @@ class Request : public Trie {
 
   // SuffixDrafter._best_match: (draft, score, where); where is None or (in the global trie, position, limit)
   py::tuple best_match(Trie* cache, int want, double factor, double min_prob, bool count_ends) {
+    Draft best;
+    const Where w = match(cache, want, factor, min_prob, count_ends, &best);
+    py::object where = py::none();
+    if (w.trie >= 0) where = py::make_tuple(w.trie == 1, w.pos, w.limit);
+    return py::make_tuple(to_list(best.tokens), best.score, where);
+  }
+
+  struct Where {
+    int trie;  // -1: no candidate drafts anything; 0: this trie; 1: the global one
+    int64_t pos;
+    int limit;
+  };
+
+  Where match(Trie* cache, int want, double factor, double min_prob, bool count_ends, Draft* out) {
     const std::vector<int32_t>& history = seqs_.at(0).tokens;
-    Draft best, cur;
+    Draft& best = *out;
+    best.tokens.clear();
+    best.score = 0.0;
+    Draft cur;
     int where_trie = -1;
     int64_t where_pos = 0;
     int where_limit = 0;
@@ -702,9 +721,7 @@ class Request : public Trie {
         }
       }
     }
-    py::object where = py::none();
-    if (where_trie >= 0) where = py::make_tuple(where_trie == 1, where_pos, where_limit);
-    return py::make_tuple(to_list(best.tokens), best.score, where);
+    return {where_trie, where_pos, where_limit};
   }
 
  private:
@@ -732,6 +749,73 @@ class Request : public Trie {
   int64_t num_prompt_;
   int64_t slot_ = -1;
 };
+
+// The two calls of a round (per row) as plain METH_FASTCALL functions: pybind11's dispatch (argument casters,
+// type lookups) costs far more than the work when its data is out of the caches, as between forward passes.
+// They take exactly a Request and a Trie (or None), read from pybind11's instance layout.
+PyTypeObject* request_type = nullptr;
+PyTypeObject* trie_type = nullptr;
+
+template <class T>
+T* unwrap(PyObject* o, PyTypeObject* type, const char* what) {
+  auto* inst = reinterpret_cast<py::detail::instance*>(o);
+  if (Py_TYPE(o) != type || !inst->simple_layout || !inst->simple_holder_constructed) {
+    PyErr_Format(PyExc_TypeError, "expected a %s", what);
+    return nullptr;
+  }
+  return static_cast<T*>(inst->simple_value_holder[0]);
+}
+
+template <class F>
+PyObject* guarded(F f) {
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (py::builtin_exception& e) {
+    e.set_error();
+  } catch (std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+// grow(request, history, cache or None) -> bool: Request.grow
+PyObject* fast_grow(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 3) return PyErr_Format(PyExc_TypeError, "grow takes 3 arguments");
+  Request* req = unwrap<Request>(args[0], request_type, "Request");
+  Trie* cache = args[2] == Py_None ? nullptr : unwrap<Trie>(args[2], trie_type, "Trie");
+  if (req == nullptr || (cache == nullptr && args[2] != Py_None)) return nullptr;
+  return guarded([&] { return PyBool_FromLong(req->grow(args[1], cache)); });
+}
+
+// draft(request, history, cache or None, want, factor, min_prob, count_ends) -> (draft, score) or None:
+// Request.grow then Request.best_match; None (changing nothing) when the history did not grow from its tokens
+PyObject* fast_draft(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 7) return PyErr_Format(PyExc_TypeError, "draft takes 7 arguments");
+  Request* req = unwrap<Request>(args[0], request_type, "Request");
+  Trie* cache = args[2] == Py_None ? nullptr : unwrap<Trie>(args[2], trie_type, "Trie");
+  if (req == nullptr || (cache == nullptr && args[2] != Py_None)) return nullptr;
+  const long want = PyLong_AsLong(args[3]);
+  const double factor = PyFloat_AsDouble(args[4]), min_prob = PyFloat_AsDouble(args[5]);
+  const int count_ends = PyObject_IsTrue(args[6]);
+  if (PyErr_Occurred()) return nullptr;
+  return guarded([&]() -> PyObject* {
+    if (!req->grow(args[1], cache)) Py_RETURN_NONE;
+    Draft d;
+    req->match(cache, static_cast<int>(want), factor, min_prob, count_ends != 0, &d);
+    py::tuple out = py::make_tuple(Trie::to_list(d.tokens), d.score);
+    return out.release().ptr();
+  });
+}
+
+PyMethodDef fast_methods[] = {
+    {"grow", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_grow)), METH_FASTCALL,
+     "grow(request, history, cache): Request.grow"},
+    {"draft", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fast_draft)), METH_FASTCALL,
+     "draft(request, history, cache, want, factor, min_prob, count_ends): Request.grow, then best_match's "
+     "(draft, score); None when the history was replaced"},
+    {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
 
@@ -770,7 +854,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("grow", &Request::grow, py::arg("history"), py::arg("cache").none(true))
       .def("grow_output", &Request::grow_output)
       .def("best_match", &Request::best_match, py::arg("cache").none(true), py::arg("want"), py::arg("factor"),
-           py::arg("min_prob"), py::arg("count_ends"));
+           py::arg("min_prob"), py::arg("count_ends"))
+      .def("address", [](Request& r) { return reinterpret_cast<intptr_t>(&r); })
+      .def_static("unwrapped", [](py::handle o) {  // what the fast calls read: the layout check
+        Request* r = unwrap<Request>(o.ptr(), request_type, "Request");
+        if (r == nullptr) throw py::error_already_set();
+        return reinterpret_cast<intptr_t>(r);
+      });
+  trie_type = reinterpret_cast<PyTypeObject*>(m.attr("Trie").ptr());
+  request_type = reinterpret_cast<PyTypeObject*>(m.attr("Request").ptr());
+  for (PyMethodDef* d = fast_methods; d->ml_name != nullptr; ++d)
+    m.add_object(d->ml_name, py::reinterpret_steal<py::object>(PyCFunction_NewEx(d, nullptr, m.ptr())));
 }
 """
 
@@ -796,6 +890,9 @@ def _load(source: str = _SOURCE):
     """(the module, None), or (None, why not), the reason logged once."""
     try:
         ext = _build(source)
+        probe = ext.Request(2, 0)  # the fast calls read pybind11's instance layout: check they read it right
+        if ext.Request.unwrapped(probe) != probe.address():
+            raise RuntimeError("pybind11's instance layout is not the one the fast calls read")
     except Exception as e:  # no compiler, no ninja, a read-only cache, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         reason = f"building the native suffix tries failed: {type(e).__name__}: {first}"
@@ -868,16 +965,32 @@ def python_leaf(code: int) -> int:
 class NativeSuffixDrafter(SuffixDrafter):
     """SuffixDrafter on the native tries: the same bookkeeping (requests, their outputs' slots in the
     global trie, eviction, release), each method mirroring the Python one it replaces; a row's round is
-    one ``grow`` and one ``best_match`` call."""
+    one ``grow`` call (observe) and one ``draft`` call (propose)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._ext = extension()
         self.cache = self._ext.Trie(self.depth)
 
+    def draft(self, seq: Sequence, want: int) -> tuple[list[int], float]:
+        req = self.requests.get(seq.seq_id)
+        if req is not None:  # the usual round: one call grows the tries and drafts
+            out = self._ext.draft(req, seq.token_ids, self.cache, want, self.max_spec_factor, self.min_token_prob,
+                                  self.count_ends)
+            if out is not None:
+                return out
+        return self._draft(self.sync(seq), want)
+
+    def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        grow, requests, cache = self._ext.grow, self.requests, self.cache
+        for s in seqs:  # sync, the usual round inlined
+            req = requests.get(s.seq_id)
+            if req is None or not grow(req, s.token_ids, cache):
+                self.sync(s)
+
     def sync(self, seq: Sequence):
         req = self.requests.get(seq.seq_id)
-        if req is None or not req.grow(seq.token_ids, self.cache):
+        if req is None or not self._ext.grow(req, seq.token_ids, self.cache):
             if req is not None and req.slot is not None:  # its old output leaves with its old history
                 self.cache.remove(req.slot)
                 del self.running[req.slot]
@@ -886,7 +999,7 @@ class NativeSuffixDrafter(SuffixDrafter):
                 req.slot = self.cache.add()  # its output, empty until its first output token
                 self.running[req.slot] = req
                 self._evict(req.slot)
-            req.grow(seq.token_ids, self.cache)
+            self._ext.grow(req, seq.token_ids, self.cache)
         return req
 
     def release(self, seqs: list[Sequence]) -> None:
