@@ -35,7 +35,7 @@ from specdec.round_record import RoundRecord
 from specdec.scheduler import KvBudget, RoundBatch, Scheduler
 from specdec.sequence import Sequence
 from specdec.tree import TreeShape
-from specdec.verify import verify
+from specdec.verify import verify, verify_greedy
 from specdec.verify_tree import verify_tree
 
 log = logging.getLogger(__name__)
@@ -166,13 +166,21 @@ class Engine:
             return self._plain_round(batch, steps, t0)
 
         # 2. verify: one target pass over [feed, x_1..x_k] -> p_1..p_{k+1} per row  [B, k+1, V];
-        #    position j of a row with penalties / biases / a grammar is processed as if x_1..x_j were emitted
-        raw_logits = self.target.forward(batch.verify_batch())
-        target_logits = process_verify_logits(raw_logits, batch.seqs, batch.draft_token_ids, batch.num_draft)
+        #    position j of a row with penalties / biases / a grammar is processed as if x_1..x_j were emitted.
+        #    Where only the argmax is read (greedy rows, no processor, no logprobs): argmax p_1..p_{k+1}  [B, k+1]
+        raw_logits = target_logits = target_argmax = None
+        if batch.argmax_only:
+            target_argmax = self.target.forward_argmax(batch.verify_batch())
+        else:
+            raw_logits = self.target.forward(batch.verify_batch())
+            target_logits = process_verify_logits(raw_logits, batch.seqs, batch.draft_token_ids, batch.num_draft)
 
         # 3. accept: a prefix of the drafts, then one recovered or bonus token per row
-        result = verify(batch.draft_token_ids, batch.draft_probs, target_logits, batch.sampling,
-                        [s.generator for s in batch.seqs], torch.tensor(batch.num_draft, device=self.device))
+        if target_argmax is not None:
+            result = verify_greedy(batch.draft_token_ids, target_argmax, batch.num_draft)
+        else:
+            result = verify(batch.draft_token_ids, batch.draft_probs, target_logits, batch.sampling,
+                            [s.generator for s in batch.seqs], torch.tensor(batch.num_draft, device=self.device))
         t2 = time.perf_counter()
 
         # 4. commit: the target cache keeps [feed, accepted drafts]; the rest is rolled back by the

@@ -70,7 +70,7 @@ def position_logprobs(logprobs: torch.Tensor, chosen: Seq[int], num_top: Seq[int
     return out
 
 
-def record_emitted(gained: Seq[tuple[Sequence, list[int]]], raw_logits: torch.Tensor, target_logits: torch.Tensor,
+def record_emitted(gained: Seq[tuple[Sequence, list[int]]], raw_logits: torch.Tensor | None, target_logits: torch.Tensor | None,
                    sampling: SamplingBatch, mode: str, token_text: TokenText) -> None:
     """After a round's commit: append to each sequence that asks for logprobs one dict per token it
     kept, and add the chosen tokens' logprobs to its cumulative_logprob. ``gained`` [B] in batch

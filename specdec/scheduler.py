@@ -373,6 +373,13 @@ class RoundBatch:
         """Whether some row feeds more than its newest token (a prompt merged into this round)."""
         return any(len(f) != 1 for f in self.feed)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the verify pass's argmax is all this round reads of its logits: every row greedy,
+        none with a logits processor or logprobs."""
+        return self.sampling.all_greedy and all(s.processor is None and s.params.logprobs is None
+                                                for s in self.seqs)
+
     def set_drafts(self, draft_token_ids: torch.Tensor | None, draft_probs: torch.Tensor | None,
                    num_draft: list[int] | None) -> None:
         if draft_token_ids is None:
@@ -385,9 +392,9 @@ class RoundBatch:
         of each row [B, k+1]: p_1 after the newest committed token, p_{i+1} after draft x_i."""
         drafts, k = self.draft_token_ids, self.draft_token_ids.shape[1]  # [B, k]
         lengths = [len(f) + n for f, n in zip(self.feed, self.num_draft)]
-        if not self.carries_prompt:
-            tokens = torch.cat([torch.tensor(self.feed, device=drafts.device), drafts], dim=1)  # [B, k+1]
-            index = torch.arange(k + 1, device=drafts.device).expand(len(self.seqs), k + 1)
+        if not self.carries_prompt:  # a round's common case, in two small tensors
+            tokens = torch.tensor([f + d for f, d in zip(self.feed, drafts.tolist())], device=drafts.device)  # [B, k+1]
+            index = torch.tensor([list(range(k + 1))] * len(self.seqs), device=drafts.device)  # [B, k+1]
         else:
             tokens = pad_rows([f + d for f, d in zip(self.feed, drafts.tolist())], drafts.device)  # [B, T]
             index = torch.tensor([[len(f) - 1 + j for j in range(k + 1)] for f in self.feed], device=drafts.device)

@@ -41,13 +41,13 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
     if num_draft is None:
         num_draft = torch.full((B,), k, dtype=torch.long, device=target_logits.device)
     if sb.all_greedy:
-        return verify_greedy(draft_token_ids, target_logits, num_draft)
+        return verify_greedy(draft_token_ids, argmax(target_logits), num_draft)
     num_accepted = [0] * B
     next_ids = [0] * B
     greedy_rows = [b for b in range(B) if sb.greedy[b]]
     sampled_rows = [b for b in range(B) if not sb.greedy[b]]
     if greedy_rows:
-        g = verify_greedy(draft_token_ids[greedy_rows], target_logits[greedy_rows], num_draft[greedy_rows])
+        g = verify_greedy(draft_token_ids[greedy_rows], argmax(target_logits[greedy_rows]), num_draft[greedy_rows])
         for i, b in enumerate(greedy_rows):
             num_accepted[b], next_ids[b] = g.num_accepted[i], g.next_token_ids[i]
     if sampled_rows:
@@ -60,18 +60,20 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
     return VerifyResult(num_accepted, next_ids)
 
 
-def verify_greedy(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
-                  num_draft: torch.Tensor | None = None) -> VerifyResult:
+def verify_greedy(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor,
+                  num_draft: torch.Tensor | Sequence[int] | None = None) -> VerifyResult:
     """Greedy rows: accept the drafts while each equals the target's argmax there, then emit the
-    argmax after the accepted prefix (recovered, or the bonus token after all num_draft[b]). The
-    argmaxes come to the host once and the prefix is found in Python: a round's k is small, and a
-    dozen small tensor ops cost more than the loop at batch 1."""
+    argmax after the accepted prefix (recovered, or the bonus token after all num_draft[b]).
+    draft_token_ids [B, k]; target_argmax [B, k+1] (argmax p_1..p_{k+1}). The argmaxes come to the
+    host once and the prefix is found in Python: a round's k is small, and a dozen small tensor ops
+    cost more than the loop at batch 1."""
     B, k = draft_token_ids.shape
-    target_argmax = argmax(target_logits).tolist()  # [B, k+1]
+    target_ids = target_argmax.tolist()  # [B, k+1]
     drafts = draft_token_ids.tolist()  # [B, k]
-    limits = [k] * B if num_draft is None else num_draft.tolist()  # [B]
+    limits = [k] * B if num_draft is None else (
+        num_draft.tolist() if isinstance(num_draft, torch.Tensor) else list(num_draft))  # [B]
     num_accepted, next_ids = [], []
-    for d, t, limit in zip(drafts, target_argmax, limits):
+    for d, t, limit in zip(drafts, target_ids, limits):
         n = 0
         while n < limit and d[n] == t[n]:
             n += 1

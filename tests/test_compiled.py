@@ -84,6 +84,26 @@ def test_steps_verify_passes_and_rollback_equal_eager(pair):
     assert clear >= 5  # of 10 positions: the check is not vacuous
 
 
+def test_forward_argmax_is_the_argmax_of_forward_on_both_paths(pair):
+    """The graph's own argmax (a greedy verify pass reads nothing else) equals the argmax of the logits the
+    same pass returns: compiled at the graph's exact size (its tokens taken as they are) and padded, eager."""
+    compiled, eager, _ = pair
+    for r in (compiled, eager):
+        for tokens, logits in ((PROMPT[20:21], "last"), (PROMPT[20:20 + compiled.compile_sizes[1]], "all"),
+                               (PROMPT[21:26], "all"), (PROMPT[21:29], 3)):
+            r.release()
+            r.sync_rows(["m"])
+            r.forward(ForwardBatch.from_rows([PROMPT[:20]], [0], logits="none"))
+            full = r.forward(ForwardBatch.from_rows([tokens], [20], logits=logits))
+            ids = r.forward_argmax(ForwardBatch.from_rows([tokens], [20], logits=logits))
+            if r is compiled:
+                assert r.last_path == "compiled"
+            assert ids.dtype == torch.long and ids.shape == full.shape[:-1]
+            assert torch.equal(ids, full.argmax(-1)), (r is compiled, tokens, logits)
+    with pytest.raises(ValueError, match="logits_index"):
+        eager.forward_argmax(ForwardBatch.from_rows([PROMPT[:3]], [0], logits="none"))
+
+
 def test_greedy_steps_use_the_compiled_step_and_equal_eager(pair):
     compiled, eager, _ = pair
     outs = []

@@ -22,22 +22,22 @@ def logits_for(*rows):
 
 
 def test_greedy_accepts_matching_prefix_then_emits_the_target_argmax():
-    r = verify_greedy(torch.tensor([[1, 2, 3]]), logits_for(1, 2, 4, 5))
+    r = verify_greedy(torch.tensor([[1, 2, 3]]), logits_for(1, 2, 4, 5).argmax(-1))
     assert r.num_accepted == [2] and r.next_token_ids == [4]  # x_3 = 3 rejected; recovered = argmax p_3 = 4
 
 
 def test_greedy_full_acceptance_emits_the_bonus_token():
-    r = verify_greedy(torch.tensor([[1, 2, 3]]), logits_for(1, 2, 3, 5))
+    r = verify_greedy(torch.tensor([[1, 2, 3]]), logits_for(1, 2, 3, 5).argmax(-1))
     assert r.num_accepted == [3] and r.next_token_ids == [5]
 
 
 def test_greedy_first_mismatch_ends_the_round_even_if_later_drafts_match():
-    r = verify_greedy(torch.tensor([[0, 2, 3]]), logits_for(1, 2, 3, 5))
+    r = verify_greedy(torch.tensor([[0, 2, 3]]), logits_for(1, 2, 3, 5).argmax(-1))
     assert r.num_accepted == [0] and r.next_token_ids == [1]
 
 
 def test_greedy_with_no_drafts_is_plain_decoding():
-    r = verify_greedy(torch.zeros(1, 0, dtype=torch.long), logits_for(4))
+    r = verify_greedy(torch.zeros(1, 0, dtype=torch.long), logits_for(4).argmax(-1))
     assert r.num_accepted == [0] and r.next_token_ids == [4]
 
 
@@ -177,7 +177,7 @@ def test_rows_with_fewer_drafts_get_their_bonus_from_the_right_position():
     # row 0 drafted 1 token (of k = 3) and it matches: its bonus is argmax p_2, not a rejection
     logits = logits_for(1, 2, 3, 4).repeat(2, 1, 1)
     draft = torch.tensor([[1, 0, 0], [1, 2, 5]])
-    r = verify_greedy(draft, logits, torch.tensor([1, 3]))
+    r = verify_greedy(draft, logits.argmax(-1), torch.tensor([1, 3]))
     assert r.num_accepted == [1, 2] and r.next_token_ids == [2, 3]
     p = torch.softmax(logits * 10, -1)  # nearly one-hot
     for seed in range(20):

@@ -127,6 +127,14 @@ class ModelRunner(ABC):
         ``batch.logits_index``, or None when it is None. A backend that cannot honour
         ``num_layers`` raises ValueError."""
 
+    def forward_argmax(self, batch: ForwardBatch) -> torch.Tensor:
+        """``argmax(forward(batch))``: long [B] or [B, L] (the first maximal index), for a caller that reads
+        nothing else of the logits (a verify pass of greedy rows). A backend whose forward computes the
+        argmax anyway overrides this and skips copying the logits out."""
+        if batch.logits_index is None:
+            raise ValueError("forward_argmax needs a batch with logits (ForwardBatch.logits_index)")
+        return argmax(self.forward(batch))
+
     def greedy_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int = 0,
                      stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
         """Greedy decoding of up to ``steps`` tokens per row in one call (plain rounds, greedy drafts):

@@ -420,22 +420,27 @@ class CompiledStep:
             return "kept hidden states changed since the compile"
         return None
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor | None:
+    def run(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor | None:
         """``batch`` (one row: ``why_not``) through the compiled graph, padded to its size: padding tokens
         continue the row (a chain past the last token, or in a tree a chain below the last node), write
-        past the row's tokens and are seen by no real token."""
+        past the row's tokens and are seen by no real token. ``argmax``: the graph's argmax at the
+        logits index [1] or [1, L] instead of the logits [1, V] or [1, L, V]."""
         T = batch.token_ids.shape[1]
         Tb = next(s for s in self.sizes if s >= T)
-        tokens = torch.zeros(1, Tb, dtype=torch.long, device=self.device)  # made here: an inference tensor, as traced
-        tokens[:, :T] = batch.token_ids
-        logits, _ = self._call(tokens, batch.start[0], batch.row_offset, None if batch.parents is None else batch.parents[0])
+        tokens = batch.token_ids  # taken as it is by a direct call (DirectGraphs) when of the graph's size
+        direct = self.direct is not None and Tb in self.direct.graphs
+        if Tb != T or not direct or tokens.dtype != torch.long or not tokens.is_contiguous():
+            tokens = torch.zeros(1, Tb, dtype=torch.long, device=self.device)  # made here: an inference tensor, as traced
+            tokens[:, :T] = batch.token_ids
+        logits, ids = self._call(tokens, batch.start[0], batch.row_offset,
+                                 None if batch.parents is None else batch.parents[0])
         if batch.logits_index is None:
             return None
         index = batch.logits_index[0]  # [] ("last") or [L]
         # index_select copies: on CUDA the graph's own output is overwritten by its next replay (indexing
         # with the 0-d index would return a view of it)
-        out = logits.index_select(1, index.reshape(-1))  # [1, 1 or L, V]
-        return out[:, 0] if index.dim() == 0 else out  # [1, V] or [1, L, V]
+        out = (ids if argmax else logits).index_select(1, index.reshape(-1))  # [1, 1 or L(, V)]
+        return out[:, 0] if index.dim() == 0 else out  # [1(, V)] or [1, L(, V)]
 
     def greedy_steps(self, token: int, start: int, steps: int, row: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
         """ModelRunner.greedy_steps for one row on the one-token graph (``why_not_shape(1, 1)`` is None):

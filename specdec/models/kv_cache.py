@@ -102,6 +102,10 @@ class RowTable:
     def __init__(self) -> None:
         self.row_of: dict[Hashable, int] = {}
 
+    def holds(self, ids: Sequence[Hashable]) -> bool:
+        """Whether ``ids`` are the rows already, in order (most rounds: nothing joins, leaves or moves)."""
+        return len(ids) == len(self.row_of) and all(self.row_of.get(i) == n for n, i in enumerate(ids))
+
     def sync(self, ids: Sequence[Hashable], cache: KVCache) -> list[bool]:
         rows = [self.row_of.get(i) for i in ids]
         is_new = [r is None for r in rows]

@@ -208,10 +208,12 @@ class LlamaRunner(ModelRunner):
         self.cache = None
         self.rows = RowTable()
 
-    @torch.inference_mode()
     def sync_rows(self, ids: Sequence[Hashable]) -> list[bool]:
-        self.reserve(len(ids), self.cache.max_len if self.cache else 1)
-        return self.rows.sync(ids, self.cache)
+        if self.cache is not None and self.rows.holds(ids):  # most rounds: no torch call at all
+            return [False] * len(ids)
+        with torch.inference_mode():
+            self.reserve(len(ids), self.cache.max_len if self.cache else 1)
+            return self.rows.sync(ids, self.cache)
 
     @torch.inference_mode()
     def copy_prefix(self, src_row: int, dst_rows: Sequence[int], length: int) -> None:
@@ -260,6 +262,13 @@ class LlamaRunner(ModelRunner):
             self.last_path = f"eager: {reason}"
             log.debug("torch runner: eager forward: %s", reason)
         return self._eager_forward(batch)
+
+    def forward_argmax(self, batch: ForwardBatch) -> torch.Tensor:
+        """The compiled graph computes the argmax beside the logits: taken as it is (ModelRunner.forward_argmax)."""
+        if self.compiled is not None and batch.logits_index is not None and self.compiled.why_not(batch) is None:
+            self.last_path = "compiled"
+            return self.compiled.run(batch, argmax=True)
+        return super().forward_argmax(batch)
 
     @torch.inference_mode()
     def greedy_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int = 0,
