@@ -10,7 +10,6 @@ the global one) and once to draft (``draft``: the same growth, then the candidat
 ``SuffixDrafter._best_match``), both plain CPython calls (pybind11's dispatch, which the other
 methods use, costs more than the work when its data is out of the caches); trees are built
 natively from the winning position (``Trie.tree``).
-Measured: see docs/benchmarks.md.
 
 The Python classes stay the reference: drafts, scores, trees and counts are the same, tie-breaking
 included (tests/test_suffix_native.py compares them step by step). ``SuffixDrafter(...)`` gives a
