@@ -60,15 +60,15 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
     return VerifyResult(num_accepted, next_ids)
 
 
-def verify_greedy(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor,
+def verify_greedy(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor | list[list[int]],
                   num_draft: torch.Tensor | Sequence[int] | None = None) -> VerifyResult:
     """Greedy rows: accept the drafts while each equals the target's argmax there, then emit the
     argmax after the accepted prefix (recovered, or the bonus token after all num_draft[b]).
-    draft_token_ids [B, k]; target_argmax [B, k+1] (argmax p_1..p_{k+1}). The argmaxes come to the
-    host once and the prefix is found in Python: a round's k is small, and a dozen small tensor ops
-    cost more than the loop at batch 1."""
+    draft_token_ids [B, k]; target_argmax [B, k+1] (argmax p_1..p_{k+1}, a tensor or lists). The
+    argmaxes come to the host once and the prefix is found in Python: a round's k is small, and a
+    dozen small tensor ops cost more than the loop at batch 1."""
     B, k = draft_token_ids.shape
-    target_ids = target_argmax.tolist()  # [B, k+1]
+    target_ids = target_argmax.tolist() if isinstance(target_argmax, torch.Tensor) else target_argmax  # [B, k+1]
     drafts = draft_token_ids.tolist()  # [B, k]
     limits = [k] * B if num_draft is None else (
         num_draft.tolist() if isinstance(num_draft, torch.Tensor) else list(num_draft))  # [B]

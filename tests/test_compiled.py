@@ -12,7 +12,7 @@ from specdec import LLM
 from specdec.config import ModelConfig, SpeculativeConfig
 from specdec.models import cache_attention, linear16
 from specdec.models.base import ForwardBatch
-from specdec.models.compiled import compile_settings, sizes_for
+from specdec.models.compiled import ATTEND_STEP, attended_length, compile_settings, sizes_for
 from specdec.models.llama import LlamaRunner
 from specdec.models.load import load_model
 from specdec.scheduler import KvBudget
@@ -98,8 +98,7 @@ def test_forward_argmax_is_the_argmax_of_forward_on_both_paths(pair):
             ids = r.forward_argmax(ForwardBatch.from_rows([tokens], [20], logits=logits))
             if r is compiled:
                 assert r.last_path == "compiled"
-            assert ids.dtype == torch.long and ids.shape == full.shape[:-1]
-            assert torch.equal(ids, full.argmax(-1)), (r is compiled, tokens, logits)
+            assert ids == full.argmax(-1).tolist(), (r is compiled, tokens, logits)
     with pytest.raises(ValueError, match="logits_index"):
         eager.forward_argmax(ForwardBatch.from_rows([PROMPT[:3]], [0], logits="none"))
 
@@ -273,6 +272,19 @@ def test_compile_settings_are_ones_torch_compile_takes(device):
     settings = compile_settings(torch.device(device))
     assert len(settings) == 1 and set(settings) <= {"mode", "options"}
     torch.compile(lambda x: x + 1, backend="inductor", fullgraph=True, dynamic=False, **settings)
+
+
+def test_chain_inputs_made_in_numpy_equal_the_torch_ones(pair):
+    """The direct CPU path's positions, slots and mask (_chain_inputs) are the tensors the torch path makes,
+    at every start from 0 to past a few attended lengths, for each compiled size."""
+    compiled = pair[0].compiled
+    for Tb in compiled.sizes:
+        for start in range(0, 3 * ATTEND_STEP + 5):
+            L = attended_length(start + Tb)
+            pos, slots, mask = compiled._chain_inputs(start, Tb, L)
+            want = torch.arange(start, start + Tb)[None]
+            assert torch.equal(pos, want) and torch.equal(slots, want) and pos.data_ptr() != slots.data_ptr()
+            assert torch.equal(mask, torch.full((1, 1, Tb, L), float("-inf")).triu_(start + 1)), (Tb, start)
 
 
 def test_compiled_sizes_follow_the_row_blocks_and_reach_the_longest_verify_pass(tmp_path):

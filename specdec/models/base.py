@@ -127,13 +127,13 @@ class ModelRunner(ABC):
         ``batch.logits_index``, or None when it is None. A backend that cannot honour
         ``num_layers`` raises ValueError."""
 
-    def forward_argmax(self, batch: ForwardBatch) -> torch.Tensor:
-        """``argmax(forward(batch))``: long [B] or [B, L] (the first maximal index), for a caller that reads
-        nothing else of the logits (a verify pass of greedy rows). A backend whose forward computes the
-        argmax anyway overrides this and skips copying the logits out."""
+    def forward_argmax(self, batch: ForwardBatch) -> list:
+        """``argmax(forward(batch)).tolist()``: token ids [B] or [B][L] (the first maximal index), for a caller
+        that reads nothing else of the logits (a verify pass of greedy rows). A backend whose forward
+        computes the argmax anyway overrides this and skips copying the logits out."""
         if batch.logits_index is None:
             raise ValueError("forward_argmax needs a batch with logits (ForwardBatch.logits_index)")
-        return argmax(self.forward(batch))
+        return argmax(self.forward(batch)).tolist()
 
     def greedy_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int = 0,
                      stop_token_ids: Sequence[int] = ()) -> list[list[int]]:

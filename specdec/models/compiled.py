@@ -47,6 +47,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -353,6 +354,7 @@ class CompiledStep:
         self.cuda_graphs = self.device.type == "cuda"  # mode "reduce-overhead": replayed as CUDA graphs
         self.read_every = STOP_READ_EVERY if self.device.type == "cuda" else 1  # greedy_steps' stop reads
         self._row_tensors: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the graph's rows input
+        self._triangles: dict[int, np.ndarray] = {}  # Tb -> the masks' upper triangle (_chain_inputs)
         self.in_cache = attention_kernel.supports(m.dims.compute_dtype, self.device, m.dims.head_dim)
         self.graph = StepGraph(m, self.windows, long_window, self.kept_layers, self.in_cache)
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
@@ -420,11 +422,11 @@ class CompiledStep:
             return "kept hidden states changed since the compile"
         return None
 
-    def run(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor | None:
+    def run(self, batch: ForwardBatch, argmax: bool = False) -> torch.Tensor | list | None:
         """``batch`` (one row: ``why_not``) through the compiled graph, padded to its size: padding tokens
         continue the row (a chain past the last token, or in a tree a chain below the last node), write
         past the row's tokens and are seen by no real token. ``argmax``: the graph's argmax at the
-        logits index [1] or [1, L] instead of the logits [1, V] or [1, L, V]."""
+        logits index as lists [1] or [1][L] instead of the logits [1, V] or [1, L, V]."""
         T = batch.token_ids.shape[1]
         Tb = next(s for s in self.sizes if s >= T)
         tokens = batch.token_ids  # taken as it is by a direct call (DirectGraphs) when of the graph's size
@@ -436,11 +438,14 @@ class CompiledStep:
                                  None if batch.parents is None else batch.parents[0])
         if batch.logits_index is None:
             return None
+        if argmax:  # as lists: no tensor op (each costs several µs of cache misses after the graph)
+            index, row = batch.logits_index.tolist()[0], ids.tolist()[0]  # [] ("last") or [L]; [Tb]
+            return [row[index] if isinstance(index, int) else [row[i] for i in index]]
         index = batch.logits_index[0]  # [] ("last") or [L]
         # index_select copies: on CUDA the graph's own output is overwritten by its next replay (indexing
         # with the 0-d index would return a view of it)
-        out = (ids if argmax else logits).index_select(1, index.reshape(-1))  # [1, 1 or L(, V)]
-        return out[:, 0] if index.dim() == 0 else out  # [1(, V)] or [1, L(, V)]
+        out = logits.index_select(1, index.reshape(-1))  # [1, 1 or L, V]
+        return out[:, 0] if index.dim() == 0 else out  # [1, V] or [1, L, V]
 
     def greedy_steps(self, token: int, start: int, steps: int, row: int, stop_token_ids: Sequence[int] = ()) -> list[int]:
         """ModelRunner.greedy_steps for one row on the one-token graph (``why_not_shape(1, 1)`` is None):
@@ -489,6 +494,9 @@ class CompiledStep:
         end = start + Tb
         L = attended_length(end)
         self.host.reserve(row + 1, L + 1)  # the graph was traced with the cache longer than L: keep it so
+        if parents is None and self.windows == [None] and self.direct is not None and Tb in self.direct.graphs:
+            pos, slots, mask = self._chain_inputs(start, Tb, L)
+            return self._graph(tokens, pos, slots, row, mask)
         slots = torch.arange(start, end, device=device)[None]  # [1, Tb]
         if parents is None:
             pos = torch.arange(start, end, device=device)[None]  # not slots itself: the graph was traced with distinct ones
@@ -504,6 +512,19 @@ class CompiledStep:
             mask = torch.cat([tree_mask(pos, ancestors, first, L, w, additive=True) for w in self.windows],
                              dim=1).transpose(0, 1)  # [W, 1, Tb, L]: one per window
         return self._graph(tokens, pos, slots, row, mask)
+
+    def _chain_inputs(self, start: int, Tb: int, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``_call``'s positions, slots [1, Tb] and mask [1, 1, Tb, L] for a chain on a CPU graph called directly
+        (no sliding window), made in numpy: torch ops cost more in cache misses after each graph call. The
+        mask is 0 up to each token's own position start + t and -inf past it: the band after column
+        ``start`` is a slice of an upper triangle made once per size."""
+        tri = self._triangles.get(Tb)
+        if tri is None:  # -inf at d >= t; d < L - start - 1 <= 2 ATTEND_STEP + Tb (attended_length)
+            tri = self._triangles[Tb] = np.triu(np.full((Tb, 2 * ATTEND_STEP + Tb), -np.inf, np.float32))
+        mask = np.zeros((1, 1, Tb, L), np.float32)
+        mask[0, 0, :, start + 1:] = tri[:, : L - start - 1]
+        return (torch.from_numpy(np.arange(start, start + Tb)[None]), torch.from_numpy(np.arange(start, start + Tb)[None]),
+                torch.from_numpy(mask))
 
     def _graph(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, row: int,
                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

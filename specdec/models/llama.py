@@ -193,16 +193,20 @@ class LlamaRunner(ModelRunner):
         """2 on the compiled path (its graph traced the cache's rows as a dynamic dim, >= 2), else 1."""
         return 2 if self.compiled is not None else 1
 
-    @torch.inference_mode()  # the cache is only ever touched in inference mode, wherever it was made
     def reserve(self, num_rows: int, length: int) -> None:
         """Make room for ``num_rows`` sequences of ``length`` positions, keeping what is cached."""
+        c = self.cache
+        if c is not None and c.num_rows >= max(num_rows, self.min_cache_rows) and c.max_len >= length:
+            return  # room already (most calls: every compiled pass asks), without entering inference mode
+
         def make(rows: int, max_len: int) -> KVCache:
             d = self.model.dims
             return KVCache(self.num_layers, rows, d.num_kv_heads, max_len, d.head_dim, d.compute_dtype,
                            self.device, state_width=len(self.kept_layers) * d.hidden_size)
 
-        self.cache = grow(self.cache, max(num_rows, self.min_cache_rows), length, self.cache_step, make)
-        self._grow_rope(self.cache.max_len)
+        with torch.inference_mode():  # the cache is only ever touched in inference mode, wherever it was made
+            self.cache = grow(self.cache, max(num_rows, self.min_cache_rows), length, self.cache_step, make)
+            self._grow_rope(self.cache.max_len)
 
     def release(self) -> None:
         self.cache = None
@@ -263,7 +267,7 @@ class LlamaRunner(ModelRunner):
             log.debug("torch runner: eager forward: %s", reason)
         return self._eager_forward(batch)
 
-    def forward_argmax(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_argmax(self, batch: ForwardBatch) -> list:
         """The compiled graph computes the argmax beside the logits: taken as it is (ModelRunner.forward_argmax)."""
         if self.compiled is not None and batch.logits_index is not None and self.compiled.why_not(batch) is None:
             self.last_path = "compiled"
