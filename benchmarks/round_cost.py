@@ -143,7 +143,8 @@ class Recorder:
         if built is None or accepted is None or not target:
             self.skipped += 1  # a round of another shape (a tree round): not what this table splits
             return
-        fwd = target[-1]
+        fwd = target[-1]  # the verify pass; a forward inside forward_argmax (the base one) is its kernel
+        fwd = next((e for e in reversed(target[:-1]) if e[1] >= fwd[1] and e[2] <= fwd[2]), fwd)
         self.rounds.append(Round(
             t1 - t0, tokens, draft_kernel=draft, draft_host=built - t0 - draft, verify_kernel=span(fwd),
             verify_host=(fwd[1] - built) + (accepted - fwd[2]), update=t1 - accepted, decode=decode,
@@ -173,6 +174,7 @@ def instrumented(llm, recorder: Recorder):
 
     engine = llm.engine
     recorder.wrap(engine.target, "forward", "target", fed_tokens)
+    recorder.wrap(engine.target, "forward_argmax", "target", fed_tokens)  # a greedy verify pass
     recorder.wrap(engine.target, "greedy_steps", "target_steps")
     if hasattr(engine.target, "_decode"):
         recorder.wrap(engine.target, "_decode", "decode")
@@ -202,23 +204,26 @@ def instrumented(llm, recorder: Recorder):
 
     engine.step = timed_step
     recorder.wrapped.append((engine, "step", None))
-    verify, verify_batch = engine_module.verify, RoundBatch.verify_batch
+    verify, verify_greedy, verify_batch = engine_module.verify, engine_module.verify_greedy, RoundBatch.verify_batch
 
-    def timed_verify(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = verify(*args, **kwargs)
-        recorder.events.append(("accept", t0, time.perf_counter(), 0))
-        return out
+    def timing(accept):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = accept(*args, **kwargs)
+            recorder.events.append(("accept", t0, time.perf_counter(), 0))
+            return out
+        return timed
 
     def timed_verify_batch(self, *args, **kwargs):
         recorder.events.append(("verify_batch", time.perf_counter(), 0.0, 0))
         return verify_batch(self, *args, **kwargs)
 
-    engine_module.verify, RoundBatch.verify_batch = timed_verify, timed_verify_batch
+    engine_module.verify, engine_module.verify_greedy = timing(verify), timing(verify_greedy)
+    RoundBatch.verify_batch = timed_verify_batch
     try:
         yield
     finally:
-        engine_module.verify, RoundBatch.verify_batch = verify, verify_batch
+        engine_module.verify, engine_module.verify_greedy, RoundBatch.verify_batch = verify, verify_greedy, verify_batch
         recorder.unwrap()
 
 
