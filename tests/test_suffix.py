@@ -12,6 +12,7 @@ import pytest
 from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.drafters import suffix_native
+from specdec.drafters.suffix_native import suffix_drafter
 from specdec.drafters.suffix import END_MASK, SLOT_SHIFT, SuffixDrafter, SuffixTrie
 from test_drafters_lookup import target  # noqa: F401 (the fixture: a tiny model whose greedy output loops)
 from test_drafters_lookup import METHODS, make_seq, propose, repetitive_prompts, substring_counts, trie_counts
@@ -83,7 +84,7 @@ def test_global_trie_holds_exactly_the_kept_outputs(bound, native):
     ones joining): the global trie always equals one built afresh from the outputs it should keep."""
     rng = random.Random(bound)
     depth = 5
-    d = SuffixDrafter(max_tree_depth=depth, max_cached_requests=bound, max_spec_factor=2.0, min_token_prob=0.2,
+    d = suffix_drafter(max_tree_depth=depth, max_cached_requests=bound, max_spec_factor=2.0, min_token_prob=0.2,
                       native=native)
     new = lambda: make_seq([rng.randrange(3) for _ in range(rng.randint(1, 6))])  # noqa: E731 (all prompt)
     running, model = [new() for _ in range(3)], KeptOutputs(bound)
@@ -196,7 +197,7 @@ def test_drafts_equal_the_definition_for_each_estimate(probability, native):
         depth, V = rng.randint(2, 7), rng.randint(1, 4)
         factor, min_prob, k = rng.choice([0.5, 1.0, 2.0, 4.0]), rng.choice([0.0, 0.1, 0.3, 0.6]), rng.randint(1, 6)
         h = [rng.randrange(V) for _ in range(rng.randint(1, 30))]
-        d = SuffixDrafter(max_tree_depth=depth, max_cached_requests=0, max_spec_factor=factor,
+        d = suffix_drafter(max_tree_depth=depth, max_cached_requests=0, max_spec_factor=factor,
                           min_token_prob=min_prob, probability=probability, native=native)
         draft, score = d.draft(make_seq(h), k)
         ref, ref_score = reference_draft(h, k, depth, factor, min_prob, probability == "occurrences")

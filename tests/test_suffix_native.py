@@ -14,7 +14,7 @@ from lossless import assert_greedy_equal
 from specdec import LLM, SamplingParams
 from specdec.drafters import suffix_native
 from specdec.drafters.suffix import Node, SuffixDrafter, SuffixTrie
-from specdec.drafters.suffix_native import NativeSuffixDrafter, python_leaf
+from specdec.drafters.suffix_native import NativeSuffixDrafter, python_leaf, suffix_drafter
 from specdec.sampling import SamplingBatch
 from specdec.tree import TreeShape
 from test_drafters_lookup import target  # noqa: F401 (the fixture: a tiny model whose greedy output loops)
@@ -197,7 +197,7 @@ def test_the_drafters_draft_the_same_at_every_step(seed, probability):
         kw = dict(max_tree_depth=rng.choice([2, 3, 5, 8, 24]), max_cached_requests=rng.choice([0, 1, 2, 5, 100]),
                   max_spec_factor=rng.choice([0.5, 1.0, 2.0, 4.0, 32.0]), min_token_prob=rng.choice([0.0, 0.1, 0.3]),
                   probability=probability)
-        py, native = SuffixDrafter(**kw, native=False), SuffixDrafter(**kw, native=True)
+        py, native = suffix_drafter(**kw, native=False), suffix_drafter(**kw, native=True)
         assert type(py) is SuffixDrafter and type(native) is NativeSuffixDrafter
         V = rng.choice([2, 3, 6, 50])
         streams = {}
@@ -253,7 +253,7 @@ def test_drafts_on_a_long_loop_with_a_big_vocabulary():
     """Long histories over many tokens: the root and the first level keep their children in tables."""
     rng = random.Random(7)
     kw = dict(max_tree_depth=24, max_cached_requests=3, max_spec_factor=2.0, min_token_prob=0.1)
-    py, native = SuffixDrafter(**kw, native=False), SuffixDrafter(**kw, native=True)
+    py, native = suffix_drafter(**kw, native=False), suffix_drafter(**kw, native=True)
     for r in range(5):
         text = [rng.randrange(2000) for _ in range(300)]
         s = make_seq(text[:100], num_prompt=100)
@@ -286,21 +286,21 @@ def test_the_fast_calls_take_only_their_types():
 
 def test_suffix_drafter_is_native_unless_asked_not_to_be(monkeypatch):
     monkeypatch.delenv(suffix_native.ENV, raising=False)
-    assert type(SuffixDrafter()) is NativeSuffixDrafter
-    assert type(SuffixDrafter(native=False)) is SuffixDrafter
+    assert type(suffix_drafter()) is NativeSuffixDrafter
+    assert type(suffix_drafter(native=False)) is SuffixDrafter
     monkeypatch.setenv(suffix_native.ENV, "1")
-    assert type(SuffixDrafter()) is SuffixDrafter
-    assert type(SuffixDrafter(native=True)) is NativeSuffixDrafter  # asked for explicitly
+    assert type(suffix_drafter()) is SuffixDrafter
+    assert type(suffix_drafter(native=True)) is NativeSuffixDrafter  # asked for explicitly
     monkeypatch.setenv(suffix_native.ENV, "0")
-    assert type(SuffixDrafter()) is NativeSuffixDrafter
+    assert type(suffix_drafter()) is NativeSuffixDrafter
 
 
 def test_without_the_extension_the_python_tries_run(monkeypatch):
     monkeypatch.setattr(suffix_native, "_load", lambda: (None, "building the native suffix tries failed: (a test)"))
-    d = SuffixDrafter(max_spec_factor=4.0)
+    d = suffix_drafter(max_spec_factor=4.0)
     assert type(d) is SuffixDrafter and d.draft(make_seq([1, 2, 3, 1, 2]), 2) == ([3, 1], 2.0)
     with pytest.raises(RuntimeError, match="unavailable: building the native suffix tries failed"):
-        SuffixDrafter(native=True)
+        suffix_drafter(native=True)
 
 
 def test_a_failed_build_is_a_logged_reason_not_a_crash(monkeypatch, tmp_path, caplog):
@@ -330,7 +330,7 @@ def test_greedy_output_equals_plain_decoding_and_the_python_drafters_rounds(targ
         llm = LLM(path, speculative_config=METHODS["suffix"], max_num_seqs=batch)
         assert type(llm.engine.drafter) is NativeSuffixDrafter
         if not native:
-            llm.engine.drafter = SuffixDrafter(max_spec_factor=2.0, native=False)
+            llm.engine.drafter = suffix_drafter(max_spec_factor=2.0, native=False)
             llm.engine.drafter.method = "suffix"
         for p, e, o in zip(prompts, expected, llm.generate(requests, sp)):
             assert_greedy_equal(hf, p, e, o.outputs[0].token_ids)

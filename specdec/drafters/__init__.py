@@ -30,13 +30,13 @@ def build_drafter(spec: SpeculativeConfig, target: ModelRunner, draft=None) -> D
 
 
 def _suffix(spec: SpeculativeConfig) -> Drafter:
-    from specdec.drafters.suffix import SuffixDrafter
+    from specdec.drafters.suffix_native import suffix_drafter
 
-    return SuffixDrafter(max_tree_depth=spec.suffix_decoding_max_tree_depth,
-                         max_cached_requests=spec.suffix_decoding_max_cached_requests,
-                         max_spec_factor=spec.suffix_decoding_max_spec_factor,
-                         min_token_prob=spec.suffix_decoding_min_token_prob,
-                         probability=spec.suffix_decoding_probability)
+    return suffix_drafter(max_tree_depth=spec.suffix_decoding_max_tree_depth,
+                          max_cached_requests=spec.suffix_decoding_max_cached_requests,
+                          max_spec_factor=spec.suffix_decoding_max_spec_factor,
+                          min_token_prob=spec.suffix_decoding_min_token_prob,
+                          probability=spec.suffix_decoding_probability)
 
 
 def _build(spec: SpeculativeConfig, target: ModelRunner, draft) -> Drafter:

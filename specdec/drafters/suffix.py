@@ -50,11 +50,11 @@ node per open suffix that is still repeated (at most max_tree_depth), in the
 request's trie and, for an output token, in the global one; evicting a request walks
 its substrings once more and removes what only it contributed.
 
-Implementations: the classes here are the reference. ``SuffixDrafter(...)`` gives a
-``suffix_native.NativeSuffixDrafter`` where its C++ extension builds: the same tries (nodes in
-arrays, the tokens held natively) with the same drafts, scores, trees and counts, tie-breaking
-included, and a round's work per sequence in two calls; ``native=False`` or
-``SPECDEC_NO_NATIVE_SUFFIX=1`` keeps the Python one, as does a failed build (logged).
+Implementations: the classes here are the reference. The engine's drafter comes from
+``suffix_native.suffix_drafter``: a ``NativeSuffixDrafter`` where its C++ extension builds (the
+same tries, nodes in arrays and the tokens held natively, with the same drafts, scores, trees and
+counts, tie-breaking included, and a round's work per sequence in two calls), else this one
+(``SPECDEC_NO_NATIVE_SUFFIX=1``, or a failed build, logged).
 """
 
 from __future__ import annotations
@@ -71,23 +71,10 @@ PROBABILITY_ESTIMATES = ("continuations", "occurrences")
 
 
 class SuffixDrafter(Drafter):
-    """The reference implementation, on the Python tries below. ``SuffixDrafter(...)`` makes a
-    ``suffix_native.NativeSuffixDrafter`` (the same drafts from C++ tries) where that builds, unless
-    ``native=False`` or SPECDEC_NO_NATIVE_SUFFIX=1; ``native=True`` requires it."""
-
-    def __new__(cls, *args, native: bool | None = None, **kwargs):
-        if cls is SuffixDrafter and native is not False:
-            from specdec.drafters import suffix_native
-
-            reason = suffix_native.unavailable_reason(check_env=native is None)
-            if reason is None:
-                cls = suffix_native.NativeSuffixDrafter
-            elif native:
-                raise RuntimeError(f"the native suffix tries are unavailable: {reason}")
-        return super().__new__(cls)
+    """The reference implementation, on the Python tries below (suffix_native.suffix_drafter picks)."""
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 1000, max_spec_factor: float = 1.0,
-                 min_token_prob: float = 0.1, probability: str = "continuations", native: bool | None = None):
+                 min_token_prob: float = 0.1, probability: str = "continuations"):
         if max_tree_depth < 1 or max_cached_requests < 0 or max_spec_factor <= 0 or not 0 <= min_token_prob <= 1:
             raise ValueError("need max_tree_depth >= 1, max_cached_requests >= 0, max_spec_factor > 0 and "
                              f"0 <= min_token_prob <= 1; got {max_tree_depth}, {max_cached_requests}, "

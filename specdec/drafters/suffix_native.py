@@ -868,6 +868,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 
+def suffix_drafter(*args, native: bool | None = None, **kwargs) -> SuffixDrafter:
+    """The suffix drafter to run, on SuffixDrafter's arguments: NativeSuffixDrafter where the extension builds,
+    unless ``native=False`` or SPECDEC_NO_NATIVE_SUFFIX=1 (then SuffixDrafter, the reference; also where the
+    build failed); ``native=True`` requires the native one."""
+    if native is not False:
+        reason = unavailable_reason(check_env=native is None)
+        if reason is None:
+            return NativeSuffixDrafter(*args, **kwargs)
+        if native:
+            raise RuntimeError(f"the native suffix tries are unavailable: {reason}")
+    return SuffixDrafter(*args, **kwargs)
+
+
 def unavailable_reason(check_env: bool = True) -> str | None:
     """Why the native tries cannot be used (``SPECDEC_NO_NATIVE_SUFFIX`` set, when ``check_env``; the build
     failed), or None when they can."""
