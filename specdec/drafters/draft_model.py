@@ -105,10 +105,11 @@ class DraftModelDrafter(Drafter):
                 self.tree_slots[s.seq_id] = last[b]
         return trees
 
-    def _sync(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]]:
+    def _sync(self, seqs: list[Sequence], argmax: bool = False) -> tuple[torch.Tensor | list, list[int]]:
         """Bring the draft cache to each history: keep the longest common prefix (after keeping the
         last tree pass's nodes on the accepted path) and feed the rest, at least the newest token.
-        Returns the logits after each history [B, V] and the histories' lengths."""
+        Returns the logits after each history [B, V] (``argmax``: their argmax as lists [B]) and the
+        histories' lengths."""
         B = len(seqs)
         is_new = self.runner.sync_rows([s.seq_id for s in seqs])
         self._keep_accepted_paths(seqs, is_new)
@@ -130,9 +131,9 @@ class DraftModelDrafter(Drafter):
             split -= 1
         if split in (0, B) or max(len(c) for c in chunks[split:]) <= CATCH_UP_TOGETHER:
             split = B
-        logits = torch.cat([self._catch_up(chunks[lo:hi], starts[lo:hi], lo)
-                            for lo, hi in ((0, split), (split, B)) if hi > lo])  # [B, V]
-        return logits, [s + len(c) for s, c in zip(starts, chunks)]
+        parts = [self._catch_up(chunks[lo:hi], starts[lo:hi], lo, argmax) for lo, hi in ((0, split), (split, B)) if hi > lo]
+        out = [row for part in parts for row in part] if argmax else torch.cat(parts)  # [B(, V)]
+        return out, [s + len(c) for s, c in zip(starts, chunks)]
 
     def _keep_accepted_paths(self, seqs: list[Sequence], is_new: list[bool]) -> None:
         """After a tree round: the nodes of the last tree pass that the history now holds, root down,
@@ -162,10 +163,12 @@ class DraftModelDrafter(Drafter):
         if rows:
             self.runner.compact(rows, starts, keeps)
 
-    def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:
-        """Feed each row's chunk at its start; returns the logits after each chunk's last token [B, V]."""
-        return self.runner.forward(ForwardBatch.from_rows(chunks, starts, logits="last", row_offset=row_offset,
-                                                          device=self.runner.device))
+    def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int,
+                  argmax: bool = False) -> torch.Tensor | list:
+        """Feed each row's chunk at its start; returns the logits after each chunk's last token [B, V]
+        (``argmax``: their argmax as lists [B])."""
+        batch = ForwardBatch.from_rows(chunks, starts, logits="last", row_offset=row_offset, device=self.runner.device)
+        return self.runner.forward_argmax(batch) if argmax else self.runner.forward(batch)
 
     def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
         self.rank_acceptance.observe(seqs, num_accepted)

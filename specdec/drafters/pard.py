@@ -32,7 +32,7 @@ from specdec.drafters.base import DraftProposal, KvUse, runner_kv
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.tree_expand import Block, draft_tree
 from specdec.models.base import ForwardBatch, ModelRunner
-from specdec.sampling import SamplingBatch, argmax
+from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape, depths_of
 
@@ -90,10 +90,11 @@ class ParallelDraftDrafter(DraftModelDrafter):
         if self.max_k is not None and k > self.max_k:
             raise ValueError(f"the parallel draft was trained for at most {self.max_k} drafts, asked for {k}")
         self.num_masks = k - 1
-        logits, _ = self._sync(seqs)  # [B, k, V]: at the last history token, then at each mask
         if sb.all_greedy and self.draft_p_min == 0.0 and all(s.processor is None for s in seqs):
-            proposal = DraftProposal(argmax(logits), None, list(num_draft))  # [B, k]: every draft at once
+            ids, _ = self._sync(seqs, argmax=True)  # [B][k]: every draft at once, the argmaxes alone
+            proposal = DraftProposal(torch.tensor(ids, device=self.runner.device), None, list(num_draft))
         else:  # the drafts do not condition on one another: "feeding" draft i reads the next mask's logits
+            logits, _ = self._sync(seqs)  # [B, k, V]: at the last history token, then at each mask
             proposal = draft_autoregressive(logits[:, 0], lambda x, i: logits[:, i + 1], seqs, num_draft, sb,
                                             self.draft_p_min)
         for s in seqs:  # the cache keeps the history; the masks past it are overwritten next round
@@ -141,10 +142,14 @@ class ParallelDraftDrafter(DraftModelDrafter):
         and the padding position past the longest row of a catch-up."""
         return [runner_kv(self.runner, extra=max(k, tree.max_depth if tree is not None else 0))]
 
-    def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int) -> torch.Tensor:
+    def _catch_up(self, chunks: list[list[int]], starts: list[int], row_offset: int,
+                  argmax: bool = False) -> torch.Tensor | list:
         """Feed each row's chunk and ``num_masks`` masks at its start; returns the logits at the chunk's
-        last token and at each mask [B, num_masks + 1, V]."""
+        last token and at each mask [B, num_masks + 1, V] (``argmax``: their argmax as lists [B][L])."""
         rows = [c + [self.mask_token_id] * self.num_masks for c in chunks]
-        out = self.runner.forward(ForwardBatch.from_rows(rows, starts, logits=self.num_masks + 1,
-                                                         row_offset=row_offset, device=self.runner.device))
+        batch = ForwardBatch.from_rows(rows, starts, logits=self.num_masks + 1, row_offset=row_offset,
+                                       device=self.runner.device)
+        if argmax:
+            return self.runner.forward_argmax(batch)
+        out = self.runner.forward(batch)
         return out if out.dim() == 3 else out[:, None]  # [B, L, V]
