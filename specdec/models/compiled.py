@@ -200,6 +200,7 @@ class DirectGraphs:
         self.key_input, self.key_dim = self.names.index(key_input), key_dim
         self.options = dict(options or {})
         self.graphs: dict[int, tuple] = {}  # key -> (compiled, argument template, [(slot, input, dim or None)])
+        self._sizes: dict[int, torch.Tensor] = {}  # size -> its 0-d tensor (``_size``)
 
     def backend(self):
         """What torch.compile takes as its backend. Dynamo keeps its backends for the process's life: this
@@ -251,8 +252,16 @@ class DirectGraphs:
         compiled, template, per_call = entry
         args = list(template)
         for slot, i, dim in per_call:
-            args[slot] = inputs[i] if dim is None else inputs[i].shape[dim]
+            args[slot] = inputs[i] if dim is None else self._size(inputs[i].shape[dim])
         return compiled(*args)  # as dynamo calls it
+
+    def _size(self, n: int) -> torch.Tensor:
+        """A dynamic size as the 0-d tensor the graph's C++ wrapper reads it from (it would make one from
+        the int each call: a tensor creation per size per pass, ~20 µs each right after a pass)."""
+        t = self._sizes.get(n)
+        if t is None:
+            t = self._sizes[n] = torch.tensor(n)
+        return t
 
 
 def compile_pass(fn, key_input: str, key_dim: int, device: torch.device):
