@@ -149,7 +149,7 @@ class SuffixDrafter(Drafter):
                 if s.output_token_ids:
                     self._evict(self.cache.insert(s.output_token_ids))
                 continue
-            if not req.output:  # nothing to draft from; don't let it push out another output
+            if not self._has_output(req):  # nothing to draft from; don't let it push out another output
                 self.cache.remove(req.slot)
 
     # -- the tries --------------------------------------------------------------------------------
@@ -178,6 +178,9 @@ class SuffixDrafter(Drafter):
         for t in history[req.num_prompt + len(output):]:
             output.append(t)
             cache.append(req.slot, len(output) - 1)
+
+    def _has_output(self, req: RequestTrie) -> bool:
+        return bool(req.output)
 
     def _evict(self, keep: int) -> None:
         """Hold at most max_cached_requests outputs: the oldest leave (never ``keep``, the newest)."""

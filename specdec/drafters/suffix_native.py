@@ -21,11 +21,8 @@ per machine into specdec's cache folder; plain C++17, no CPU-specific flags) and
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import sys
-import time
 
 from specdec.drafters.suffix import Node, SuffixDrafter
 from specdec.sequence import Sequence
@@ -915,38 +912,11 @@ def _load(source: str = _SOURCE):
 
 
 def _build(source: str):
-    """Compile ``source`` as the module ``specdec_suffix_native_<tag>`` (a cached build loads in well under a
-    second), announcing a first build as native.build does."""
-    import torch
-    from torch.utils import cpp_extension
+    """Compile ``source`` as the module ``specdec_suffix_native_<tag>`` (native.build: cached per machine,
+    a first build announced)."""
+    from specdec.models import native
 
-    from specdec.models.timings import cache_dir
-
-    key = source + " ".join(FLAGS) + torch.__version__ + sys.version
-    tag = hashlib.sha1(key.encode()).hexdigest()[:12]
-    folder = cache_dir() / "suffix_native" / tag
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "suffix_native.cpp"
-    if not path.exists() or path.read_text() != source:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        tmp.replace(path)
-    name = f"specdec_suffix_native_{tag}"
-    built = any(folder.glob(f"{name}*.so"))
-    if not built:
-        print(f"specdec: building the suffix tries into {folder} (once per machine) ...", end="", file=sys.stderr,
-              flush=True)
-    t0 = time.perf_counter()
-    try:
-        ext = cpp_extension.load(name, [str(path)], extra_cflags=list(FLAGS), build_directory=str(folder),
-                                 is_python_module=True, verbose=False)
-    except BaseException:
-        if not built:
-            print(" failed", file=sys.stderr, flush=True)
-        raise
-    if not built:
-        print(f" built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    return ext
+    return native.build("suffix_native", source, "the suffix tries", flags=FLAGS, ldflags=(), python_module=True)
 
 
 def _add_inspection(ext) -> None:
@@ -1014,27 +984,11 @@ class NativeSuffixDrafter(SuffixDrafter):
             self._ext.grow(req, seq.token_ids, self.cache)
         return req
 
-    def release(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            req = self.requests.pop(s.seq_id, None)
-            if req is None:  # never drafted for (it finished in its first round): its output joins now
-                if s.output_token_ids and self.max_cached_requests:
-                    self._evict(self.cache.insert(s.output_token_ids))
-                continue
-            slot = req.slot
-            if slot is None:  # evicted while running, or no global trie
-                continue
-            del self.running[slot]
-            if req.is_prefix_of(s.token_ids):
-                req.grow_output(s.token_ids, self.cache)
-                self.cache.finish(slot)
-            else:  # the history was replaced since the last round: its output joins afresh
-                self.cache.remove(slot)
-                if s.output_token_ids:
-                    self._evict(self.cache.insert(s.output_token_ids))
-                continue
-            if not self.cache.length(slot):  # nothing to draft from; don't let it push out another output
-                self.cache.remove(slot)
+    def _grow_output(self, req, history: list[int]) -> None:  # release's completion of an output
+        req.grow_output(history, self.cache)
+
+    def _has_output(self, req) -> bool:
+        return self.cache.length(req.slot) > 0
 
     def _evict(self, keep: int) -> None:
         while self.cache.num_seqs() > self.max_cached_requests:

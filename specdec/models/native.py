@@ -54,12 +54,15 @@ def cpu_reason() -> str | None:
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-def build(stem: str, source_text: str, what: str) -> None:
+def build(stem: str, source_text: str, what: str, flags: tuple[str, ...] = FLAGS,
+          ldflags: tuple[str, ...] = ("-fopenmp",), python_module: bool = False):
     """Compile and load ``source_text`` as the library ``specdec_<stem>_<tag>`` (a cached build loads in
-    well under a second); ``what`` names it in the line printed before a first build."""
+    well under a second); ``what`` names it in the line printed before a first build. ``python_module``:
+    a pybind11 module, returned (its tag also names the Python version, whose ABI it is built for)."""
     from torch.utils import cpp_extension
 
-    tag = hashlib.sha1((source_text + " ".join(FLAGS) + torch.__version__).encode()).hexdigest()[:12]
+    key = source_text + " ".join(flags) + torch.__version__ + (sys.version if python_module else "")
+    tag = hashlib.sha1(key.encode()).hexdigest()[:12]
     folder = cache_dir() / stem / tag
     folder.mkdir(parents=True, exist_ok=True)
     source = folder / f"{stem}.cpp"
@@ -68,19 +71,20 @@ def build(stem: str, source_text: str, what: str) -> None:
         tmp.write_text(source_text)
         tmp.replace(source)
     name = f"specdec_{stem}_{tag}"
-    built = (folder / f"{name}.so").exists()
+    built = any(folder.glob(f"{name}*.so"))
     if not built:  # a C++ compile of up to a minute: say so before it starts, as the compiled step does
         print(f"specdec: building {what} into {folder} (once per machine) ...", end="", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(name, [str(source)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-                           build_directory=str(folder), is_python_module=False, verbose=False)
-    except Exception:
+        loaded = cpp_extension.load(name, [str(source)], extra_cflags=list(flags), extra_ldflags=list(ldflags),
+                                    build_directory=str(folder), is_python_module=python_module, verbose=False)
+    except BaseException:
         if not built:
             print(" failed", file=sys.stderr, flush=True)
         raise
     if not built:
         print(f" built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return loaded
 
 
 def availability(op: str, build_it, what: str) -> Availability:
