@@ -12,10 +12,11 @@ methods use, costs more than the work when its data is out of the caches); trees
 natively from the winning position (``Trie.tree``).
 
 The Python classes stay the reference: drafts, scores, trees and counts are the same, tie-breaking
-included (tests/test_suffix_native.py compares them step by step). ``SuffixDrafter(...)`` gives a
-``NativeSuffixDrafter`` when the extension builds here (``torch.utils.cpp_extension`` with pybind11, once
-per machine into specdec's cache folder; plain C++17, no CPU-specific flags) and
-``SPECDEC_NO_NATIVE_SUFFIX`` is unset or 0; otherwise the Python one (a failed build is logged once).
+included (tests/test_suffix_native.py compares them step by step). ``suffix_drafter(...)`` (what the
+engine's drafter builder calls) gives a ``NativeSuffixDrafter`` when the extension builds here
+(``native.build``: pybind11, once per machine into specdec's cache folder; plain C++17, no CPU-specific
+flags) and ``SPECDEC_NO_NATIVE_SUFFIX`` is unset or 0; otherwise the Python ``SuffixDrafter`` (a failed
+build is logged once).
 """
 
 from __future__ import annotations
