@@ -13,6 +13,7 @@ from specdec.drafters.base import DraftProposal, Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.models.load import load_model
 from specdec.sampling import SamplingBatch
+from specdec.scheduler import RoundBatch
 from tiny_models import SMALL_WORDS, make_model, perturbed_copy, random_prompts, small_vocab_pair
 
 
@@ -79,6 +80,33 @@ def test_greedy_output_equals_plain_decoding(models, draft, batch, adaptive):
         assert m["num_accepted_tokens"] == 0 and m["mean_acceptance_length"] == 1.0
     if draft == "near":
         assert 0.1 < m["acceptance_rate"] < 1.0
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_rounds_verify_the_argmax_alone_with_the_same_outcome(models, batch, monkeypatch):
+    """A greedy round whose logits nothing else reads verifies the target's argmaxes (forward_argmax); made to
+    take the logits instead, the same run emits the same tokens with the same counts. A row that asks for
+    logprobs makes its rounds take the logits."""
+    prompts = random_prompts(batch, [3, 8, 13], seed=7)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    spec = {"model": models["near"], "num_speculative_tokens": 3, "adaptive": False}
+    results = []
+    for argmax_only in (True, False):
+        llm = LLM(models["target"], speculative_config=spec)
+        calls = []
+        inner = llm.engine.target.forward_argmax
+        monkeypatch.setattr(llm.engine.target, "forward_argmax", lambda b: calls.append(b) or inner(b))
+        if not argmax_only:
+            monkeypatch.setattr(RoundBatch, "argmax_only", property(lambda self: False))
+        outs = llm.generate(requests, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        m = llm.get_metrics()
+        results.append(([o.outputs[0].token_ids for o in outs], m["num_draft_tokens"], m["num_accepted_tokens"]))
+        assert bool(calls) == argmax_only
+        if argmax_only:
+            calls.clear()
+            out = llm.generate(requests[:1], SamplingParams(temperature=0, max_tokens=8, logprobs=1, ignore_eos=True))
+            assert not calls and len(out[0].outputs[0].logprobs) == 8
+    assert results[0] == results[1] and results[0][2] > 0
 
 
 @pytest.mark.parametrize("k", [1, 2, 7])
