@@ -20,6 +20,12 @@ from specdec.sampling import SamplingBatch, argmax, probs_from_logits, sample
 from specdec.sequence import Sequence
 
 
+def argmax_drafts(seqs: list[Sequence], sb: SamplingBatch, draft_p_min: float = 0.0) -> bool:
+    """Whether every draft of the round is its position's argmax: greedy rows, no logits processor, no
+    draft_p_min (then a drafter may take argmaxes alone, never the logits)."""
+    return sb.all_greedy and draft_p_min == 0.0 and all(s.processor is None for s in seqs)
+
+
 def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int], torch.Tensor],
                          seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch,
                          draft_p_min: float = 0.0,
@@ -30,8 +36,7 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
     (ModelRunner.greedy_steps); drafts that are all argmaxes then take one call instead of k."""
     B, k = len(seqs), max(num_draft, default=0)
     device = logits.device
-    if (greedy_steps is not None and k > 1 and sb.all_greedy and draft_p_min == 0.0
-            and all(s.processor is None for s in seqs)):
+    if greedy_steps is not None and k > 1 and argmax_drafts(seqs, sb, draft_p_min):
         first = argmax(logits)  # [B] x_1
         rest = torch.tensor(greedy_steps(first.tolist(), k - 1), dtype=torch.long, device=device)  # [B, k-1]
         return DraftProposal(torch.cat([first[:, None], rest], dim=1), None, list(num_draft))

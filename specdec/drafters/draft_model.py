@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.autoregressive import draft_autoregressive
+from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, chains_as_trees, grew_from, runner_kv
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models.base import ForwardBatch, ModelRunner
@@ -51,6 +51,14 @@ class DraftModelDrafter(Drafter):
         return self.runner.can_verify_trees  # its tree passes are the runner's (llama.cpp: chains only)
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        if argmax_drafts(seqs, sb, self.draft_p_min):  # x_1 the catch-up's argmax, the rest in one call
+            first, pos = self._sync(seqs, argmax=True)  # [B]
+            k = max(num_draft, default=0)
+            rest = self.runner.greedy_steps(first, pos, k - 1) if k > 1 else [[] for _ in first]  # [B, k-1]
+            proposal = DraftProposal(torch.tensor([[f] + r for f, r in zip(first, rest)], device=self.runner.device),
+                                     None, list(num_draft))
+            self._remember(seqs, proposal)
+            return proposal
         logits, pos = self._sync(seqs)  # [B, V] after each history
 
         def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
@@ -60,13 +68,15 @@ class DraftModelDrafter(Drafter):
             return self.runner.greedy_steps(x, pos, n)
 
         proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min, greedy)
+        self._remember(seqs, proposal)
+        return proposal
 
-        # Remember what the cache now holds: the history plus the drafts that were fed.
+    def _remember(self, seqs: list[Sequence], proposal: DraftProposal) -> None:
+        """What the cache now holds: each history plus the drafts that were fed (all but the last)."""
         fed = proposal.draft_token_ids[:, : max(proposal.draft_token_ids.shape[1] - 1, 0)].tolist()
         for b, s in enumerate(seqs):
             self.cached[s.seq_id] = s.token_ids + fed[b]
             self.committed[s.seq_id] = len(s.token_ids)
-        return proposal
 
     def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
         """EAGLE-2's dynamic tree (tree_expand.py), one tree pass of the draft per level. The cache then

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from specdec.drafters.autoregressive import draft_autoregressive
+from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive
 from specdec.drafters.base import DraftProposal, KvUse, runner_kv
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.tree_expand import Block, draft_tree
@@ -90,7 +90,7 @@ class ParallelDraftDrafter(DraftModelDrafter):
         if self.max_k is not None and k > self.max_k:
             raise ValueError(f"the parallel draft was trained for at most {self.max_k} drafts, asked for {k}")
         self.num_masks = k - 1
-        if sb.all_greedy and self.draft_p_min == 0.0 and all(s.processor is None for s in seqs):
+        if argmax_drafts(seqs, sb, self.draft_p_min):
             ids, _ = self._sync(seqs, argmax=True)  # [B][k]: every draft at once, the argmaxes alone
             proposal = DraftProposal(torch.tensor(ids, device=self.runner.device), None, list(num_draft))
         else:  # the drafts do not condition on one another: "feeding" draft i reads the next mask's logits
