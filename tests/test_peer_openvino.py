@@ -77,7 +77,10 @@ def test_tau_and_table():
     assert peer.best_of(rows, "specdec")["key"] == "specdec torch suffix k=32 x3"
     assert peer.best_of(rows, "openvino", speculative=False)["key"] == "openvino plain"
     lines = peer.ratio_lines(rows)
-    assert len(lines) == 3 and lines[1].endswith(f"{(10 / 0.2) / (10 / 0.25):.2f}x")
+    assert len(lines) == 4 and lines[1].endswith(f"{(10 / 0.2) / (10 / 0.25):.2f}x")
+    # by the set's tok/s: the best of each engine by all its tokens over all its seconds
+    assert lines[3].startswith("by set tok/s: specdec best (torch suffix k=32 x3")
+    assert "OpenVINO best (draft k=4" in lines[3] and lines[3].endswith(f"{(10 / 0.05) / (22 / 0.3):.2f}x")
     table = peer.format_table(rows, {"openvino plain": "bf16 inference"})
     assert "| openvino plain | 40.0 |" in table and "bf16 inference" in table and "| 1.67 |" in table
 
