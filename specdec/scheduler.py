@@ -29,7 +29,7 @@ import torch
 from specdec.adaptive import AdaptiveK
 from specdec.config import SchedulerConfig
 from specdec.drafters.base import Drafter, KvUse
-from specdec.models.base import ForwardBatch, pad_rows
+from specdec.models.base import ForwardBatch, long_tensor, pad_rows
 from specdec.models.kv_cache import CACHE_STEP
 from specdec.policy import row_tree, seeded_k, tree_round
 from specdec.sampling import SamplingBatch
@@ -393,8 +393,8 @@ class RoundBatch:
         drafts, k = self.draft_token_ids, self.draft_token_ids.shape[1]  # [B, k]
         lengths = [len(f) + n for f, n in zip(self.feed, self.num_draft)]
         if not self.carries_prompt:  # a round's common case, in two small tensors
-            tokens = torch.tensor([f + d for f, d in zip(self.feed, drafts.tolist())], device=drafts.device)  # [B, k+1]
-            index = torch.tensor([list(range(k + 1))] * len(self.seqs), device=drafts.device)  # [B, k+1]
+            tokens = long_tensor([f + d for f, d in zip(self.feed, drafts.tolist())], drafts.device)  # [B, k+1]
+            index = long_tensor([list(range(k + 1))] * len(self.seqs), drafts.device)  # [B, k+1]
         else:
             tokens = pad_rows([f + d for f, d in zip(self.feed, drafts.tolist())], drafts.device)  # [B, T]
             index = torch.tensor([[len(f) - 1 + j for j in range(k + 1)] for f in self.feed], device=drafts.device)

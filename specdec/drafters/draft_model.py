@@ -19,7 +19,7 @@ import torch
 from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, chains_as_trees, grew_from, runner_kv
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
-from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.models.base import ForwardBatch, ModelRunner, long_tensor
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
@@ -55,8 +55,8 @@ class DraftModelDrafter(Drafter):
             first, pos = self._sync(seqs, argmax=True)  # [B]
             k = max(num_draft, default=0)
             rest = self.runner.greedy_steps(first, pos, k - 1) if k > 1 else [[] for _ in first]  # [B, k-1]
-            proposal = DraftProposal(torch.tensor([[f] + r for f, r in zip(first, rest)], device=self.runner.device),
-                                     None, list(num_draft))
+            proposal = DraftProposal(long_tensor([[f] + r for f, r in zip(first, rest)], self.runner.device), None,
+                                     list(num_draft))
             self._remember(seqs, proposal)
             return proposal
         logits, pos = self._sync(seqs)  # [B, V] after each history

@@ -31,7 +31,7 @@ from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive
 from specdec.drafters.base import DraftProposal, KvUse, runner_kv
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.tree_expand import Block, draft_tree
-from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.models.base import ForwardBatch, ModelRunner, long_tensor
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape, depths_of
@@ -92,7 +92,7 @@ class ParallelDraftDrafter(DraftModelDrafter):
         self.num_masks = k - 1
         if argmax_drafts(seqs, sb, self.draft_p_min):
             ids, _ = self._sync(seqs, argmax=True)  # [B][k]: every draft at once, the argmaxes alone
-            proposal = DraftProposal(torch.tensor(ids, device=self.runner.device), None, list(num_draft))
+            proposal = DraftProposal(long_tensor(ids, self.runner.device), None, list(num_draft))
         else:  # the drafts do not condition on one another: "feeding" draft i reads the next mask's logits
             logits, _ = self._sync(seqs)  # [B, k, V]: at the last history token, then at each mask
             proposal = draft_autoregressive(logits[:, 0], lambda x, i: logits[:, i + 1], seqs, num_draft, sb,

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.models.kv_cache import CACHE_STEP
@@ -18,16 +19,21 @@ from specdec.sampling import argmax
 
 
 
+def long_tensor(values: Sequence, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.long, device=device)``; on the CPU made through numpy, which costs
+    half as much right after a forward pass has streamed the weights through the caches (a round makes a
+    few such small tensors between passes: benchmarks/host_cost.py)."""
+    if torch.device(device).type == "cpu":
+        return torch.from_numpy(np.array(values, dtype=np.int64))
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
 def pad_rows(rows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
     """Right-pad token rows (possibly empty) with 0 into one [B, longest] long tensor."""
     width = max((len(r) for r in rows), default=0)
     if rows and all(len(r) == width for r in rows):  # nothing to pad (one row, or a dense batch): one call
-        return torch.tensor([list(r) for r in rows], dtype=torch.long, device=device)
-    out = torch.zeros(len(rows), width, dtype=torch.long)  # padding past a row's tokens is never read
-    for b, r in enumerate(rows):
-        if len(r):
-            out[b, : len(r)] = torch.as_tensor(r)
-    return out.to(device)
+        return long_tensor([list(r) for r in rows], device).reshape(len(rows), width)
+    return long_tensor([list(r) + [0] * (width - len(r)) for r in rows], device).reshape(len(rows), width)  # padding is never read
 
 
 @dataclass
@@ -72,10 +78,10 @@ def _logits_index(logits: str | int, lengths: list[int], T: int, device: torch.d
     if logits == "none":
         return None
     if logits == "last":
-        return torch.tensor([max(n - 1, 0) for n in lengths], device=device)  # [B]
+        return long_tensor([max(n - 1, 0) for n in lengths], device)  # [B]
     if logits == "all":
         return torch.arange(T, device=device).expand(len(lengths), T)  # [B, T]
-    return torch.tensor([[n - logits + j for j in range(logits)] for n in lengths], device=device)  # [B, L]
+    return long_tensor([[n - logits + j for j in range(logits)] for n in lengths], device)  # [B, L]
 
 
 class ModelRunner(ABC):

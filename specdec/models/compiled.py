@@ -440,7 +440,11 @@ class CompiledStep:
         Tb = next(s for s in self.sizes if s >= T)
         tokens = batch.token_ids  # taken as it is by a direct call (DirectGraphs) when of the graph's size
         direct = self.direct is not None and Tb in self.direct.graphs
-        if Tb != T or not direct or tokens.dtype != torch.long or not tokens.is_contiguous():
+        if direct and Tb != T:  # padded in numpy: torch ops cost more in cache misses after each graph call
+            padded = np.zeros((1, Tb), np.int64)
+            padded[0, :T] = batch.token_ids.numpy()[0]
+            tokens = torch.from_numpy(padded)
+        elif Tb != T or not direct or tokens.dtype != torch.long or not tokens.is_contiguous():
             tokens = torch.zeros(1, Tb, dtype=torch.long, device=self.device)  # made here: an inference tensor, as traced
             tokens[:, :T] = batch.token_ids
         logits, ids = self._call(tokens, batch.start[0], batch.row_offset,
