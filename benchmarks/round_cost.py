@@ -186,6 +186,7 @@ def instrumented(llm, recorder: Recorder):
     if runner is not None and runner is not engine.target:
         if hasattr(runner, "forward"):
             recorder.wrap(runner, "forward", "draft", fed_tokens)
+            recorder.wrap(runner, "forward_argmax", "draft", fed_tokens)  # a greedy draft's catch-up pass
         # a model's steps; an EAGLE-3 head's (drafters/eagle3.py)
         for name in ("greedy_steps", "step", "chain_step", "catch_up_row", "fuse"):
             if hasattr(runner, name):
