@@ -392,12 +392,8 @@ class RoundBatch:
         of each row [B, k+1]: p_1 after the newest committed token, p_{i+1} after draft x_i."""
         drafts, k = self.draft_token_ids, self.draft_token_ids.shape[1]  # [B, k]
         lengths = [len(f) + n for f, n in zip(self.feed, self.num_draft)]
-        if not self.carries_prompt:  # a round's common case, in two small tensors
-            tokens = long_tensor([f + d for f, d in zip(self.feed, drafts.tolist())], drafts.device)  # [B, k+1]
-            index = long_tensor([list(range(k + 1))] * len(self.seqs), drafts.device)  # [B, k+1]
-        else:
-            tokens = pad_rows([f + d for f, d in zip(self.feed, drafts.tolist())], drafts.device)  # [B, T]
-            index = torch.tensor([[len(f) - 1 + j for j in range(k + 1)] for f in self.feed], device=drafts.device)
+        tokens = pad_rows([f + d for f, d in zip(self.feed, drafts.tolist())], drafts.device)  # [B, T]
+        index = long_tensor([[len(f) - 1 + j for j in range(k + 1)] for f in self.feed], drafts.device)  # [B, k+1]
         return ForwardBatch(tokens, self.start, lengths, index)
 
     def tree_verify_batch(self, trees: list[DraftTree | None]) -> ForwardBatch:

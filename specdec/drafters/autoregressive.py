@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from specdec.drafters.base import DraftProposal
+from specdec.models.base import long_tensor
 from specdec.processing import process_draft_logits
 from specdec.sampling import SamplingBatch, argmax, probs_from_logits, sample
 from specdec.sequence import Sequence
@@ -24,6 +25,15 @@ def argmax_drafts(seqs: list[Sequence], sb: SamplingBatch, draft_p_min: float = 
     """Whether every draft of the round is its position's argmax: greedy rows, no logits processor, no
     draft_p_min (then a drafter may take argmaxes alone, never the logits)."""
     return sb.all_greedy and draft_p_min == 0.0 and all(s.processor is None for s in seqs)
+
+
+def greedy_chain(first: list[int], greedy_steps: Callable[[list[int], int], list[list[int]]], num_draft: list[int],
+                 device: torch.device | str) -> DraftProposal:
+    """All-argmax drafts (``argmax_drafts``): x_1 = ``first`` [B], then x_2..x_k from one
+    ``greedy_steps(x_1, k - 1)`` call (ModelRunner.greedy_steps) instead of k - 1 forwards."""
+    k = max(num_draft, default=0)
+    rest = greedy_steps(first, k - 1) if k > 1 else [[] for _ in first]  # [B, k-1]
+    return DraftProposal(long_tensor([[f] + r for f, r in zip(first, rest)], device), None, list(num_draft))
 
 
 def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int], torch.Tensor],
@@ -37,9 +47,7 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
     B, k = len(seqs), max(num_draft, default=0)
     device = logits.device
     if greedy_steps is not None and k > 1 and argmax_drafts(seqs, sb, draft_p_min):
-        first = argmax(logits)  # [B] x_1
-        rest = torch.tensor(greedy_steps(first.tolist(), k - 1), dtype=torch.long, device=device)  # [B, k-1]
-        return DraftProposal(torch.cat([first[:, None], rest], dim=1), None, list(num_draft))
+        return greedy_chain(argmax(logits).tolist(), greedy_steps, num_draft, device)
     # the rows' bookkeeping in Python lists: a handful of tensor ops per step cost more than the lists at batch 1
     active = [n > 0 for n in num_draft]  # rows still drafting
     lengths = [0] * B

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive
+from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive, greedy_chain
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, chains_as_trees, grew_from, runner_kv
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
-from specdec.models.base import ForwardBatch, ModelRunner, long_tensor
+from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
@@ -53,10 +53,8 @@ class DraftModelDrafter(Drafter):
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
         if argmax_drafts(seqs, sb, self.draft_p_min):  # x_1 the catch-up's argmax, the rest in one call
             first, pos = self._sync(seqs, argmax=True)  # [B]
-            k = max(num_draft, default=0)
-            rest = self.runner.greedy_steps(first, pos, k - 1) if k > 1 else [[] for _ in first]  # [B, k-1]
-            proposal = DraftProposal(long_tensor([[f] + r for f, r in zip(first, rest)], self.runner.device), None,
-                                     list(num_draft))
+            proposal = greedy_chain(first, lambda x, n: self.runner.greedy_steps(x, pos, n), num_draft,
+                                    self.runner.device)
             self._remember(seqs, proposal)
             return proposal
         logits, pos = self._sync(seqs)  # [B, V] after each history

@@ -964,13 +964,6 @@ class NativeSuffixDrafter(SuffixDrafter):
                 return out
         return self._draft(self.sync(seq), want)
 
-    def observe(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
-        grow, requests, cache = self._ext.grow, self.requests, self.cache
-        for s in seqs:  # sync, the usual round inlined
-            req = requests.get(s.seq_id)
-            if req is None or not grow(req, s.token_ids, cache):
-                self.sync(s)
-
     def sync(self, seq: Sequence):
         req = self.requests.get(seq.seq_id)
         if req is None or not self._ext.grow(req, seq.token_ids, self.cache):

@@ -31,9 +31,8 @@ def long_tensor(values: Sequence, device: torch.device | str = "cpu") -> torch.T
 def pad_rows(rows: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
     """Right-pad token rows (possibly empty) with 0 into one [B, longest] long tensor."""
     width = max((len(r) for r in rows), default=0)
-    if rows and all(len(r) == width for r in rows):  # nothing to pad (one row, or a dense batch): one call
-        return long_tensor([list(r) for r in rows], device).reshape(len(rows), width)
-    return long_tensor([list(r) + [0] * (width - len(r)) for r in rows], device).reshape(len(rows), width)  # padding is never read
+    padded = [list(r) + [0] * (width - len(r)) for r in rows]  # padding past a row's tokens is never read
+    return long_tensor(padded, device).reshape(len(rows), width)
 
 
 @dataclass

@@ -439,12 +439,12 @@ class CompiledStep:
         T = batch.token_ids.shape[1]
         Tb = next(s for s in self.sizes if s >= T)
         tokens = batch.token_ids  # taken as it is by a direct call (DirectGraphs) when of the graph's size
-        direct = self.direct is not None and Tb in self.direct.graphs
+        direct = self._called_directly(Tb)
         if direct and Tb != T:  # padded in numpy: torch ops cost more in cache misses after each graph call
             padded = np.zeros((1, Tb), np.int64)
             padded[0, :T] = batch.token_ids.numpy()[0]
             tokens = torch.from_numpy(padded)
-        elif Tb != T or not direct or tokens.dtype != torch.long or not tokens.is_contiguous():
+        elif not direct or tokens.dtype != torch.long or not tokens.is_contiguous():
             tokens = torch.zeros(1, Tb, dtype=torch.long, device=self.device)  # made here: an inference tensor, as traced
             tokens[:, :T] = batch.token_ids
         logits, ids = self._call(tokens, batch.start[0], batch.row_offset,
@@ -507,7 +507,7 @@ class CompiledStep:
         end = start + Tb
         L = attended_length(end)
         self.host.reserve(row + 1, L + 1)  # the graph was traced with the cache longer than L: keep it so
-        if parents is None and self.windows == [None] and self.direct is not None and Tb in self.direct.graphs:
+        if parents is None and self.windows == [None] and self._called_directly(Tb):
             pos, slots, mask = self._chain_inputs(start, Tb, L)
             return self._graph(tokens, pos, slots, row, mask)
         slots = torch.arange(start, end, device=device)[None]  # [1, Tb]
@@ -525,6 +525,10 @@ class CompiledStep:
             mask = torch.cat([tree_mask(pos, ancestors, first, L, w, additive=True) for w in self.windows],
                              dim=1).transpose(0, 1)  # [W, 1, Tb, L]: one per window
         return self._graph(tokens, pos, slots, row, mask)
+
+    def _called_directly(self, Tb: int) -> bool:
+        """Whether the graph of size Tb is called without dynamo (DirectGraphs planned it: CPU)."""
+        return self.direct is not None and Tb in self.direct.graphs
 
     def _chain_inputs(self, start: int, Tb: int, L: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``_call``'s positions, slots [1, Tb] and mask [1, 1, Tb, L] for a chain on a CPU graph called directly
