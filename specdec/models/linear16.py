@@ -245,6 +245,11 @@ constexpr int64_t DB = 16;  // weight rows per block of the dot layout
 // 64-byte lines ahead in each block's stream (a pass reads 1-4 streams; EPYC-Zen5: 32-256 within the noise at 1
 // row, 64 about the best for several)
 constexpr int64_t DOT_PREFETCH = 64;
+// A pass of 2-12 rows over a short unit (NB * KP lines up to this many: K up to ~1500 at NB 2) prefetches the next
+// unit instead, the same lines one unit ahead: the hardware's streams do not ramp up within 16-88 KB, and the rows'
+// products then wait on memory (EPYC-Zen5, the shipped target's verify of 10 tokens: products 13% faster, 2-6 tokens
+// 4-8%; longer units, e.g. K = 2048, measured no gain).
+constexpr int64_t DOT_UNIT_AHEAD = 1536;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")
@@ -253,8 +258,9 @@ inline __mmask16 rows_mask(int64_t rows) {  // the first min(rows, 16) lanes of 
   return rows >= DB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
 }
 
-template <int NB, int C, bool PF>
-void tile_dot(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t KP, float* y, int64_t ldy, int64_t rows) {
+template <int NB, int C, bool PF>  // PF: prefetch the lines ``ahead`` of each block's stream
+void tile_dot(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t KP, float* y, int64_t ldy, int64_t rows,
+              int64_t ahead) {
   __m512 acc[NB][C];
 #pragma GCC unroll 16
   for (int j = 0; j < NB; ++j)
@@ -265,7 +271,7 @@ void tile_dot(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t KP, floa
     __m512i wv[NB];
 #pragma GCC unroll 16
     for (int j = 0; j < NB; ++j) {
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(w0 + (j * KP + kp + DOT_PREFETCH) * 32), _MM_HINT_T0);
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(w0 + (j * KP + kp + ahead) * 32), _MM_HINT_T0);
       wv[j] = _mm512_loadu_si512(w0 + (j * KP + kp) * 32);
     }
 #pragma GCC unroll 16
@@ -322,20 +328,20 @@ void tile1_dot(const uint16_t* x, int64_t K, const uint16_t* w0, float* y, int64
   _mm512_mask_storeu_ps(y, rows_mask(rows), sum);
 }
 
-#define DOT_CASE(NB, C) case C: tile_dot<NB, C, PF>(x, K, w0, KP, y, ldy, rows); break;
+#define DOT_CASE(NB, C) case C: tile_dot<NB, C, PF>(x, K, w0, KP, y, ldy, rows, ahead); break;
 template <int NB, bool PF>
 void tiles_dot(int64_t C, const uint16_t* x, int64_t K, const uint16_t* w0, int64_t KP, float* y, int64_t ldy,
-               int64_t rows) {  // C input rows in one pass: 1..12 for NB <= 2, 1..6 for NB 3-4
+               int64_t rows, int64_t ahead) {  // C input rows in one pass: 1..12 for NB <= 2, 1..6 for NB 3-4
   if constexpr (NB <= 2) {
     switch (C) {
       DOT_CASE(NB, 1) DOT_CASE(NB, 2) DOT_CASE(NB, 3) DOT_CASE(NB, 4) DOT_CASE(NB, 5) DOT_CASE(NB, 6)
       DOT_CASE(NB, 7) DOT_CASE(NB, 8) DOT_CASE(NB, 9) DOT_CASE(NB, 10) DOT_CASE(NB, 11)
-      default: tile_dot<NB, 12, PF>(x, K, w0, KP, y, ldy, rows);
+      default: tile_dot<NB, 12, PF>(x, K, w0, KP, y, ldy, rows, ahead);
     }
   } else {
     switch (C) {
       DOT_CASE(NB, 1) DOT_CASE(NB, 2) DOT_CASE(NB, 3) DOT_CASE(NB, 4) DOT_CASE(NB, 5)
-      default: tile_dot<NB, 6, PF>(x, K, w0, KP, y, ldy, rows);
+      default: tile_dot<NB, 6, PF>(x, K, w0, KP, y, ldy, rows, ahead);
     }
   }
 }
@@ -343,26 +349,27 @@ void tiles_dot(int64_t C, const uint16_t* x, int64_t K, const uint16_t* w0, int6
 
 template <int NB>  // the T input rows against NB blocks from w0 (fewer at the end), in passes of up to cmax rows
 void unit_dot(int64_t nb, int64_t cmax, const uint16_t* x, int64_t T, int64_t K, const uint16_t* w0, int64_t KP,
-              float* y, int64_t N, int64_t rows) {
+              float* y, int64_t N, int64_t rows, int64_t ahead) {
   const int64_t passes = (T + cmax - 1) / cmax, C = (T + passes - 1) / passes;  // passes of equal rows
   for (int64_t c = 0; c < T; c += C) {
     const int64_t n = std::min(C, T - c);
     const bool first = c == 0;  // prefetch the next unit's lines on the first pass only
     switch (nb) {
-      case 1: first ? tiles_dot<1, true>(n, x + c * K, K, w0, KP, y + c * N, N, rows)
-                    : tiles_dot<1, false>(n, x + c * K, K, w0, KP, y + c * N, N, rows); break;
-      case 2: first ? tiles_dot<2, true>(n, x + c * K, K, w0, KP, y + c * N, N, rows)
-                    : tiles_dot<2, false>(n, x + c * K, K, w0, KP, y + c * N, N, rows); break;
-      case 3: first ? tiles_dot<3, true>(n, x + c * K, K, w0, KP, y + c * N, N, rows)
-                    : tiles_dot<3, false>(n, x + c * K, K, w0, KP, y + c * N, N, rows); break;
-      default: first ? tiles_dot<4, true>(n, x + c * K, K, w0, KP, y + c * N, N, rows)
-                     : tiles_dot<4, false>(n, x + c * K, K, w0, KP, y + c * N, N, rows); break;
+      case 1: first ? tiles_dot<1, true>(n, x + c * K, K, w0, KP, y + c * N, N, rows, ahead)
+                    : tiles_dot<1, false>(n, x + c * K, K, w0, KP, y + c * N, N, rows, ahead); break;
+      case 2: first ? tiles_dot<2, true>(n, x + c * K, K, w0, KP, y + c * N, N, rows, ahead)
+                    : tiles_dot<2, false>(n, x + c * K, K, w0, KP, y + c * N, N, rows, ahead); break;
+      case 3: first ? tiles_dot<3, true>(n, x + c * K, K, w0, KP, y + c * N, N, rows, ahead)
+                    : tiles_dot<3, false>(n, x + c * K, K, w0, KP, y + c * N, N, rows, ahead); break;
+      default: first ? tiles_dot<4, true>(n, x + c * K, K, w0, KP, y + c * N, N, rows, ahead)
+                     : tiles_dot<4, false>(n, x + c * K, K, w0, KP, y + c * N, N, rows, ahead); break;
     }
   }
 }
 
 // y [T, N] = x [T, K] @ w^T: one row block by block; more in units of NB blocks (16 NB weight rows) in parallel, each
-// multiplied by all T rows in passes: 2-6 rows against 4 blocks (one pass), 7-12 against 2 (one pass), more in
+// multiplied by all T rows in passes: 2-12 rows against 2 blocks in one pass (4 blocks for 2-6 rows measured 4-13%
+// slower on EPYC-Zen5, weights streaming from memory, at the shipped target's shapes and at a 1B model's), more in
 // passes of up to 6 against 4, the unit's weights staying in cache between them (the shipped target's products,
 // hot: 2.20 ms at 33 rows, 28.9 at 512, against 5.11 and 45.6 with a 4-row layout, oneDNN 2.74 and 26.2)
 void product_d(const uint16_t* x, const uint16_t* w, float* y, int64_t T, int64_t N, int64_t K) {
@@ -374,15 +381,16 @@ void product_d(const uint16_t* x, const uint16_t* w, float* y, int64_t T, int64_
     });
     return;
   }
-  const int64_t NB = (T > 6 && T <= 12) ? 2 : 4, cmax = NB == 2 ? 12 : 6;
+  const int64_t NB = T <= 12 ? 2 : 4, cmax = NB == 2 ? 12 : 6;
   const int64_t units = (blocks + NB - 1) / NB;
+  const int64_t ahead = (T <= 12 && NB * KP <= DOT_UNIT_AHEAD) ? NB * KP : DOT_PREFETCH;  // lines
   const int64_t grain = std::max<int64_t>(1, 16384 / (NB * DB * K * T));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u * NB, nb = std::min(NB, blocks - b);
       const uint16_t* w0 = w + b * KP * DB * 2;
-      if (NB == 2) unit_dot<2>(nb, cmax, x, T, K, w0, KP, y + b * DB, N, N - b * DB);
-      else unit_dot<4>(nb, cmax, x, T, K, w0, KP, y + b * DB, N, N - b * DB);
+      if (NB == 2) unit_dot<2>(nb, cmax, x, T, K, w0, KP, y + b * DB, N, N - b * DB, ahead);
+      else unit_dot<4>(nb, cmax, x, T, K, w0, KP, y + b * DB, N, N - b * DB, ahead);
     }
   });
 }
