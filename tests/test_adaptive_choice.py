@@ -224,3 +224,20 @@ def test_a_paced_wait_is_weighed_again_for_a_new_request():
     assert not ctrl.pacer.waiting([1])
     ctrl.choose([1])
     assert ctrl.trace[-1][3] is not None  # the new row's S(k) was estimated, not held
+
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_costs_timed_in_a_busy_first_minute_do_not_keep_speculation_off(seed):
+    """Half of the first 80 rounds are preempted for 40x their cost (another job's burst): the lengths and
+    draft costs timed then say that no acceptance could pay, and no round would ever time them again.
+    Once they are older than EXPIRE_ROUNDS and beyond what the plain step allows they are forgotten,
+    and the controller drafts near the best k (before Costs.expire: plain decoding for good, 0.42 of it)."""
+    alpha, c, slope = 0.85, 0.05, 0.1
+    S = true_speedups(alpha, c, slope)
+    rng = random.Random(100 + seed)
+    busy = {r for r in range(80) if rng.random() < 0.5}
+    ctrl = AdaptiveK(8)
+    chosen = simulate(ctrl, 700, alpha, c, slope, random.Random(seed), load=lambda r: 40.0 if r in busy else 1.0)
+    late = chosen[-200:]
+    assert sum(S[k] for k in late) / len(late) >= 0.9 * S[6], late

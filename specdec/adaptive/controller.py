@@ -28,6 +28,8 @@ from specdec.adaptive.trees import TreeChooser
 from specdec.cost_model import mean_expected_tokens, round_cost, speedup
 from specdec.tree import DraftTree, TreeShape
 
+EXPIRE_EVERY = 16  # rounds between looks for costs that no longer stand (Costs.expire)
+
 
 def choose_k(estimated: Sequence[float], upper: Sequence[float], hopeful: Sequence[float] | None = None) -> int:
     """The k to draft, from three views of S(0..k_max): ``estimated`` (each sequence's acceptance, the
@@ -101,6 +103,8 @@ class AdaptiveK:
         B = len(seq_ids)
         if self.costs.plain_due(B, self.rounds):
             return self._note(B, 0, "plain timed", None)  # every S at B is relative to a fresh plain step
+        if self.rounds % EXPIRE_EVERY == 0 and self.costs.expire(B, self.rounds):
+            self.prober.forget(B)  # its probes' cost was timed under the same load: when to probe is weighed again
         if self.pacer.waiting(seq_ids):
             return self._note(B, 0, "paced", None)  # plain rounds change no estimate: the decision stands
         was_probe, self.prober.probing = self.prober.probing, False
@@ -219,7 +223,7 @@ class AdaptiveK:
         if k_round > 0:
             self._version += 1
             if self.last_k > 0:
-                self.costs.record_draft(B, k_round, draft_time_s)
+                self.costs.record_draft(B, k_round, draft_time_s, self.rounds)
         self.last_k = k_round
         for sid, nd, na in zip(seq_ids, num_draft, num_accepted):
             if nd > 0:
@@ -249,9 +253,9 @@ class AdaptiveK:
         self._version += 1
         self.prober.on()  # a chain switched off was decided before these drafts: weigh it anew next time
         if verify_s is not None:
-            self.costs.tree_verify_time.setdefault((B, n_round + 1), Timing()).update(verify_s)
+            self.costs.tree_verify_time.setdefault((B, n_round + 1), Timing()).update(verify_s, self.rounds)
         if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first
-            self.costs.tree_draft_time.setdefault(B, Timing()).update(draft_s / max(self.trees.depth, 1))
+            self.costs.tree_draft_time.setdefault(B, Timing()).update(draft_s / max(self.trees.depth, 1), self.rounds)
         self.last_k = n_round
         if trees is not None and paths is not None:
             self.trees.learn(seq_ids, trees, paths)

@@ -28,6 +28,8 @@ PLAIN_SAMPLES = 3  # plain steps timed at a batch size before it may speculate: 
 #                    two samples is a poor baseline beside the fastest of eight speculative rounds
 SOLID_SAMPLES = 3  # timings of a verify length that stand for it without the line through the others
 REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
+EXPIRE_ROUNDS = REFRESH_ROUNDS  # a draft or verify cost not timed for this many rounds may be forgotten ...
+IMPLAUSIBLE = 1.5  # ... where it exceeds this many plain steps per token (Costs.expire)
 
 
 class Timing:
@@ -41,9 +43,11 @@ class Timing:
     def __init__(self, window: int = 16, skip: int = 1):
         self.samples: deque[float] = deque(maxlen=window)
         self.skip = skip
-        self.value: float | None = None  # the mean, kept current: the controller reads it ~10 times a round
+        self.value: float | None = None  # the median, kept current: the controller reads it ~10 times a round
+        self.at: int | None = None  # the round of the last sample, where the caller says (Costs.expire)
 
-    def update(self, x: float) -> None:
+    def update(self, x: float, at: int | None = None) -> None:
+        self.at = at
         if self.skip > 0:
             self.skip -= 1
         else:
@@ -388,14 +392,14 @@ class Costs:
             return lambda k: PRIOR_DRAFT_COST * t1
         return fit_line(known, plain_in_fit=True)
 
-    def record_draft(self, B: int, k: int, seconds: float) -> None:
-        """A chain round's drafting time at batch size B for k drafts: per drafted position, or for a
-        parallel draft per round at that k."""
+    def record_draft(self, B: int, k: int, seconds: float, rounds: int | None = None) -> None:
+        """A chain round's drafting time at batch size B for k drafts, at round ``rounds``: per drafted
+        position, or for a parallel draft per round at that k."""
         if self.parallel:
-            self.parallel_draft_time.setdefault((B, k), Timing()).update(seconds)
+            self.parallel_draft_time.setdefault((B, k), Timing()).update(seconds, rounds)
         else:
-            self.draft_time.setdefault(B, Timing()).update(seconds / k)
-            self.round_draft_time.setdefault((B, k), Timing()).update(seconds)
+            self.draft_time.setdefault(B, Timing()).update(seconds / k, rounds)
+            self.round_draft_time.setdefault((B, k), Timing()).update(seconds, rounds)
             self._draft_records += 1
 
     def tree_draft_cost(self, B: int, t1: float) -> float:
@@ -406,9 +410,42 @@ class Costs:
     def record_verify(self, B: int, T: int, seconds: float, rounds: int) -> None:
         """A chain verify pass of T tokens per row at batch size B, at round ``rounds``."""
         em = self.verify_time.setdefault((B, T), Timing())
-        em.update(seconds)
+        em.update(seconds, rounds)
         if em.value is not None:
             self.timed_at[(B, T)] = rounds
+
+    def expire(self, B: int, rounds: int) -> bool:
+        """Forget batch size B's draft and verify costs that were last timed more than EXPIRE_ROUNDS rounds
+        before ``rounds`` and that the plain step now says cannot be: a pass of T tokens dearer than
+        IMPLAUSIBLE x T plain steps, drafting dearer than IMPLAUSIBLE x a plain step per drafted position.
+        Whether any went. Such costs were timed while another job loaded the machine, and a length no
+        longer chosen is never timed again: passes timed 9-60x their cost in a busy first minute (and the
+        draft at 20x) once kept speculation off for good after the load was gone (``can_ever_pay`` said
+        no acceptance could pay). A forgotten length follows the line through the others
+        (``verify_line``), a forgotten draft cost its prior, until timed again; costs that are merely
+        high (a draft as dear as the target) stand, and decide as before."""
+        plain = self.verify_time.get((B, 1))
+        if plain is None or plain.value is None:
+            return False
+        t1 = plain.value
+
+        def old(em: Timing) -> bool:
+            return em.at is not None and rounds - em.at > EXPIRE_ROUNDS
+
+        gone = False
+        for table in (self.verify_time, self.tree_verify_time, self.round_draft_time, self.parallel_draft_time):
+            for key in [key for key, em in table.items() if key[0] == B and key[1] > 1 and old(em)
+                        and em.value is not None and em.value > IMPLAUSIBLE * key[1] * t1]:
+                del table[key]
+                self.timed_at.pop(key, None)
+                gone = True
+        em = self.draft_time.get(B)
+        if em is not None and old(em) and em.value is not None and em.value > IMPLAUSIBLE * t1:
+            del self.draft_time[B]
+            gone = True
+        if gone:
+            self._draft_records += 1  # the round-draft line is fitted again
+        return gone
 
     def stale(self, B: int, T: int, rounds: int) -> bool:
         """Whether a chain pass of T tokens at batch size B has not been timed for REFRESH_ROUNDS

@@ -83,6 +83,12 @@ class Prober:
             self.wait_s = cost / PROBE_BUDGET if can_ever_pay(costs, B, k_max) else float("inf")
         return self.since_s >= self.wait_s
 
+    def forget(self, B: int) -> None:
+        """Batch size B's costs were forgotten (Costs.expire): its probes' measured cost goes too, and
+        whether and when to probe is worked out again at the next due round."""
+        self.cost.pop(B, None)
+        self.wait_s = None
+
     def record_plain(self, seconds: float) -> None:
         self.since_s += seconds
 
