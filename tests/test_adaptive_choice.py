@@ -241,3 +241,16 @@ def test_costs_timed_in_a_busy_first_minute_do_not_keep_speculation_off(seed):
     chosen = simulate(ctrl, 700, alpha, c, slope, random.Random(seed), load=lambda r: 40.0 if r in busy else 1.0)
     late = chosen[-200:]
     assert sum(S[k] for k in late) / len(late) >= 0.9 * S[6], late
+
+
+def test_a_length_timed_once_in_a_busy_moment_is_timed_again_soon():
+    """Every other one of the first 40 rounds is preempted for 30x its cost: the lengths tried then are
+    timed once or twice, too dear, and hold the controller below the best k. A neighbour of the chosen k
+    timed fewer than SOLID_SAMPLES times is timed again every REFRESH_THIN_ROUNDS rounds instead of every
+    REFRESH_ROUNDS (before: k = 2 for good, 0.83 of the best k's speed)."""
+    alpha, c, slope = 0.85, 0.05, 0.1
+    S = true_speedups(alpha, c, slope)
+    ctrl = AdaptiveK(8)
+    chosen = simulate(ctrl, 700, alpha, c, slope, random.Random(0), load=lambda r: 30.0 if r < 40 and r % 2 else 1.0)
+    late = chosen[-200:]
+    assert sum(S[k] for k in late) / len(late) >= 0.95 * S[6], late

@@ -127,7 +127,7 @@ class AdaptiveK:
             k = self.prober.off(B, was_probe, self.costs, self.k_max)
             return self._note(B, k, "probe" if k else why if why == "off" else "gave up", estimated)
         self.prober.on()
-        k = self._refresh(B, best)
+        k = self._refresh(B, best, thin=why == "estimate")
         return self._note(B, k, why if k == best else "refresh", estimated)
 
     def _note(self, B: int, k: int, why: str, estimated: list[float] | None) -> list[int]:
@@ -136,13 +136,14 @@ class AdaptiveK:
             self.trace.append((self.rounds, k, why, estimated))
         return [k] * B
 
-    def _refresh(self, B: int, k: int) -> int:
+    def _refresh(self, B: int, k: int, thin: bool = False) -> int:
         """k, or a neighbour k ± 1 whose verify pass has gone untimed for REFRESH_ROUNDS rounds: the
         estimate compares k with its neighbours by their costs, and a cost measured under other
         conditions (a loaded machine, a shorter cache) would otherwise never be corrected once its
-        k stopped being chosen. Two rounds every REFRESH_ROUNDS per neighbour at most."""
+        k stopped being chosen. Two rounds every REFRESH_ROUNDS per neighbour at most; ``thin`` (the
+        estimate chose k): a neighbour timed fewer than SOLID_SAMPLES times every REFRESH_THIN_ROUNDS."""
         for n in (k + 1, k - 1):
-            if 1 <= n <= self.k_max and self.costs.stale(B, n + 1, self.rounds):
+            if 1 <= n <= self.k_max and self.costs.stale(B, n + 1, self.rounds, thin):
                 return n
         return k
 

@@ -28,6 +28,7 @@ PLAIN_SAMPLES = 3  # plain steps timed at a batch size before it may speculate: 
 #                    two samples is a poor baseline beside the fastest of eight speculative rounds
 SOLID_SAMPLES = 3  # timings of a verify length that stand for it without the line through the others
 REFRESH_ROUNDS = 128  # a batch size's plain-step time older than this many rounds is measured again
+REFRESH_THIN_ROUNDS = 16  # ... and a verify length timed fewer than SOLID_SAMPLES times, after this many
 EXPIRE_ROUNDS = REFRESH_ROUNDS  # a draft or verify cost not timed for this many rounds may be forgotten ...
 IMPLAUSIBLE = 1.5  # ... where it exceeds this many plain steps per token (Costs.expire)
 
@@ -429,28 +430,34 @@ class Costs:
             return False
         t1 = plain.value
 
-        def old(em: Timing) -> bool:
-            return em.at is not None and rounds - em.at > EXPIRE_ROUNDS
+        def gone_by(em: Timing, allowed: float) -> bool:  # allowed: what the plain step says it may cost
+            return (em.at is not None and rounds - em.at > EXPIRE_ROUNDS and em.value is not None
+                    and em.value > IMPLAUSIBLE * allowed)
 
         gone = False
         for table in (self.verify_time, self.tree_verify_time, self.round_draft_time, self.parallel_draft_time):
-            for key in [key for key, em in table.items() if key[0] == B and key[1] > 1 and old(em)
-                        and em.value is not None and em.value > IMPLAUSIBLE * key[1] * t1]:
+            for key in [key for key, em in table.items() if key[0] == B and key[1] > 1 and gone_by(em, key[1] * t1)]:
                 del table[key]
                 self.timed_at.pop(key, None)
                 gone = True
         em = self.draft_time.get(B)
-        if em is not None and old(em) and em.value is not None and em.value > IMPLAUSIBLE * t1:
+        if em is not None and gone_by(em, t1):
             del self.draft_time[B]
             gone = True
         if gone:
             self._draft_records += 1  # the round-draft line is fitted again
         return gone
 
-    def stale(self, B: int, T: int, rounds: int) -> bool:
+    def stale(self, B: int, T: int, rounds: int, thin: bool = False) -> bool:
         """Whether a chain pass of T tokens at batch size B has not been timed for REFRESH_ROUNDS
-        rounds (or never): the machine's load or the cache length may have changed its cost since."""
-        return rounds - self.timed_at.get((B, T), -REFRESH_ROUNDS - 1) > REFRESH_ROUNDS
+        rounds (or never): the machine's load or the cache length may have changed its cost since.
+        ``thin``: a length timed fewer than SOLID_SAMPLES times is stale after REFRESH_THIN_ROUNDS
+        already: one preempted sample (a 5-token pass timed at 2.08 ms beside 1.35 for 4 tokens)
+        otherwise held the controller a k below the best for REFRESH_ROUNDS rounds."""
+        em = self.verify_time.get((B, T))
+        few = thin and em is not None and len(em.samples) < SOLID_SAMPLES
+        period = REFRESH_THIN_ROUNDS if few else REFRESH_ROUNDS
+        return rounds - self.timed_at.get((B, T), -REFRESH_ROUNDS - 1) > period
 
     def measuring_plain(self, B: int) -> bool:
         """Whether this batch size's first PLAIN_SAMPLES plain steps are still being timed."""
