@@ -256,7 +256,7 @@ class AdaptiveK:
         if verify_s is not None:
             self.costs.tree_verify_time.setdefault((B, n_round + 1), Timing()).update(verify_s, self.rounds)
         if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first
-            self.costs.tree_draft_time.setdefault(B, Timing()).update(draft_s / max(self.trees.depth, 1), self.rounds)
+            self.costs.tree_draft_time.setdefault(B, Timing()).update(draft_s / max(self.trees.depth, 1))
         self.last_k = n_round
         if trees is not None and paths is not None:
             self.trees.learn(seq_ids, trees, paths)

@@ -438,7 +438,8 @@ class Costs:
         for table in (self.verify_time, self.tree_verify_time, self.round_draft_time, self.parallel_draft_time):
             for key in [key for key, em in table.items() if key[0] == B and key[1] > 1 and gone_by(em, key[1] * t1)]:
                 del table[key]
-                self.timed_at.pop(key, None)
+                if table is self.verify_time:  # timed_at holds chain verify passes only
+                    self.timed_at.pop(key, None)
                 gone = True
         em = self.draft_time.get(B)
         if em is not None and gone_by(em, t1):
