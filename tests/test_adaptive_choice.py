@@ -33,16 +33,20 @@ def simulate(ctrl: AdaptiveK, rounds: int, alpha: float, c: float, slope: float,
     return chosen
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_where_the_best_k_is_6_the_controller_settles_near_it(seed):
+def test_where_the_best_k_is_6_the_controller_settles_near_it():
+    """Ten seeds: on average within 2% of the best k's speed, none below 95% nor mostly outside k = 4..8
+    (before the round-draft line read only solid lengths: one seed at 0.91, half its rounds at k <= 3,
+    a draft round of 6 timed once under a preempted pass having tilted the line)."""
     alpha, c, slope = 0.85, 0.05, 0.1
     S = true_speedups(alpha, c, slope)
     assert max(range(9), key=S.__getitem__) == 6  # the setting: k = 6 pays most, k = 1 only 0.68x of it
-    ctrl = AdaptiveK(8)
-    chosen = simulate(ctrl, 300, alpha, c, slope, random.Random(seed))
-    late = chosen[-150:]
-    assert sum(S[k] for k in late) / len(late) >= 0.97 * S[6], late
-    assert sum(1 for k in late if 4 <= k <= 8) >= 0.9 * len(late), late
+    shares = []
+    for seed in range(10):
+        late = simulate(AdaptiveK(8), 300, alpha, c, slope, random.Random(seed))[-150:]
+        shares.append(sum(S[k] for k in late) / len(late) / S[6])
+        assert shares[-1] >= 0.95, (seed, late)
+        assert sum(1 for k in late if 4 <= k <= 8) >= 0.85 * len(late), (seed, late)
+    assert sum(shares) / len(shares) >= 0.98, shares
 
 
 def test_on_a_machine_whose_load_changes_the_controller_still_settles_near_the_best_k():
@@ -212,6 +216,40 @@ def test_a_draft_rounds_time_is_a_line_in_k():
             ctrl.costs.record_draft(1, k, ms / 1000)
     got = [k * ctrl.costs.draft_cost(1, T1, k) * 1000 for k in (1, 2, 4, 8)]
     assert got == pytest.approx([0.6, 0.75, 1.05, 1.65], abs=0.01)
+
+
+def test_a_draft_round_timed_once_in_a_busy_moment_does_not_tilt_the_draft_line():
+    """Rounds of 2, 3 and 4 drafts timed often, one of 6 timed once at 40x: the line through the solid
+    lengths charges what they cost, not the slope the single busy timing gives."""
+    ctrl = AdaptiveK(8)
+    for k in (2, 3, 4):
+        for _ in range(5):
+            ctrl.costs.record_draft(1, k, k * 0.05 * T1)
+    ctrl.costs.record_draft(1, 6, 40 * 6 * 0.05 * T1)
+    ctrl.costs.record_draft(1, 6, 40 * 6 * 0.05 * T1)  # the first timing of a length is skipped (Timing.skip)
+    assert ctrl.costs.draft_cost(1, T1, 4) == pytest.approx(0.05 * T1, rel=0.01)
+    assert ctrl.costs.draft_cost(1, T1, 6) == pytest.approx(0.05 * T1, rel=0.01)
+
+
+def test_an_estimate_chosen_twice_stands_a_few_rounds_for_the_same_rows():
+    """Weighing every k costs ~0.1 ms a round in a round of a few ms: a k the estimate chose twice running
+    is kept for DECIDE_ROUNDS rounds while the batch's rows stay the same, then weighed again; a batch with
+    another row is weighed at once."""
+    from specdec.adaptive.controller import DECIDE_ROUNDS
+
+    ctrl = AdaptiveK(8)
+    ctrl.trace = []
+    simulate(ctrl, 60, 0.85, 0.05, 0.1, random.Random(0))
+    whys = [why for _, _, why, _ in ctrl.trace[-40:]]
+    assert "held" in whys and "estimate" in whys
+    run = 0
+    for why in whys:  # never more than DECIDE_ROUNDS - 1 held rounds in a row
+        run = run + 1 if why == "held" else 0
+        assert run < DECIDE_ROUNDS, whys
+    while ctrl.trace[-1][2] != "held":
+        simulate(ctrl, 1, 0.85, 0.05, 0.1, random.Random(1))
+    ctrl.choose([1])
+    assert ctrl.trace[-1][2] != "held" and ctrl.trace[-1][3] is not None  # another row: its S(k) estimated
 
 
 def test_a_paced_wait_is_weighed_again_for_a_new_request():

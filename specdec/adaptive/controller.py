@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from specdec.adaptive.measure import Acceptance, Costs, Timing
+from specdec.adaptive.measure import Acceptance, Costs, Timing, timing
 from specdec.adaptive.pace import Pacer
 from specdec.adaptive.probe import Prober
 from specdec.adaptive.trees import TreeChooser
@@ -29,6 +29,7 @@ from specdec.cost_model import mean_expected_tokens, round_cost, speedup
 from specdec.tree import DraftTree, TreeShape
 
 EXPIRE_EVERY = 16  # rounds between looks for costs that no longer stand (Costs.expire)
+DECIDE_ROUNDS = 4  # rounds an estimate's k stands for the same rows before it is weighed again (``choose``)
 
 
 def choose_k(estimated: Sequence[float], upper: Sequence[float], hopeful: Sequence[float] | None = None) -> int:
@@ -73,6 +74,9 @@ class AdaptiveK:
         self._cpu_at = 0.0  # ... and the process's CPU time then
         self._recorded_ids: list[int] = []  # ... and its rows: a round's wall is timed only after one of its batch
         self.trace: list[tuple] | None = None  # a list: each chain decision appended (``_note``)
+        self._held: tuple[list[int], int, int] | None = None  # (rows, k, round): the estimate's k that stands
+        self._last_estimate: int | None = None  # the k the last weighing chose by its estimate
+        self._expired_at = 0  # the round of the last look for costs that no longer stand
 
     def set_parallel_draft(self, parallel: bool) -> None:
         """The drafter proposes all k drafts from one forward (drafters/pard.py, which says so when bound):
@@ -103,8 +107,15 @@ class AdaptiveK:
         B = len(seq_ids)
         if self.costs.plain_due(B, self.rounds):
             return self._note(B, 0, "plain timed", None)  # every S at B is relative to a fresh plain step
-        if self.rounds % EXPIRE_EVERY == 0 and self.costs.expire(B, self.rounds):
-            self.prober.forget(B)  # its probes' cost was timed under the same load: when to probe is weighed again
+        if self.rounds - self._expired_at >= EXPIRE_EVERY:
+            self._expired_at = self.rounds
+            if self.costs.expire(B, self.rounds):
+                self.prober.forget(B)  # its probes' cost was timed under the same load: when to probe is weighed again
+                self._held = None
+        held, self._held = self._held, None
+        if held is not None and held[0] == seq_ids and self.rounds - held[2] < DECIDE_ROUNDS:
+            self._held = held  # weighing every k takes ~0.1 ms in a round of a few ms: an estimate stands a few rounds
+            return self._note(B, held[1], "held", None)
         if self.pacer.waiting(seq_ids):
             return self._note(B, 0, "paced", None)  # plain rounds change no estimate: the decision stands
         was_probe, self.prober.probing = self.prober.probing, False
@@ -128,6 +139,9 @@ class AdaptiveK:
             return self._note(B, k, "probe" if k else why if why == "off" else "gave up", estimated)
         self.prober.on()
         k = self._refresh(B, best, thin=why == "estimate")
+        if why == "estimate" and k == best == self._last_estimate:  # chosen twice running: it stands a few rounds
+            self._held = (list(seq_ids), k, self.rounds)
+        self._last_estimate = best if why == "estimate" else None
         return self._note(B, k, why if k == best else "refresh", estimated)
 
     def _note(self, B: int, k: int, why: str, estimated: list[float] | None) -> list[int]:
@@ -254,9 +268,9 @@ class AdaptiveK:
         self._version += 1
         self.prober.on()  # a chain switched off was decided before these drafts: weigh it anew next time
         if verify_s is not None:
-            self.costs.tree_verify_time.setdefault((B, n_round + 1), Timing()).update(verify_s, self.rounds)
+            timing(self.costs.tree_verify_time, (B, n_round + 1)).update(verify_s, self.rounds)
         if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first
-            self.costs.tree_draft_time.setdefault(B, Timing()).update(draft_s / max(self.trees.depth, 1))
+            timing(self.costs.tree_draft_time, B).update(draft_s / max(self.trees.depth, 1))
         self.last_k = n_round
         if trees is not None and paths is not None:
             self.trees.learn(seq_ids, trees, paths)

@@ -10,7 +10,6 @@ samples come, so the controller can tell "this drafter cannot pay" from "too few
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -53,7 +52,16 @@ class Timing:
             self.skip -= 1
         else:
             self.samples.append(x)
-            self.value = statistics.median(self.samples)
+            s, n = sorted(self.samples), len(self.samples)  # the median, a few times a round: inline
+            self.value = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def timing(table: dict, key, window: int = 16, skip: int = 1) -> Timing:
+    """``table[key]``, a new Timing there if none (``setdefault`` would build one every call, a few a round)."""
+    em = table.get(key)
+    if em is None:
+        em = table[key] = Timing(window, skip)
+    return em
 
 
 def wilson_upper(p: float, n: float, z: float = Z) -> float:
@@ -344,7 +352,7 @@ class Costs:
         """A round's wall time outside its draft and verify calls (scheduling, sampling, commit, the
         drafter's bookkeeping): per round of drafts, or per token of a plain round (``plain``)."""
         table = self.plain_overhead_time if plain else self.overhead_time
-        table.setdefault(B, Timing(window=32)).update(max(seconds, 0.0))
+        timing(table, B, window=32).update(max(seconds, 0.0))
 
     def overhead(self, B: int, plain: bool) -> float:
         """Seconds a round of drafts (or a plain token, ``plain``) spends outside its forward calls at
@@ -376,10 +384,14 @@ class Costs:
 
     def _round_draft_line(self, B: int):
         """k -> seconds of a round's k draft steps at batch size B, through the k timed (None below
-        two); fitted once per timing recorded (the controller reads it for every k, every round)."""
+        two), only those timed SOLID_SAMPLES times where two are: a k timed once in a busy moment (8.5
+        plain steps for 6 drafts beside 0.2 for 4) tilted the line and held k two below the best, and
+        no round re-timed it. Fitted once per timing recorded (the controller reads it for every k)."""
         cached = self._draft_lines.get(B)
         if cached is None or cached[0] != self._draft_records:
-            known = sorted((n, em.value) for (b, n), em in self.round_draft_time.items() if b == B and em.value is not None)
+            mine = [(n, em) for (b, n), em in self.round_draft_time.items() if b == B and em.value is not None]
+            solid = [(n, em) for n, em in mine if len(em.samples) >= SOLID_SAMPLES]
+            known = sorted((n, em.value) for n, em in (solid if len(solid) >= 2 else mine))
             cached = self._draft_lines[B] = (self._draft_records, fit_line(known, plain_in_fit=True) if len(known) >= 2 else None)
         return cached[1]
 
@@ -397,10 +409,10 @@ class Costs:
         """A chain round's drafting time at batch size B for k drafts, at round ``rounds``: per drafted
         position, or for a parallel draft per round at that k."""
         if self.parallel:
-            self.parallel_draft_time.setdefault((B, k), Timing()).update(seconds, rounds)
+            timing(self.parallel_draft_time, (B, k)).update(seconds, rounds)
         else:
-            self.draft_time.setdefault(B, Timing()).update(seconds / k, rounds)
-            self.round_draft_time.setdefault((B, k), Timing()).update(seconds, rounds)
+            timing(self.draft_time, B).update(seconds / k, rounds)
+            timing(self.round_draft_time, (B, k)).update(seconds, rounds)
             self._draft_records += 1
 
     def tree_draft_cost(self, B: int, t1: float) -> float:
@@ -410,7 +422,7 @@ class Costs:
 
     def record_verify(self, B: int, T: int, seconds: float, rounds: int) -> None:
         """A chain verify pass of T tokens per row at batch size B, at round ``rounds``."""
-        em = self.verify_time.setdefault((B, T), Timing())
+        em = timing(self.verify_time, (B, T))
         em.update(seconds, rounds)
         if em.value is not None:
             self.timed_at[(B, T)] = rounds

@@ -10,7 +10,7 @@ weigh k again until a probe (or another batch size) has given it something new.
 
 from __future__ import annotations
 
-from specdec.adaptive.measure import Costs, Timing
+from specdec.adaptive.measure import Costs, Timing, timing
 from specdec.cost_model import round_cost, speedup
 
 PROBE_K = 1  # a probe drafts one token: the cheapest measurement of position 1
@@ -94,4 +94,4 @@ class Prober:
 
     def record_probe(self, B: int, excess_s: float) -> None:
         """What the probe cost beyond the plain steps its tokens would have taken."""
-        self.cost.setdefault(B, Timing(window=8, skip=0)).update(max(excess_s, 0.0))
+        timing(self.cost, B, window=8, skip=0).update(max(excess_s, 0.0))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specdec.adaptive.measure import DECAY, Acceptance, Costs, Timing
+from specdec.adaptive.measure import DECAY, Acceptance, Costs, Timing, timing
 from specdec.cost_model import rank_acceptance, speedup, tree_node_values
 from specdec.tree import DraftTree, TreeShape
 
@@ -115,7 +115,7 @@ class TreeChooser:
         for n, a in zip(num_nodes, num_accepted):
             if n == 0:
                 continue
-            self.tokens.setdefault(n, Timing(window=64, skip=0)).update(1.0 + a)
+            timing(self.tokens, n, window=64, skip=0).update(1.0 + a)
             if n < len(self.prior):
                 self.observed = d * self.observed + a
                 self.predicted = d * self.predicted + (self.prior[n] - 1.0)
