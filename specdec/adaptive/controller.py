@@ -77,6 +77,7 @@ class AdaptiveK:
         self._held: tuple[list[int], int, int] | None = None  # (rows, k, round): the estimate's k that stands
         self._last_estimate: int | None = None  # the k the last weighing chose by its estimate
         self._expired_at = 0  # the round of the last look for costs that no longer stand
+        self._pending: list[tuple] = []  # held rounds' records, taken in at the next weighing (``flush``)
 
     def set_parallel_draft(self, parallel: bool) -> None:
         """The drafter proposes all k drafts from one forward (drafters/pard.py, which says so when bound):
@@ -88,10 +89,12 @@ class AdaptiveK:
     @property
     def verify_time(self) -> dict[tuple[int, int], Timing]:
         """(B, T) -> seconds of a chain verify pass of T tokens per row at batch size B."""
+        self.flush()
         return self.costs.verify_time
 
     def verify_line(self, B: int):
         """T -> seconds of a verify pass with T tokens per row at batch size B (measure.fit_line)."""
+        self.flush()
         return self.costs.verify_line(B)
 
     def measuring_plain(self, batch: int) -> bool:
@@ -107,15 +110,16 @@ class AdaptiveK:
         B = len(seq_ids)
         if self.costs.plain_due(B, self.rounds):
             return self._note(B, 0, "plain timed", None)  # every S at B is relative to a fresh plain step
+        held, self._held = self._held, None
+        if (held is not None and held[0] == seq_ids and self.rounds - held[2] < DECIDE_ROUNDS
+                and self.rounds - self._expired_at < EXPIRE_EVERY):
+            self._held = held  # weighing every k takes ~0.1 ms in a round of a few ms: an estimate stands a few rounds
+            return self._note(B, held[1], "held", None)
+        self.flush()
         if self.rounds - self._expired_at >= EXPIRE_EVERY:
             self._expired_at = self.rounds
             if self.costs.expire(B, self.rounds):
                 self.prober.forget(B)  # its probes' cost was timed under the same load: when to probe is weighed again
-                self._held = None
-        held, self._held = self._held, None
-        if held is not None and held[0] == seq_ids and self.rounds - held[2] < DECIDE_ROUNDS:
-            self._held = held  # weighing every k takes ~0.1 ms in a round of a few ms: an estimate stands a few rounds
-            return self._note(B, held[1], "held", None)
         if self.pacer.waiting(seq_ids):
             return self._note(B, 0, "paced", None)  # plain rounds change no estimate: the decision stands
         was_probe, self.prober.probing = self.prober.probing, False
@@ -169,6 +173,7 @@ class AdaptiveK:
     def speedups(self, B: int, alphas_per_seq: list[list[float]], line=None) -> list[float]:
         """S(k) for k = 0..k_max at batch size B for sequences whose acceptance is ``alphas_per_seq``,
         with the verify costs of ``line`` (default: the measured ``verify_line``)."""
+        self.flush()
         K = max([self.k_max] + [len(a) for a in alphas_per_seq])
         tokens = mean_expected_tokens(alphas_per_seq, K)  # E(k), mean over the batch
         line = line or self.costs.verify_line(B)
@@ -192,7 +197,7 @@ class AdaptiveK:
         if not force and self.costs.plain_due(len(seq_ids), self.rounds):
             return None
         B = len(seq_ids)
-        return self.trees.choose(seq_ids, max_nodes, top_k, max_depth, force, self._version, self.rounds,
+        return self.trees.choose(seq_ids, max_nodes, top_k, max_depth, force, self._version, self.rounds, self.flush,
                                  lambda alphas: max(self.speedups(B, [alphas])))
 
     # -- measurements ------------------------------------------------------------------------------
@@ -203,12 +208,35 @@ class AdaptiveK:
         drafting time and its verify pass's time (None: the pass did more than verify, it carried a
         new prompt; not timed). A plain round of several steps in one runner call gives the time per
         step and ``num_steps``."""
+        self.rounds += 1
+        timed = verify_time_s is not None and self._same_batch(seq_ids)  # a pass with a prompt: not timed
+        round_wall = self._round_wall() if timed else None
+        self._stamp(seq_ids)
+        entry = (seq_ids, num_draft, num_accepted, draft_time_s, verify_time_s, num_steps, round_wall, self.rounds,
+                 self.last_k)
+        self.last_k = max(num_draft)
+        if self._held is not None and self.last_k > 0 and verify_time_s is not None:
+            self._pending.append(entry)  # a held round's: what it measured is taken in at the next weighing,
+            return  # several at once (each round's bookkeeping right after a forward costs ~3x its time warm)
+        self.flush()
+        self._take_in(*entry)
+
+    def flush(self) -> None:
+        """Take in the rounds recorded while a decision was held (``record``)."""
+        pending, self._pending = self._pending, []
+        for entry in pending:
+            self._take_in(*entry)
+
+    def _take_in(self, seq_ids: list[int], num_draft: list[int], num_accepted: list[int], draft_time_s: float,
+                 verify_time_s: float | None, num_steps: int, round_wall: tuple[float, float] | None, at: int,
+                 last_k: int) -> None:
+        """What ``record`` reports, at round ``at`` (``round_wall``: the round's wall and CPU seconds where
+        it was timed; ``last_k``: the k of the round before)."""
         B = len(seq_ids)
         k_round = max(num_draft)
-        self.rounds += 1
         round_s = draft_time_s + (verify_time_s or 0.0) * num_steps
-        if verify_time_s is not None and self._same_batch(seq_ids):  # a pass with a prompt: not timed
-            wall, cpu = self._round_wall()
+        if round_wall is not None:
+            wall, cpu = round_wall
             spent = round_s
             if 0.5 * wall < spent <= 1.05 * wall:  # the round's calls fill its wall time: a real round
                 # The share of the round this process ran (1 with one busy thread): on a shared machine
@@ -219,27 +247,25 @@ class AdaptiveK:
                 round_s = wall
             outside = wall - spent
             self.costs.record_overhead(B, k_round == 0, outside / num_steps if k_round == 0 else outside)
-        self._stamp(seq_ids)
         excess = None
         if self.pacer.learning and verify_time_s is not None and k_round > 0:  # what learning cost this round
             excess = round_s - tokens_per_row(num_draft, num_accepted) * self._plain_token(B)
         self.pacer.record(round_s, excess)
         if verify_time_s is not None:
             if k_round == 0:
-                self.costs.plain_measured_at[B] = self.rounds
+                self.costs.plain_measured_at[B] = at
                 self.prober.record_plain(verify_time_s * num_steps)
             elif self.prober.probing and B == self.prober.off_batch:
                 tokens = tokens_per_row(num_draft, num_accepted)
                 self.prober.record_probe(B, draft_time_s + verify_time_s - tokens * self.costs.verify_line(B)(1))
-            self.costs.record_verify(B, k_round + 1, verify_time_s, self.rounds)
+            self.costs.record_verify(B, k_round + 1, verify_time_s, at)
         # A round right after plain ones first feeds the drafter everything it missed (a draft model
         # catches up on every token since its last proposal): a cost of switching on, not of drafting.
         # Timed with the rest, a probe after a plain stretch looks far dearer than steady drafting.
         if k_round > 0:
             self._version += 1
-            if self.last_k > 0:
-                self.costs.record_draft(B, k_round, draft_time_s, self.rounds)
-        self.last_k = k_round
+            if last_k > 0:
+                self.costs.record_draft(B, k_round, draft_time_s, at)
         for sid, nd, na in zip(seq_ids, num_draft, num_accepted):
             if nd > 0:
                 self.acceptance.record(sid, nd, na, B)
@@ -255,6 +281,7 @@ class AdaptiveK:
         accepted node indices, root's child first (verify_tree's ``accepted_nodes``), siblings in the
         drafter's rank order. From them the controller learns what a chain would have accepted (the
         first children's path) and how often a sibling catches what the ranks before it missed."""
+        self.flush()
         B = len(seq_ids)
         n_round = max(num_nodes) if num_nodes else 0
         self.rounds += 1
@@ -289,4 +316,5 @@ class AdaptiveK:
         self._recorded_at, self._cpu_at, self._recorded_ids = time.perf_counter(), time.process_time(), list(seq_ids)
 
     def release(self, seq_ids: list[int]) -> None:
+        self.flush()
         self.acceptance.release(seq_ids)

@@ -280,6 +280,29 @@ def fit_line(known: list[tuple[int, float]], plain_in_fit: bool = False):
     return lambda T: plain if T == 1 and plain is not None else max(mv + slope * (T - mt), floor)
 
 
+def robust_line(known: list[tuple[int, float, int]]):
+    """k -> seconds through (k, median seconds, samples) points, k distinct: the Theil-Sen line, its slope
+    the median of the slopes between pairs of points (weighted by their samples and how far apart they
+    are: two neighbours timed often said 0.07 ms a draft where it cost 0.1) and its level the median of what each point leaves (weighted by samples), so that a
+    point timed once or twice under another job's load does not tilt it; never below a tenth of the
+    cheapest point."""
+
+    def weighted_median(pairs: list[tuple[float, float]]) -> float:
+        pairs.sort()
+        half, run = sum(w for _, w in pairs) / 2, 0.0
+        for x, w in pairs:
+            run += w
+            if run >= half:
+                return x
+        return pairs[-1][0]
+
+    slope = weighted_median([((v2 - v1) / (k2 - k1), n1 * n2 * (k2 - k1))
+                             for i, (k1, v1, n1) in enumerate(known) for k2, v2, n2 in known[i + 1:]])
+    level = weighted_median([(v - slope * k, n) for k, v, n in known])
+    floor = 0.1 * min(v for _, v, _ in known)
+    return lambda k: max(level + slope * k, floor)
+
+
 def monotone(points: dict[int, tuple[float, int]]) -> dict[int, float]:
     """T -> seconds through measured (seconds, samples) per T, made non-decreasing in T by pooling
     adjacent violators, weighted by samples: a longer pass never costs less than a shorter one, and
@@ -383,16 +406,15 @@ class Costs:
         return PRIOR_DRAFT_COST * t1 if e is None or e.value is None else e.value
 
     def _round_draft_line(self, B: int):
-        """k -> seconds of a round's k draft steps at batch size B, through the k timed (None below
-        two), only those timed SOLID_SAMPLES times where two are: a k timed once in a busy moment (8.5
-        plain steps for 6 drafts beside 0.2 for 4) tilted the line and held k two below the best, and
-        no round re-timed it. Fitted once per timing recorded (the controller reads it for every k)."""
+        """k -> seconds of a round's k draft steps at batch size B, ``robust_line`` through the k timed
+        (None below two): a k timed once in a busy moment (8.5 plain steps for 6 drafts beside 0.2 for
+        4) tilted a least-squares line and held k two below the best, and no round re-timed it. Fitted
+        once per timing recorded (the controller reads it for every k)."""
         cached = self._draft_lines.get(B)
         if cached is None or cached[0] != self._draft_records:
-            mine = [(n, em) for (b, n), em in self.round_draft_time.items() if b == B and em.value is not None]
-            solid = [(n, em) for n, em in mine if len(em.samples) >= SOLID_SAMPLES]
-            known = sorted((n, em.value) for n, em in (solid if len(solid) >= 2 else mine))
-            cached = self._draft_lines[B] = (self._draft_records, fit_line(known, plain_in_fit=True) if len(known) >= 2 else None)
+            known = sorted((n, em.value, len(em.samples)) for (b, n), em in self.round_draft_time.items()
+                           if b == B and em.value is not None)
+            cached = self._draft_lines[B] = (self._draft_records, robust_line(known) if len(known) >= 2 else None)
         return cached[1]
 
     def parallel_draft_line(self, B: int, t1: float):
