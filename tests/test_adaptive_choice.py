@@ -237,10 +237,10 @@ def test_a_draft_round_timed_once_in_a_busy_moment_does_not_tilt_the_draft_line(
     assert 2 * ctrl.costs.draft_cost(1, T1, 2) < 0.6e-3  # a line through k = 7 and 8 alone: 0.95 ms at k = 2
 
 
-def test_an_estimate_chosen_twice_stands_a_few_rounds_for_the_same_rows():
-    """Weighing every k costs ~0.1 ms a round in a round of a few ms: a k the estimate chose twice running
-    is kept for DECIDE_ROUNDS rounds while the batch's rows stay the same, then weighed again; a batch with
-    another row is weighed at once."""
+def test_an_estimate_stands_a_few_rounds_for_the_same_rows():
+    """Weighing every k costs ~0.1 ms a round in a round of a few ms: the k the estimate chose is kept for
+    DECIDE_ROUNDS rounds while the batch's rows stay the same, then weighed again; a batch with another
+    row is weighed at once."""
     from specdec.adaptive.controller import DECIDE_ROUNDS
 
     ctrl = AdaptiveK(8)

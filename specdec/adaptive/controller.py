@@ -75,7 +75,6 @@ class AdaptiveK:
         self._recorded_ids: list[int] = []  # ... and its rows: a round's wall is timed only after one of its batch
         self.trace: list[tuple] | None = None  # a list: each chain decision appended (``_note``)
         self._held: tuple[list[int], int, int] | None = None  # (rows, k, round): the estimate's k that stands
-        self._last_estimate: int | None = None  # the k the last weighing chose by its estimate
         self._expired_at = 0  # the round of the last look for costs that no longer stand
         self._pending: list[tuple] = []  # held rounds' records, taken in at the next weighing (``flush``)
 
@@ -143,9 +142,8 @@ class AdaptiveK:
             return self._note(B, k, "probe" if k else why if why == "off" else "gave up", estimated)
         self.prober.on()
         k = self._refresh(B, best, thin=why == "estimate")
-        if why == "estimate" and k == best == self._last_estimate:  # chosen twice running: it stands a few rounds
+        if why == "estimate" and k == best:  # it stands a few rounds for these rows
             self._held = (list(seq_ids), k, self.rounds)
-        self._last_estimate = best if why == "estimate" else None
         return self._note(B, k, why if k == best else "refresh", estimated)
 
     def _note(self, B: int, k: int, why: str, estimated: list[float] | None) -> list[int]:
@@ -209,9 +207,7 @@ class AdaptiveK:
         new prompt; not timed). A plain round of several steps in one runner call gives the time per
         step and ``num_steps``."""
         self.rounds += 1
-        timed = verify_time_s is not None and self._same_batch(seq_ids)  # a pass with a prompt: not timed
-        round_wall = self._round_wall() if timed else None
-        self._stamp(seq_ids)
+        round_wall = self._clock(seq_ids, verify_time_s is not None)  # a pass with a prompt: not timed
         entry = (seq_ids, num_draft, num_accepted, draft_time_s, verify_time_s, num_steps, round_wall, self.rounds,
                  self.last_k)
         self.last_k = max(num_draft)
@@ -285,9 +281,9 @@ class AdaptiveK:
         B = len(seq_ids)
         n_round = max(num_nodes) if num_nodes else 0
         self.rounds += 1
-        if verify_s is not None and n_round > 0 and self._same_batch(seq_ids):
-            self.costs.record_overhead(B, False, self._round_wall()[0] - draft_s - verify_s)
-        self._stamp(seq_ids)
+        round_wall = self._clock(seq_ids, verify_s is not None and n_round > 0)
+        if round_wall is not None:
+            self.costs.record_overhead(B, False, round_wall[0] - draft_s - verify_s)
         self.pacer.record(draft_s + (verify_s or 0.0), None)
         if n_round == 0:
             self.last_k = 0
@@ -303,17 +299,16 @@ class AdaptiveK:
             self.trees.learn(seq_ids, trees, paths)
         self.trees.record(num_nodes, num_accepted)
 
-    def _same_batch(self, seq_ids: list[int]) -> bool:
-        """Whether the round just reported ran the rows of the one before: its wall time is then the time
-        since that one was reported (a new row's first round follows its admission, or an idle engine)."""
-        return self._recorded_at is not None and seq_ids == self._recorded_ids
-
-    def _round_wall(self) -> tuple[float, float]:
-        """(wall seconds, this process's CPU seconds) since the last round was reported."""
-        return time.perf_counter() - self._recorded_at, time.process_time() - self._cpu_at
-
-    def _stamp(self, seq_ids: list[int]) -> None:
-        self._recorded_at, self._cpu_at, self._recorded_ids = time.perf_counter(), time.process_time(), list(seq_ids)
+    def _clock(self, seq_ids: list[int], timed: bool) -> tuple[float, float] | None:
+        """(wall seconds, this process's CPU seconds) since the last round was reported, where ``timed``
+        and this round ran the rows of that one (a new row's first round follows its admission, or an
+        idle engine), else None; the clocks are read once (the CPU clock is a system call, ~5 us after
+        a forward)."""
+        now, cpu = time.perf_counter(), time.process_time()
+        same = self._recorded_at is not None and seq_ids == self._recorded_ids
+        since = (now - self._recorded_at, cpu - self._cpu_at) if timed and same else None
+        self._recorded_at, self._cpu_at, self._recorded_ids = now, cpu, list(seq_ids)
+        return since
 
     def release(self, seq_ids: list[int]) -> None:
         self.flush()

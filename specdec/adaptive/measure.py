@@ -43,8 +43,17 @@ class Timing:
     def __init__(self, window: int = 16, skip: int = 1):
         self.samples: deque[float] = deque(maxlen=window)
         self.skip = skip
-        self.value: float | None = None  # the median, kept current: the controller reads it ~10 times a round
+        self._median: float | None = None  # ``value``, worked out when read after samples came
+        self._stale = False
         self.at: int | None = None  # the round of the last sample, where the caller says (Costs.expire)
+
+    @property
+    def value(self) -> float | None:
+        """The median of the samples kept (None before the first): read at a weighing, every few rounds."""
+        if self._stale:
+            s, n = sorted(self.samples), len(self.samples)
+            self._median, self._stale = (s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])), False
+        return self._median
 
     def update(self, x: float, at: int | None = None) -> None:
         self.at = at
@@ -52,8 +61,7 @@ class Timing:
             self.skip -= 1
         else:
             self.samples.append(x)
-            s, n = sorted(self.samples), len(self.samples)  # the median, a few times a round: inline
-            self.value = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+            self._stale = True
 
 
 def timing(table: dict, key, window: int = 16, skip: int = 1) -> Timing:
@@ -446,7 +454,7 @@ class Costs:
         """A chain verify pass of T tokens per row at batch size B, at round ``rounds``."""
         em = timing(self.verify_time, (B, T))
         em.update(seconds, rounds)
-        if em.value is not None:
+        if em.samples:
             self.timed_at[(B, T)] = rounds
 
     def expire(self, B: int, rounds: int) -> bool:
