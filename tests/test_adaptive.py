@@ -71,7 +71,7 @@ def test_while_off_the_cost_model_waits_for_the_next_probe_or_batch_size(monkeyp
     assert ctrl.prober.off_rounds > 0 and not ctrl.prober.probing
     calls = []
     speedups = ctrl.speedups
-    monkeypatch.setattr(ctrl, "speedups", lambda B, alphas, line=None: calls.append(B) or speedups(B, alphas, line))
+    monkeypatch.setattr(ctrl, "speedups", lambda B, alphas, line=None, reuse=False: calls.append(B) or speedups(B, alphas, line, reuse))
     plain_rounds = 0
     while not ctrl.prober.due(1, ctrl.costs, 4) or ctrl.prober.since_rounds + 1 < ctrl.prober.interval:
         assert ctrl.choose([0]) == [0]

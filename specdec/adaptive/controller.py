@@ -30,6 +30,7 @@ from specdec.tree import DraftTree, TreeShape
 
 EXPIRE_EVERY = 16  # rounds between looks for costs that no longer stand (Costs.expire)
 DECIDE_ROUNDS = 4  # rounds an estimate's k stands for the same rows before it is weighed again (``choose``)
+COSTS_EVERY = 8  # rounds the round costs a weighing worked out serve the next ones (``speedups``)
 
 
 def choose_k(estimated: Sequence[float], upper: Sequence[float], hopeful: Sequence[float] | None = None) -> int:
@@ -77,6 +78,7 @@ class AdaptiveK:
         self._held: tuple[list[int], int, int] | None = None  # (rows, k, round): the estimate's k that stands
         self._expired_at = 0  # the round of the last look for costs that no longer stand
         self._pending: list[tuple] = []  # held rounds' records, taken in at the next weighing (``flush``)
+        self._costs: tuple | None = None  # (B, round, [t_1, plain token, round cost at k = 1..K]): ``speedups``
 
     def set_parallel_draft(self, parallel: bool) -> None:
         """The drafter proposes all k drafts from one forward (drafters/pard.py, which says so when bound):
@@ -119,6 +121,7 @@ class AdaptiveK:
             self._expired_at = self.rounds
             if self.costs.expire(B, self.rounds):
                 self.prober.forget(B)  # its probes' cost was timed under the same load: when to probe is weighed again
+                self._costs = None
         if self.pacer.waiting(seq_ids):
             return self._note(B, 0, "paced", None)  # plain rounds change no estimate: the decision stands
         was_probe, self.prober.probing = self.prober.probing, False
@@ -127,7 +130,7 @@ class AdaptiveK:
             best, why = 0, "off"  # plain rounds teach the estimates nothing: the decision waits for a probe
         else:
             alphas = self.acceptance.per_seq(seq_ids, self.k_max)
-            estimated = self.speedups(B, alphas)
+            estimated = self.speedups(B, alphas, reuse=True)
             if max(estimated[1:]) > 1.0:
                 best, why = choose_k(estimated, estimated), "estimate"
             else:  # the estimate says no k pays: the bound decides whether to keep learning
@@ -160,6 +163,7 @@ class AdaptiveK:
         estimate chose k): a neighbour timed fewer than SOLID_SAMPLES times every REFRESH_THIN_ROUNDS."""
         for n in (k + 1, k - 1):
             if 1 <= n <= self.k_max and self.costs.stale(B, n + 1, self.rounds, thin):
+                self._costs = None  # the next weighing reads what this round times
                 return n
         return k
 
@@ -168,19 +172,34 @@ class AdaptiveK:
         host work."""
         return (self.costs.verify_line(B)(1) if t1 is None else t1) + self.costs.overhead(B, plain=True)
 
-    def speedups(self, B: int, alphas_per_seq: list[list[float]], line=None) -> list[float]:
+    def speedups(self, B: int, alphas_per_seq: list[list[float]], line=None, reuse: bool = False) -> list[float]:
         """S(k) for k = 0..k_max at batch size B for sequences whose acceptance is ``alphas_per_seq``,
-        with the verify costs of ``line`` (default: the measured ``verify_line``)."""
+        with the verify costs of ``line`` (default: the measured ``verify_line``); ``reuse`` (``choose``):
+        the round costs worked out by a weighing up to COSTS_EVERY rounds before, where nothing that
+        moves them much has happened since (a plain step or a new length timed, a refresh, an expiry)."""
         self.flush()
         K = max([self.k_max] + [len(a) for a in alphas_per_seq])
         tokens = mean_expected_tokens(alphas_per_seq, K)  # E(k), mean over the batch
+        cached = self._costs
+        if reuse and line is None and cached is not None and cached[0] == B and self.rounds - cached[1] < COSTS_EVERY \
+                and len(cached[2]) >= K + 2:
+            costs = cached[2]  # the costs move slowly; working them out is most of a weighing's time
+        else:
+            costs = self._round_costs(B, K, line)
+            if line is None:
+                self._costs = (B, self.rounds, costs)
+        plain = costs[1]
+        return [1.0] + [speedup(tokens[k], costs[k + 1], plain) for k in range(1, K + 1)]
+
+    def _round_costs(self, B: int, K: int, line=None) -> list[float]:
+        """[t_1, a plain token's wall time, then a round's at k = 1..K] at batch size B, with the verify
+        costs of ``line`` (default: the measured ``verify_line``)."""
         line = line or self.costs.verify_line(B)
         t1 = line(1)
         cost = self.costs.draft_cost  # per drafted position; a parallel draft's per round at k
-        plain = self._plain_token(B, t1)  # a plain token's wall time
         extra = self.costs.overhead(B, plain=False)  # a round's host work
-        return [1.0] + [speedup(tokens[k], round_cost(k, cost(B, t1, k), line(k + 1), self.costs.parallel) + extra,
-                                plain) for k in range(1, K + 1)]
+        return [t1, self._plain_token(B, t1)] + [round_cost(k, cost(B, t1, k), line(k + 1), self.costs.parallel) + extra
+                                                 for k in range(1, K + 1)]
 
     def choose_tree(self, seq_ids: list[int], max_nodes: int, top_k: int, max_depth: int,
                     force: bool = False) -> TreeShape | None:
@@ -254,6 +273,8 @@ class AdaptiveK:
             elif self.prober.probing and B == self.prober.off_batch:
                 tokens = tokens_per_row(num_draft, num_accepted)
                 self.prober.record_probe(B, draft_time_s + verify_time_s - tokens * self.costs.verify_line(B)(1))
+            if k_round == 0 or (B, k_round + 1) not in self.costs.verify_time:
+                self._costs = None  # a new plain step (every S is relative to it) or a length timed first
             self.costs.record_verify(B, k_round + 1, verify_time_s, at)
         # A round right after plain ones first feeds the drafter everything it missed (a draft model
         # catches up on every token since its last proposal): a cost of switching on, not of drafting.

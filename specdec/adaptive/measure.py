@@ -89,11 +89,11 @@ def _logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
-def shifted(level: float, prior_from: float, prior_to: float) -> float:
-    """``level`` moved by the step from ``prior_from`` to ``prior_to`` in log-odds: a row's rate at the
-    next position, where the row is as far above or below the prior there as at the position before."""
-    x = _logit(level) + _logit(prior_to) - _logit(prior_from)
-    return 1.0 / (1.0 + math.exp(-x))
+def prior_steps(prior: list[float], k: int) -> list[float | None]:
+    """The prior's log-odds step from each position to the next, positions 1..k (None where it is flat
+    or ends: the estimate there follows the one before)  [k - 1]."""
+    return [None if i >= len(prior) or prior[i] == prior[i - 1] else _logit(prior[i]) - _logit(prior[i - 1])
+            for i in range(1, k)]
 
 
 @dataclass
@@ -109,13 +109,12 @@ class PositionStats:
             grow = num_draft - len(self.reached)
             self.reached += [0.0] * grow
             self.accepted += [0.0] * grow
-        for i in range(len(self.reached)):
-            self.reached[i] *= decay
-            self.accepted[i] *= decay
+        reached, accepted = [x * decay for x in self.reached], [x * decay for x in self.accepted]
         for i in range(min(num_draft, num_accepted + 1)):
-            self.reached[i] += 1.0
+            reached[i] += 1.0
         for i in range(num_accepted):
-            self.accepted[i] += 1.0
+            accepted[i] += 1.0
+        self.reached, self.accepted = reached, accepted
 
     def counts(self, i: int) -> tuple[float, float]:
         """(accepted, reached) at position i (0-based)."""
@@ -123,25 +122,29 @@ class PositionStats:
             return self.accepted[i], self.reached[i]
         return 0.0, 0.0
 
-    def alphas(self, k: int, prior: list[float], weight: float) -> list[float]:
+    def alphas(self, k: int, prior: list[float], weight: float, steps: list[float | None] | None = None) -> list[float]:
         """Conditional acceptance alpha_1..alpha_k, each position's counts plus ``weight`` pseudo-rounds
         of a prior: at position 1 ``prior[0]``; at position i > 1 the estimate at i - 1 moved by the
-        prior's step from i - 1 to i in log-odds (``shifted``). The prior (the batch's rates) gives
+        prior's step from i - 1 to i in log-odds. The prior (the batch's rates) gives
         the shape over positions, a row's own counts its level: a row that rejects position 1 more
         than the batch keeps the batch's higher rates deeper down, a little lower, instead of
         dropping them to its position-1 rate (llama.cpp's draft accepts position 2 at 0.9 after 0.72
         at position 1). A position not reached lately (its counts decay) thus follows the one
         before, as the prior steps, instead of staying at an old value that no round would ever
         correct once k had dropped below it. With a flat prior (or past its end), each follows the one
-        before."""
-        out = []
+        before. ``steps``: ``prior_steps(prior, k)``, where the caller has it (one for every row)."""
+        steps = prior_steps(prior, k) if steps is None else steps
+        reached, accepted, n = self.reached, self.accepted, len(self.reached)
+        out: list[float] = []
         for i in range(k):
-            a, r = self.counts(i)
+            a, r = (accepted[i], reached[i]) if i < n else (0.0, 0.0)
             if i == 0:
                 toward = prior[0]
-            else:
-                flat = i >= len(prior) or prior[i] == prior[i - 1]  # a prior shorter than k: flat past its end
-                toward = out[-1] if flat else shifted(out[-1], prior[i - 1], prior[i])
+            elif steps[i - 1] is None:
+                toward = out[-1]
+            else:  # the estimate at i - 1 as far above or below the prior at i as at i - 1, in log-odds
+                p = min(max(out[-1], 1e-3), 1.0 - 1e-3)
+                toward = 1.0 / (1.0 + (1.0 - p) / p * math.exp(-steps[i - 1]))
             out.append((a + weight * toward) / (r + weight))
         return out
 
@@ -241,7 +244,8 @@ class Acceptance:
     def per_seq(self, seq_ids: list[int], k: int) -> list[list[float]]:
         """Per sequence: its alpha_1..alpha_k, smoothed towards the batch's ``profile``."""
         prior, weight = self.profile(k), self.prior_weight()
-        return [self.seq(sid).alphas(k, prior, weight) for sid in seq_ids]
+        steps = prior_steps(prior, k)
+        return [self.seq(sid).alphas(k, prior, weight, steps) for sid in seq_ids]
 
     def upper(self, k: int) -> list[float]:
         """The drafter's alpha_1..alpha_k at their upper confidence bounds (``PositionStats.upper``)."""
@@ -252,7 +256,8 @@ class Acceptance:
         (one tree shape serves the batch)."""
         prior = self.profile(depth) if depth else []
         weight = self.prior_weight()
-        rows = [self.seq(sid).alphas(depth, prior, weight) for sid in seq_ids]
+        steps = prior_steps(prior, depth)
+        rows = [self.seq(sid).alphas(depth, prior, weight, steps) for sid in seq_ids]
         if not rows:
             return prior
         return [sum(col) / len(rows) for col in zip(*rows)]

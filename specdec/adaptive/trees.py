@@ -28,7 +28,7 @@ TREE_MIN_GAIN = 0.05  # a tree is drafted only where its predicted speedup beats
 MIN_GAIN = 0.06  # ... and plain decoding's by this much (a smaller predicted gain is inside the noise)
 TREE_CALIBRATION_WEIGHT = 4.0  # pseudo-rounds of "as predicted" mixed into the measured tree calibration
 TREE_DECIDE_ROUNDS = 8  # rounds a tree decision stands while its inputs change (TreeChooser.choose)
-TREE_OFF_DECIDE_ROUNDS = 32  # ... and a decision that no tree pays (the chain's own choice of k goes on each round)
+TREE_OFF_DECIDE_ROUNDS = 64  # ... and a decision that no tree pays (the chain's own choice of k goes on each round)
 
 
 class TreeChooser:
