@@ -39,9 +39,10 @@ def match_runs(target_out: list[int], draft_argmax: list[int], k_max: int) -> li
 
 
 def replay(runs_per_prompt: list[list[int]], k: int | None, k_max: int, verify_s: list[float], draft_s: list[float],
-           host_s: float, rng: random.Random | None, trace: list | None = None) -> tuple[float, int]:
+           host_s: float, rng: random.Random | None, trace: list | None = None, warmup: bool = True) -> tuple[float, int]:
     """(seconds, tokens) of decoding every prompt's output after its first token, at fixed ``k`` or
-    (None) adaptive up to ``k_max``. ``rng``: noisy timings (what the controller sees is what it costs)."""
+    (None) adaptive up to ``k_max``. ``rng``: noisy timings (what the controller sees is what it costs).
+    ``warmup``: the first prompt is decoded once before, untimed, as bench_adaptive.py warms each engine."""
     from specdec.adaptive import AdaptiveK
 
     ctrl = AdaptiveK(k_max) if k is None else None
@@ -52,7 +53,11 @@ def replay(runs_per_prompt: list[list[int]], k: int | None, k_max: int, verify_s
     def noise() -> float:
         return 1.0 if rng is None else rng.uniform(0.9, 1.1) * (3.0 if rng.random() < 0.05 else 1.0)
 
-    for sid, runs in enumerate(runs_per_prompt):
+    for sid, runs in enumerate(runs_per_prompt[:1] * warmup + runs_per_prompt):
+        if warmup and sid == 1:
+            seconds, tokens = 0.0, 0
+            if ctrl is not None and trace is not None:
+                trace.clear()
         p = 1  # the first output token came from the prefill
         while p < len(runs):
             kk = ctrl.choose([sid])[0] if ctrl is not None else k
@@ -85,6 +90,7 @@ def main() -> None:
     ap.add_argument("--host-ms", type=float, default=0.04, help="host work per round, ms")
     ap.add_argument("--seeds", type=int, default=8, help="noisy replays (0: noise-free only)")
     ap.add_argument("--trace", action="store_true", help="print the noise-free adaptive run's decisions")
+    ap.add_argument("--no-warmup", action="store_true", help="no untimed first prompt before the timed ones")
     args = ap.parse_args()
     verify = [float(x) / 1e3 for x in args.verify_ms.split(",")]
     draft = [float(x) / 1e3 for x in args.draft_ms.split(",")]
@@ -128,7 +134,7 @@ def main() -> None:
             k = None if name == "adaptive" else int(name[2:])
             state = rng.getstate() if rng is not None else None
             trace = [] if (args.trace and rng is None and k is None) else None
-            s, n = replay(runs_per_prompt, k, args.k_max, verify, draft, host, rng, trace)
+            s, n = replay(runs_per_prompt, k, args.k_max, verify, draft, host, rng, trace, not args.no_warmup)
             if rng is not None:
                 rng.setstate(state)  # every configuration sees the same noise sequence
             tps[name] = n / s

@@ -29,7 +29,7 @@ from specdec.cost_model import mean_expected_tokens, round_cost, speedup
 from specdec.tree import DraftTree, TreeShape
 
 EXPIRE_EVERY = 16  # rounds between looks for costs that no longer stand (Costs.expire)
-DECIDE_ROUNDS = 4  # rounds an estimate's k stands for the same rows before it is weighed again (``choose``)
+DECIDE_ROUNDS = 6  # rounds an estimate's k stands for the same rows before it is weighed again (``choose``)
 COSTS_EVERY = 8  # rounds the round costs a weighing worked out serve the next ones (``speedups``)
 
 
