@@ -1,4 +1,4 @@
-"""The adaptive controller's decisions replayed on real acceptance, without the machine's noise.
+"""The adaptive controller's decisions replayed on real acceptance, with a known cost table.
 
 Greedy decoding with a deterministic draft accepts, at each output position p, the drafts that match the
 target's own greedy continuation: a round that starts at p with k drafts accepts min(k, L(p)), where L(p)
@@ -6,10 +6,11 @@ is how many positions from p on the draft's argmax (given the true prefix) equal
 teacher-forced forward of the draft over prompt + output gives every L(p). This script takes the target's
 greedy outputs from specdec (plain decoding), L(p) from the draft (transformers, float32), and replays
 rounds at fixed k = 1..k_max and under ``AdaptiveK`` with the same cost table (ms: a verify pass of T
-tokens, a round's k draft steps, host work per round), optionally noisy as a shared machine is (±10%,
-1 pass in 20 preempted 3x). It prints each configuration's simulated tok/s and the adaptive controller's
-ratio to the best fixed k: what its decisions cost, apart from its own host time and the machine's noise
-(benchmarks/bench_adaptive.py measures everything together).
+tokens, a round's k draft steps, host work per round; the controller's own time per weighing and per
+round), noise-free and noisy as a shared machine is (±10%, 1 pass in 20 preempted 3x). It prints each
+configuration's simulated tok/s and the adaptive controller's ratio to the best fixed k: what its
+decisions and its own time cost, without the machine's drift between runs (benchmarks/bench_adaptive.py
+measures everything together). ``--weigh-us 0 --controller-us 0``: the decisions alone.
 
     python benchmarks/adaptive_replay.py --num-prompts 6 --max-tokens 96 --seeds 8
 """
@@ -39,15 +40,18 @@ def match_runs(target_out: list[int], draft_argmax: list[int], k_max: int) -> li
 
 
 def replay(runs_per_prompt: list[list[int]], k: int | None, k_max: int, verify_s: list[float], draft_s: list[float],
-           host_s: float, rng: random.Random | None, trace: list | None = None, warmup: bool = True) -> tuple[float, int]:
+           host_s: float, rng: random.Random | None, trace: list | None = None, warmup: bool = True,
+           weigh_s: float = 0.0, controller_s: float = 0.0) -> tuple[float, int]:
     """(seconds, tokens) of decoding every prompt's output after its first token, at fixed ``k`` or
     (None) adaptive up to ``k_max``. ``rng``: noisy timings (what the controller sees is what it costs).
-    ``warmup``: the first prompt is decoded once before, untimed, as bench_adaptive.py warms each engine."""
+    ``warmup``: the first prompt is decoded once before, untimed, as bench_adaptive.py warms each engine.
+    ``weigh_s``, ``controller_s``: the controller's own host time per weighing of k (a decision not held)
+    and per round (its bookkeeping), charged to the adaptive run."""
     from specdec.adaptive import AdaptiveK
 
     ctrl = AdaptiveK(k_max) if k is None else None
-    if ctrl is not None and trace is not None:
-        ctrl.trace = trace
+    if ctrl is not None:
+        ctrl.trace = trace if trace is not None else []
     seconds, tokens = 0.0, 0
 
     def noise() -> float:
@@ -56,11 +60,14 @@ def replay(runs_per_prompt: list[list[int]], k: int | None, k_max: int, verify_s
     for sid, runs in enumerate(runs_per_prompt[:1] * warmup + runs_per_prompt):
         if warmup and sid == 1:
             seconds, tokens = 0.0, 0
-            if ctrl is not None and trace is not None:
-                trace.clear()
+            if ctrl is not None:
+                ctrl.trace.clear()
         p = 1  # the first output token came from the prefill
         while p < len(runs):
-            kk = ctrl.choose([sid])[0] if ctrl is not None else k
+            kk = k
+            if ctrl is not None:
+                kk = ctrl.choose([sid])[0]
+                seconds += controller_s + (weigh_s if ctrl.trace[-1][3] is not None else 0.0)  # S(k) estimated: weighed
             kk = min(kk, len(runs) - p - 1)  # no drafts past the last token asked for
             n = noise()
             if kk == 0:
@@ -88,6 +95,9 @@ def main() -> None:
     ap.add_argument("--verify-ms", default=VERIFY_MS, help="a verify pass of T = 1..k_max+1 tokens, ms")
     ap.add_argument("--draft-ms", default=DRAFT_MS, help="a round's k = 1..k_max draft steps, ms")
     ap.add_argument("--host-ms", type=float, default=0.04, help="host work per round, ms")
+    ap.add_argument("--weigh-us", type=float, default=128.0, help="the controller's host time per weighing of k, us "
+                    "(measured in the engine right after its forward calls, EPYC-Zen5)")
+    ap.add_argument("--controller-us", type=float, default=25.0, help="... and per round, us")
     ap.add_argument("--seeds", type=int, default=8, help="noisy replays (0: noise-free only)")
     ap.add_argument("--trace", action="store_true", help="print the noise-free adaptive run's decisions")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed first prompt before the timed ones")
@@ -122,7 +132,8 @@ def main() -> None:
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens; L(p) from {args.draft} in {time.perf_counter() - t0:.1f} s; "
           f"mean L {statistics.mean(x for r in runs_per_prompt for x in r):.2f}")
     print(f"costs (ms): verify T=1..{args.k_max + 1} {args.verify_ms}; draft rounds k=1..{args.k_max} {args.draft_ms}; "
-          f"host {args.host_ms} per round")
+          f"host {args.host_ms} per round; the controller's own {args.weigh_us:.0f} us a weighing, "
+          f"{args.controller_us:.0f} us a round")
 
     host = args.host_ms / 1e3
     configs = [f"k={k}" for k in range(1, args.k_max + 1)] + ["adaptive"]
@@ -134,7 +145,8 @@ def main() -> None:
             k = None if name == "adaptive" else int(name[2:])
             state = rng.getstate() if rng is not None else None
             trace = [] if (args.trace and rng is None and k is None) else None
-            s, n = replay(runs_per_prompt, k, args.k_max, verify, draft, host, rng, trace, not args.no_warmup)
+            s, n = replay(runs_per_prompt, k, args.k_max, verify, draft, host, rng, trace, not args.no_warmup,
+                          args.weigh_us / 1e6, args.controller_us / 1e6)
             if rng is not None:
                 rng.setstate(state)  # every configuration sees the same noise sequence
             tps[name] = n / s
