@@ -41,12 +41,15 @@ def match_runs(target_out: list[int], draft_argmax: list[int], k_max: int) -> li
 
 def replay(runs_per_prompt: list[list[int]], k: int | None, k_max: int, verify_s: list[float], draft_s: list[float],
            host_s: float, rng: random.Random | None, trace: list | None = None, warmup: bool = True,
-           weigh_s: float = 0.0, controller_s: float = 0.0) -> tuple[float, int]:
+           weigh_s: float = 0.0, controller_s: float = 0.0, drift: list[float] | None = None,
+           drift_s: float = 0.02) -> tuple[float, int]:
     """(seconds, tokens) of decoding every prompt's output after its first token, at fixed ``k`` or
     (None) adaptive up to ``k_max``. ``rng``: noisy timings (what the controller sees is what it costs).
     ``warmup``: the first prompt is decoded once before, untimed, as bench_adaptive.py warms each engine.
     ``weigh_s``, ``controller_s``: the controller's own host time per weighing of k (a decision not held)
-    and per round (its bookkeeping), charged to the adaptive run."""
+    and per round (its bookkeeping), charged to the adaptive run. ``drift``: the machine's speed drifts,
+    every cost times ``drift[i]`` in the i-th stretch of ``drift_s`` seconds (the same for every
+    configuration: a neighbour's job that comes and goes)."""
     from specdec.adaptive import AdaptiveK
 
     ctrl = AdaptiveK(k_max) if k is None else None
@@ -55,7 +58,8 @@ def replay(runs_per_prompt: list[list[int]], k: int | None, k_max: int, verify_s
     seconds, tokens = 0.0, 0
 
     def noise() -> float:
-        return 1.0 if rng is None else rng.uniform(0.9, 1.1) * (3.0 if rng.random() < 0.05 else 1.0)
+        slow = 1.0 if drift is None else drift[int(seconds / drift_s) % len(drift)]
+        return slow if rng is None else slow * rng.uniform(0.9, 1.1) * (3.0 if rng.random() < 0.05 else 1.0)
 
     for sid, runs in enumerate(runs_per_prompt[:1] * warmup + runs_per_prompt):
         if warmup and sid == 1:
@@ -76,7 +80,7 @@ def replay(runs_per_prompt: list[list[int]], k: int | None, k_max: int, verify_s
                 v, d, a = verify_s[kk] * n, draft_s[kk - 1] * n, min(kk, runs[p])
             if ctrl is not None:
                 ctrl.record([sid], [kk], [a], d, v)
-            seconds += v + d + host_s
+            seconds += v + d + host_s * n
             tokens += a + 1
             p += a + 1
         if ctrl is not None:
@@ -99,6 +103,8 @@ def main() -> None:
                     "(measured in the engine right after its forward calls, EPYC-Zen5)")
     ap.add_argument("--controller-us", type=float, default=25.0, help="... and per round, us")
     ap.add_argument("--seeds", type=int, default=8, help="noisy replays (0: noise-free only)")
+    ap.add_argument("--drift", type=float, default=0.0, help="noisy replays drift too: every 20 ms of decoding the "
+                    "machine's speed is divided by a factor drawn from 1..1+drift (a shared machine's neighbours)")
     ap.add_argument("--trace", action="store_true", help="print the noise-free adaptive run's decisions")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed first prompt before the timed ones")
     args = ap.parse_args()
@@ -145,8 +151,10 @@ def main() -> None:
             k = None if name == "adaptive" else int(name[2:])
             state = rng.getstate() if rng is not None else None
             trace = [] if (args.trace and rng is None and k is None) else None
+            slow = random.Random(1000 + i)
+            drift = None if rng is None or not args.drift else [slow.uniform(1.0, 1.0 + args.drift) for _ in range(1000)]
             s, n = replay(runs_per_prompt, k, args.k_max, verify, draft, host, rng, trace, not args.no_warmup,
-                          args.weigh_us / 1e6, args.controller_us / 1e6)
+                          args.weigh_us / 1e6, args.controller_us / 1e6, drift)
             if rng is not None:
                 rng.setstate(state)  # every configuration sees the same noise sequence
             tps[name] = n / s
