@@ -279,6 +279,33 @@ def test_rounds_recorded_while_a_decision_is_held_are_taken_in_before_anything_r
     assert not ctrl._pending and 0 not in ctrl.acceptance.seqs
 
 
+def test_a_bad_first_request_does_not_keep_the_next_ones_from_drafting():
+    """The first request's drafts are all rejected (benchmarks/peer_openvino.py's warm-up of 16 tokens
+    drafted 8 rounds and accepted none), its rounds dear (cold): learning is paced off. Each later request
+    brings a plain step of learning of its own; a drafter that accepts 0.8 there drafts again within its
+    first rounds (before NEW_REQUEST_ALLOWANCE: paced to plain decoding through all three requests)."""
+    alpha, c, slope = 0.8, 0.1, 0.05
+    ctrl = AdaptiveK(8)
+    rng = random.Random(0)
+    for _ in range(24):  # the first request: every draft rejected, rounds at 3x their cost
+        k = ctrl.choose([0])[0]
+        ctrl.record([0], [k], [0], 3 * k * c * T1, 3 * T1 * (1 + slope * k))
+    ctrl.release([0])
+    drafted = []
+    for sid in range(1, 4):  # three requests of 40 rounds, the drafter at 0.8
+        ks = []
+        for _ in range(40):
+            k = ctrl.choose([sid])[0]
+            n = 0
+            while n < k and rng.random() < alpha:
+                n += 1
+            ctrl.record([sid], [k], [n], k * c * T1, T1 * (1 + slope * k))
+            ks.append(k)
+        ctrl.release([sid])
+        drafted.append(sum(1 for k in ks[-30:] if k > 0))
+    assert drafted[-1] >= 27, drafted  # the last request drafts (nearly) every round after its first ten
+
+
 def test_a_paced_wait_is_weighed_again_for_a_new_request():
     """Pacing holds plain rounds for the rows it paced; a batch with another row is weighed again (its
     text may pay), and learning that is still over budget stays paced without drafting."""

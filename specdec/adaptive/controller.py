@@ -117,6 +117,8 @@ class AdaptiveK:
             self._held = held  # weighing every k takes ~0.1 ms in a round of a few ms: an estimate stands a few rounds
             return self._note(B, held[1], "held", None)
         self.flush()
+        if not self.pacer.granted.issuperset(seq_ids):
+            self.pacer.admit(seq_ids, self._plain_token(B))  # a new request's own learning allowance
         if self.rounds - self._expired_at >= EXPIRE_EVERY:
             self._expired_at = self.rounds
             if self.costs.expire(B, self.rounds):
@@ -334,3 +336,4 @@ class AdaptiveK:
     def release(self, seq_ids: list[int]) -> None:
         self.flush()
         self.acceptance.release(seq_ids)
+        self.pacer.release(seq_ids)

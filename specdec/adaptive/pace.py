@@ -10,12 +10,18 @@ account is within EXPLORE_SHARE of the time decoded so far plus EXPLORE_ALLOWANC
 that the controller decodes plainly until the elapsed time has caught up. Learning rounds that pay
 are not paced, a few unlucky ones fit in the allowance, and a drafter that cannot pay costs about
 EXPLORE_SHARE of a long run while its bound decides. Rounds the estimate chooses are not paced.
+
+Each later request also brings its own NEW_REQUEST_ALLOWANCE, spent before the account: its text may pay
+where the last ones' did not, and the account alone had kept a drafter off for a whole benchmark after
+its first 16 tokens (a warm-up whose 8 drafted rounds were all rejected: 8 x 128 tokens at plain speed,
+where the same draft paid 1.4x). Where nothing pays that costs at most a plain step a request.
 """
 
 from __future__ import annotations
 
 EXPLORE_SHARE = 0.01  # learning may cost this share of the decoding time so far ...
 EXPLORE_ALLOWANCE = 3.0  # ... plus this many plain steps (three wholly rejected rounds are not paced)
+NEW_REQUEST_ALLOWANCE = 1.0  # plain steps of learning each later request may spend whatever the account says
 
 
 class Pacer:
@@ -28,15 +34,27 @@ class Pacer:
         self.learning = False  # the round just chosen is a learning round
         self.resume_at_s = 0.0  # while elapsed_s is below this, learning waits ...
         self.paced_ids: list[int] = []  # ... if the batch is still these rows (a new row's estimate may differ)
+        self.granted: set[int] = set()  # rows admitted (until released); after the first ones ...
+        self.first_seen = False  # ... each brought NEW_REQUEST_ALLOWANCE (the first rows have the account's)
+        self.fresh_s = 0.0  # what is left of those allowances
 
     def allows(self, plain_s: float, seq_ids: list[int]) -> bool:
         """Whether a learning round for the rows ``seq_ids`` may run now (``plain_s``: a plain token's
         wall time); if not, the elapsed time they wait for is kept (``waiting``)."""
-        if self.excess_s <= self.share * self.elapsed_s + EXPLORE_ALLOWANCE * plain_s:
+        if self.fresh_s > 0.0 or self.excess_s <= self.share * self.elapsed_s + EXPLORE_ALLOWANCE * plain_s:
             return True
         self.resume_at_s = (self.excess_s - EXPLORE_ALLOWANCE * plain_s) / self.share
         self.paced_ids = list(seq_ids)
         return False
+
+    def admit(self, seq_ids: list[int], plain_s: float) -> None:
+        """Rows the controller weighs: a row not seen before, but for the first ones, brings
+        NEW_REQUEST_ALLOWANCE plain steps (``plain_s``: a plain token's wall time)."""
+        for sid in seq_ids:
+            if sid not in self.granted:
+                self.granted.add(sid)
+                self.fresh_s += NEW_REQUEST_ALLOWANCE * plain_s if self.first_seen else 0.0
+        self.first_seen = True
 
     def waiting(self, seq_ids: list[int]) -> bool:
         """Whether learning for these rows is paced off until more time has been decoded (plain rounds
@@ -48,5 +66,13 @@ class Pacer:
         """A round's time; ``excess_s``: a learning round's time beyond plain decoding of its tokens."""
         self.elapsed_s += seconds
         if excess_s is not None:
-            self.excess_s = max(0.0, self.excess_s + excess_s)
+            spent = min(self.fresh_s, max(excess_s, 0.0))  # new requests' allowances first
+            self.fresh_s -= spent
+            self.excess_s = max(0.0, self.excess_s + excess_s - spent)
         self.learning = False
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Finished rows: their allowances are no longer theirs to spend."""
+        self.granted.difference_update(seq_ids)
+        if not self.granted:
+            self.fresh_s = 0.0
