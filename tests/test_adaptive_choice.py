@@ -279,12 +279,14 @@ def test_rounds_recorded_while_a_decision_is_held_are_taken_in_before_anything_r
     assert not ctrl._pending and 0 not in ctrl.acceptance.seqs
 
 
-def test_a_bad_first_request_does_not_keep_the_next_ones_from_drafting():
+@pytest.mark.parametrize("c", [0.1, 0.3])
+def test_a_bad_first_request_does_not_keep_the_next_ones_from_drafting(c):
     """The first request's drafts are all rejected (benchmarks/peer_openvino.py's warm-up of 16 tokens
-    drafted 8 rounds and accepted none), its rounds dear (cold): learning is paced off. Each later request
-    brings a plain step of learning of its own; a drafter that accepts 0.8 there drafts again within its
-    first rounds (before NEW_REQUEST_ALLOWANCE: paced to plain decoding through all three requests)."""
-    alpha, c, slope = 0.8, 0.1, 0.05
+    drafted 8 rounds and accepted none), its rounds dear (cold): learning is paced off (draft at 0.1 plain
+    steps) or the bound gives the drafter up (0.3). Each later request brings NEW_REQUEST_ALLOWANCE plain
+    steps of learning of its own, on its own evidence while they last; a drafter that accepts 0.8 there
+    drafts again within its first rounds (before: plain decoding through all three requests, either way)."""
+    alpha, slope = 0.8, 0.05
     ctrl = AdaptiveK(8)
     rng = random.Random(0)
     for _ in range(24):  # the first request: every draft rejected, rounds at 3x their cost
@@ -304,6 +306,40 @@ def test_a_bad_first_request_does_not_keep_the_next_ones_from_drafting():
         ctrl.release([sid])
         drafted.append(sum(1 for k in ks[-30:] if k > 0))
     assert drafted[-1] >= 27, drafted  # the last request drafts (nearly) every round after its first ten
+
+
+def test_where_nothing_pays_later_requests_learning_costs_little():
+    """Ten requests of 96 rounds near break-even (best S 0.93) or far from it: each request's own
+    allowance costs at most half a plain step, >= 0.975x plain on average."""
+    speeds = []
+    for alpha in (0.2, 0.4):
+        for seed in range(2):
+            ctrl, rng, tokens, seconds = AdaptiveK(8), random.Random(seed), 0.0, 0.0
+            for sid in range(10):
+                for _ in range(96):
+                    k = ctrl.choose([sid])[0]
+                    n = 0
+                    while n < k and rng.random() < alpha:
+                        n += 1
+                    draft, verify = k * 0.15 * T1, T1 * (1 + 0.35 * k)
+                    ctrl.record([sid], [k], [n], draft, verify)
+                    tokens, seconds = tokens + 1 + n, seconds + draft + verify
+                ctrl.release([sid])
+            speeds.append(tokens * T1 / seconds)
+    assert sum(speeds) / len(speeds) >= 0.975, speeds
+
+
+def test_a_learning_round_after_plain_ones_is_not_charged_the_drafters_catch_up():
+    """A round right after plain ones first feeds the drafter every token it missed (a draft model's
+    prefill of the prompt): a cost of switching on that any drafting pays, not of learning. The pacer is
+    charged the round less that catch-up (before: 20 plain steps of excess from one round, which paced a
+    later request's learning off at once)."""
+    ctrl = AdaptiveK(4)
+    for _ in range(4):
+        ctrl.record([0], [0], [0], 0.0, T1)  # plain rounds: the next drafts after plain ones
+    ctrl.pacer.learning = True  # a learning round (the bound's)
+    ctrl.record([0], [2], [0], 20 * T1, 1.1 * T1)  # its draft time holds a catch-up of 20 plain steps
+    assert ctrl.pacer.excess_s < T1
 
 
 def test_a_paced_wait_is_weighed_again_for_a_new_request():

@@ -128,7 +128,8 @@ class AdaptiveK:
             return self._note(B, 0, "paced", None)  # plain rounds change no estimate: the decision stands
         was_probe, self.prober.probing = self.prober.probing, False
         estimated = None
-        if self.prober.holds_off(B, was_probe):
+        fresh = self.pacer.fresh_s > 0.0  # a later request's own allowance: it learns on its own evidence
+        if self.prober.holds_off(B, was_probe) and not fresh:
             best, why = 0, "off"  # plain rounds teach the estimates nothing: the decision waits for a probe
         else:
             alphas = self.acceptance.per_seq(seq_ids, self.k_max)
@@ -137,7 +138,8 @@ class AdaptiveK:
                 best, why = choose_k(estimated, estimated), "estimate"
             else:  # the estimate says no k pays: the bound decides whether to keep learning
                 hope = self.costs.optimistic_line(B)
-                best, why = choose_k(estimated, self.speedups(B, [self.acceptance.upper(self.k_max)], hope),
+                upper = self.acceptance.upper(self.k_max, seq_ids if fresh else ())
+                best, why = choose_k(estimated, self.speedups(B, [upper], hope),
                                      self.speedups(B, alphas, hope)), "bound"
                 if best and not self.pacer.allows(self._plain_token(B), seq_ids):
                     return self._note(B, 0, "paced", estimated)
@@ -266,7 +268,10 @@ class AdaptiveK:
             self.costs.record_overhead(B, k_round == 0, outside / num_steps if k_round == 0 else outside)
         excess = None
         if self.pacer.learning and verify_time_s is not None and k_round > 0:  # what learning cost this round
-            excess = round_s - tokens_per_row(num_draft, num_accepted) * self._plain_token(B)
+            catch_up = 0.0  # a round after plain ones: the drafter's catch-up is switching on, not learning
+            if last_k == 0:
+                catch_up = max(0.0, draft_time_s - k_round * self.costs.draft_cost(B, self.costs.verify_line(B)(1), k_round))
+            excess = round_s - catch_up - tokens_per_row(num_draft, num_accepted) * self._plain_token(B)
         self.pacer.record(round_s, excess)
         if verify_time_s is not None:
             if k_round == 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.policy import PRIOR_ALPHA, PRIOR_DRAFT_COST, PRIOR_WEIGHT, prior_verify_line
@@ -247,9 +248,14 @@ class Acceptance:
         steps = prior_steps(prior, k)
         return [self.seq(sid).alphas(k, prior, weight, steps) for sid in seq_ids]
 
-    def upper(self, k: int) -> list[float]:
-        """The drafter's alpha_1..alpha_k at their upper confidence bounds (``PositionStats.upper``)."""
-        return self.batch.upper(k)
+    def upper(self, k: int, own: Sequence[int] = ()) -> list[float]:
+        """The drafter's alpha_1..alpha_k at their upper confidence bounds (``PositionStats.upper``);
+        ``own``: rows whose own bounds count too (the highest of all, per position): a request with
+        little evidence of its own may pay where the drafter's rates so far say it cannot."""
+        out = self.batch.upper(k)
+        for sid in own:
+            out = [max(a, b) for a, b in zip(out, self.seq(sid).upper(k))]
+        return out
 
     def mean_alphas(self, seq_ids: list[int], depth: int) -> list[float]:
         """The batch's conditional acceptance per depth: each sequence's estimate, averaged per position

@@ -11,17 +11,19 @@ that the controller decodes plainly until the elapsed time has caught up. Learni
 are not paced, a few unlucky ones fit in the allowance, and a drafter that cannot pay costs about
 EXPLORE_SHARE of a long run while its bound decides. Rounds the estimate chooses are not paced.
 
-Each later request also brings its own NEW_REQUEST_ALLOWANCE, spent before the account: its text may pay
-where the last ones' did not, and the account alone had kept a drafter off for a whole benchmark after
-its first 16 tokens (a warm-up whose 8 drafted rounds were all rejected: 8 x 128 tokens at plain speed,
-where the same draft paid 1.4x). Where nothing pays that costs at most a plain step a request.
+Each later request also brings its own NEW_REQUEST_ALLOWANCE, spent before the account, and while it
+lasts the request learns on its own evidence too (the controller's bound counts the request's own upper
+bound, and speculation given up is weighed again for it): its text may pay where the last ones' did not.
+The account and the drafter's bound alone had kept a drafter off for a whole benchmark after its first
+16 tokens (a warm-up whose 8 drafted rounds were all rejected: 8 x 128 tokens at plain speed, where the
+same draft paid 1.3x). Where nothing pays that costs at most half a plain step a request.
 """
 
 from __future__ import annotations
 
 EXPLORE_SHARE = 0.01  # learning may cost this share of the decoding time so far ...
 EXPLORE_ALLOWANCE = 3.0  # ... plus this many plain steps (three wholly rejected rounds are not paced)
-NEW_REQUEST_ALLOWANCE = 1.0  # plain steps of learning each later request may spend whatever the account says
+NEW_REQUEST_ALLOWANCE = 0.5  # plain steps of learning each later request may spend whatever the account says
 
 
 class Pacer:
