@@ -135,10 +135,9 @@ class PositionStats:
         correct once k had dropped below it. With a flat prior (or past its end), each follows the one
         before. ``steps``: ``prior_steps(prior, k)``, where the caller has it (one for every row)."""
         steps = prior_steps(prior, k) if steps is None else steps
-        reached, accepted, n = self.reached, self.accepted, len(self.reached)
         out: list[float] = []
         for i in range(k):
-            a, r = (accepted[i], reached[i]) if i < n else (0.0, 0.0)
+            a, r = self.counts(i)
             if i == 0:
                 toward = prior[0]
             elif steps[i - 1] is None:
