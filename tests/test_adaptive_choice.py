@@ -18,18 +18,18 @@ def true_speedups(alpha: float, c: float, slope: float, k_max: int = 8) -> list[
 
 
 def simulate(ctrl: AdaptiveK, rounds: int, alpha: float, c: float, slope: float, rng: random.Random,
-             load=lambda r: 1.0) -> list[int]:
-    """Rounds at batch 1: acceptance i.i.d. ``alpha`` per position, a verify pass of T tokens costs
-    T1 (1 + slope (T - 1)) times the machine's ``load`` at that round, 1 in 10 passes preempted (3x)."""
+             load=lambda r: 1.0, sid: int = 0) -> list[int]:
+    """Rounds at batch 1 (row ``sid``): acceptance i.i.d. ``alpha`` per position, a verify pass of T tokens
+    costs T1 (1 + slope (T - 1)) times the machine's ``load`` at that round, 1 in 10 passes preempted (3x)."""
     chosen = []
     for r in range(rounds):
-        k = ctrl.choose([0])[0]
+        k = ctrl.choose([sid])[0]
         chosen.append(k)
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
         noise = load(r) * rng.uniform(0.9, 1.1) * (3.0 if rng.random() < 0.1 else 1.0)
-        ctrl.record([0], [k], [accepted], k * c * T1 * noise, T1 * (1 + slope * k) * noise)
+        ctrl.record([sid], [k], [accepted], k * c * T1 * noise, T1 * (1 + slope * k) * noise)
     return chosen
 
 
@@ -86,17 +86,26 @@ def test_a_drafter_that_never_agrees_is_given_up_and_probed_rarely():
     assert sum(chosen) <= 120  # what it drafted before the bound excluded every k
 
 
-def run_time(ctrl: AdaptiveK, rounds: int, alpha: float, c: float, slope: float, rng: random.Random) -> float:
-    """Rounds as in ``simulate`` without noise; the run's speed over plain decoding."""
+def decode(ctrl: AdaptiveK, rounds: int, alpha: float, c: float, slope: float, rng: random.Random,
+           sid: int = 0) -> tuple[float, float, list[int]]:
+    """Rounds as in ``simulate`` without noise, row ``sid``: the tokens, the seconds and each round's k."""
     tokens = seconds = 0.0
+    chosen = []
     for _ in range(rounds):
-        k = ctrl.choose([0])[0]
+        k = ctrl.choose([sid])[0]
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
         draft, verify = k * c * T1, T1 * (1 + slope * k)
-        ctrl.record([0], [k], [accepted], draft, verify)
+        ctrl.record([sid], [k], [accepted], draft, verify)
         tokens, seconds = tokens + 1 + accepted, seconds + draft + verify
+        chosen.append(k)
+    return tokens, seconds, chosen
+
+
+def run_time(ctrl: AdaptiveK, rounds: int, alpha: float, c: float, slope: float, rng: random.Random) -> float:
+    """Rounds as in ``decode``; the run's speed over plain decoding."""
+    tokens, seconds, _ = decode(ctrl, rounds, alpha, c, slope, rng)
     return tokens * T1 / seconds
 
 
@@ -295,14 +304,7 @@ def test_a_bad_first_request_does_not_keep_the_next_ones_from_drafting(c):
     ctrl.release([0])
     drafted = []
     for sid in range(1, 4):  # three requests of 40 rounds, the drafter at 0.8
-        ks = []
-        for _ in range(40):
-            k = ctrl.choose([sid])[0]
-            n = 0
-            while n < k and rng.random() < alpha:
-                n += 1
-            ctrl.record([sid], [k], [n], k * c * T1, T1 * (1 + slope * k))
-            ks.append(k)
+        ks = decode(ctrl, 40, alpha, c, slope, rng, sid)[2]
         ctrl.release([sid])
         drafted.append(sum(1 for k in ks[-30:] if k > 0))
     assert drafted[-1] >= 27, drafted  # the last request drafts (nearly) every round after its first ten
@@ -316,14 +318,8 @@ def test_where_nothing_pays_later_requests_learning_costs_little():
         for seed in range(2):
             ctrl, rng, tokens, seconds = AdaptiveK(8), random.Random(seed), 0.0, 0.0
             for sid in range(10):
-                for _ in range(96):
-                    k = ctrl.choose([sid])[0]
-                    n = 0
-                    while n < k and rng.random() < alpha:
-                        n += 1
-                    draft, verify = k * 0.15 * T1, T1 * (1 + 0.35 * k)
-                    ctrl.record([sid], [k], [n], draft, verify)
-                    tokens, seconds = tokens + 1 + n, seconds + draft + verify
+                t, s, _ = decode(ctrl, 96, alpha, 0.15, 0.35, rng, sid)
+                tokens, seconds = tokens + t, seconds + s
                 ctrl.release([sid])
             speeds.append(tokens * T1 / seconds)
     assert sum(speeds) / len(speeds) >= 0.975, speeds
