@@ -108,8 +108,14 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="print the noise-free adaptive run's decisions")
     ap.add_argument("--no-warmup", action="store_true", help="no untimed first prompt before the timed ones")
     args = ap.parse_args()
-    verify = [float(x) / 1e3 for x in args.verify_ms.split(",")]
-    draft = [float(x) / 1e3 for x in args.draft_ms.split(",")]
+    try:
+        verify = [float(x) / 1e3 for x in args.verify_ms.split(",")]
+        draft = [float(x) / 1e3 for x in args.draft_ms.split(",")]
+    except ValueError:
+        ap.error("--verify-ms and --draft-ms take comma-separated milliseconds, e.g. 1.2,1.3,1.3")
+    if min(verify + draft) <= 0 or args.host_ms < 0 or args.weigh_us < 0 or args.controller_us < 0 or args.drift < 0:
+        ap.error("costs must be positive (--verify-ms, --draft-ms) and --host-ms, --weigh-us, --controller-us, "
+                 "--drift at least 0")
     if len(verify) < args.k_max + 1 or len(draft) < args.k_max:
         ap.error(f"--verify-ms needs {args.k_max + 1} values and --draft-ms {args.k_max} for --k-max {args.k_max}")
     if args.num_prompts < 1 or args.max_tokens < 2 or args.seeds < 0:
@@ -119,15 +125,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from specdec import LLM, SamplingParams
+    from specdec.models.resolve import resolve_model_path
     from specdec.prompts import load_prompts
 
     t0 = time.perf_counter()
     prompts = [p["prompt"] for p in load_prompts(PROMPTS / f"{args.set}.jsonl", args.num_prompts)]
     llm = LLM(args.model)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
-    draft_dir = args.draft if Path(args.draft).is_dir() else str(Path(__file__).resolve().parents[1] / "specdec" / "assets"
-                                                              / args.draft.split("/")[-1])
-    model = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.draft), dtype=torch.float32).eval()
     runs_per_prompt = []
     with torch.inference_mode():
         for out in outs:
