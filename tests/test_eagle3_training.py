@@ -327,3 +327,54 @@ def test_the_argmax_term_adds_the_cross_entropy_on_the_targets_greedy_token():
     ce = F.cross_entropy(logits[keep], want_ids[keep])
     torch.testing.assert_close(got - plain, 0.5 * ce, rtol=1e-4, atol=1e-5)
     assert not keep[0, 2] and 0 < int(keep.sum()) < keep.numel()  # some argmaxes are off the draft vocabulary
+
+
+def test_the_tv_term_adds_the_total_variation_to_the_target():
+    """--tv-weight w: each step's loss is the KL plus w x the total variation between the head's q and the
+    target's p (1 - TV: what a draft sampled at temperature 1 is accepted at); with the whole vocabulary in
+    the draft's and the target's top k, that is 0.5 sum |p - q|."""
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.training.eagle3 import TTTModel
+
+    c = Eagle3Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8, intermediate_size=16,
+                     vocab_size=40, draft_vocab_size=40, target_hidden_size=16, layer_ids=[0, 1, 1])
+    torch.manual_seed(4)
+    head = Eagle3Head(c, torch.randn(40, 16))
+    head.d2t.zero_()
+    tokens, feats = torch.randint(1, 40, (2, 8)), torch.randn(2, 8, 48)
+    top_logp, top_ids = (torch.randn(2, 8, 40) * 2).log_softmax(-1).topk(40, dim=-1)
+    plain = TTTModel(head, 1, 0.8)(tokens, feats, top_ids, top_logp)
+    got = TTTModel(head, 1, 0.8, tv_weight=2.0)(tokens, feats, top_ids, top_logp)
+    q = head.step(tokens[:, 1:], head.fuse(feats[:, :7]), torch.arange(7)[None].expand(2, 7))[0].softmax(-1)
+    p = torch.zeros(2, 8, 40).scatter(-1, top_ids, top_logp.exp())[:, 1:]  # the target's after position p + 1
+    tv = 0.5 * (p - q).abs().sum(-1).mean()
+    torch.testing.assert_close(got - plain, 2.0 * tv, rtol=1e-4, atol=1e-5)
+    assert 0.1 < float(tv) < 0.9
+
+
+def test_a_run_can_go_on_from_a_trained_head(tiny, tmp_path):
+    """--init-head: the run starts from a saved head (its layers, draft vocabulary and weights; the feature
+    scale unfolded from fc and folded back), so it starts at the loss the head ended with."""
+    from safetensors.torch import load_file
+
+    first = run(tiny, tmp_path / "a", "--max-steps", "10", "--lr", "3e-3", "--draft-vocab", "50", "--layer-ids",
+                "1,2,3", "--scale-features", "--save-dtype", "float32")
+    for scale in ([], ["--scale-features"]):  # a head saved with its scale folded in reads raw features either way
+        out = tmp_path / f"b{len(scale)}"
+        run(tiny, out, "--max-steps", "0", "--init-head", str(tmp_path / "a"), "--save-dtype", "float32", *scale)
+        want, got = load_file(tmp_path / "a" / "model.safetensors"), load_file(out / "model.safetensors")
+        assert set(want) == set(got)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+        assert f"initialised from | {tmp_path / 'a'}" in (out / "README.md").read_text()
+    fresh = run(tiny, tmp_path / "f", "--max-steps", "2", "--draft-vocab", "50", "--layer-ids", "1,2,3")
+    going_on = run(tiny, tmp_path / "c", "--max-steps", "2", "--init-head", str(tmp_path / "a"), "--scale-features")
+    assert going_on["first_loss"] < 0.8 * fresh["first_loss"] and going_on["draft_vocab"] == 50
+    assert going_on["layer_ids"] == [1, 2, 3]
+    assert first["train_loss"] < fresh["first_loss"]
+    with pytest.raises(ValueError, match="has draft-vocab 50, but --draft-vocab asks for 40"):
+        run(tiny, tmp_path / "x", "--max-steps", "0", "--init-head", str(tmp_path / "a"), "--draft-vocab", "40")
+    with pytest.raises(ValueError, match="has layer-ids"):
+        run(tiny, tmp_path / "x", "--max-steps", "0", "--init-head", str(tmp_path / "a"), "--layer-ids", "0,1,2")
+    with pytest.raises(ValueError, match="pass one of them"):
+        run(tiny, tmp_path / "x", "--max-steps", "1", "--init-head", str(tmp_path / "a"), "--resume")

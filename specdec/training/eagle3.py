@@ -65,10 +65,12 @@ class Eagle3TrainConfig(RunConfig):
     ttt_steps: int = 7  # draft steps unrolled per position (training-time test)
     step_decay: float = 0.8  # loss weight of step j: step_decay ** j
     argmax_weight: float = 0.0  # plus this x cross-entropy on the target's argmax (what greedy acceptance needs)
+    tv_weight: float = 0.0  # plus this x total variation to the target (1 - acceptance at temperature 1)
     topk: int = 32  # target log-probabilities kept per position (soft labels)
     max_windows: int = 1024  # training windows cached (0: all; each costs seq_len * 3 * Dt * 2 bytes)
     cache_batch: int = 8  # windows per target forward while caching
     init_from_target: bool = True  # the head's LM head rows and final norm start as the target's
+    init_head: str | None = None  # start from this trained head (its layers and draft vocabulary) instead
     norm_before_fc: bool = False  # the head's fc reads an RMSNorm of the features (config key norm_before_fc)
     scale_features: bool = False  # train fc on features / their per-dimension RMS, folded into fc when saved
     accept_prompts: int = 8  # held-out prompts for the final acceptance report (0: skip)
@@ -90,13 +92,17 @@ class Eagle3TrainConfig(RunConfig):
             raise ValueError(f"--ttt-steps must be in [1, 16], got {self.ttt_steps}")
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"--step-decay must be in (0, 1], got {self.step_decay}")
-        if self.argmax_weight < 0:
-            raise ValueError(f"--argmax-weight must be >= 0, got {self.argmax_weight}")
+        if self.argmax_weight < 0 or self.tv_weight < 0:
+            raise ValueError(f"--argmax-weight and --tv-weight must be >= 0, got {self.argmax_weight} and "
+                             f"{self.tv_weight}")
         if self.topk < 1 or self.max_windows < 0 or self.cache_batch < 1 or self.intermediate_size < 0:
             raise ValueError("--topk and --cache-batch must be >= 1, --max-windows and --intermediate-size >= 0")
         if self.norm_before_fc and self.scale_features:
             raise ValueError("--scale-features folds a fixed per-dimension scale into fc, which an RMSNorm before fc "
                              "(--norm-before-fc) does not commute with: pass one of them")
+        if self.init_head and self.resume:
+            raise ValueError("--init-head starts a new run from a trained head; --resume continues a run from its "
+                             "checkpoint: pass one of them")
         if self.accept_prompts < 0 or not 1 <= self.accept_k <= 16 or self.accept_max_tokens < 1:
             raise ValueError("--accept-prompts must be >= 0, --accept-k in [1, 16], --accept-max-tokens >= 1")
 
@@ -260,9 +266,11 @@ class TTTModel(nn.Module):
 
     shift = staticmethod(shift)  # for callers that hold a model (draft_calibration), not this module
 
-    def __init__(self, head: Eagle3Head, ttt_steps: int, step_decay: float, argmax_weight: float = 0.0):
+    def __init__(self, head: Eagle3Head, ttt_steps: int, step_decay: float, argmax_weight: float = 0.0,
+                 tv_weight: float = 0.0):
         super().__init__()
         self.head, self.steps, self.decay, self.argmax_weight = head, ttt_steps, step_decay, argmax_weight
+        self.tv_weight = tv_weight
         c = head.config
         index = torch.full((c.vocab_size,), -1, dtype=torch.long)
         index[head.draft_to_target] = torch.arange(c.draft_vocab_size)
@@ -340,6 +348,10 @@ class TTTModel(nn.Module):
                 hard = valid & (top1 >= 0)
                 ce = -logq_all.gather(-1, top1.clamp(min=0)[..., None])[..., 0]  # [B, P]
                 step_loss = step_loss + self.argmax_weight * (ce * hard).sum() / hard.sum().clamp(min=1)
+            if self.tv_weight:  # sum min(p, q) = 1 - TV is a sampled draft's acceptance: the same buckets as the KL
+                q = logq.exp() * inside  # [B, P, K]
+                tv = 0.5 * ((p - q).abs().sum(-1) + (rest - (1 - q.sum(-1))).abs())  # [B, P]
+                step_loss = step_loss + self.tv_weight * (tv * valid).sum() / n
             total = total + self.decay ** j * step_loss
             if stats:
                 with torch.no_grad():
@@ -401,9 +413,13 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     tc = target.config
     vocab, n_layers = tc.vocab_size, tc.num_hidden_layers
     layer_ids = list(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(n_layers)
+    init = None
+    if cfg.init_head:  # a trained head to go on from: its layers and vocabulary stand (``init_head``)
+        init = init_head(cfg, target, n_layers, vocab)
+        layer_ids = list(init.config.layer_ids)
     if len(layer_ids) != 3 or not all(0 <= L < n_layers for L in layer_ids):
         raise ValueError(f"--layer-ids must be 3 target layers in 0..{n_layers - 1}, got {layer_ids}")
-    draft_vocab = cfg.draft_vocab or vocab
+    draft_vocab = init.config.draft_vocab_size if init is not None else cfg.draft_vocab or vocab
     if draft_vocab > vocab:
         raise ValueError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary ({vocab} tokens); "
                          f"pass at most {vocab}, or 0 for all of it")
@@ -436,7 +452,8 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     n_tr = cache.n_train
     real = torch.arange(cfg.seq_len)[None] < cache.lengths[:n_tr, None]  # [n_tr, T]: not padding
     real_ids, real_logp = cache.top_ids[:n_tr][real], cache.top_logp[:n_tr][real]  # [M, K]
-    draft_ids = choose_draft_vocab(real_ids, real_logp, vocab, draft_vocab)  # [Vd]
+    draft_ids = (choose_draft_vocab(real_ids, real_logp, vocab, draft_vocab) if init is None
+                 else init.draft_to_target.cpu())  # [Vd]
     mass = torch.zeros(vocab, dtype=torch.float64)
     mass.index_add_(0, real_ids.flatten(), real_logp.flatten().double().exp())
     del real_ids, real_logp
@@ -444,14 +461,17 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     log(f"draft vocabulary: {draft_vocab} of {vocab} tokens, covering {coverage:.2%} of the target's top-{topk} "
         "probability mass on the training windows")
     torch.manual_seed(cfg.seed)
-    hc = Eagle3Config.for_target(tc, draft_vocab_size=draft_vocab, layer_ids=layer_ids,
-                                 intermediate_size=cfg.intermediate_size or None)
-    hc.norm_before_fc = cfg.norm_before_fc
-    head = Eagle3Head(hc)
-    head.d2t.copy_(draft_ids - torch.arange(draft_vocab))
-    head.t2d.zero_()
-    head.t2d[draft_ids] = True
-    if cfg.init_from_target:
+    if init is None:
+        hc = Eagle3Config.for_target(tc, draft_vocab_size=draft_vocab, layer_ids=layer_ids,
+                                     intermediate_size=cfg.intermediate_size or None)
+        hc.norm_before_fc = cfg.norm_before_fc
+        head = Eagle3Head(hc)
+        head.d2t.copy_(draft_ids - torch.arange(draft_vocab))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+    else:
+        head, hc = init, init.config
+    if cfg.init_from_target and init is None:
         with torch.no_grad():
             head.lm_head.weight.copy_(target.get_output_embeddings().weight[draft_ids].float().cpu())
             norm = getattr(target.get_decoder(), "norm", None)
@@ -459,10 +479,13 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
                 head.norm.weight.copy_(norm.weight.float().cpu())
     head.set_embedding(target.get_input_embeddings().weight.detach().float().cpu())
     n_params = sum(p.numel() for p in head.parameters())
-    model = TTTModel(head, cfg.ttt_steps, cfg.step_decay, cfg.argmax_weight)
+    model = TTTModel(head, cfg.ttt_steps, cfg.step_decay, cfg.argmax_weight, cfg.tv_weight)
     if cfg.scale_features:
         model.feature_scale.copy_(1 / feature_rms(cache.features[:n_tr], cache.lengths[:n_tr]))
         s = 1 / model.feature_scale
+        if init is not None:  # a saved head's fc reads raw features: fc(x) == (fc.weight * rms)(x / rms)
+            with torch.no_grad():
+                head.fc.weight.mul_(s.to(head.fc.weight.dtype))
         log(f"features scaled per dimension while training (RMS median {s.median():.3g}, max {s.max():.3g}); "
             "folded into fc when saved")
     model = model.to(d.device)
@@ -526,6 +549,28 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     return summary
 
 
+def init_head(cfg: Eagle3TrainConfig, target, n_layers: int, vocab: int) -> Eagle3Head:
+    """The trained head ``cfg.init_head`` (float32) to go on training from, checked against the target and
+    the run's arguments: its layers and draft vocabulary stand, and ``--layer-ids`` / ``--draft-vocab`` /
+    ``--intermediate-size`` / ``--norm-before-fc``, where given, must agree with it."""
+    from specdec.models.eagle3 import load_head
+    from specdec.models.resolve import resolve_model_path
+
+    head = load_head(resolve_model_path(cfg.init_head), target.get_input_embeddings().weight.detach().float().cpu(),
+                     n_layers, vocab).train().requires_grad_(True)  # its parameters: the embedding is a buffer
+    c = head.config
+    given = {"--layer-ids": (cfg.layer_ids, list(c.layer_ids)), "--draft-vocab": (cfg.draft_vocab, c.draft_vocab_size),
+             "--intermediate-size": (cfg.intermediate_size, c.intermediate_size)}
+    for flag, (asked, has) in given.items():
+        if asked and asked != has:
+            raise ValueError(f"--init-head {cfg.init_head!r} has {flag.removeprefix('--')} {has}, but {flag} asks "
+                             f"for {asked}: leave {flag} out (the head's stands) or start from scratch")
+    if bool(c.norm_before_fc) != cfg.norm_before_fc:
+        raise ValueError(f"--init-head {cfg.init_head!r} has norm_before_fc {c.norm_before_fc}; pass --norm-before-fc "
+                         "exactly when it does")
+    return head
+
+
 def calibrate(model: TTTModel, target_name: str, windows: torch.Tensor, lengths: torch.Tensor, device,
               out: str | Path | None = None) -> dict:
     """Fit the draft temperature scale of ``model``'s head on held-out ``windows`` [N, T] (real lengths [N])
@@ -575,9 +620,11 @@ def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "
         "draft vocabulary": f"{s['draft_vocab']:,} of {s['vocab']:,} tokens ({s['coverage']:.2%} of the target's "
                             "probability mass on the training windows)",
         "trained parameters": s["parameters"],
+        **({"initialised from": cfg.init_head} if cfg.init_head else {}),
         "objective": f"training-time test over {cfg.ttt_steps} steps, forward KL to the target's distribution on the "
                      f"draft vocabulary (its top {s['topk']} tokens and the rest as one bucket)"
                      + (f" plus {cfg.argmax_weight:g} x cross-entropy on its argmax" if cfg.argmax_weight else "")
+                     + (f" plus {cfg.tv_weight:g} x total variation" if cfg.tv_weight else "")
                      + f", step j weighted {cfg.step_decay:g}^j",
         "data": describe_sources(cfg.data),
         "windows cached": f"{s['train_windows']:,} of <= {cfg.seq_len} tokens within documents "
@@ -619,11 +666,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step j: DECAY ** j")
     p.add_argument("--argmax-weight", type=float, default=0.0,
                    help="add W x cross-entropy on the target's argmax token to each step's KL (greedy acceptance)")
+    p.add_argument("--tv-weight", type=float, default=0.0,
+                   help="add W x total variation to the target's distribution to each step's KL (1 - TV is the "
+                   "acceptance of a draft sampled at temperature 1)")
     p.add_argument("--topk", type=int, default=32, help="target log-probabilities cached per position")
     p.add_argument("--max-windows", type=int, default=1024, help="training windows cached (0: all)")
     p.add_argument("--cache-batch", type=int, default=8, help="windows per target forward while caching")
     p.add_argument("--no-init-from-target", dest="init_from_target", action="store_false",
                    help="start the LM head and final norm at random instead of from the target's")
+    p.add_argument("--init-head", default=None,
+                   help="go on from this trained head (a folder or shipped name): its layers and draft vocabulary "
+                   "stand; a new optimizer and schedule over this run's data")
     p.add_argument("--norm-before-fc", action="store_true",
                    help="an RMSNorm over the fused target states before fc (config key norm_before_fc; vLLM, "
                    "speculators and llama.cpp read it)")
@@ -640,8 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    own = fields_from_args(a, "target draft_vocab intermediate_size ttt_steps step_decay argmax_weight topk max_windows cache_batch "
-                              "init_from_target norm_before_fc scale_features accept_prompts accept_prompts_file accept_k "
+    own = fields_from_args(a, "target draft_vocab intermediate_size ttt_steps step_decay argmax_weight tv_weight topk max_windows cache_batch "
+                              "init_from_target init_head norm_before_fc scale_features accept_prompts accept_prompts_file accept_k "
                               "accept_max_tokens")
     if a.layer_ids:
         try:
