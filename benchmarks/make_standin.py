@@ -1,5 +1,6 @@
 """A stand-in with a larger model's cost and the shipped target's function: a padded copy that computes
-exactly what the source computes, at the shape of a 0.5B-8B model.
+exactly what the source computes, at the shape of a 0.5B-8B model
+(or of a 68M-160M draft: pad the shipped drafts with --source).
 
 Hidden dims past the source's stay 0: embeddings (and an untied head) are padded with zero columns,
 o_proj and down_proj rows past them are zero. RMSNorm stays exact over the wider stream: eps is scaled
@@ -43,6 +44,8 @@ class Shape:
 
 # the models' own shapes; the vocabulary stays the source's
 SHAPES = {
+    "llama-68m": Shape(768, 3072, 12, 12, 2, 64),  # draft sizes (JackFram/llama-68m, -160m)
+    "llama-160m": Shape(768, 3072, 12, 12, 12, 64),
     "qwen2.5-0.5b": Shape(896, 4864, 14, 2, 24, 64),
     "tinyllama-1.1b": Shape(2048, 5632, 32, 4, 22, 64),
     "llama-3.2-1b": Shape(2048, 8192, 32, 8, 16, 64),

@@ -92,6 +92,21 @@ def test_the_extra_parts_cost_but_change_nothing(source, tmp_path):
     assert up[128:].abs().sum() > 0  # the extra MLP units are random, not zero
 
 
+def test_a_parallel_draft_keeps_its_mask_token(source, tmp_path):
+    """A draft padded to a draft's shape (the shipped drafts at llama-160m's) keeps the config keys the
+    engine reads, such as a parallel draft's mask token and trained k."""
+    import json
+    import shutil
+
+    pard = tmp_path / "pard"
+    shutil.copytree(source, pard)
+    config = json.loads((pard / "config.json").read_text())
+    (pard / "config.json").write_text(json.dumps({**config, "pard_token": 7, "pard_max_k": 8}))
+    out = standin.build(pard, SHAPES["same head"], tmp_path / "s", progress=lambda line: None)
+    padded = json.loads((out / "config.json").read_text())
+    assert (padded["pard_token"], padded["pard_max_k"], padded["hidden_size"]) == (7, 8, 160)
+    assert standin.SHAPES["llama-160m"] == Shape(768, 3072, 12, 12, 12, 64)
+
 def test_fit_and_its_errors():
     src = Shape(hidden=512, intermediate=1408, heads=8, kv_heads=4, layers=8, head_dim=64)  # the shipped target
     tiny, notes = standin.fit(standin.SHAPES["tinyllama-1.1b"], src)
