@@ -90,7 +90,7 @@ def main() -> None:
         for name, r in rows.items():
             per_pos = " / ".join(f"{a:.2f}" for a in r["acceptance_per_pos"])
             print(f"  {name:14s} {r['tok_s']:6.1f} tok/s  tau {r['tau']:.2f}  draft {r['draft_ms_per_round']:.2f} ms "
-                  f"verify {r['verify_ms_per_round']:.2f} ms per round  acceptance per position {per_pos}", flush=True)
+                  f"(steady {r['steady_draft_ms_per_round']:.2f}) verify {r['verify_ms_per_round']:.2f} ms per round  acceptance per position {per_pos}", flush=True)
         print(f"  PARD / autoregressive: tau {ratios['tau']:.2f}x, draft time per round {ratios['draft_time']:.2f}x "
               f"(steady {ratios['steady_draft_time']:.2f}x), "
               f"tok/s {ratios['tok_s']:.2f}x (vs plain: PARD {ratios['pard_vs_plain']:.2f}x, autoregressive "
