@@ -64,7 +64,8 @@ class LLM:
         method = "layer_skip" if "layer_skip" in methods else (methods[0] if methods else None)
         target_choice = choose(target_source, backend, dtype, device, method, k, draft=draft_source,
                                enforce_eager=enforce_eager)
-        draft_choice = choose_draft(draft_source, target_choice, dtype, device) if draft_source else None
+        draft_choice = (choose_draft(draft_source, target_choice, dtype, device, spec.parallel_drafting)
+                        if draft_source else None)
         self.backend, self.backend_reason = target_choice.backend, target_choice.reason
         self.target, eos = load(target_source, target_choice.backend, target_choice.dtype, device, max_model_len,
                                 trust_remote_code, tokenizer=tokenizer, enforce_eager=enforce_eager,

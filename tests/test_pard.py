@@ -124,13 +124,28 @@ def test_greedy_output_equals_plain_decoding_on_llamacpp(models, batch):
     prompts = random_prompts(batch, [4, 13, 7], seed=5)
     expected = plain_greedy(models["target"], prompts, 24, backend="llama.cpp")
     llm = LLM(models["target"], backend="llama.cpp", speculative_config=pard_config(models["pard"], 4))
-    assert llm.engine.drafter.runner.backend == "llama.cpp"
+    assert llm.backend == "llama.cpp" and llm.engine.drafter.runner.backend == "torch"  # models/choose.choose_draft
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     for p, e, o in zip(prompts, expected, outs):
         assert_greedy_equal(models["hf"], p, e, o.outputs[0].token_ids)  # f32 GGUF: float32's rounding
     m = llm.get_metrics()
     assert m["num_draft_tokens"] > 0 and m["num_accepted_tokens"] > 0
+
+
+def test_a_parallel_draft_runs_on_torch_beside_a_llamacpp_target():
+    """choose_draft: a parallel draft's checkpoint runs on torch beside a llama.cpp target (its one forward
+    of accepted tokens and masks costs about a step there); an autoregressive draft where the target runs, a
+    GGUF draft on llama.cpp."""
+    from specdec.models.choose import Choice, choose_draft
+    from specdec.models.resolve import resolve
+
+    hf = resolve("specdec/demo-draft-pard")
+    on_llamacpp, on_torch = Choice("llama.cpp", "asked for", None), Choice("torch", "asked for", "bfloat16")
+    assert choose_draft(hf, on_llamacpp, parallel=True).backend == "torch"
+    assert "parallel draft" in choose_draft(hf, on_llamacpp, parallel=True).reason
+    assert choose_draft(hf, on_llamacpp).backend == "llama.cpp"
+    assert choose_draft(hf, on_torch, parallel=True).backend == "torch"
 
 
 # -- trees: the one forward's per-depth distributions branch -----------------------------------------

@@ -4,7 +4,8 @@
 target's first layers); and a checkpoint on a CPU that llama.cpp can convert on the backend expected
 fastest here for the method, k and draft model asked for (backend_choice.py: timed forwards through
 the cost model). The dtype follows dtype_choice.py's rule for the backend chosen. A
-draft model runs where the target does, and a GGUF draft on llama.cpp whatever the target's backend.
+draft model runs where the target does, a GGUF draft on llama.cpp whatever the target's backend, and
+a parallel draft's checkpoint on torch beside a llama.cpp target (``choose_draft``).
 """
 
 from __future__ import annotations
@@ -48,10 +49,21 @@ def choose(source: ModelSource, backend: str = "auto", dtype: str = "auto", devi
     return Choice(chosen, reason, dtype_for(source, chosen, dtype, device))
 
 
-def choose_draft(source: ModelSource, target: Choice, dtype: str = "auto", device: str = "cpu") -> Choice:
-    """The backend and dtype of draft model ``source`` beside a target that runs as ``target`` says."""
+PARALLEL_DRAFT_ON_TORCH = ("a parallel draft's one forward feeds the accepted tokens and k - 1 masks: on torch's "
+                           "kernels it costs about one step, on llama.cpp's about two or more")
+
+
+def choose_draft(source: ModelSource, target: Choice, dtype: str = "auto", device: str = "cpu",
+                 parallel: bool = False) -> Choice:
+    """The backend and dtype of draft model ``source`` beside a target that runs as ``target`` says;
+    ``parallel``: the draft proposes all its drafts from one forward (parallel_drafting). Such a
+    forward of up to 2k tokens costs about a step on torch's CPU kernels (16-bit weights read once for
+    every row) and about two steps or more on llama.cpp's (docs/benchmarks.md, "a parallel draft at a
+    160M draft's cost"), so a parallel draft's checkpoint runs on torch beside a llama.cpp target."""
     if source.is_gguf:
         return Choice("llama.cpp", "a GGUF draft", dtype_for(source, "llama.cpp"))
+    if parallel and target.backend == "llama.cpp" and str(device).startswith("cpu"):
+        return Choice("torch", PARALLEL_DRAFT_ON_TORCH, dtype_for(source, "torch", dtype, device))
     return Choice(target.backend, "where the target runs", dtype_for(source, target.backend, dtype, device))
 
 
