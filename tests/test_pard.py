@@ -135,8 +135,7 @@ def test_greedy_output_equals_plain_decoding_on_llamacpp(models, batch):
 
 def test_a_parallel_draft_runs_on_torch_beside_a_llamacpp_target():
     """choose_draft: a parallel draft's checkpoint runs on torch beside a llama.cpp target (its one forward
-    of accepted tokens and masks costs about a step there); an autoregressive draft where the target runs, a
-    GGUF draft on llama.cpp."""
+    of accepted tokens and masks costs about a step there); an autoregressive draft where the target runs."""
     from specdec.models.choose import Choice, choose_draft
     from specdec.models.resolve import resolve
 

@@ -107,6 +107,7 @@ def test_a_parallel_draft_keeps_its_mask_token(source, tmp_path):
     assert (padded["pard_token"], padded["pard_max_k"], padded["hidden_size"]) == (7, 8, 160)
     assert standin.SHAPES["llama-160m"] == Shape(768, 3072, 12, 12, 12, 64)
 
+
 def test_fit_and_its_errors():
     src = Shape(hidden=512, intermediate=1408, heads=8, kv_heads=4, layers=8, head_dim=64)  # the shipped target
     tiny, notes = standin.fit(standin.SHAPES["tinyllama-1.1b"], src)

@@ -338,7 +338,9 @@ class TTTModel(nn.Module):
             valid = held & in_range
             logq_all = F.log_softmax(logits, dim=-1)  # [B, P, Vd]
             logq = logq_all.gather(-1, didx)  # [B, P, K]
-            q_rest = (1 - (logq.exp() * inside).sum(-1)).clamp(min=1e-6)  # the head's mass off the target's top K
+            q = logq.exp() * inside  # [B, P, K]: the head's q at the target's top K (0 outside its vocabulary)
+            q_off = 1 - q.sum(-1)  # [B, P]: the head's mass off the target's top K
+            q_rest = q_off.clamp(min=1e-6)
             kl = ((p * (torch.log(p.clamp(min=1e-12)) - logq)).sum(-1)
                   + rest * (torch.log(rest.clamp(min=1e-12)) - torch.log(q_rest)))  # [B, P]: KL of (top K, rest)
             n = valid.sum().clamp(min=1)
@@ -349,8 +351,7 @@ class TTTModel(nn.Module):
                 ce = -logq_all.gather(-1, top1.clamp(min=0)[..., None])[..., 0]  # [B, P]
                 step_loss = step_loss + self.argmax_weight * (ce * hard).sum() / hard.sum().clamp(min=1)
             if self.tv_weight:  # sum min(p, q) = 1 - TV is a sampled draft's acceptance: the same buckets as the KL
-                q = logq.exp() * inside  # [B, P, K]
-                tv = 0.5 * ((p - q).abs().sum(-1) + (rest - (1 - q.sum(-1))).abs())  # [B, P]
+                tv = 0.5 * ((p - q).abs().sum(-1) + (rest - q_off).abs())  # [B, P]
                 step_loss = step_loss + self.tv_weight * (tv * valid).sum() / n
             total = total + self.decay ** j * step_loss
             if stats:
