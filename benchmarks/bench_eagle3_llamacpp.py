@@ -1,5 +1,5 @@
 """EAGLE-3 on the llama.cpp backend end to end: the head as specdec runs it by default
-(drafters/eagle3.head_runner: the compiled torch head where its products run on specdec's 16-bit kernel,
+(drafters/eagle3.head_runner: the compiled torch head where its products run on specdec's own kernels,
 else llama.cpp's eagle3 graphs), the head in llama.cpp (models/llamacpp_head.py; on the target's threads,
 and its passes of up to 16 tokens on one thread), the eager torch head on one thread, the draft model and
 plain decoding, in one process, alternating prompt by prompt.

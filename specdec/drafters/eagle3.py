@@ -334,6 +334,9 @@ def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
+SPECDEC_KERNELS = ("w16", "w16dot")  # Linear kinds of specdec's own product kernels (models/linear.py)
+
+
 def head_dtype(target: ModelRunner) -> torch.dtype:
     """The torch head's products take the target's weights' dtype: bf16 beside a bf16 target (half the
     bytes), float32 beside anything else."""
@@ -344,11 +347,12 @@ def head_runner(head: Eagle3Head, target: ModelRunner):
     """What runs the head beside ``target``, decided here once (the torch head's dtype: ``head_dtype``).
 
     - A torch target: the torch head (HeadRunner), its one-row passes compiled where the target's step is.
-    - A llama.cpp target: llama.cpp's own eagle3 graphs (models/llamacpp_head.py), but where the torch head
-      runs compiled on specdec's 16-bit kernel (x86 without native bf16, where llama.cpp's bf16 products
-      convert each weight once per input row) the torch head (EPYC-AVX2, on torch's threads: its drafting
-      3.6 against 5.6 ms a round; docs/benchmarks.md, "the EAGLE-3 head's passes compiled"); the torch
-      head eager where the build cannot run eagle3.
+    - A llama.cpp target: the torch head compiled where its products run on one of specdec's kernels
+      (``w16``: x86 without native bf16; ``w16dot``: AVX-512 BF16 without AMX), on torch's threads: its
+      drafting 3.6 against 5.6 ms a round in llama.cpp's graphs on EPYC-AVX2, 1.3 against 2.5 on EPYC-Zen5
+      (docs/benchmarks.md, "the EAGLE-3 head's passes compiled" and "2026-12-05, night"); elsewhere
+      llama.cpp's own eagle3 graphs (models/llamacpp_head.py); the torch head eager where the build cannot
+      run eagle3.
     """
     torch_head = HeadRunner(head, head_dtype(target), target.device)
     name = getattr(head, "name", "") or "head"
@@ -356,7 +360,7 @@ def head_runner(head: Eagle3Head, target: ModelRunner):
         if getattr(target, "compiled", None) is not None:
             torch_head.compile(name)
         return torch_head
-    if not target.enforce_eager and torch_head.in_cache and torch_head.w.qkv.kind == "w16":
+    if not target.enforce_eager and torch_head.in_cache and torch_head.w.qkv.kind in SPECDEC_KERNELS:
         torch_head.compile(name)
         return torch_head
     return native_head(head, target) or torch_head
