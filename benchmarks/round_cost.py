@@ -26,10 +26,11 @@ handling; ``decode`` gives the share inside ``llama_decode`` itself). Rounds tha
         [--backends llama.cpp,torch] [--ks 2,4] [--num-prompts 4] [--max-tokens 64] [--threads 2]
 
 ``--adaptive`` adds each method with the adaptive controller (k up to the largest of ``--ks``); its
-rounds of any k are split the same way. ``--eagle3-head-variants`` adds eagle3 beside llama.cpp with the
-torch head, eager and compiled (the head runs in llama.cpp there by default: models/llamacpp_head.py, on
-the target's threads), with the head in llama.cpp on one thread for passes of up to 16 tokens, and with its file in q8_0;
-the variants below are the torch head's, run eager. ``--eagle3-variants`` adds eagle3 with its chain steps
+rounds of any k are split the same way. ``--eagle3-head-variants`` adds eagle3 beside llama.cpp with each runner
+of the head, whatever the default (drafters/eagle3.head_runner): llama.cpp's eagle3 graphs
+(models/llamacpp_head.py, on the target's threads; on one thread for passes of up to 16 tokens; its file in
+q8_0) and the torch head (eager; compiled); the ``--eagle3-variants`` below
+are the torch head's, run eager: they add eagle3 with its chain steps
 eager (the torch head's one-row chain step is compiled beside a compiled target), through the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
 torch's threads (before ``head_threads``), and, an experiment, with the head's weights in int8 (what
 halving its bytes would give; specdec's head runs in the target's dtype).
@@ -261,7 +262,8 @@ def build(args) -> list[Config]:
         if args.eagle3_variants:
             runs += [(f"eagle3 {v}", k, False) for v in ("eager-chain", "general-step", "torch-threads", "int8") for k in args.ks]
         if args.eagle3_head_variants and backend == "llama.cpp":  # the head beside a llama.cpp target
-            runs += [(f"eagle3 {v}", k, False) for v in ("torch-head", "compiled-torch-head", "one-thread-head", "q8_0-head")
+            runs += [(f"eagle3 {v}", k, False) for v in ("llama.cpp-head", "torch-head", "compiled-torch-head", "one-thread-head",
+                                                       "q8_0-head")
                      for k in args.ks]
         for method, k, adaptive in runs:
             spec = None if method is None else {
@@ -273,16 +275,16 @@ def build(args) -> list[Config]:
             c = Config(backend, k, name, adaptive)
             c.llm = LLM(model=model, backend=backend, speculative_config=spec, enforce_eager=args.enforce_eager,
                         device=args.device)
-            if method == "eagle3 q8_0-head":
+            if method in ("eagle3 llama.cpp-head", "eagle3 one-thread-head", "eagle3 q8_0-head"):
                 from specdec.models.llamacpp_head import LlamaCppHead
 
                 d = c.llm.engine.drafter
-                d.runner = LlamaCppHead(d.head, d.target, weight_type="q8_0")
-            elif method == "eagle3 one-thread-head":
-                c.llm.engine.drafter.runner.one_thread_tokens = 16  # a round's small passes on one thread
+                d.runner, d.can_draft_trees = LlamaCppHead(d.head, d.target, weight_type="q8_0" if "q8_0" in method else "bf16"), False
+                if method == "eagle3 one-thread-head":
+                    d.runner.one_thread_tokens = 16  # a round's small passes on one thread
             elif method is not None and method.startswith("eagle3 "):  # the variants are the torch head's
                 torch_head(c.llm.engine.drafter)
-                if method == "eagle3 compiled-torch-head":
+                if "compiled" in method:
                     c.llm.engine.drafter.runner.compile(args.eagle3_head)
             if method == "eagle3 int8":
                 int8_head(c.llm.engine.drafter)
@@ -311,11 +313,12 @@ class Int8Linear:
 
 
 def torch_head(drafter) -> None:
-    """An EAGLE-3 drafter beside a llama.cpp target with the torch head (HeadRunner) instead of the head in
-    llama.cpp (models/llamacpp_head.py), to time both in one run."""
+    """An EAGLE-3 drafter beside a llama.cpp target with the torch head (HeadRunner, eager until compiled),
+    whatever the default runs, to time them in one run."""
     from specdec.drafters.eagle3 import HeadRunner, head_dtype
 
     drafter.runner = HeadRunner(drafter.head, head_dtype(drafter.target), drafter.device)
+    drafter.can_draft_trees = True
 
 
 def general_steps(drafter) -> None:
@@ -420,8 +423,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "step, on all of torch's threads, and (an experiment) with the head's weights in int8, "
                          "bf16 activations (the variants run the head eager)")
     ap.add_argument("--eagle3-head-variants", action="store_true",
-                    help="also eagle3 beside llama.cpp with the torch head (eager, and compiled), with the head in "
-                         "llama.cpp on one thread for passes of up to 16 tokens, and with its file in q8_0")
+                    help="also eagle3 beside llama.cpp with each runner of the head: llama.cpp's graphs (on the "
+                         "target's threads, on one thread for small passes, its file in q8_0) and the torch head "
+                         "(eager, compiled)")
     ap.add_argument("--backends", default="llama.cpp,torch")
     ap.add_argument("--ks", default="2,4", help="fixed k per configuration, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=4)
