@@ -372,9 +372,37 @@ def test_a_run_can_go_on_from_a_trained_head(tiny, tmp_path):
     assert going_on["first_loss"] < 0.8 * fresh["first_loss"] and going_on["draft_vocab"] == 50
     assert going_on["layer_ids"] == [1, 2, 3]
     assert first["train_loss"] < fresh["first_loss"]
-    with pytest.raises(ValueError, match="has draft-vocab 50, but --draft-vocab asks for 40"):
+    with pytest.raises(ValueError, match="draft vocabulary of 50 tokens, but --draft-vocab asks for 40"):
         run(tiny, tmp_path / "x", "--max-steps", "0", "--init-head", str(tmp_path / "a"), "--draft-vocab", "40")
     with pytest.raises(ValueError, match="has layer-ids"):
         run(tiny, tmp_path / "x", "--max-steps", "0", "--init-head", str(tmp_path / "a"), "--layer-ids", "0,1,2")
     with pytest.raises(ValueError, match="pass one of them"):
         run(tiny, tmp_path / "x", "--max-steps", "1", "--init-head", str(tmp_path / "a"), "--resume")
+
+
+def test_a_trained_head_s_draft_vocabulary_can_be_widened(tiny, tmp_path):
+    """--init-head with a larger --draft-vocab: the head's tokens keep their LM head rows, every other weight
+    stays, the new tokens (the heaviest of the rest) get rows mapped from the target's output rows, and the
+    run starts below a fresh head's loss."""
+    from safetensors.torch import load_file
+
+    run(tiny, tmp_path / "a", "--max-steps", "10", "--lr", "3e-3", "--draft-vocab", "50", "--layer-ids", "1,2,3",
+        "--save-dtype", "float32")
+    wide = run(tiny, tmp_path / "w", "--max-steps", "0", "--init-head", str(tmp_path / "a"), "--draft-vocab", "70",
+               "--save-dtype", "float32")
+    assert wide["draft_vocab"] == 70
+    (old, _), (new, target) = load(tiny, tmp_path / "a"), load(tiny, tmp_path / "w")
+    old_ids, new_ids = old.draft_to_target, new.draft_to_target
+    assert torch.equal(new_ids, new_ids.sort().values) and len(set(new_ids.tolist())) == 70
+    assert bool(torch.isin(old_ids, new_ids).all()) and int(new.t2d.sum()) == 70 and bool(new.t2d[new_ids].all())
+    at = torch.searchsorted(new_ids, old_ids)
+    torch.testing.assert_close(new.lm_head.weight[at], old.lm_head.weight)
+    added = new.lm_head.weight[~torch.isin(new_ids, old_ids)]
+    assert added.shape[0] == 20 and bool((added.norm(dim=1) > 0).all())
+    want, got = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "w" / "model.safetensors")
+    for name in want:
+        if "lm_head" not in name and name not in ("d2t", "t2d"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7)
+    fresh = run(tiny, tmp_path / "f", "--max-steps", "2", "--draft-vocab", "70", "--layer-ids", "1,2,3")
+    going_on = run(tiny, tmp_path / "c", "--max-steps", "2", "--init-head", str(tmp_path / "a"), "--draft-vocab", "70")
+    assert going_on["first_loss"] < fresh["first_loss"]

@@ -70,7 +70,7 @@ class Eagle3TrainConfig(RunConfig):
     max_windows: int = 1024  # training windows cached (0: all; each costs seq_len * 3 * Dt * 2 bytes)
     cache_batch: int = 8  # windows per target forward while caching
     init_from_target: bool = True  # the head's LM head rows and final norm start as the target's
-    init_head: str | None = None  # start from this trained head (its layers and draft vocabulary) instead
+    init_head: str | None = None  # start from this trained head (its layers; its draft vocabulary, or a wider one)
     norm_before_fc: bool = False  # the head's fc reads an RMSNorm of the features (config key norm_before_fc)
     scale_features: bool = False  # train fc on features / their per-dimension RMS, folded into fc when saved
     accept_prompts: int = 8  # held-out prompts for the final acceptance report (0: skip)
@@ -207,11 +207,15 @@ def feature_rms(features: torch.Tensor, lengths: torch.Tensor, chunk: int = 64) 
     return (sq / max(n, 1)).sqrt().float().clamp(min=1e-3)
 
 
-def choose_draft_vocab(top_ids: torch.Tensor, top_logp: torch.Tensor, vocab_size: int, n: int) -> torch.Tensor:
+def choose_draft_vocab(top_ids: torch.Tensor, top_logp: torch.Tensor, vocab_size: int, n: int,
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
     """The ``n`` target ids with the most target probability mass over the cached positions (ties: lower id),
-    sorted ascending  [n] long. Mass, not argmax counts: sampling at temperature 1 draws from all of it."""
+    sorted ascending  [n] long; ids ``keep`` (a head's vocabulary being widened) first, whatever their mass.
+    Mass, not argmax counts: sampling at temperature 1 draws from all of it."""
     mass = torch.zeros(vocab_size, dtype=torch.float64)
     mass.index_add_(0, top_ids.flatten().clamp(max=vocab_size - 1), top_logp.flatten().double().exp())
+    if keep is not None:
+        mass[keep] = float("inf")
     order = torch.sort(-mass, stable=True).indices[:n]
     return order.sort().values
 
@@ -420,7 +424,9 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
         layer_ids = list(init.config.layer_ids)
     if len(layer_ids) != 3 or not all(0 <= L < n_layers for L in layer_ids):
         raise ValueError(f"--layer-ids must be 3 target layers in 0..{n_layers - 1}, got {layer_ids}")
-    draft_vocab = init.config.draft_vocab_size if init is not None else cfg.draft_vocab or vocab
+    draft_vocab = cfg.draft_vocab or vocab
+    if init is not None:
+        draft_vocab = cfg.draft_vocab or init.config.draft_vocab_size  # the head's, or the wider one asked for
     if draft_vocab > vocab:
         raise ValueError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary ({vocab} tokens); "
                          f"pass at most {vocab}, or 0 for all of it")
@@ -453,8 +459,8 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     n_tr = cache.n_train
     real = torch.arange(cfg.seq_len)[None] < cache.lengths[:n_tr, None]  # [n_tr, T]: not padding
     real_ids, real_logp = cache.top_ids[:n_tr][real], cache.top_logp[:n_tr][real]  # [M, K]
-    draft_ids = (choose_draft_vocab(real_ids, real_logp, vocab, draft_vocab) if init is None
-                 else init.draft_to_target.cpu())  # [Vd]
+    kept = init.draft_to_target.cpu() if init is not None else None  # [Vd] the head's vocabulary stays in
+    draft_ids = choose_draft_vocab(real_ids, real_logp, vocab, draft_vocab, kept)  # [Vd']
     mass = torch.zeros(vocab, dtype=torch.float64)
     mass.index_add_(0, real_ids.flatten(), real_logp.flatten().double().exp())
     del real_ids, real_logp
@@ -471,6 +477,10 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
         head.t2d.zero_()
         head.t2d[draft_ids] = True
     else:
+        if draft_vocab > init.config.draft_vocab_size:
+            init = widen_draft_vocab(init, draft_ids, target.get_output_embeddings().weight.detach().float().cpu())
+            log(f"--init-head's draft vocabulary widened to {draft_vocab} tokens (new LM head rows: the target's "
+                "output rows mapped by a least-squares fit over the kept rows)")
         head, hc = init, init.config
     if cfg.init_from_target and init is None:
         with torch.no_grad():
@@ -560,16 +570,46 @@ def init_head(cfg: Eagle3TrainConfig, target, n_layers: int, vocab: int) -> Eagl
     head = load_head(resolve_model_path(cfg.init_head), target.get_input_embeddings().weight.detach().float().cpu(),
                      n_layers, vocab).train().requires_grad_(True)  # its parameters: the embedding is a buffer
     c = head.config
-    given = {"--layer-ids": (cfg.layer_ids, list(c.layer_ids)), "--draft-vocab": (cfg.draft_vocab, c.draft_vocab_size),
-             "--intermediate-size": (cfg.intermediate_size, c.intermediate_size)}
+    given = {"--layer-ids": (cfg.layer_ids, list(c.layer_ids)), "--intermediate-size": (cfg.intermediate_size, c.intermediate_size)}
     for flag, (asked, has) in given.items():
         if asked and asked != has:
             raise ValueError(f"--init-head {cfg.init_head!r} has {flag.removeprefix('--')} {has}, but {flag} asks "
                              f"for {asked}: leave {flag} out (the head's stands) or start from scratch")
+    if cfg.draft_vocab and cfg.draft_vocab < c.draft_vocab_size:
+        raise ValueError(f"--init-head {cfg.init_head!r} has a draft vocabulary of {c.draft_vocab_size} tokens, but "
+                         f"--draft-vocab asks for {cfg.draft_vocab}: a head's vocabulary can be widened, not narrowed; "
+                         "leave --draft-vocab out or ask for more")
     if bool(c.norm_before_fc) != cfg.norm_before_fc:
         raise ValueError(f"--init-head {cfg.init_head!r} has norm_before_fc {c.norm_before_fc}; pass --norm-before-fc "
                          "exactly when it does")
     return head
+
+
+def widen_draft_vocab(head: Eagle3Head, draft_ids: torch.Tensor, target_rows: torch.Tensor) -> Eagle3Head:
+    """``head`` with the draft vocabulary ``draft_ids`` [Vd'] (sorted target ids, a superset of the head's):
+    every other weight as it was, the LM head's rows of the kept tokens as they were, the new tokens' rows
+    the target's output rows ``target_rows`` [V, Dt] mapped into the head's by the least-squares fit of the
+    kept rows (held-out cosine ~0.8 on the shipped pair: a start that training corrects, not zeros)."""
+    from dataclasses import replace
+
+    kept = head.draft_to_target.cpu()  # [Vd]
+    if not bool(torch.isin(kept, draft_ids).all()):
+        raise ValueError("widen_draft_vocab: the new draft vocabulary must hold the head's")
+    old_rows = head.lm_head.weight.detach().float()  # [Vd, D]
+    fit = torch.linalg.lstsq(target_rows[kept], old_rows).solution  # [Dt, D]
+    rows = target_rows[draft_ids] @ fit  # [Vd', D]
+    where = torch.searchsorted(draft_ids, kept)  # each kept token's new draft id
+    rows[where] = old_rows
+    c = replace(head.config, draft_vocab_size=len(draft_ids))
+    wide = Eagle3Head(c, head.embed_tokens)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    wide.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        wide.lm_head.weight.copy_(rows.to(wide.lm_head.weight.dtype))
+        wide.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        wide.t2d.zero_()
+        wide.t2d[draft_ids] = True
+    return wide.train().requires_grad_(True)
 
 
 def calibrate(model: TTTModel, target_name: str, windows: torch.Tensor, lengths: torch.Tensor, device,
@@ -676,8 +716,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-init-from-target", dest="init_from_target", action="store_false",
                    help="start the LM head and final norm at random instead of from the target's")
     p.add_argument("--init-head", default=None,
-                   help="go on from this trained head (a folder or shipped name): its layers and draft vocabulary "
-                   "stand; a new optimizer and schedule over this run's data")
+                   help="go on from this trained head (a folder or shipped name): its layers stand, and its draft "
+                   "vocabulary unless --draft-vocab asks for a wider one; a new optimizer and schedule over this run's data")
     p.add_argument("--norm-before-fc", action="store_true",
                    help="an RMSNorm over the fused target states before fc (config key norm_before_fc; vLLM, "
                    "speculators and llama.cpp read it)")
