@@ -188,7 +188,8 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path,
     n=2 choices copy their prompt's target states), the drafter's logits for each draft equal
     ``Eagle3Head.step`` run over the whole history with transformers' hidden states, then chained over
     its own drafts; its drafts are their argmaxes. "loop": every draft through draft_autoregressive's
-    loop (the logits are compared); "greedy-fast-path": the drafter's own argmax loop (the drafts are).
+    loop (the logits are compared); "greedy-fast-path": the drafter's own argmax path, which builds no
+    target-vocabulary logits (the drafts are compared).
     A norm_before_fc head: the drafter's runner normalizes the features before fc as the head does."""
     import specdec.drafters.eagle3 as eagle3
 
@@ -208,9 +209,21 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path,
         calls.append(rec)
         return rec["proposal"]
 
-    monkeypatch.setattr(eagle3, "draft_autoregressive", recorded)
+    if path == "loop":
+        monkeypatch.setattr(eagle3, "argmax_drafts", lambda *args: False)
+        monkeypatch.setattr(eagle3, "draft_autoregressive", recorded)
     llm = LLM(models["target"], backend="torch", speculative_config=spec(models[head_name], 3, adaptive=False))
     drafter = llm.engine.drafter
+    if path == "greedy-fast-path":
+        propose = drafter.propose
+
+        def proposed(seqs, num_draft, sb):
+            rec = {"tokens": [list(s.token_ids) for s in seqs], "logits": [], "proposal": propose(seqs, num_draft, sb)}
+            rec["want"] = list(rec["proposal"].num_draft_tokens)
+            calls.append(rec)
+            return rec["proposal"]
+
+        monkeypatch.setattr(drafter, "propose", proposed)
     head = drafter.head
     assert head.config.norm_before_fc == (head_name == "head_norm_before_fc")
     ids = head.config.layer_ids

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.drafters.autoregressive import draft_autoregressive
+from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models import cache_attention as attention_kernel
@@ -446,18 +446,24 @@ class Eagle3Drafter(Drafter):
         def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
             return widen(step(x[idx] if not every else x, i))
 
-        def greedy(x: list[int], n: int) -> list[list[int]]:  # x_1 [B] -> x_2..x_{n+1} [B, n], argmaxes
-            t = torch.tensor(x, device=self.device)[idx] if not every else torch.tensor(x, device=self.device)
+        def argmaxes(t: torch.Tensor, n: int) -> torch.Tensor:  # x_1 [A] -> x_2..x_{n+1} [A, n], target ids
             out = []
             for i in range(n):
-                logits = step(t, i)  # [A, Vd]
-                t = self.to_target_ids[(logits if self.all_kept else logits[:, self.keep]).argmax(dim=-1)]  # [A]
+                t = self._top_ids(step(t, i))  # [A]
                 out.append(t)
-            rows = torch.stack(out, dim=1)  # [A, n]
-            if every:
-                return rows.tolist()
-            full = rows.new_zeros(B, n).index_copy_(0, idx, rows)
-            return full.tolist()
+            return torch.stack(out, dim=1) if out else t.new_zeros(len(t), 0)
+
+        def to_rows(drafts: torch.Tensor) -> torch.Tensor:  # [A, n] -> [B, n] (rows that do not draft: 0)
+            return drafts if every else drafts.new_zeros(B, drafts.shape[1]).index_copy_(0, idx, drafts)
+
+        if argmax_drafts(seqs, sb, self.draft_p_min):  # every draft an argmax: no target-vocabulary logits built
+            first = self._top_ids(first_logits)  # [A]
+            drafts = torch.cat([first[:, None], argmaxes(first, max(want) - 1)], dim=1)  # [A, k]
+            return DraftProposal(to_rows(drafts), None, want)
+
+        def greedy(x: list[int], n: int) -> list[list[int]]:  # x_1 [B] -> x_2..x_{n+1} [B, n], argmaxes
+            t = torch.tensor(x, device=self.device)
+            return to_rows(argmaxes(t if every else t[idx], n)).tolist()
 
         return draft_autoregressive(widen(first_logits), feed, seqs, want, sb, self.draft_p_min, greedy)
 
@@ -637,6 +643,12 @@ class Eagle3Drafter(Drafter):
         logits, g = self.runner.step(ids.to(dev), self.runner.fuse(feats), rows, pos, None if min(n) == T else real,
                                      query_at=lengths - 1)
         return logits[:, 0], g[:, 0]  # [G, Vd], [G, D]
+
+    def _top_ids(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """[A, Vd] -> [A] the target id of each row's argmax over the draft vocabulary's target tokens: the
+        argmax of ``_to_target``'s logits without building them (an exact tie may break the other way where
+        a head's draft ids do not run in its target ids' order; any draft keeps the output exact)."""
+        return self.to_target_ids[(draft_logits if self.all_kept else draft_logits[:, self.keep]).argmax(dim=-1)]
 
     def _to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[A, Vd] -> [A, V] target vocabulary, divided by ``q_scale``; tokens outside the draft vocabulary
