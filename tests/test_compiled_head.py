@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.drafters.eagle3 import HeadRunner
+from specdec.drafters.eagle3 import SPECDEC_KERNELS, HeadRunner
 from specdec.models import cache_attention
 from specdec.models.compiled_head import SIZES
 from specdec.models.eagle3 import load_head
@@ -134,8 +134,9 @@ def test_a_kv_budget_counts_the_rows_the_compiled_head_keeps(models):
 
 
 def test_beside_a_llamacpp_target_the_head_runs_where_it_is_fastest(models):
-    """A bf16 llama.cpp target: where the torch head's products run on specdec's 16-bit kernel (x86 without
-    native bf16) the head runs compiled in torch, else in llama.cpp's eagle3 graphs; eager asked, llama.cpp's.
+    """A bf16 llama.cpp target: where the torch head's products run on one of specdec's kernels (the 16-bit
+    kernel on x86 without native bf16, the bf16 dot products on AVX-512 BF16 without AMX) the head runs
+    compiled in torch, else in llama.cpp's eagle3 graphs; eager asked, llama.cpp's.
     Greedy output equals plain decoding on llama.cpp either way."""
     import llama_cpp  # noqa: F401  (a required dependency: built by `make install`)
 
@@ -150,7 +151,7 @@ def test_beside_a_llamacpp_target_the_head_runs_where_it_is_fastest(models):
     expected = [plain.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p in prompts]
     llm = LLM(gguf, backend="llama.cpp", enforce_eager=False, speculative_config=spec(head, 3, adaptive=False))
     runner = llm.engine.drafter.runner
-    w16 = HeadRunner(llm.engine.drafter.head, torch.bfloat16, torch.device("cpu")).w.qkv.kind == "w16"
+    w16 = HeadRunner(llm.engine.drafter.head, torch.bfloat16, torch.device("cpu")).w.qkv.kind in SPECDEC_KERNELS
     if w16:
         assert isinstance(runner, HeadRunner) and runner.compiled is not None
     else:
