@@ -349,18 +349,20 @@ def int8_head(drafter) -> None:
     r.compiled = None
 
 
-def run(configs: list[Config], prompts: list[list[int]], max_tokens: int) -> None:
+def run(configs: list[Config], prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> None:
     from specdec import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    def params(i: int) -> SamplingParams:  # sampled: seeded by the prompt, the same for every configuration
+        return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
+
     for c in configs:  # warm-up: kernels, the compiled step, the first steps
-        c.llm.generate([{"prompt_token_ids": prompts[0]}], params)
+        c.llm.generate([{"prompt_token_ids": prompts[0]}], params(0))
     for i, ids in enumerate(prompts):
         order = configs[i % len(configs):] + configs[:i % len(configs)]
         for c in order[::-1] if i % 2 else order:
             with instrumented(c.llm, c.recorder):
                 t0 = time.perf_counter()
-                out = c.llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0]
+                out = c.llm.generate([{"prompt_token_ids": ids}], params(i))[0].outputs[0]
                 c.generate_s += time.perf_counter() - t0
             c.tokens += len(out.token_ids)
 
@@ -432,6 +434,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept (the last ones)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seeded per prompt")
     ap.add_argument("--enforce-eager", action="store_true", help="torch: eager, not the compiled step")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (torch backend only)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -467,8 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     configs = build(args)
     prompts = load_prompts(args.num_prompts, configs[0].llm.tokenizer, args.max_prompt)
     t0 = time.perf_counter()
-    run(configs, prompts, args.max_tokens)
-    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy, batch 1, {args.threads} threads, "
+    run(configs, prompts, args.max_tokens, args.temperature)
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, seeded per prompt"
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, {sampling}, batch 1, {args.threads} threads, "
           f"configurations alternating; {time.perf_counter() - t0:.0f} s; {cpu_path()}"
           + (f"; {torch.cuda.get_device_name()}, torch {torch.__version__}" if args.device != "cpu" else ""))
     print("ms per round (plain: per token) by phase; kernel = inside the runners' forward / greedy_steps calls; "
@@ -488,10 +492,10 @@ def main(argv: list[str] | None = None) -> None:
     if "eagle3" in args.methods and "llama.cpp" in args.backends:
         print(keep_cost(configs, max(args.ks) + 1))
     if args.profile:
-        profile(configs, prompts[0], args.max_tokens, args.profile)
+        profile(configs, prompts[0], args.max_tokens, args.profile, args.temperature)
 
 
-def profile(configs: list[Config], ids: list[int], max_tokens: int, top: int) -> None:
+def profile(configs: list[Config], ids: list[int], max_tokens: int, top: int, temperature: float = 0.0) -> None:
     """One prompt per configuration under cProfile: its ``top`` functions by own time."""
     import cProfile
     import io
@@ -499,7 +503,7 @@ def profile(configs: list[Config], ids: list[int], max_tokens: int, top: int) ->
 
     from specdec import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
     for c in configs:
         prof = cProfile.Profile()
         prof.enable()
