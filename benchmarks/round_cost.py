@@ -377,7 +377,9 @@ def table(configs: list[Config]) -> str:
     for c in configs:
         rate = c.tokens / c.generate_s if c.generate_s else 0.0
         speed = f"{rate:.1f} ({rate / plain[c.backend]:.2f}x)" if plain.get(c.backend) else f"{rate:.1f}"
-        rs = [r for r in c.recorder.rounds if r.plain == (c.k == 0)]
+        # plain decoding: its greedy_steps calls, or (sampled) its one-token rounds through the verifier
+        rs = [r for r in c.recorder.rounds if (r.plain or not r.drafted)] if c.k == 0 else \
+            [r for r in c.recorder.rounds if not r.plain]
         if not rs:  # an adaptive run that switched drafting off: plain steps only
             plain_steps = sum(r.plain for r in c.recorder.rounds)
             lines.append(f"| {c.name} | 0 (drafting off: {plain_steps} plain rounds) | | | | | | | | | | | {speed} |")
