@@ -99,8 +99,10 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     one_hot = [True] * B
     if draft_probs is not None and k:
         q_draft = draft_probs.gather(-1, draft_token_ids[..., None]).squeeze(-1)  # [B, k]: q_i(x_i)
-        spread = (q_draft != 1.0) | ((draft_probs > 0).sum(dim=-1) != 1)  # [B, k]: q_i is not one-hot(x_i)
         drafted = torch.arange(k, device=device) < num_draft[:, None]
+        spread = q_draft != 1.0  # [B, k]: q_i is not one-hot(x_i) ...
+        if bool((~spread & drafted).any()):  # ... or, where q_i(x_i) is 1, mass elsewhere (a scan of q: rare)
+            spread = spread | ((draft_probs > 0).sum(dim=-1) != 1)
         one_hot = (~(spread & drafted).any(dim=1)).tolist()
     exact = [b for b in range(B) if one_hot[b]]
     sampled = [b for b in range(B) if not one_hot[b]]
