@@ -185,3 +185,25 @@ def test_rows_with_fewer_drafts_get_their_bonus_from_the_right_position():
         assert s.num_accepted == [1] and s.next_token_ids == [2]
         z = rejection_sample(draft[:1], None, p[:1], [make_generator(seed)], torch.tensor([0]))
         assert z.num_accepted == [0] and z.next_token_ids == [1]  # no drafts: plain sampling from p_1
+
+
+def test_the_row_by_row_rule_draws_and_decides_as_the_batched_one():
+    """Sampled drafts on the CPU: a few rows go through ``_accept_or_recover_row`` one at a time, more rows
+    through the batched tensors; given generators in the same states, both take the same draws and reach
+    the same accepted counts and tokens, whatever each row proposed (rejections, full acceptance, none)."""
+    from specdec.verify import _accept_or_recover_batched, _accept_or_recover_row
+
+    torch.manual_seed(0)
+    B, k, V = 6, 4, 50
+    for trial in range(40):
+        sharp = 0.5 + 3 * trial / 40  # from flat to peaked: rejections early and late
+        q = torch.softmax(torch.randn(B, k, V) * sharp, dim=-1)
+        p = torch.softmax(torch.randn(B, k + 1, V) * sharp, dim=-1)
+        p[:2, :k] = 0.7 * q[:2] + 0.3 * p[:2, :k]  # rows that agree more, to accept often
+        ids = torch.stack([torch.multinomial(q[b], 1).squeeze(-1) for b in range(B)])  # [B, k]
+        num_draft = torch.tensor([k, k, 3, 1, 0, 2])
+        batched = _accept_or_recover_batched(ids, q, p, [torch.Generator().manual_seed(100 * trial + b) for b in range(B)],
+                                             num_draft)
+        rows = [_accept_or_recover_row(ids[b], q[b], p[b], torch.Generator().manual_seed(100 * trial + b), int(num_draft[b]))
+                for b in range(B)]
+        assert [n for n, _ in rows] == batched.num_accepted and [t for _, t in rows] == batched.next_token_ids, trial
