@@ -21,7 +21,7 @@ class RoundRecord:
     sources: list[str]  # the method that drafted each row
     draft_s: float
     verify_s: float
-    timed: bool = True  # the verify pass only verified (False: it also carried a prompt; the controller skips it)
+    timed: bool = True  # False: the pass also carried a prompt, or followed a prefill (the controller skips its times)
     depths: list[int] | None = None  # a tree round: each row's tree depth
     trees: list[DraftTree | None] | None = None  # a tree round: the trees and the accepted paths
     paths: list[list[int]] | None = None
@@ -36,8 +36,8 @@ class RoundRecord:
             for s in seqs:
                 s.stats.record_plain(self.plain_steps, verify_s)
             if controller is not None:
-                controller.record(ids, self.drafted, self.accepted, 0.0, verify_s / self.plain_steps,
-                                  num_steps=self.plain_steps)
+                controller.record(ids, self.drafted, self.accepted, 0.0,
+                                  verify_s / self.plain_steps if self.timed else None, num_steps=self.plain_steps)
         else:
             if self.depths is None:
                 stats.record_round(self.drafted, self.accepted, self.asked)
@@ -50,7 +50,7 @@ class RoundRecord:
             if controller is not None and self.depths is None:  # a pass that carried a prompt times no verify
                 controller.record(ids, self.drafted, self.accepted, self.draft_s, verify_s if self.timed else None)
             elif controller is not None:  # tokens per pass and costs per node count (adaptive/)
-                controller.record_tree(ids, self.drafted, self.accepted, self.draft_s, verify_s, trees=self.trees,
-                                       paths=self.paths)
+                controller.record_tree(ids, self.drafted, self.accepted, self.draft_s, verify_s if self.timed else None,
+                                       trees=self.trees, paths=self.paths)
         stats.draft_time_s += self.draft_s
         stats.verify_time_s += verify_s

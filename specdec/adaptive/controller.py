@@ -288,7 +288,7 @@ class AdaptiveK:
         # Timed with the rest, a probe after a plain stretch looks far dearer than steady drafting.
         if k_round > 0:
             self._version += 1
-            if last_k > 0:
+            if last_k > 0 and verify_time_s is not None:  # an untimed round may have drafted on a new prompt
                 self.costs.record_draft(B, k_round, draft_time_s, at)
         for sid, nd, na in zip(seq_ids, num_draft, num_accepted):
             if nd > 0:
@@ -320,8 +320,8 @@ class AdaptiveK:
         self.prober.on()  # a chain switched off was decided before these drafts: weigh it anew next time
         if verify_s is not None:
             timing(self.costs.tree_verify_time, (B, n_round + 1)).update(verify_s, self.rounds)
-        if self.last_k > 0:  # as in record: a round after plain ones catches the drafter up first
-            timing(self.costs.tree_draft_time, B).update(draft_s / max(self.trees.depth, 1))
+        if self.last_k > 0 and verify_s is not None:  # as in record: a round after plain ones (or a prefill)
+            timing(self.costs.tree_draft_time, B).update(draft_s / max(self.trees.depth, 1))  # catches up first
         self.last_k = n_round
         if trees is not None and paths is not None:
             self.trees.learn(seq_ids, trees, paths)
