@@ -216,6 +216,7 @@ def _accept_or_recover_row(draft_token_ids: torch.Tensor, draft_probs: torch.Ten
     p_next = target_probs[accepted]  # [V]
     if accepted < n:  # the residual at the first rejection (its scale does not change the race's winner)
         residual = (p_next - draft_probs[min(accepted, k - 1)]).clamp_(min=0)
-        if bool(residual.any()):  # mass > 0 whenever a rejection can happen; p itself only against rounding
-            p_next = residual / residual.sum()
+        mass = residual.sum()
+        if mass > 0:  # whenever a rejection can happen (p != q); p itself only against rounding, as batched
+            p_next = residual / mass
     return accepted, int((p_next / exponentials(p_next.shape[-1], generator, p_next.device)).argmax())

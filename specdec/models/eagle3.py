@@ -232,6 +232,13 @@ class Eagle3Head(nn.Module):
                              f"[>= {c.vocab_size}, {c.hidden_size}]")
         self.embed_tokens = weight[: c.vocab_size].detach().to(self.fc.weight.dtype)
 
+    @torch.no_grad()
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """The draft vocabulary: draft id i is target id ``draft_ids[i]`` [Vd] (d2t and t2d)."""
+        self.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        self.t2d.zero_()
+        self.t2d[draft_ids] = True
+
     @property
     def draft_to_target(self) -> torch.Tensor:
         """Target token id of each draft-vocabulary id  [Vd] long."""

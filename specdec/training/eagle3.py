@@ -424,9 +424,8 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
         layer_ids = list(init.config.layer_ids)
     if len(layer_ids) != 3 or not all(0 <= L < n_layers for L in layer_ids):
         raise ValueError(f"--layer-ids must be 3 target layers in 0..{n_layers - 1}, got {layer_ids}")
-    draft_vocab = cfg.draft_vocab or vocab
-    if init is not None:
-        draft_vocab = cfg.draft_vocab or init.config.draft_vocab_size  # the head's, or the wider one asked for
+    # asked for (a head's may only widen: init_head), else the head's, else the whole vocabulary
+    draft_vocab = cfg.draft_vocab or (init.config.draft_vocab_size if init is not None else vocab)
     if draft_vocab > vocab:
         raise ValueError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary ({vocab} tokens); "
                          f"pass at most {vocab}, or 0 for all of it")
@@ -473,9 +472,7 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
                                      intermediate_size=cfg.intermediate_size or None)
         hc.norm_before_fc = cfg.norm_before_fc
         head = Eagle3Head(hc)
-        head.d2t.copy_(draft_ids - torch.arange(draft_vocab))
-        head.t2d.zero_()
-        head.t2d[draft_ids] = True
+        head.set_draft_vocab(draft_ids)
     else:
         if draft_vocab > init.config.draft_vocab_size:
             init = widen_draft_vocab(init, draft_ids, target.get_output_embeddings().weight.detach().float().cpu())
@@ -606,9 +603,7 @@ def widen_draft_vocab(head: Eagle3Head, draft_ids: torch.Tensor, target_rows: to
     wide.load_state_dict(state, strict=False)
     with torch.no_grad():
         wide.lm_head.weight.copy_(rows.to(wide.lm_head.weight.dtype))
-        wide.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-        wide.t2d.zero_()
-        wide.t2d[draft_ids] = True
+    wide.set_draft_vocab(draft_ids)
     return wide.train().requires_grad_(True)
 
 
