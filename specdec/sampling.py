@@ -29,7 +29,7 @@ class SamplingBatch:
     min_p: torch.Tensor  # [B]; 0.0 disables
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
-    needs_sort: bool  # some row uses top-k or top-p
+    cut_rows: tuple[int, ...]  # the sampled rows that use top-k or top-p
     needs_min_p: bool
     params: tuple[SamplingParams, ...] = ()  # what the rows were built from (``from_params(..., reuse=)``)
 
@@ -53,7 +53,7 @@ class SamplingBatch:
             min_p=t([p.min_p for p in params]),
             greedy=t(greedy, torch.bool),
             all_greedy=all(greedy),
-            needs_sort=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+            cut_rows=tuple(b for b, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1.0)),
             needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
             params=tuple(params),
         )
@@ -68,8 +68,9 @@ class SamplingBatch:
         if list(rows) == list(range(len(self.greedy))):
             return self
         idx = torch.tensor(rows, device=self.temperature.device)
+        cut_rows = tuple(i for i, r in enumerate(rows) if r in self.cut_rows)
         return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
-                             self.greedy[idx], self.all_greedy, self.needs_sort, self.needs_min_p,
+                             self.greedy[idx], self.all_greedy, cut_rows, self.needs_min_p,
                              tuple(self.params[r] for r in rows) if self.params else ())
 
 
@@ -88,12 +89,11 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     shape = (-1,) + (1,) * extra  # broadcast a [B] parameter over the remaining dims
 
     logits = logits.float() / sb.temperature.view(shape)
-    if sb.needs_sort:
-        # only the rows that use top-k or top-p: a sort over the vocabulary costs more than the rest
-        rows = (((sb.top_k > 0) | (sb.top_p < 1.0)) & ~sb.greedy).nonzero().squeeze(1)  # [S]
-        if len(rows) == len(logits):
+    if sb.cut_rows:  # only the rows that use top-k or top-p: finding the cut costs more than the rest
+        if len(sb.cut_rows) == len(logits):
             logits = _top_k_top_p(logits, sb.top_k.view(shape), sb.top_p.view(shape))
         else:
+            rows = torch.tensor(sb.cut_rows, device=logits.device)  # [S]
             logits[rows] = _top_k_top_p(logits[rows], sb.top_k[rows].view(shape), sb.top_p[rows].view(shape))
     probs = torch.softmax(logits, dim=-1)
     if sb.needs_min_p:
@@ -104,18 +104,54 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf everything outside the top-k, then outside the smallest prefix whose mass reaches top_p."""
+    """Mask to -inf everything outside the top-k, then outside the smallest prefix whose mass reaches top_p.
+    logits [S, ..., V] float32; top_k, top_p broadcastable to [S, ..., 1]. Ties at a cut are cut by rank."""
+    if logits.device.type == "cpu":
+        return _top_k_top_p_numpy(logits, top_k, top_p)
+    return _top_k_top_p_sorted(logits, top_k, top_p)
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``_top_k_top_p`` by sorting each row with its token ids (the rule as written; on GPUs a sort is cheap)."""
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [..., V]
     k = torch.where(top_k > 0, top_k, V).clamp(max=V)
-    rank = torch.arange(V, device=logits.device)
-    drop = rank >= k  # [..., V] in sorted order; ties at the k-th value are cut by position
+    drop = torch.arange(V, device=logits.device) >= k  # [..., V] in sorted order; ties at the k-th value are cut by rank
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly higher-ranked tokens
     drop = drop | ((mass_before >= top_p) & (top_p < 1.0))  # keep a token while the prefix before it is below top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _top_k_top_p_numpy(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``_top_k_top_p`` on the CPU: the same cut, found from each row's logit values sorted by numpy without
+    the token order (torch sorts an 8,192-token row with its indices in ~0.36 ms, numpy its values in ~0.013
+    on EPYC-Zen5; a round processes k + 1 target rows and k draft rows). A row keeps the tokens at or above
+    its cut value; where tokens tie at the cut, as many as the rank rule keeps, the first by id."""
+    shape, V = logits.shape, logits.shape[-1]
+    z = logits.reshape(-1, V).numpy()  # [R, V] float32
+    R = z.shape[0]
+    k = np.broadcast_to(top_k.numpy(), shape[:-1] + (1,)).reshape(R, 1)
+    k = np.where(k > 0, np.minimum(k, V), V)  # [R, 1] tokens top-k keeps
+    p = np.broadcast_to(top_p.numpy(), shape[:-1] + (1,)).reshape(R, 1)  # [R, 1]
+    ranked = np.sort(z, axis=-1)  # [R, V] ascending: the token of rank r from the top is at V - 1 - r
+    kept = k
+    if (p < 1.0).any():  # top-p keeps a token while the mass strictly above it is below top_p
+        weight = np.exp(ranked - ranked[:, -1:])  # the softmax's numerators, in the same order
+        for r in np.flatnonzero(k < V):
+            weight[r, : V - k[r, 0]] = 0.0  # top-k first
+        below = torch.from_numpy(weight).cumsum(dim=-1).numpy()  # mass at or below: above = total - below
+        by_mass = (below > (1.0 - p) * below[:, -1:]).sum(axis=-1, keepdims=True)
+        kept = np.where(p < 1.0, np.clip(np.minimum(by_mass, k), 1, None), k)
+    cut = np.take_along_axis(ranked, V - kept, axis=-1)  # [R, 1] the lowest value kept
+    out = np.where(z >= cut, z, np.float32(-np.inf))
+    tie = (kept < V) & (np.take_along_axis(ranked, np.maximum(V - kept - 1, 0), axis=-1) == cut)
+    for r in np.flatnonzero(tie):  # the value below the cut equals it: drop the tied tokens the rule drops
+        tied = np.flatnonzero(z[r] == cut[r, 0])
+        out[r, tied[int(kept[r, 0]) - int((z[r] > cut[r, 0]).sum()):]] = -np.inf
+    return torch.from_numpy(out).reshape(shape)
 
 
 def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:

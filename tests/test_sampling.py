@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec import sampling
 from specdec.config import SamplingParams
 from specdec.sampling import SamplingBatch, make_generator, probs_from_logits, sample
 
@@ -65,6 +66,35 @@ def test_processed_probs_are_a_distribution_within_top_k(logits, top_k, top_p, t
     if top_k:
         assert int((p > 0).sum()) <= top_k
     assert p[torch.tensor(logits).argmax()] > 0  # the most likely token always survives
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.integers(2, 300), st.sampled_from([0, 1, 2, 7, 50, 400]),
+       st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.05]), st.booleans())
+def test_the_cpu_cut_keeps_what_the_sort_rule_keeps(seed, rows, V, top_k, top_p, coarse):
+    """sampling._top_k_top_p_numpy (values sorted without their ids) against the rule written as a sort of
+    each row: the same tokens kept, and where tokens tie at a cut (``coarse``: logits on a grid of a few
+    values, -inf among them) as many of them."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, 3, V, generator=g) * 3
+    if coarse:
+        logits = logits.round().clamp(-3, 3)
+        logits[logits == -3] = float("-inf")
+        logits[..., 0] = 3.0  # a row keeps something
+    k = torch.full((rows, 1, 1), top_k)
+    p = torch.full((rows, 1, 1), top_p)
+    ours, rule = sampling._top_k_top_p_numpy(logits, k, p), sampling._top_k_top_p_sorted(logits, k, p)
+    kept_ours, kept_rule = ours > float("-inf"), rule > float("-inf")
+    # where the mass above some token is top_p itself up to float32's rounding, summing in another order may cut
+    # one token more or less: such rows are left out of the counts (exact ties of mass, as only a grid makes)
+    ranked = logits.double().sort(dim=-1, descending=True).values
+    ranked[..., min(top_k or V, V):] = float("-inf")
+    q = torch.softmax(ranked, dim=-1)
+    on_edge = ((q.cumsum(-1) - q - top_p).abs() < 1e-5).any(-1) & (top_p < 1.0)
+    assert torch.equal(kept_ours.sum(-1)[~on_edge], kept_rule.sum(-1)[~on_edge])
+    if not coarse:  # distinct values: the same tokens, with their logits
+        assert torch.equal(kept_ours, kept_rule)
+    assert torch.equal(ours[kept_ours], logits[kept_ours])
 
 
 def test_seeded_generators_repeat_and_differ():
