@@ -91,10 +91,10 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     logits = logits.float() / sb.temperature.view(shape)
     if sb.cut_rows:  # only the rows that use top-k or top-p: finding the cut costs more than the rest
         if len(sb.cut_rows) == len(logits):
-            logits = _top_k_top_p(logits, sb.top_k.view(shape), sb.top_p.view(shape))
+            logits = _top_k_top_p(logits, sb.top_k, sb.top_p)
         else:
             rows = torch.tensor(sb.cut_rows, device=logits.device)  # [S]
-            logits[rows] = _top_k_top_p(logits[rows], sb.top_k[rows].view(shape), sb.top_p[rows].view(shape))
+            logits[rows] = _top_k_top_p(logits[rows], sb.top_k[rows], sb.top_p[rows])
     probs = torch.softmax(logits, dim=-1)
     if sb.needs_min_p:
         min_p = sb.min_p.view(shape)
@@ -105,14 +105,16 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask to -inf everything outside the top-k, then outside the smallest prefix whose mass reaches top_p.
-    logits [S, ..., V] float32; top_k, top_p broadcastable to [S, ..., 1]. Ties at a cut are cut by rank."""
+    logits [S, ..., V] float32; top_k, top_p [S]. Ties at a cut are cut by rank."""
     if logits.device.type == "cpu":
-        return _top_k_top_p_numpy(logits, top_k, top_p)
-    return _top_k_top_p_sorted(logits, top_k, top_p)
+        return _top_k_top_p_numpy(logits, top_k.numpy(), top_p.numpy())
+    shape = (-1,) + (1,) * (logits.dim() - 1)  # a row's parameter over its positions and tokens
+    return _top_k_top_p_sorted(logits, top_k.view(shape), top_p.view(shape))
 
 
 def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``_top_k_top_p`` by sorting each row with its token ids (the rule as written; on GPUs a sort is cheap)."""
+    """``_top_k_top_p`` by sorting each row with its token ids (the rule as written; on GPUs a sort is cheap).
+    top_k, top_p broadcastable to [S, ..., 1]."""
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [..., V]
     k = torch.where(top_k > 0, top_k, V).clamp(max=V)
@@ -125,32 +127,32 @@ def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _top_k_top_p_numpy(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``_top_k_top_p`` on the CPU: the same cut, found from each row's logit values sorted by numpy without
-    the token order (torch sorts an 8,192-token row with its indices in ~0.36 ms, numpy its values in ~0.013
-    on EPYC-Zen5; a round processes k + 1 target rows and k draft rows). A row keeps the tokens at or above
-    its cut value; where tokens tie at the cut, as many as the rank rule keeps, the first by id."""
+def _top_k_top_p_numpy(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
+    """``_top_k_top_p`` on the CPU (top_k, top_p [S] arrays): the same cut, found from each row's logit values
+    sorted by numpy without the token order (torch sorts an 8,192-token row with its indices in ~0.36 ms,
+    numpy its values in ~0.013 on EPYC-Zen5; a round processes k + 1 target rows and k draft rows). A row
+    keeps the tokens at or above its cut value; where tokens tie at the cut, as many as the rank rule
+    keeps, the first by id."""
     shape, V = logits.shape, logits.shape[-1]
-    z = logits.reshape(-1, V).numpy()  # [R, V] float32
+    z = logits.reshape(-1, V).numpy()  # [R, V] float32, R = S x positions
     R = z.shape[0]
-    k = np.broadcast_to(top_k.numpy(), shape[:-1] + (1,)).reshape(R, 1)
-    k = np.where(k > 0, np.minimum(k, V), V)  # [R, 1] tokens top-k keeps
-    p = np.broadcast_to(top_p.numpy(), shape[:-1] + (1,)).reshape(R, 1)  # [R, 1]
+    k = np.repeat(np.where(top_k > 0, np.minimum(top_k, V), V), R // len(top_k))  # [R] tokens top-k keeps
+    p = np.repeat(top_p, R // len(top_p))  # [R]
     ranked = np.sort(z, axis=-1)  # [R, V] ascending: the token of rank r from the top is at V - 1 - r
     kept = k
     if (p < 1.0).any():  # top-p keeps a token while the mass strictly above it is below top_p
         weight = np.exp(ranked - ranked[:, -1:])  # the softmax's numerators, in the same order
         for r in np.flatnonzero(k < V):
-            weight[r, : V - k[r, 0]] = 0.0  # top-k first
+            weight[r, : V - k[r]] = 0.0  # top-k first
         below = torch.from_numpy(weight).cumsum(dim=-1).numpy()  # mass at or below: above = total - below
-        by_mass = (below > (1.0 - p) * below[:, -1:]).sum(axis=-1, keepdims=True)
-        kept = np.where(p < 1.0, np.clip(np.minimum(by_mass, k), 1, None), k)
-    cut = np.take_along_axis(ranked, V - kept, axis=-1)  # [R, 1] the lowest value kept
-    out = np.where(z >= cut, z, np.float32(-np.inf))
-    tie = (kept < V) & (np.take_along_axis(ranked, np.maximum(V - kept - 1, 0), axis=-1) == cut)
-    for r in np.flatnonzero(tie):  # the value below the cut equals it: drop the tied tokens the rule drops
-        tied = np.flatnonzero(z[r] == cut[r, 0])
-        out[r, tied[int(kept[r, 0]) - int((z[r] > cut[r, 0]).sum()):]] = -np.inf
+        above_p = (below > ((1.0 - p) * below[:, -1])[:, None]).sum(axis=-1)
+        kept = np.where(p < 1.0, np.clip(np.minimum(above_p, k), 1, None), k)
+    rows = np.arange(R)
+    cut = ranked[rows, V - kept]  # [R] the lowest value kept
+    out = np.where(z >= cut[:, None], z, np.float32(-np.inf))
+    for r in np.flatnonzero((kept < V) & (ranked[rows, np.maximum(V - kept - 1, 0)] == cut)):
+        tied = np.flatnonzero(z[r] == cut[r])  # the value below the cut equals it: drop the tied tokens the rule drops
+        out[r, tied[kept[r] - int((z[r] > cut[r]).sum()):]] = -np.inf
     return torch.from_numpy(out).reshape(shape)
 
 

@@ -69,28 +69,29 @@ def test_processed_probs_are_a_distribution_within_top_k(logits, top_k, top_p, t
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.integers(2, 300), st.sampled_from([0, 1, 2, 7, 50, 400]),
-       st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.05]), st.booleans())
-def test_the_cpu_cut_keeps_what_the_sort_rule_keeps(seed, rows, V, top_k, top_p, coarse):
+@given(st.integers(0, 2**31 - 1), st.integers(2, 300),
+       st.lists(st.tuples(st.sampled_from([0, 1, 2, 7, 50, 400]), st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.05])),
+                min_size=1, max_size=4), st.booleans())
+def test_the_cpu_cut_keeps_what_the_sort_rule_keeps(seed, V, params, coarse):
     """sampling._top_k_top_p_numpy (values sorted without their ids) against the rule written as a sort of
-    each row: the same tokens kept, and where tokens tie at a cut (``coarse``: logits on a grid of a few
-    values, -inf among them) as many of them."""
+    each row, rows with their own top-k and top-p over 3 positions each: the same tokens kept, and where
+    tokens tie at a cut (``coarse``: logits on a grid of a few values, -inf among them) as many of them."""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(rows, 3, V, generator=g) * 3
+    logits = torch.randn(len(params), 3, V, generator=g) * 3
     if coarse:
         logits = logits.round().clamp(-3, 3)
         logits[logits == -3] = float("-inf")
         logits[..., 0] = 3.0  # a row keeps something
-    k = torch.full((rows, 1, 1), top_k)
-    p = torch.full((rows, 1, 1), top_p)
-    ours, rule = sampling._top_k_top_p_numpy(logits, k, p), sampling._top_k_top_p_sorted(logits, k, p)
+    k, p = torch.tensor([k for k, _ in params]), torch.tensor([p for _, p in params])
+    ours = sampling._top_k_top_p_numpy(logits, k.numpy(), p.numpy())
+    rule = sampling._top_k_top_p_sorted(logits, k.view(-1, 1, 1), p.view(-1, 1, 1))
     kept_ours, kept_rule = ours > float("-inf"), rule > float("-inf")
     # where the mass above some token is top_p itself up to float32's rounding, summing in another order may cut
     # one token more or less: such rows are left out of the counts (exact ties of mass, as only a grid makes)
     ranked = logits.double().sort(dim=-1, descending=True).values
-    ranked[..., min(top_k or V, V):] = float("-inf")
+    ranked = ranked.masked_fill(torch.arange(V) >= torch.where(k > 0, k, V).clamp(max=V).view(-1, 1, 1), float("-inf"))
     q = torch.softmax(ranked, dim=-1)
-    on_edge = ((q.cumsum(-1) - q - top_p).abs() < 1e-5).any(-1) & (top_p < 1.0)
+    on_edge = ((q.cumsum(-1) - q - p.view(-1, 1, 1)).abs() < 1e-5).any(-1) & (p < 1.0).view(-1, 1)
     assert torch.equal(kept_ours.sum(-1)[~on_edge], kept_rule.sum(-1)[~on_edge])
     if not coarse:  # distinct values: the same tokens, with their logits
         assert torch.equal(kept_ours, kept_rule)
