@@ -349,11 +349,12 @@ def int8_head(drafter) -> None:
     r.compiled = None
 
 
-def run(configs: list[Config], prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> None:
+def run(configs: list[Config], prompts: list[list[int]], max_tokens: int, options: dict | None = None) -> None:
+    """Every prompt through every configuration; ``options``: SamplingParams' (temperature, top_p, top_k)."""
     from specdec import SamplingParams
 
     def params(i: int) -> SamplingParams:  # sampled: seeded by the prompt, the same for every configuration
-        return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        return SamplingParams(**(options or {}), max_tokens=max_tokens, ignore_eos=True, seed=i)
 
     for c in configs:  # warm-up: kernels, the compiled step, the first steps
         c.llm.generate([{"prompt_token_ids": prompts[0]}], params(0))
@@ -437,6 +438,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept (the last ones)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seeded per prompt")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampled rounds: top-p (1: off)")
+    ap.add_argument("--top-k", type=int, default=0, help="sampled rounds: top-k (0: off)")
     ap.add_argument("--enforce-eager", action="store_true", help="torch: eager, not the compiled step")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (torch backend only)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -472,8 +475,10 @@ def main(argv: list[str] | None = None) -> None:
     configs = build(args)
     prompts = load_prompts(args.num_prompts, configs[0].llm.tokenizer, args.max_prompt)
     t0 = time.perf_counter()
-    run(configs, prompts, args.max_tokens, args.temperature)
-    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}, seeded per prompt"
+    options = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    run(configs, prompts, args.max_tokens, options)
+    cuts = "".join(f", {name} {v:g}" for name, v, off in (("top_p", args.top_p, 1.0), ("top_k", args.top_k, 0)) if v != off)
+    sampling = "greedy" if args.temperature == 0 else f"temperature {args.temperature:g}{cuts}, seeded per prompt"
     print(f"\n{len(prompts)} prompts x {args.max_tokens} tokens, {sampling}, batch 1, {args.threads} threads, "
           f"configurations alternating; {time.perf_counter() - t0:.0f} s; {cpu_path()}"
           + (f"; {torch.cuda.get_device_name()}, torch {torch.__version__}" if args.device != "cpu" else ""))
@@ -494,10 +499,10 @@ def main(argv: list[str] | None = None) -> None:
     if "eagle3" in args.methods and "llama.cpp" in args.backends:
         print(keep_cost(configs, max(args.ks) + 1))
     if args.profile:
-        profile(configs, prompts[0], args.max_tokens, args.profile, args.temperature)
+        profile(configs, prompts[0], args.max_tokens, args.profile, options)
 
 
-def profile(configs: list[Config], ids: list[int], max_tokens: int, top: int, temperature: float = 0.0) -> None:
+def profile(configs: list[Config], ids: list[int], max_tokens: int, top: int, options: dict | None = None) -> None:
     """One prompt per configuration under cProfile: its ``top`` functions by own time."""
     import cProfile
     import io
@@ -505,7 +510,7 @@ def profile(configs: list[Config], ids: list[int], max_tokens: int, top: int, te
 
     from specdec import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    params = SamplingParams(**(options or {}), max_tokens=max_tokens, ignore_eos=True, seed=0)
     for c in configs:
         prof = cProfile.Profile()
         prof.enable()

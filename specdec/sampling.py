@@ -130,29 +130,26 @@ def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 def _top_k_top_p_numpy(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
     """``_top_k_top_p`` on the CPU (top_k, top_p [S] arrays): the same cut, found from each row's logit values
     sorted by numpy without the token order (torch sorts an 8,192-token row with its indices in ~0.36 ms,
-    numpy its values in ~0.013 on EPYC-Zen5; a round processes k + 1 target rows and k draft rows). A row
-    keeps the tokens at or above its cut value; where tokens tie at the cut, as many as the rank rule
-    keeps, the first by id."""
+    numpy its values in ~0.013 on EPYC-Zen5; a round cuts k draft rows and k + 1 target rows). A row keeps
+    the tokens at or above its cut value; where tokens tie at the cut, as many as the rank rule keeps, the
+    first by id. Row by row: a round's rows are few, and each numpy call costs more than its arithmetic."""
     shape, V = logits.shape, logits.shape[-1]
-    z = logits.reshape(-1, V).numpy()  # [R, V] float32, R = S x positions
-    R = z.shape[0]
-    k = np.repeat(np.where(top_k > 0, np.minimum(top_k, V), V), R // len(top_k))  # [R] tokens top-k keeps
-    p = np.repeat(top_p, R // len(top_p))  # [R]
-    ranked = np.sort(z, axis=-1)  # [R, V] ascending: the token of rank r from the top is at V - 1 - r
-    kept = k
-    if (p < 1.0).any():  # top-p keeps a token while the mass strictly above it is below top_p
-        weight = np.exp(ranked - ranked[:, -1:])  # the softmax's numerators, in the same order
-        for r in np.flatnonzero(k < V):
-            weight[r, : V - k[r]] = 0.0  # top-k first
-        below = torch.from_numpy(weight).cumsum(dim=-1).numpy()  # mass at or below: above = total - below
-        above_p = (below > ((1.0 - p) * below[:, -1])[:, None]).sum(axis=-1)
-        kept = np.where(p < 1.0, np.clip(np.minimum(above_p, k), 1, None), k)
-    rows = np.arange(R)
-    cut = ranked[rows, V - kept]  # [R] the lowest value kept
-    out = np.where(z >= cut[:, None], z, np.float32(-np.inf))
-    for r in np.flatnonzero((kept < V) & (ranked[rows, np.maximum(V - kept - 1, 0)] == cut)):
-        tied = np.flatnonzero(z[r] == cut[r])  # the value below the cut equals it: drop the tied tokens the rule drops
-        out[r, tied[kept[r] - int((z[r] > cut[r]).sum()):]] = -np.inf
+    z = logits.reshape(len(top_k), -1, V).numpy()  # [S, positions, V] float32
+    out = np.empty_like(z)
+    for s, (k, p) in enumerate(zip(top_k.tolist(), top_p.tolist())):
+        k = min(k, V) if k > 0 else V
+        for j, row in enumerate(z[s]):
+            ranked = np.sort(row)  # ascending: the token of rank r from the top is at V - 1 - r
+            kept = k
+            if p < 1.0:  # top-p over the top-k: keep a token while the mass strictly above it is below top_p
+                weight = np.exp(ranked[V - k:] - ranked[-1])  # the softmax's numerators, in the same order
+                below = torch.from_numpy(weight).cumsum(dim=0).numpy()  # mass at or below: above = total - below
+                kept = max(1, k - int(np.searchsorted(below, (1.0 - p) * below[-1], side="right")))
+            cut = ranked[V - kept]  # the lowest value kept
+            out[s, j] = np.where(row >= cut, row, np.float32(-np.inf))
+            if kept < V and ranked[V - kept - 1] == cut:  # ties at the cut: drop those the rank rule drops
+                tied = np.flatnonzero(row == cut)
+                out[s, j, tied[kept - int((row > cut).sum()):]] = -np.inf
     return torch.from_numpy(out).reshape(shape)
 
 
