@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingBatch, argmax, exponentials, probs_from_logits, sample
+from specdec.sampling import SamplingBatch, argmax, probs_from_logits, race, sample
 
 
 ROW_BY_ROW = 4  # sampled rows with drafts from q: on the CPU, batches of up to this many go row by row
@@ -31,6 +31,22 @@ ROW_BY_ROW = 4  # sampled rows with drafts from q: on the CPU, batches of up to 
 class VerifyResult:
     num_accepted: list[int]  # [B] accepted drafts per row, 0..k
     next_token_ids: list[int]  # [B] the recovered token (num_accepted < k) or the bonus token (== k)
+
+
+class ProbRows:
+    """One row's target distributions p_1..p_{k+1} [V] (``rows[i]``), each processed from its logits
+    (``probs_from_logits``) when first read: the verifier reads a row's positions up to its first
+    rejection. ``rejection_sample`` takes a list of them (one per row) in place of target_probs."""
+
+    def __init__(self, logits: torch.Tensor, sb: SamplingBatch):
+        self.logits, self.sb = logits, sb  # [k+1, V], one row
+        self.made: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        p = self.made.get(i)
+        if p is None:
+            p = self.made[i] = probs_from_logits(self.logits[i][None], self.sb)[0]  # [V]
+        return p
 
 
 def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
@@ -55,9 +71,14 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
             num_accepted[b], next_ids[b] = g.num_accepted[i], g.next_token_ids[i]
     if sampled_rows:
         take = _take(sampled_rows, B, target_logits.device)
-        target_probs = probs_from_logits(take(target_logits), sb.select(sampled_rows))
+        sub = sb.select(sampled_rows)
+        if sub.cut_rows and target_logits.device.type == "cpu" and len(sampled_rows) <= ROW_BY_ROW:
+            # a top-k / top-p cut costs ~0.08 ms a position on the CPU, and a row reads p up to its first rejection
+            target_probs = [ProbRows(target_logits[b], sub.select([i])) for i, b in enumerate(sampled_rows)]
+        else:
+            target_probs = probs_from_logits(take(target_logits), sub)  # [Bs, k+1, V]
         s = rejection_sample(take(draft_token_ids), None if draft_probs is None else take(draft_probs),
-                             target_probs, [generators[b] for b in sampled_rows], take(num_draft))  # [Bs, k+1, V]
+                             target_probs, [generators[b] for b in sampled_rows], take(num_draft))
         for i, b in enumerate(sampled_rows):
             num_accepted[b], next_ids[b] = s.num_accepted[i], s.next_token_ids[i]
     return VerifyResult(num_accepted, next_ids)
@@ -88,14 +109,15 @@ def verify_greedy(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor | l
 def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                      generators: Sequence[torch.Generator], num_draft: torch.Tensor | None = None) -> VerifyResult:
     """Leviathan et al. 2023, Alg. 1. draft_token_ids [B, k]; draft_probs [B, k, V] | None;
-    target_probs [B, k+1, V]; num_draft [B] drafts per row (None: all k).
+    target_probs [B, k+1, V], or (up to ROW_BY_ROW rows on the CPU) a ProbRows per row;
+    num_draft [B] drafts per row (None: all k).
 
     Each row draws only what it uses from its own generator, so a seeded row's draws do not depend
     on the rest of the batch: a row whose drafts are deterministic (q one-hot) one race per token it
     emits (``_exact_match``); any other row one uniform per draft it proposed, then one race for
     its recovered or bonus token."""
     B, k = draft_token_ids.shape
-    device = target_probs.device
+    device = draft_token_ids.device
     if num_draft is None:
         num_draft = torch.full((B,), k, dtype=torch.long, device=device)
     n_rows = num_draft.tolist()
@@ -131,7 +153,7 @@ def _take(rows: list[int], B: int, device: torch.device):
     if rows == list(range(B)):
         return lambda t: t
     index = torch.tensor(rows, device=device)
-    return lambda t: t[index]
+    return lambda t: [t[r] for r in rows] if isinstance(t, list) else t[index]
 
 
 def _exact_match(draft_token_ids: torch.Tensor, target_probs: torch.Tensor, generators: Sequence[torch.Generator],
@@ -141,13 +163,13 @@ def _exact_match(draft_token_ids: torch.Tensor, target_probs: torch.Tensor, gene
     min(1, p_i(x_i) / q_i(x_i)), and a rejected row's y_i follows p_i without x_i, which is the
     residual max(0, p_i - q_i) / Z. The races are plain decoding's own draws in plain decoding's
     order, so a seeded row emits what it would emit with no drafter at all. Returns (accepted,
-    next token) per row; draft_token_ids [B, k], target_probs [B, k+1, V]."""
+    next token) per row; draft_token_ids [B, k], target_probs [B, k+1, V] or a ProbRows per row."""
     B = len(generators)
     num_accepted, next_ids = [0] * B, [0] * B
     drafts = draft_token_ids.tolist()
     alive = list(range(B))
     for i in range(draft_token_ids.shape[1] + 1):
-        y = sample(target_probs[alive, i], [generators[b] for b in alive]).tolist()
+        y = [race(target_probs[b][i], generators[b]) for b in alive]
         still = []
         for b, t in zip(alive, y):
             if i < num_draft[b] and t == drafts[b][i]:
@@ -166,7 +188,7 @@ def _accept_or_recover(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor,
     token from the residual at the first rejection or the bonus distribution p_{n+1}. A few rows on
     the CPU go row by row (``_accept_or_recover_row``: the same draws and decisions in a third of the
     tensor ops, which cost 5-20 µs each right after a forward), others batched."""
-    if target_probs.device.type == "cpu" and len(generators) <= ROW_BY_ROW:
+    if isinstance(target_probs, list) or (target_probs.device.type == "cpu" and len(generators) <= ROW_BY_ROW):
         rows = [_accept_or_recover_row(draft_token_ids[b], draft_probs[b], target_probs[b], g, n)
                 for b, (g, n) in enumerate(zip(generators, num_draft.tolist()))]
         return VerifyResult([n for n, _ in rows], [t for _, t in rows])
@@ -205,18 +227,19 @@ def _accept_or_recover_batched(draft_token_ids: torch.Tensor, draft_probs: torch
 
 def _accept_or_recover_row(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                            generator: torch.Generator, n: int) -> tuple[int, int]:
-    """``_accept_or_recover`` for one row: draft_token_ids [k], draft_probs [k, V], target_probs [k+1, V],
-    its first n drafts proposed. Draws what the batched rule draws for the row, in the same order (n
-    uniforms, then one race), and decides alike: (accepted, the recovered or bonus token)."""
+    """``_accept_or_recover`` for one row: draft_token_ids [k], draft_probs [k, V], target_probs [k+1, V]
+    (or its ProbRows, read up to the first rejection), its first n drafts proposed. Draws what the batched
+    rule draws for the row, in the same order (n uniforms, then one race), and decides alike: (accepted,
+    the recovered or bonus token)."""
     k = draft_token_ids.shape[0]
     ids, at = draft_token_ids[:n], torch.arange(n)
     u = torch.rand(n, generator=generator)  # [n]
-    passed = (u * draft_probs[at, ids] < target_probs[at, ids]).tolist()  # u_i q_i(x_i) < p_i(x_i), in float32
-    accepted = passed.index(False) if False in passed else n
+    bars = (u * draft_probs[at, ids]).tolist()  # u_i q_i(x_i), float32 products as the batched rule makes them
+    accepted = next((i for i, (bar, x) in enumerate(zip(bars, ids.tolist())) if not bar < float(target_probs[i][x])), n)
     p_next = target_probs[accepted]  # [V]
     if accepted < n:  # the residual at the first rejection (its scale does not change the race's winner)
         residual = (p_next - draft_probs[min(accepted, k - 1)]).clamp_(min=0)
         mass = residual.sum()
         if mass > 0:  # whenever a rejection can happen (p != q); p itself only against rounding, as batched
             p_next = residual / mass
-    return accepted, int((p_next / exponentials(p_next.shape[-1], generator, p_next.device)).argmax())
+    return accepted, race(p_next, generator)

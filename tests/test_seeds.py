@@ -57,6 +57,7 @@ class Margins:
         self.generator_of, self.values = generator_of, []
         for module in (verify, autoregressive):
             monkeypatch.setattr(module, "sample", self._wrap_sample(module.sample))
+        monkeypatch.setattr(verify, "race", self._wrap_race(verify.race))
         monkeypatch.setattr(verify, "_accept_or_recover", self._wrap_accept(verify._accept_or_recover))
 
     def _watched(self, generators) -> int | None:
@@ -67,11 +68,21 @@ class Margins:
         def recorded(probs, generators):
             i = self._watched(generators)
             if i is not None:
-                replay = torch.Generator().set_state(generators[i].get_state())
-                ratio = (probs[i] / exponentials(probs.shape[-1], replay, probs.device)).topk(2).values
-                self.values.append(float((ratio[0] - ratio[1]) / ratio[0]))
+                self._race_margin(probs[i], generators[i])
             return sample(probs, generators)
         return recorded
+
+    def _wrap_race(self, race):
+        def recorded(probs, generator):
+            if self._watched([generator]) is not None:
+                self._race_margin(probs, generator)
+            return race(probs, generator)
+        return recorded
+
+    def _race_margin(self, probs, generator):
+        replay = torch.Generator().set_state(generator.get_state())
+        ratio = (probs / exponentials(probs.shape[-1], replay, probs.device)).topk(2).values
+        self.values.append(float((ratio[0] - ratio[1]) / ratio[0]))
 
     def _wrap_accept(self, accept):
         def recorded(draft_token_ids, draft_probs, target_probs, generators, num_draft):
@@ -80,10 +91,11 @@ class Margins:
                 n = int(num_draft[i])
                 u = torch.rand(n, generator=torch.Generator().set_state(generators[i].get_state()))
                 x = draft_token_ids[i, :n]
-                p, q = target_probs[i, torch.arange(n), x], draft_probs[i, torch.arange(n), x]
+                q = draft_probs[i, torch.arange(n), x]
                 result = accept(draft_token_ids, draft_probs, target_probs, generators, num_draft)
-                m = result.num_accepted[i] + 1  # the tests that were made: up to the first rejection
-                self.values += ((u * q - p).abs() / p.clamp(min=1e-30))[:m].tolist()
+                m = min(result.num_accepted[i] + 1, n)  # the tests that were made: up to the first rejection
+                p = torch.stack([target_probs[i][j][x[j]] for j in range(m)])  # rows a ProbRows has made by then
+                self.values += ((u[:m] * q[:m] - p).abs() / p.clamp(min=1e-30)).tolist()
                 return result
             return accept(draft_token_ids, draft_probs, target_probs, generators, num_draft)
         return recorded

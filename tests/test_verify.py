@@ -207,3 +207,37 @@ def test_the_row_by_row_rule_draws_and_decides_as_the_batched_one():
         rows = [_accept_or_recover_row(ids[b], q[b], p[b], torch.Generator().manual_seed(100 * trial + b), int(num_draft[b]))
                 for b in range(B)]
         assert [n for n, _ in rows] == batched.num_accepted and [t for _, t in rows] == batched.next_token_ids, trial
+
+
+def test_target_rows_made_when_read_decide_as_the_whole_tensor():
+    """With a top-k / top-p cut on the CPU, ``verify`` makes each row's p_i only when the verifier reads it
+    (``ProbRows``: up to the first rejection); given generators in the same states it accepts and emits
+    what the verifier does on every p_i made up front, for sampled and one-hot drafts, and reads fewer rows."""
+    from specdec.sampling import probs_from_logits
+    from specdec.verify import ProbRows, rejection_sample
+
+    torch.manual_seed(1)
+    B, k, V = 3, 4, 64
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=0), SamplingParams(temperature=1.0, top_k=20, seed=0),
+              SamplingParams(temperature=0.7, top_k=30, top_p=0.8, seed=0)]
+    sb = SamplingBatch.from_params(params)
+    made = read = 0
+    for trial in range(60):
+        sharp = 0.5 + 3 * trial / 60
+        logits = torch.randn(B, k + 1, V) * sharp
+        p = probs_from_logits(logits, sb)  # [B, k+1, V]
+        q = None if trial % 3 == 0 else torch.softmax(logits[:, :k] * 0.8 + torch.randn(B, k, V), dim=-1)
+        ids = torch.stack([torch.multinomial(q[b] if q is not None else p[b, :k], 1).squeeze(-1) for b in range(B)])
+        num_draft = torch.tensor([k, 2, 0]) if trial % 2 else torch.tensor([k, k, k])
+        seeds = [1000 * trial + b for b in range(B)]
+        lazy = verify(ids, q, logits, sb, [torch.Generator().manual_seed(s) for s in seeds], num_draft)
+        whole = rejection_sample(ids, q, p, [torch.Generator().manual_seed(s) for s in seeds], num_draft)
+        assert (lazy.num_accepted, lazy.next_token_ids) == (whole.num_accepted, whole.next_token_ids), trial
+        rows = [ProbRows(logits[b], sb.select([b])) for b in range(B)]
+        again = rejection_sample(ids, q, rows, [torch.Generator().manual_seed(s) for s in seeds], num_draft)
+        assert again.next_token_ids == whole.next_token_ids
+        for r in rows:
+            torch.testing.assert_close(torch.stack([r[i] for i in r.made]), p[rows.index(r), list(r.made)])
+        made += sum(len(r.made) for r in rows)
+        read += B * (k + 1)
+    assert made < 0.8 * read  # rows past a rejection were never made
