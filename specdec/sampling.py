@@ -160,12 +160,16 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.
     torch.multinomial does for one sample, and vLLM). Written out, each call takes exactly V uniforms
     from the row's generator whatever else is in the batch, and costs less than torch.multinomial,
     whose exponential_ is slow on CPU (figures: docs/benchmarks.md, "Where the time goes at batch 1")."""
-    return torch.tensor([race(probs[b], g) for b, g in enumerate(generators)], dtype=torch.long, device=probs.device)
+    return torch.stack([_race(probs[b], g) for b, g in enumerate(generators)])  # on the device: no wait for a GPU
 
 
 def race(probs: torch.Tensor, generator: torch.Generator) -> int:
     """``sample`` for one row: probs [V] -> the id drawn with ``generator`` (V uniforms, as ``sample``)."""
-    return int((probs / exponentials(probs.shape[-1], generator, probs.device)).argmax())
+    return int(_race(probs, generator))
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    return (probs / exponentials(probs.shape[-1], generator, probs.device)).argmax()
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

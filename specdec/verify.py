@@ -169,7 +169,9 @@ def _exact_match(draft_token_ids: torch.Tensor, target_probs: torch.Tensor, gene
     drafts = draft_token_ids.tolist()
     alive = list(range(B))
     for i in range(draft_token_ids.shape[1] + 1):
-        y = [race(target_probs[b][i], generators[b]) for b in alive]
+        p_i = (torch.stack([target_probs[b][i] for b in alive]) if isinstance(target_probs, list)
+               else target_probs[alive, i])  # [alive, V]
+        y = sample(p_i, [generators[b] for b in alive]).tolist()  # one read of the device per position
         still = []
         for b, t in zip(alive, y):
             if i < num_draft[b] and t == drafts[b][i]:
