@@ -38,10 +38,13 @@ def sort_cut(llm):
     """One prompt through ``llm`` with top-k / top-p cut by sorting each row with its ids (a peer of run_bench)."""
     from specdec import sampling
 
+    def sorted_cut(logits, k, p):  # k, p [S]: each row's over its positions and tokens, as the GPU's path takes them
+        shape = (-1,) + (1,) * (logits.dim() - 1)
+        return sampling._top_k_top_p_sorted(logits, k.view(shape), p.view(shape))
+
     def run(prompt, params):
         values = sampling._top_k_top_p
-        sampling._top_k_top_p = lambda logits, k, p: sampling._top_k_top_p_sorted(
-            logits, k.view((-1,) + (1,) * (logits.dim() - 1)), p.view((-1,) + (1,) * (logits.dim() - 1)))
+        sampling._top_k_top_p = sorted_cut
         try:
             return llm.generate([prompt], params)[0].outputs[0].token_ids
         finally:

@@ -236,8 +236,8 @@ def test_target_rows_made_when_read_decide_as_the_whole_tensor():
         rows = [ProbRows(logits[b], sb.select([b])) for b in range(B)]
         again = rejection_sample(ids, q, rows, [torch.Generator().manual_seed(s) for s in seeds], num_draft)
         assert again.next_token_ids == whole.next_token_ids
-        for r in rows:
-            torch.testing.assert_close(torch.stack([r[i] for i in r.made]), p[rows.index(r), list(r.made)])
+        for b, r in enumerate(rows):
+            torch.testing.assert_close(torch.stack([r[i] for i in r.made]), p[b, list(r.made)])
         made += sum(len(r.made) for r in rows)
         read += B * (k + 1)
     assert made < 0.8 * read  # rows past a rejection were never made
