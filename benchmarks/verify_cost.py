@@ -12,12 +12,13 @@ so the two differ widely (docs/benchmarks.md, "Verify cost curves", has both), a
 something in between.
 
     python benchmarks/verify_cost.py --gguf X.gguf [--hf CHECKPOINT] [--threads 2] [--contexts 64,600] [--burst 20]
-        [--compile-sizes 1,3,5,8]
+        [--compile-sizes 1,3,5,8] [--onednn]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -27,6 +28,7 @@ TOKENS = (1, 2, 3, 5, 9)  # k = 0, 1, 2, 4, 8
 
 
 def runners(args) -> dict[str, object]:
+    from specdec.models.linear import NO_DOT_ENV
     from specdec.models.llamacpp import LlamaCppRunner
     from specdec.models.load import load_runner
 
@@ -39,6 +41,14 @@ def runners(args) -> dict[str, object]:
         out[f"{path} torch"] = load_runner(path, "torch", enforce_eager=True)[0]
         if not args.eager_only:  # the compiled step (compiled.py), sizes 1 and 8: T = 2..8 run padded to 8
             out[f"{path} torch, compiled"] = load_runner(path, "torch", enforce_eager=False)[0]
+        if args.onednn:  # bf16 weights on oneDNN, where they would run on specdec's bf16 kernel
+            os.environ[NO_DOT_ENV] = "1"
+            try:
+                for eager in (True,) if args.eager_only else (True, False):
+                    runner = load_runner(path, "torch", enforce_eager=eager)[0]
+                    out[f"{path} torch{'' if eager else ', compiled'}, oneDNN"] = runner
+            finally:
+                del os.environ[NO_DOT_ENV]
         for sizes in args.compile_sizes:  # other compiled sizes: T runs padded to the next one
             from specdec.models.llama import LlamaRunner
             from specdec.models.load import load_model
@@ -57,6 +67,8 @@ def main() -> None:
     ap.add_argument("--hf", action="append", default=[], help="an HF checkpoint for the torch runner (repeatable)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eager-only", action="store_true", help="time the torch runner eager only, not compiled too")
+    ap.add_argument("--onednn", action="store_true",
+                    help="also the torch runner with bf16 weights on oneDNN (SPECDEC_NO_BF16_DOT=1) beside specdec's kernel")
     ap.add_argument("--compile-sizes", action="append", default=[],
                     help="also the torch runner compiled for these token counts, e.g. 1,3,5,8 (repeatable)")
     ap.add_argument("--contexts", default="64,600", help="positions already cached before the timed forward")

@@ -76,15 +76,14 @@ NO_DOT_ENV = "SPECDEC_NO_BF16_DOT"  # set to 1: bf16 weights on oneDNN where bf1
 
 
 def dot_products() -> bool:
-    """Whether bf16 weights run on linear16's bf16 dot-product kernel here: it builds, avx512_bf16 runs, the CPU
-    has no AMX (oneDNN's AMX kernels, measured on Xeon-AMX, stay there: the kernel is measured on AMD Zen 5
-    only, and AMX multiplies a prefill's many rows far faster than dot products), and SPECDEC_NO_BF16_DOT is not
-    set."""
+    """Whether bf16 weights run on linear16's bf16 kernel here: it builds, avx512_bf16 runs, the CPU either has no
+    AMX or the kernel's AMX tiles run (passes of 5 rows and more go to them: a prefill needs tiles, dot products
+    read the weights once per 12 rows), and SPECDEC_NO_BF16_DOT is not set."""
     if os.environ.get(NO_DOT_ENV, "0") not in ("0", ""):
         return False
-    if torch.cpu.get_capabilities().get("amx_bf16"):
+    if not (linear16.available().ok and linear16.dot_products()):
         return False
-    return linear16.available().ok and linear16.dot_products()
+    return not torch.cpu.get_capabilities().get("amx_bf16") or linear16.amx_tiles()
 
 
 def onednn_rows(rows: int, min_rows: int) -> int:

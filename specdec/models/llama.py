@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.models import cache_attention as attention_kernel
+from specdec.models import linear16
 from specdec.models.base import ForwardBatch, ModelRunner, check_layer_ids
 from specdec.models.compiled import CompiledStep, enforce_eager_default, sizes_for
 from specdec.models.cpu import native_bf16
@@ -136,7 +137,10 @@ class LlamaRunner(ModelRunner):
         step = "eager" if self.compiled is None else "compiled step (inductor)"
         if self.device.type != "cpu":
             return f"{self.device.type}: {dtype} weights, {KERNEL_NAMES[self.lm_head.kind]}, {step}"
-        return f"{native_bf16().isa}: {dtype} weights, {KERNEL_NAMES.get(self.lm_head.kind, self.lm_head.kind)}, {step}"
+        kernel = KERNEL_NAMES.get(self.lm_head.kind, self.lm_head.kind)
+        if self.lm_head.kind == "w16dot" and linear16.amx_tiles():
+            kernel += f"; AMX tiles for {linear16.AMX_MIN_ROWS}+ rows"
+        return f"{native_bf16().isa}: {dtype} weights, {kernel}, {step}"
 
     # -- weights ---------------------------------------------------------------------------------
 
