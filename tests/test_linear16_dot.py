@@ -1,8 +1,9 @@
 """linear16's bf16 dot-product kernel (``specdec::linear16_dot``, Linear kind "w16dot", CPUs with avx512_bf16):
 the product of bf16 rows and bf16 weights equals the exact product of the same bf16 values up to float32
 sums, for 1 to 97 rows (1-6 rows against 4 blocks of 16 weight rows, 7-12 against 2, more in passes), odd shapes and two
-threads; bf16 weights take it wherever it runs; bad input is refused with a message; and a model loaded
-through the real path decodes the same greedy tokens eager and compiled."""
+threads; where the CPU has AMX, passes of 5+ rows on AMX tiles over the same layout are exact the same way; bf16
+weights take it wherever it runs; bad input is refused with a message; and a model loaded through the real path
+decodes the same greedy tokens eager and compiled."""
 
 import pytest
 import torch

@@ -3,12 +3,13 @@
 Decoding and verification multiply every weight matrix by a handful of rows (1 to k+1), a
 shape CPU BLAS handles badly. Four layouts fix that:
 
-- bfloat16 on an x86 CPU with avx512_bf16 and no AMX (``dot_products()``): the weight packed once and
-  multiplied by specdec's bf16 dot-product kernel (linear16.py): the input rounded to bf16 as oneDNN
-  rounds it, the sums and the result float32; on EPYC-Zen5 the shipped target's products cost 0.58x
-  oneDNN's at 1 row and 0.7-0.9x up to 33 rows (docs/benchmarks.md, "bf16 dot products").
-- bfloat16 on another CPU with native bf16 instructions (``cpu.native_bf16``: arm64 bf16, x86 with AMX, or
-  where the kernels cannot build): the weight is reordered once into oneDNN's blocked layout and multiplied
+- bfloat16 on an x86 CPU with avx512_bf16 (``dot_products()``): the weight packed once and multiplied by
+  specdec's bf16 kernel (linear16.py): the input rounded to bf16 as oneDNN rounds it, the sums and the result
+  float32; dot products for 1-4 rows and, where the CPU has AMX, tiles on the same layout for 5 and more. On
+  EPYC-Zen5 the shipped target's products cost 0.58x oneDNN's at 1 row and 0.7-0.9x up to 33 rows; on Xeon-AMX
+  its compiled step 0.61x oneDNN's, a 5-token verify 0.71x (docs/benchmarks.md, "bf16 dot products", "AMX tiles").
+- bfloat16 on another CPU with native bf16 instructions (``cpu.native_bf16``: arm64 bf16, or where the kernels
+  cannot build): the weight is reordered once into oneDNN's blocked layout and multiplied
   with oneDNN's inner product, which reads half the bytes of float32 and costs nearly the same for 1 to
   6 rows (figures: docs/benchmarks.md, "Other backend measurements"). On native x86, for 4 rows and more
   oneDNN computes each output row the same way whatever the number of rows (tested there only), one
