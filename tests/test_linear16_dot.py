@@ -136,7 +136,7 @@ def test_rows_on_tiles_give_each_row_the_same_sums_whatever_their_count():
     for n in (5, 7, 12, 16, 17, 33):
         assert torch.equal(linear16.linear16_dot(x[:n], packed, 70), full[:n]), f"{n} rows"
     few = linear16.linear16_dot(x[:4], packed, 70)
-    for n in (2, 3):
+    for n in (1, 2, 3):  # on AMX CPUs one row alone runs as 2-4 rows do (their faster read of the weights there)
         assert torch.equal(linear16.linear16_dot(x[:n], packed, 70), few[:n]), f"{n} rows"
     torch.testing.assert_close(few, full[:4], rtol=0, atol=float(bound(x[:4], w).max()))
 

@@ -377,9 +377,14 @@ void unit_dot(int64_t nb, int64_t cmax, const uint16_t* x, int64_t T, int64_t K,
 // slower on EPYC-Zen5, weights streaming from memory, at the shipped target's shapes and at a 1B model's), more in
 // passes of up to 6 against 4, the unit's weights staying in cache between them (the shipped target's products,
 // hot: 2.20 ms at 33 rows, 28.9 at 512, against 5.11 and 45.6 with a 4-row layout, oneDNN 2.74 and 26.2)
+bool amx_isa();
+
 void product_d(const uint16_t* x, const uint16_t* w, float* y, int64_t T, int64_t N, int64_t K) {
   const int64_t KP = (K + 1) / 2, blocks = (N + DB - 1) / DB;
-  if (T == 1) {  // decoding: one stream per block
+  // decoding: one stream per block, except on Xeons with AMX, where one row in units of 2 blocks with the next unit
+  // prefetched (below) reads the weights faster: Xeon-AMX-FP16, 2 threads, a 1B model's products 73.5 against 92.9
+  // ms, the shipped target's (in cache) 1.32 against 1.38
+  if (T == 1 && !amx_isa()) {
     const int64_t grain = std::max<int64_t>(1, 16384 / (DB * K));
     at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) tile1_dot(x, K, w + b * KP * DB * 2, y + b * DB, N - b * DB);
