@@ -5,7 +5,7 @@ import collections
 import pytest
 
 from specdec.adaptive import AdaptiveK, PositionStats, Timing, choose_k
-from specdec.adaptive.measure import PLAIN_SAMPLES, wilson_upper
+from specdec.adaptive.measure import PLAIN_SAMPLES, REFRESH_ROUNDS, wilson_upper
 from specdec.adaptive.probe import PROBE_BUDGET, can_ever_pay
 from specdec.cost_model import expected_tokens, round_cost, speedup
 
@@ -51,6 +51,25 @@ def test_each_batch_size_times_its_plain_steps_before_speculating():
     for batch in (1, 2):
         ks = [k for b, k in chosen if b == batch]
         assert ks[: PLAIN_SAMPLES + 1] == [0] * (PLAIN_SAMPLES + 1) and ks[-1] > 0
+
+
+def test_a_plain_round_right_after_drafted_ones_is_not_timed_as_the_plain_step():
+    """Its first step pays the switch back from drafting, which plain decoding pays once a stretch: the refresh
+    of the plain step takes the next plain round's time instead (plain again, as the step stays due)."""
+    ctrl = AdaptiveK(4)
+    ids = [0]
+    plain_rounds_after_drafting = []
+    last_k = 0
+    for _ in range(REFRESH_ROUNDS + 40):
+        k = max(ctrl.choose(ids))
+        switch_back = k == 0 and last_k > 0
+        if switch_back:
+            plain_rounds_after_drafting.append(len(ctrl.verify_time[(1, 1)].samples))
+        ctrl.record(ids, [k], [k], 0.001 * k, 0.030 if switch_back else 0.010 + 0.001 * k)
+        last_k = k
+    assert plain_rounds_after_drafting, "no refresh of the plain step"
+    samples = list(ctrl.verify_time[(1, 1)].samples)
+    assert 0.030 not in samples and len(samples) > PLAIN_SAMPLES  # the refresh timed the round after it
 
 
 def test_useless_drafts_switch_speculation_off_and_probes_back_off():
