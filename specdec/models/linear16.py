@@ -483,7 +483,11 @@ void product_amx(const uint16_t* x, const uint16_t* w, float* y, int64_t T, int6
   const int64_t KP = K / 2, blocks = (N + DB - 1) / DB, units = (blocks + 1) / 2, mtiles = T / 16;
   const int64_t grain = std::max<int64_t>(1, 65536 / (2 * DB * K));
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    TileConfig cfg;
+    // the thread's tile configuration is put back after: ggml's AMX kernels (llama.cpp) configure a thread's tiles
+    // once and run on them after, so a thread left released (or configured our way) makes its next tile
+    // instruction fault (SIGILL in ggml_backend_amx_mul_mat); LDTILECFG zeroes the tiles, whose data no caller keeps
+    TileConfig saved, cfg;
+    _tile_storeconfig(&saved);
     for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
     for (int64_t u = u0; u < u1; ++u) {
@@ -516,7 +520,8 @@ void product_amx(const uint16_t* x, const uint16_t* w, float* y, int64_t T, int6
         }
       }
     }
-    _tile_release();
+    if (saved.palette != 0) _tile_loadconfig(&saved);
+    else _tile_release();
   });
 }
 

@@ -127,6 +127,10 @@ class LlamaCppHead:
         self.weight_type = weight_type or ("f32" if target.info.weight_type == "F32" else "bf16")
         path = cached_head_gguf(head, self.weight_type)
         params = lib.llama_model_default_params()
+        # no repacked (AMX) weight copies, as for a quantized target (llamacpp.py): ggml's AMX matmuls configure a
+        # thread's tiles once, and torch's oneDNN releases them between calls on the same thread (SIGILL in
+        # ggml_backend_amx_mul_mat on Xeon-AMX-FP16); a head's passes are too small for repacking to pay
+        params.use_extra_bufts = False
         self.model = lib.llama_model_load_from_file(path.encode(), params)
         if not self.model:
             raise ValueError(f"llama.cpp could not load the EAGLE-3 head converted to {path!r} (this build has no "
