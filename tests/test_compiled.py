@@ -21,10 +21,13 @@ from tiny_models import make_model
 
 PROMPT = list(range(5, 35))  # 30 tokens
 TREE = DraftTree([11, 12, 13, 14, 15, 16, 17], [-1, -1, 0, 0, 1, 2, 5])  # 1 + 7 nodes fill T=8
+# float32: eager and compiled passes sum in other orders (a padded pass is a product of another shape); on Xeon-AMX-FP16
+# with ATen held to AVX2, MKL's kernels (not held) put logits 2.4e-5 and hidden states 3.3e-5 apart
+F32_ATOL = 5e-5
 CASES = {  # name: (arch, dtype, model kwargs, atol)
-    "llama-float32": ("llama", "float32", {}, 2e-5),
+    "llama-float32": ("llama", "float32", {}, F32_ATOL),
     "mistral-window-bf16": ("mistral", "bfloat16", dict(sliding_window=6), 0.1),  # bf16 products rounded apart
-    "llama-float32-gathered": ("llama", "float32", {}, 2e-5),  # as where the cache attention kernel does not run
+    "llama-float32-gathered": ("llama", "float32", {}, F32_ATOL),  # as where the cache attention kernel does not run
 }
 GATHERED = {"llama-float32-gathered"}  # attention over keys gathered from the cache (no specdec::cache_attention)
 
