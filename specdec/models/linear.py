@@ -6,8 +6,8 @@ shape CPU BLAS handles badly. Four layouts fix that:
 - bfloat16 on an x86 CPU with avx512_bf16 (``dot_products()``): the weight packed once and multiplied by
   specdec's bf16 kernel (linear16.py): the input rounded to bf16 as oneDNN rounds it, the sums and the result
   float32; dot products for 1-4 rows and, where the CPU has AMX, tiles on the same layout for 5 and more. On
-  EPYC-Zen5 the shipped target's products cost 0.58x oneDNN's at 1 row and 0.7-0.9x up to 33 rows; on Xeon-AMX
-  its compiled step 0.61x oneDNN's, a 5-token verify 0.71x (docs/benchmarks.md, "bf16 dot products", "AMX tiles").
+  EPYC-Zen5 the shipped target's products cost 0.58x oneDNN's at 1 row and 0.7-0.9x up to 33 rows; on
+  Xeon-AMX-FP16 its compiled step 0.61x oneDNN's, a 5-token verify 0.71x (docs/benchmarks.md, "bf16 dot products", "AMX tiles").
 - bfloat16 on another CPU with native bf16 instructions (``cpu.native_bf16``: arm64 bf16, or where the kernels
   cannot build): the weight is reordered once into oneDNN's blocked layout and multiplied
   with oneDNN's inner product, which reads half the bytes of float32 and costs nearly the same for 1 to

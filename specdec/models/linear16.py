@@ -447,10 +447,11 @@ bool dot_isa() {
 // block's 16 pairs of inputs (16 lines of 64 bytes, contiguous in pack_dot's layout) are one B tile as TDPBF16PS
 // reads it, and 16 input rows of 32 inputs one A tile. Dot products read each weight line once per pass of up to 12
 // rows, so a prefill of 512 rows reads the weights 40 times; a tile reads a line once for 16-32 rows and multiplies
-// 16 x 16 x 32 in one instruction (Xeon-AMX, the shipped target's products for 512 rows: oneDNN 25 ms, dot products
-// 136). Each output's sum is its own chain of pairs over K, as in the dot kernel, but the tile's internal order of a
+// 16 x 16 x 32 in one instruction (Xeon-AMX-FP16, the shipped target's products for 512 rows: oneDNN 25 ms, dot
+// products 136). Each output's sum is its own chain of pairs over K, as in the dot kernel, but the tile's internal order of a
 // pair's two products is the hardware's: rows on tiles and rows on dot products differ by float32 rounding.
-// fewer rows run on dot products. Xeon-AMX, 2 threads, the shipped target's products (weights in cache) dot / tiles:
+// Passes of fewer rows run on dot products. Xeon-AMX-FP16, 2 threads, the shipped target's products (weights in
+// cache), dot / tiles:
 // 1.23 / 1.57 ms at 1 row, 1.45 / 1.50 at 4, 1.64 / 1.50 at 5, 2.70 / 1.58 at 9; a 1B model's (from memory):
 // 91 / 78 at 1 row, 74 / 78 at 4, 78 / 79 at 5, 101 / 77 at 9: tiles cost the same for 1 to 16 rows
 constexpr int64_t AMX_MIN_ROWS = 5;
