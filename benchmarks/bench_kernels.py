@@ -12,7 +12,6 @@ each product's result to bf16, specdec's keeps float32, so greedy outputs part a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -22,6 +21,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.models.linear import NO_DOT_ENV
+from specdec.prompts import load_prompts
 
 PROMPTS = Path(__file__).parent / "prompts" / "code_heldout.jsonl"
 CONFIGS = {"plain": None,
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    prompts = [json.loads(line)["prompt"] for line in PROMPTS.open()][:args.num_prompts]
+    prompts = [r["prompt"] for r in load_prompts(PROMPTS, args.num_prompts)]
     llms = {}
     for kernel in ("oneDNN", "specdec"):
         for name, spec in CONFIGS.items():

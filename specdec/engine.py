@@ -73,8 +73,7 @@ class Engine:
         self.token_text = TokenText(tokenizer)
         self.intake = Intake(target, self.scheduler, self.detokenizer, self.token_text)
         self._last_sampling = None  # the previous round's SamplingBatch (RoundBatch.build reuses it)
-        self._cold = False  # this step's round is not timed for the controller: it follows a prefill (``_admit``)
-        self._cold_rounds = 0  # rounds after the last prefill still to be left untimed
+        self._cold_rounds = 0  # rounds after the last prefill still to be left untimed for the controller (``_admit``)
 
     # -- requests (intake.py) and the batch (scheduler.py) ----------------------------------------
 
@@ -338,7 +337,11 @@ class Engine:
         seconds = self.intake.admit(self._free_caches, self._prefill)  # seconds prefilling
         self.stats.prefill_time_s += seconds
         self._cold_rounds = COLD_ROUNDS if seconds > 0 else max(0, self._cold_rounds - 1)
-        self._cold = self._cold_rounds > 0
+
+    @property
+    def _cold(self) -> bool:
+        """This step's round follows a prefill within COLD_ROUNDS: not timed for the controller (``_admit``)."""
+        return self._cold_rounds > 0
 
     def _prefill(self, new: list[Sequence], first: int) -> None:
         """Prefill the newcomers at cache rows first, first + 1, ... (``intake.prefill``)."""

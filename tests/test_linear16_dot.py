@@ -120,7 +120,7 @@ def test_tiles_equal_the_exact_product_of_the_bf16_values(out_features, in_featu
         assert y.shape == (rows, out_features) and y.dtype == torch.float32 and y.is_contiguous()
         err = (y.double() - reference(x, w)).abs()
         assert (err <= bound(x, w)).all(), f"rows={rows}: max error {err.max():.3g}"
-        if rows >= linear16.AMX_MIN_ROWS:  # what linear16_dot runs for these rows
+        if rows >= linear16.amx_min_rows():  # what linear16_dot runs for these rows
             assert torch.equal(linear16.linear16_dot(x, packed, out_features), y)
 
 

@@ -594,6 +594,7 @@ at::Tensor linear16_dot_amx(const at::Tensor& x, const at::Tensor& w, int64_t N)
 int64_t linear16_lanes() { return wide_isa() ? 16 : 8; }
 bool linear16_dot_isa() { return dot_isa(); }
 bool linear16_amx_isa() { return amx_isa(); }
+int64_t linear16_amx_min_rows() { return AMX_MIN_ROWS; }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("linear16(Tensor x, Tensor w, int out_features) -> Tensor");
@@ -602,6 +603,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("linear16_dot_isa() -> bool", &linear16_dot_isa);
   m.def("linear16_dot_amx(Tensor x, Tensor w, int out_features) -> Tensor");
   m.def("linear16_amx_isa() -> bool", &linear16_amx_isa);
+  m.def("linear16_amx_min_rows() -> int", &linear16_amx_min_rows);
 }
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("linear16", &linear16);
@@ -638,7 +640,6 @@ def _build() -> None:
 
 
 ROW_BLOCK = 4  # weight rows per packed block (the kernel's RB)
-AMX_MIN_ROWS = 5  # linear16_dot's passes of this many rows or more run on AMX tiles where they run (the kernel's)
 DOT_BLOCK = 16  # weight rows per block of the dot layout (the kernel's DB)
 
 
@@ -680,6 +681,11 @@ def amx_tiles() -> bool:
     """Whether ``linear16_dot`` runs passes of many rows on AMX tiles here (``available()`` first): the CPU has
     AMX-TILE and AMX-BF16 and the OS lets the process use them."""
     return bool(torch.ops.specdec.linear16_amx_isa())
+
+
+def amx_min_rows() -> int:
+    """The row count from which ``linear16_dot`` runs a pass on AMX tiles where they run (the kernel's AMX_MIN_ROWS)."""
+    return int(torch.ops.specdec.linear16_amx_min_rows())
 
 
 def linear16_dot_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:

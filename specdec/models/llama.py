@@ -139,7 +139,7 @@ class LlamaRunner(ModelRunner):
             return f"{self.device.type}: {dtype} weights, {KERNEL_NAMES[self.lm_head.kind]}, {step}"
         kernel = KERNEL_NAMES.get(self.lm_head.kind, self.lm_head.kind)
         if self.lm_head.kind == "w16dot" and linear16.amx_tiles():
-            kernel += f"; AMX tiles for {linear16.AMX_MIN_ROWS}+ rows"
+            kernel += f"; AMX tiles for {linear16.amx_min_rows()}+ rows"
         return f"{native_bf16().isa}: {dtype} weights, {kernel}, {step}"
 
     # -- weights ---------------------------------------------------------------------------------
