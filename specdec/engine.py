@@ -40,7 +40,7 @@ from specdec.verify_tree import verify_tree
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-COLD_ROUNDS = 2  # rounds after a prefill not timed for the controller (``Engine._admit``)
+COLD_ROUNDS = 4  # rounds after a prefill not timed for the controller (``Engine._admit``)
 
 
 class Engine:
@@ -153,7 +153,7 @@ class Engine:
         t0 = time.perf_counter()
         self.target.sync_rows([s.seq_id for s in self.running])  # cache rows follow batch order
         shapes = self.scheduler.tree_shapes()  # [B] a draft tree per row, or None: a chain round (policy.tree_round)
-        wanted = self.scheduler.num_wanted() if shapes is None else [sh.num_nodes if sh else 0 for sh in shapes]
+        wanted = self.scheduler.num_wanted(not self._cold) if shapes is None else [sh.num_nodes if sh else 0 for sh in shapes]
         batch = RoundBatch.build(self.running, wanted, self.device, self._last_sampling)
         self._last_sampling = batch.sampling
         if shapes is not None:  # draft trees: _tree_round's steps 1-5
@@ -332,8 +332,10 @@ class Engine:
     def _admit(self) -> None:
         """Admit and prefill newcomers. The COLD_ROUNDS rounds right after a prefill are not timed for the
         controller (``_cold``): their passes run on caches the prompt's long forward filled (the shipped target's
-        first step after a 250-token prefill 1.8 ms against 1.2 on torch; on llama.cpp, Xeon-AMX-FP16, the first
-        two 5.0-7.0 and 3.2-3.5 against 2.3-2.5), and the first one's drafter catches up on the prompt."""
+        first step after a 250-token prefill 1.8 ms against 1.2 on torch; on llama.cpp, Xeon-AMX-FP16, steps 1-4
+        after it 5.6, 4.4, 3.7 and 3.1 ms against 2.5-2.6 from the fifth on, medians over 7 prompts), and the
+        first one's drafter catches up on the prompt. In them the controller drafts only where its estimate says
+        drafting pays (``AdaptiveK.choose``'s ``timed``): learning waits for rounds it can time."""
         seconds = self.intake.admit(self._free_caches, self._prefill)  # seconds prefilling
         self.stats.prefill_time_s += seconds
         self._cold_rounds = COLD_ROUNDS if seconds > 0 else max(0, self._cold_rounds - 1)

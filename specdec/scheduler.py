@@ -293,14 +293,15 @@ class Scheduler:
 
     # -- what the round asks of the drafter ---------------------------------------------------------
 
-    def num_wanted(self) -> list[int]:
+    def num_wanted(self, timed: bool = True) -> list[int]:
         """Drafts to ask for per running row. A sequence's first token comes from a plain pass, as
         vLLM's comes from its prefill (drafting would add the draft's prompt catch-up to the time to
-        first token); drafts beyond the room left are wasted."""
+        first token); drafts beyond the room left are wasted. ``timed``: the engine times this round's
+        costs for the controller (``AdaptiveK.choose``)."""
         seqs = self.running
         ks = [self.k] * len(seqs)
         if self.controller is not None:  # the seeds rule: a seeded sampled row keeps k (policy.seeded_k)
-            chosen = self.controller.choose([s.seq_id for s in seqs])
+            chosen = self.controller.choose([s.seq_id for s in seqs], timed)
             ks = [seeded_k(s.params, self.k, c) for s, c in zip(seqs, chosen)]
         return [0 if s.seq_id in self.plain_only or s.num_output_tokens == 0 else max(0, min(k, s.room - 1))
                 for k, s in zip(ks, seqs)]

@@ -105,9 +105,13 @@ class AdaptiveK:
 
     # -- decisions ---------------------------------------------------------------------------------
 
-    def choose(self, seq_ids: list[int]) -> list[int]:
+    def choose(self, seq_ids: list[int], timed: bool = True) -> list[int]:
         """k per row (one k for the batch): 0 while this batch size's plain step is timed, while
-        speculation is off (but for probes) or its learning rounds are paced, else ``choose_k``."""
+        speculation is off (but for probes) or its learning rounds are paced, else ``choose_k``.
+        ``timed``: the engine will time this round (not so right after a prefill, engine.COLD_ROUNDS);
+        a round it will not time does not learn (the bound's rounds, probes): what it would teach and
+        cost goes unrecorded, and each new request's first rounds drafted unpaced (llama.cpp on
+        Xeon-AMX-FP16, nothing paying: 3 rounds a request with the draft's prompt catch-up, 0.91x plain)."""
         B = len(seq_ids)
         if self.costs.plain_due(B, self.rounds):
             return self._note(B, 0, "plain timed", None)  # every S at B is relative to a fresh plain step
@@ -136,6 +140,8 @@ class AdaptiveK:
             estimated = self.speedups(B, alphas, reuse=True)
             if max(estimated[1:]) > 1.0:
                 best, why = choose_k(estimated, estimated), "estimate"
+            elif not timed:
+                best, why = 0, "cold"  # learning waits for a round the engine times
             else:  # the estimate says no k pays: the bound decides whether to keep learning
                 hope = self.costs.optimistic_line(B)
                 upper = self.acceptance.upper(self.k_max, seq_ids if fresh else ())
@@ -144,11 +150,15 @@ class AdaptiveK:
                 if best and not self.pacer.allows(self._plain_token(B), seq_ids):
                     return self._note(B, 0, "paced", estimated)
                 self.pacer.learning = best > 0
+        if why == "cold":
+            return self._note(B, 0, why, estimated)
         if best == 0:
-            k = self.prober.off(B, was_probe, self.costs, self.k_max)
+            k = self.prober.off(B, was_probe, self.costs, self.k_max) if timed else 0
             return self._note(B, k, "probe" if k else why if why == "off" else "gave up", estimated)
         self.prober.on()
         k = self._refresh(B, best, thin=why == "estimate")
+        if why == "estimate":
+            self.pacer.paid(seq_ids)
         if why == "estimate" and k == best:  # it stands a few rounds for these rows
             self._held = (list(seq_ids), k, self.rounds)
         return self._note(B, k, why if k == best else "refresh", estimated)

@@ -11,19 +11,24 @@ that the controller decodes plainly until the elapsed time has caught up. Learni
 are not paced, a few unlucky ones fit in the allowance, and a drafter that cannot pay costs about
 EXPLORE_SHARE of a long run while its bound decides. Rounds the estimate chooses are not paced.
 
-Each later request also brings its own NEW_REQUEST_ALLOWANCE, spent before the account, and while it
+Later requests also bring their own NEW_REQUEST_ALLOWANCE, spent before the account, and while it
 lasts the request learns on its own evidence too (the controller's bound counts the request's own upper
 bound, and speculation given up is weighed again for it): its text may pay where the last ones' did not.
 The account and the drafter's bound alone had kept a drafter off for a whole benchmark after its first
 16 tokens (a warm-up whose 8 drafted rounds were all rejected: 8 x 128 tokens at plain speed, where the
-same draft paid 1.3x). Where nothing pays that costs at most half a plain step a request.
+same draft paid 1.3x). Such a trial's first round also pays the drafter's catch-up on the prompt (a draft
+model's prefill: 6 ms, 2.5 plain steps, on llama.cpp for the shipped pair, not charged to the account: it is
+switching on, which any drafting pays), so trials back off: while they end without the estimate saying
+drafting pays, only one request in 2, 4, ... up to MAX_TRIAL_EVERY brings the allowance (llama.cpp on
+Xeon-AMX-FP16, nothing paying: a trial every request cost 4-6% of plain decoding).
 """
 
 from __future__ import annotations
 
 EXPLORE_SHARE = 0.01  # learning may cost this share of the decoding time so far ...
 EXPLORE_ALLOWANCE = 3.0  # ... plus this many plain steps (three wholly rejected rounds are not paced)
-NEW_REQUEST_ALLOWANCE = 0.5  # plain steps of learning each later request may spend whatever the account says
+NEW_REQUEST_ALLOWANCE = 0.5  # plain steps of learning a later request may spend whatever the account says ...
+MAX_TRIAL_EVERY = 8  # ... one request in 1, 2, 4, ... up to this many while trials find nothing that pays
 
 
 class Pacer:
@@ -39,6 +44,10 @@ class Pacer:
         self.granted: set[int] = set()  # rows admitted (until released); after the first ones ...
         self.first_seen = False  # ... each brought NEW_REQUEST_ALLOWANCE (the first rows have the account's)
         self.fresh_s = 0.0  # what is left of those allowances
+        self.trial_every = 1  # one later request in this many brings the allowance (``release``) ...
+        self.until_trial = 0  # ... and how many more are admitted without it before the next does
+        self.trials: set[int] = set()  # rows that brought it, until released
+        self.paid_ids: set[int] = set()  # rows for which the estimate said that drafting pays
 
     def allows(self, plain_s: float, seq_ids: list[int]) -> bool:
         """Whether a learning round for the rows ``seq_ids`` may run now (``plain_s``: a plain token's
@@ -55,8 +64,18 @@ class Pacer:
         for sid in seq_ids:
             if sid not in self.granted:
                 self.granted.add(sid)
-                self.fresh_s += NEW_REQUEST_ALLOWANCE * plain_s if self.first_seen else 0.0
+                if not self.first_seen:
+                    continue
+                if self.until_trial > 0:
+                    self.until_trial -= 1
+                else:
+                    self.fresh_s += NEW_REQUEST_ALLOWANCE * plain_s
+                    self.trials.add(sid)
         self.first_seen = True
+
+    def paid(self, seq_ids: list[int]) -> None:
+        """The estimate said that drafting pays for these rows (a trial that ends so resets the back-off)."""
+        self.paid_ids.update(seq_ids)
 
     def waiting(self, seq_ids: list[int]) -> bool:
         """Whether learning for these rows is paced off until more time has been decoded (plain rounds
@@ -74,7 +93,14 @@ class Pacer:
         self.learning = False
 
     def release(self, seq_ids: list[int]) -> None:
-        """Finished rows: their allowances are no longer theirs to spend."""
+        """Finished rows: their allowances are no longer theirs to spend; a trial row that the estimate
+        never said paid for doubles the requests between trials, one it did resets them."""
+        for sid in seq_ids:
+            if sid in self.trials:
+                self.trials.discard(sid)
+                self.trial_every = 1 if sid in self.paid_ids else min(2 * self.trial_every, MAX_TRIAL_EVERY)
+                self.until_trial = self.trial_every - 1
+        self.paid_ids.difference_update(seq_ids)
         self.granted.difference_update(seq_ids)
         if not self.granted:
             self.fresh_s = 0.0
