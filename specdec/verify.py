@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingBatch, argmax, probs_from_logits, race, sample
+from specdec.sampling import SamplingBatch, argmax, draw, probs_from_logits, sample
 
 
 ROW_BY_ROW = 4  # sampled rows with drafts from q: on the CPU, batches of up to this many go row by row
@@ -113,8 +113,8 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     num_draft [B] drafts per row (None: all k).
 
     Each row draws only what it uses from its own generator, so a seeded row's draws do not depend
-    on the rest of the batch: a row whose drafts are deterministic (q one-hot) one race per token it
-    emits (``_exact_match``); any other row one uniform per draft it proposed, then one race for
+    on the rest of the batch: a row whose drafts are deterministic (q one-hot) one draw per token it
+    emits (``_exact_match``); any other row one uniform per draft it proposed, then one draw for
     its recovered or bonus token."""
     B, k = draft_token_ids.shape
     device = draft_token_ids.device
@@ -161,7 +161,7 @@ def _exact_match(draft_token_ids: torch.Tensor, target_probs: torch.Tensor, gene
     """Rows with q_i = one-hot(x_i): at each position draw y_i ~ p_i; accept x_i iff y_i == x_i,
     else emit y_i. That is Alg. 1 for a one-hot q: x_i is accepted with probability p_i(x_i) =
     min(1, p_i(x_i) / q_i(x_i)), and a rejected row's y_i follows p_i without x_i, which is the
-    residual max(0, p_i - q_i) / Z. The races are plain decoding's own draws in plain decoding's
+    residual max(0, p_i - q_i) / Z. The draws are plain decoding's own draws in plain decoding's
     order, so a seeded row emits what it would emit with no drafter at all. Returns (accepted,
     next token) per row; draft_token_ids [B, k], target_probs [B, k+1, V] or a ProbRows per row."""
     B = len(generators)
@@ -231,7 +231,7 @@ def _accept_or_recover_row(draft_token_ids: torch.Tensor, draft_probs: torch.Ten
                            generator: torch.Generator, n: int) -> tuple[int, int]:
     """``_accept_or_recover`` for one row: draft_token_ids [k], draft_probs [k, V], target_probs [k+1, V]
     (or its ProbRows, read up to the first rejection), its first n drafts proposed. Draws what the batched
-    rule draws for the row, in the same order (n uniforms, then one race), and decides alike: (accepted,
+    rule draws for the row, in the same order (n uniforms, then one draw), and decides alike: (accepted,
     the recovered or bonus token)."""
     k = draft_token_ids.shape[0]
     ids, at = draft_token_ids[:n], torch.arange(n)
@@ -239,9 +239,9 @@ def _accept_or_recover_row(draft_token_ids: torch.Tensor, draft_probs: torch.Ten
     bars = (u * draft_probs[at, ids]).tolist()  # u_i q_i(x_i), float32 products as the batched rule makes them
     accepted = next((i for i, (bar, x) in enumerate(zip(bars, ids.tolist())) if not bar < float(target_probs[i][x])), n)
     p_next = target_probs[accepted]  # [V]
-    if accepted < n:  # the residual at the first rejection (its scale does not change the race's winner)
+    if accepted < n:  # the residual at the first rejection (its scale does not change the draw)
         residual = (p_next - draft_probs[min(accepted, k - 1)]).clamp_(min=0)
         mass = residual.sum()
         if mass > 0:  # whenever a rejection can happen (p != q); p itself only against rounding, as batched
             p_next = residual / mass
-    return accepted, race(p_next, generator)
+    return accepted, draw(p_next, generator)

@@ -2,6 +2,8 @@
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -173,3 +175,82 @@ def test_select_takes_the_rows_asked_and_every_row_in_order_is_the_batch_itself(
     assert sub is not sb and sub.params == (params[2], params[0])
     assert sub.temperature.tolist() == [1.0, 0.5] and sub.top_k.tolist() == [3, 0] and sub.greedy.tolist() == [False, False]
     assert sb.select([1, 0, 2]).temperature.tolist() == [1.0, 0.5, 1.0]  # every row, another order: a new batch
+
+
+def test_draws_follow_the_probabilities_across_blocks():
+    """``draw`` on the CPU finds the block, then the token in it (sampling.DRAW_BLOCK): a vocabulary that is
+    not a multiple of the block, a block without mass, tokens without mass at either end of a block."""
+    from lossless import FALSE_ALARM, chi_square_p
+
+    from specdec.sampling import DRAW_BLOCK, draw
+
+    V = 2 * DRAW_BLOCK + 44
+    p = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(5)), -1)
+    p[DRAW_BLOCK:2 * DRAW_BLOCK] = 0.0  # a whole block
+    p[[0, DRAW_BLOCK - 1, 2 * DRAW_BLOCK, V - 1]] = 0.0
+    p[3] = 0.2  # one likely token
+    p /= p.sum()
+    g = make_generator(11)
+    draws = np.array([draw(p, g) for _ in range(40000)])
+    assert chi_square_p(draws, p.double().numpy()) > FALSE_ALARM
+
+
+def test_a_draw_at_the_end_of_the_mass_takes_the_last_token_with_mass():
+    from specdec.sampling import DRAW_BLOCK, inverse_cdf
+
+    x = np.zeros(3 * DRAW_BLOCK, dtype=np.float32)
+    x[[5, DRAW_BLOCK + 7]] = [0.25, 0.75]
+    assert inverse_cdf(x, 0.0) == 5 and inverse_cdf(x, 0.2499) == 5 and inverse_cdf(x, 0.25) == DRAW_BLOCK + 7
+    assert inverse_cdf(x, 1.0 - 2.0**-53) == DRAW_BLOCK + 7
+    assert inverse_cdf(x, 1.0) == DRAW_BLOCK + 7  # u·C(V) at C(V) itself: never a token past the mass
+
+
+native = pytest.mark.skipif(not sampling.sampling_kernel.available().ok,
+                            reason=f"sampling kernel: {sampling.sampling_kernel.available().reason}")
+
+
+@native
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 700),
+       st.lists(st.tuples(st.sampled_from([0, 1, 2, 7, 50, 400]), st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.05]),
+                          st.sampled_from([0.3, 1.0, 1.7])), min_size=1, max_size=4), st.booleans())
+def test_the_sampling_kernel_keeps_what_the_sort_rule_keeps(seed, V, params, coarse):
+    """sampling_kernel.cut_probs (buckets of values, the cut's bucket ranked) against the rule written as a sort:
+    the same tokens kept (as many where they tie at a cut), and the probabilities the softmax of what it keeps."""
+    from specdec import sampling_kernel
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(params), 3, V, generator=g) * 6
+    if coarse:
+        logits = logits.round().clamp(-3, 3)
+        logits[logits == -3] = float("-inf")
+        logits[..., 0] = 3.0  # a row keeps something
+    k = torch.tensor([k for k, _, _ in params])
+    p = torch.tensor([p for _, p, _ in params])
+    t = torch.tensor([t for _, _, t in params])
+    ours = sampling_kernel.cut_probs(logits, t, k, p)
+    scaled = logits / t.view(-1, 1, 1)
+    rule = sampling._top_k_top_p_sorted(scaled, k.view(-1, 1, 1), p.view(-1, 1, 1))
+    kept_ours, kept_rule = ours > 0, rule > float("-inf")
+    ranked = scaled.double().sort(dim=-1, descending=True).values
+    ranked = ranked.masked_fill(torch.arange(V) >= torch.where(k > 0, k, V).clamp(max=V).view(-1, 1, 1), float("-inf"))
+    q = torch.softmax(ranked, dim=-1)
+    on_edge = ((q.cumsum(-1) - q - p.view(-1, 1, 1)).abs() < 1e-5).any(-1) & (p < 1.0).view(-1, 1)
+    underflow = (q > 0) & (q < 1e-30)  # a weight exp(z - max) that float32 rounds to 0 is kept at probability 0
+    assert torch.equal(kept_ours.sum(-1)[~on_edge & ~underflow.any(-1)], kept_rule.sum(-1)[~on_edge & ~underflow.any(-1)])
+    if not coarse:
+        assert torch.equal(kept_ours[~on_edge], kept_rule[~on_edge])
+    want = torch.softmax(torch.where(kept_ours, scaled, float("-inf")), dim=-1)
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-7)
+
+
+@native
+def test_a_cut_rows_probabilities_are_the_same_alone_and_in_a_batch():
+    g = torch.Generator().manual_seed(1)
+    logits = 5 * torch.randn(4, 2, 3000, generator=g)
+    params = [SamplingParams(temperature=0.7), SamplingParams(top_p=0.9), SamplingParams(top_k=40, temperature=1.3),
+              SamplingParams(top_p=0.5, top_k=100, min_p=0.05)]
+    batch = probs_from_logits(logits, SamplingBatch.from_params(params))
+    for b in range(4):
+        alone = probs_from_logits(logits[b:b + 1], SamplingBatch.from_params(params[b:b + 1]))
+        assert torch.equal(batch[b], alone[0]), b

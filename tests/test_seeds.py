@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.sampling import exponentials
 from test_drafters_lookup import make_repetitive_model, repetitive_prompts
 from tiny_models import perturbed_copy
 
@@ -45,10 +44,11 @@ def neighbours() -> list[SamplingParams]:
 
 
 class Margins:
-    """Records the margin of every random decision a generator takes part in: for a token drawn by
-    the exponential race (specdec.sampling.sample), how far the winner's p/E is ahead of the
-    runner-up's, relative; for an accept test u * q < p, |u q - p| / p. A decision whose margin is
-    below NOISE could go the other way between a lone and a batched forward."""
+    """Records the margin of every random decision a generator takes part in: for a token drawn
+    (specdec.sampling.draw: u times the total mass against the running sums), how far u times the total
+    lies from the nearest of the drawn token's two bounds, relative to the total; for an accept test
+    u * q < p, |u q - p| / p. A decision whose margin is below NOISE could go the other way between a
+    lone and a batched forward."""
 
     def __init__(self, monkeypatch, generator_of):
         import specdec.drafters.autoregressive as autoregressive
@@ -57,7 +57,7 @@ class Margins:
         self.generator_of, self.values = generator_of, []
         for module in (verify, autoregressive):
             monkeypatch.setattr(module, "sample", self._wrap_sample(module.sample))
-        monkeypatch.setattr(verify, "race", self._wrap_race(verify.race))
+        monkeypatch.setattr(verify, "draw", self._wrap_draw(verify.draw))
         monkeypatch.setattr(verify, "_accept_or_recover", self._wrap_accept(verify._accept_or_recover))
 
     def _watched(self, generators) -> int | None:
@@ -68,21 +68,25 @@ class Margins:
         def recorded(probs, generators):
             i = self._watched(generators)
             if i is not None:
-                self._race_margin(probs[i], generators[i])
+                self._draw_margin(probs[i], generators[i])
             return sample(probs, generators)
         return recorded
 
-    def _wrap_race(self, race):
+    def _wrap_draw(self, draw):
         def recorded(probs, generator):
             if self._watched([generator]) is not None:
-                self._race_margin(probs, generator)
-            return race(probs, generator)
+                self._draw_margin(probs, generator)
+            return draw(probs, generator)
         return recorded
 
-    def _race_margin(self, probs, generator):
+    def _draw_margin(self, probs, generator):
         replay = torch.Generator().set_state(generator.get_state())
-        ratio = (probs / exponentials(probs.shape[-1], replay, probs.device)).topk(2).values
-        self.values.append(float((ratio[0] - ratio[1]) / ratio[0]))
+        u = float(torch.rand(1, dtype=torch.float64, generator=replay))
+        c = probs.double().cumsum(-1)  # [V]
+        v = u * float(c[-1])
+        x = int(torch.searchsorted(c, torch.tensor([v], dtype=torch.float64), right=True)[0])
+        low, high = (float(c[x - 1]) if x else 0.0), float(c[min(x, len(c) - 1)])
+        self.values.append(min(v - low, high - v) / float(c[-1]))
 
     def _wrap_accept(self, accept):
         def recorded(draft_token_ids, draft_probs, target_probs, generators, num_draft):

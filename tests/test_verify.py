@@ -93,8 +93,8 @@ def test_mixed_batch_uses_greedy_rules_only_for_greedy_rows():
 
 def test_a_row_draws_what_it_would_draw_alone():
     """Rows with fewer drafts than the widest row, next to it, get the result they get alone and leave
-    their generator where it is alone: for sampled drafts (one uniform per draft, then one race) and
-    for one-hot drafts (one race per emitted token)."""
+    their generator where it is alone: for sampled drafts (one uniform per draft, then one draw) and
+    for one-hot drafts (one draw per emitted token)."""
     V, k = 10, 4
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(3, k + 1, V, generator=g), -1)  # [B, k+1, V]

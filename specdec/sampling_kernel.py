@@ -1,0 +1,219 @@
+"""A sampled row's probabilities in one native pass on the CPU: temperature, the top-k and top-p cut and the
+softmax (``sampling.probs_from_logits`` calls it for the rows that use top-k or top-p).
+
+The same rule as ``sampling._top_k_top_p_sorted`` without sorting the row: each token falls in a bucket of
+its value (an eighth of a nat below the row's maximum a bucket); counts and masses per bucket find the bucket
+that holds each cut, and only that bucket's tokens are ranked, by value and at a tie by id (as
+``sampling._top_k_top_p_numpy`` keeps ties). Masses are summed in float64, the exponentials are
+ATen's vectorized ``exp`` (within 1 ulp). A mass within 1e-6 (relative) of top_p counts as reaching it, so
+where the mass above a token is top_p itself up to float32's rounding this may keep one token less than the
+sort rule's float32 sums (tests/test_sampling.py leaves such rows out). A C++ extension (models/native.py); ``available()`` says whether it runs here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from specdec.models import native
+
+_SOURCE = r"""
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <vector>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+// z = x / t (as torch divides), returns max z
+float scaled(const float* x, int64_t V, float t, float* z) {
+  Vec mv(-INFINITY);
+  int64_t j = 0;
+  for (; j + W <= V; j += W) {
+    const Vec v = Vec::loadu(x + j) / Vec(t);
+    v.store(z + j);
+    mv = at::vec::maximum(mv, v);
+  }
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+  for (; j < V; ++j) m = std::max(m, z[j] = x[j] / t);
+  return m;
+}
+
+// w = exp(z - m)
+void weights(const float* z, int64_t V, float m, float* w) {
+  int64_t j = 0;
+  for (; j + W <= V; j += W) (Vec::loadu(z + j) - Vec(m)).exp().store(w + j);
+  for (; j < V; ++j) w[j] = std::exp(z[j] - m);
+}
+
+// One row's cut in buckets of the values: bucket b holds the tokens with floor((max - z) * BUCKETS_PER_NAT) == b
+// (the last also every lower one), so that every token of a bucket ranks below every token of the ones before
+// it; a cut is found bucket by bucket from the top, then inside its bucket by value and, at a tie, by id.
+constexpr int BUCKETS = 512;
+constexpr float BUCKETS_PER_NAT = 8.f;
+constexpr double TIE = 1e-6;  // relative
+
+struct Row {
+  const float* z = nullptr;  // [V] the scaled logits
+  float* w = nullptr;  // [V] their weights exp(z - max), cut in place
+  int64_t V = 0;
+  std::vector<uint16_t> key;  // [V] each token's bucket
+  std::vector<int32_t> count;  // [BUCKETS] tokens a bucket
+  std::vector<double> mass;  // [BUCKETS] weight a bucket
+  std::vector<int32_t> ids;  // one bucket's tokens, ranked (``rank``)
+  std::vector<double> kept;  // their weights
+
+  explicit Row(int64_t v) : V(v), key(v), count(BUCKETS), mass(BUCKETS) { ids.reserve(v); }
+
+  void fill(float m) {
+    std::fill(count.begin(), count.end(), 0);
+    std::fill(mass.begin(), mass.end(), 0.0);
+    for (int64_t i = 0; i < V; ++i) {
+      const float d = (m - z[i]) * BUCKETS_PER_NAT;  // >= 0; inf for a -inf logit
+      const int b = d < BUCKETS - 1 ? static_cast<int>(d) : BUCKETS - 1;
+      key[i] = static_cast<uint16_t>(b);
+      count[b] += 1;
+      mass[b] += w[i];
+    }
+  }
+
+  void rank(int b) {  // ids, kept <- bucket b's tokens by value (descending), then id; their weights
+    ids.clear();
+    for (int64_t i = 0; i < V; ++i)
+      if (key[i] == b) ids.push_back(static_cast<int32_t>(i));
+    std::stable_sort(ids.begin(), ids.end(), [this](int32_t a, int32_t c) { return z[a] > z[c]; });
+    kept.resize(ids.size());
+    for (size_t j = 0; j < ids.size(); ++j) kept[j] = w[ids[j]];
+  }
+
+  void keep(int b, int64_t n) {  // keep the buckets before b and the first n ranked tokens of bucket b
+    for (int64_t i = 0; i < V; ++i)
+      if (key[i] >= b) w[i] = 0.f;
+    for (int64_t j = 0; j < n; ++j) w[ids[j]] = static_cast<float>(kept[j]);
+  }
+};
+
+// top-k (k < V) then top-p (p < 1) over r.w: the sort rule's cut (sampling._top_k_top_p_sorted)
+void cut(Row& r, float m, int64_t k, float p) {
+  r.fill(m);
+  int b = BUCKETS;  // the bucket holding the cut (BUCKETS: none, every token a candidate)
+  int64_t n = 0;  // tokens kept in it
+  double above = 0.0;  // mass of the buckets before b
+  if (k > 0 && k < r.V) {
+    int64_t seen = 0;
+    for (b = 0; seen + r.count[b] < k; ++b) {
+      seen += r.count[b];
+      above += r.mass[b];
+    }
+    r.rank(b);
+    n = k - seen;
+  }
+  if (p < 1.f) {
+    double total = above;
+    if (b < BUCKETS) {
+      for (int64_t j = 0; j < n; ++j) total += r.kept[j];
+    } else {
+      for (int j = 0; j < BUCKETS; ++j) total += r.mass[j];
+    }
+    // a mass within TIE of p's counts as reaching it: float32 weights carry rounding of that order, and masses
+    // that are p itself in decimals (0.5 + 0.3 for top_p 0.8) reach it, as the sort rule's float32 sums say
+    const double target = static_cast<double>(p) * total * (1.0 - TIE);
+    int bp = 0;
+    double acc = 0.0;  // keep a token while the mass strictly above it is below the target
+    while (bp < b && bp < BUCKETS - 1 && acc + r.mass[bp] < target) acc += r.mass[bp++];
+    if (bp < b) {  // the cut moves up to bucket bp
+      r.rank(bp);
+      n = static_cast<int64_t>(r.ids.size());
+      b = bp;
+    }
+    int64_t j = 0;
+    while (j < n && acc < target) acc += r.kept[j++];
+    n = std::max<int64_t>(j, 1);
+  }
+  r.keep(b, n);
+}
+
+// one row: x [V] -> w [V], its probabilities (z: [V] scratch)
+void row_probs(const float* x, int64_t V, float t, int64_t k, float p, float* z, float* w, Row& r) {
+  const float m = scaled(x, V, t, z);
+  weights(z, V, m, w);
+  if ((k > 0 && k < V) || p < 1.f) {
+    r.z = z;
+    r.w = w;
+    cut(r, m, k, p);
+  }
+  Vec s0(0.f), s1(0.f);
+  int64_t j = 0;
+  for (; j + 2 * W <= V; j += 2 * W) {
+    s0 = s0 + Vec::loadu(w + j);
+    s1 = s1 + Vec::loadu(w + j + W);
+  }
+  Vec sv = s0 + s1;
+  double sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sv);
+  for (; j < V; ++j) sum += w[j];
+  const float inv = static_cast<float>(1.0 / sum);
+  for (j = 0; j + W <= V; j += W) (Vec::loadu(w + j) * Vec(inv)).store(w + j);
+  for (; j < V; ++j) w[j] *= inv;
+}
+
+// logits [R, V] float32, R = B * P rows (P positions a batch row); temperature, top_p [B] float32, top_k [B] int64
+at::Tensor cut_probs(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                     const at::Tensor& top_p, int64_t positions) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "cut_probs: logits must be a contiguous float32 [R, V] tensor");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(positions >= 1 && R % positions == 0 && temperature.numel() * positions == R &&
+              top_k.numel() * positions == R && top_p.numel() * positions == R, "cut_probs: parameters per row");
+  auto t = temperature.contiguous(), pp = top_p.contiguous();
+  auto kk = top_k.to(at::kLong).contiguous();
+  at::Tensor out = at::empty({R, V}, logits.options());
+  std::vector<float> z(V);
+  Row row(V);
+  const float* x = logits.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t b = r / positions;
+    row_probs(x + r * V, V, t.data_ptr<float>()[b], kk.data_ptr<int64_t>()[b], pp.data_ptr<float>()[b], z.data(),
+              o + r * V, row);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("cut_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, int positions) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("cut_probs", &cut_probs); }
+"""
+
+WHAT = "the sampling kernel"
+
+
+@functools.cache
+def available() -> native.Availability:
+    """Whether this CPU and install run ``specdec::cut_probs`` (building it the first time), and why not."""
+    return native.availability("cut_probs", _build, WHAT)
+
+
+def _build() -> None:
+    native.build("sampling_kernel", _SOURCE, WHAT)
+
+
+def cut_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [S, ..., V] (CPU) with each row's temperature, top_k, top_p [S] -> probabilities [S, ..., V] float32."""
+    shape = logits.shape
+    flat = logits.reshape(-1, shape[-1]).float().contiguous()  # [S * positions, V]
+    out = torch.ops.specdec.cut_probs(flat, temperature.float(), top_k, top_p.float(), flat.shape[0] // shape[0])
+    return out.reshape(shape)
