@@ -70,6 +70,16 @@ def test_processed_probs_are_a_distribution_within_top_k(logits, top_k, top_p, t
     assert p[torch.tensor(logits).argmax()] > 0  # the most likely token always survives
 
 
+def cut_case(seed: int, rows: int, V: int, scale: float, coarse: bool) -> torch.Tensor:
+    """Logits [rows, 3, V] for the cut tests; ``coarse``: on a grid of a few values (ties at a cut), -inf among them."""
+    logits = torch.randn(rows, 3, V, generator=torch.Generator().manual_seed(seed)) * scale
+    if coarse:
+        logits = logits.round().clamp(-3, 3)
+        logits[logits == -3] = float("-inf")
+        logits[..., 0] = 3.0  # a row keeps something
+    return logits
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(2, 300),
        st.lists(st.tuples(st.sampled_from([0, 1, 2, 7, 50, 400]), st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.05])),
@@ -78,12 +88,7 @@ def test_the_cpu_cut_keeps_what_the_sort_rule_keeps(seed, V, params, coarse):
     """sampling._top_k_top_p_numpy (values sorted without their ids) against the rule written as a sort of
     each row, rows with their own top-k and top-p over 3 positions each: the same tokens kept, and where
     tokens tie at a cut (``coarse``: logits on a grid of a few values, -inf among them) as many of them."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(params), 3, V, generator=g) * 3
-    if coarse:
-        logits = logits.round().clamp(-3, 3)
-        logits[logits == -3] = float("-inf")
-        logits[..., 0] = 3.0  # a row keeps something
+    logits = cut_case(seed, len(params), V, 3, coarse)
     k, p = torch.tensor([k for k, _ in params]), torch.tensor([p for _, p in params])
     ours = sampling._top_k_top_p_numpy(logits, k.numpy(), p.numpy())
     rule = sampling._top_k_top_p_sorted(logits, k.view(-1, 1, 1), p.view(-1, 1, 1))
@@ -219,12 +224,7 @@ def test_the_sampling_kernel_keeps_what_the_sort_rule_keeps(seed, V, params, coa
     the same tokens kept (as many where they tie at a cut), and the probabilities the softmax of what it keeps."""
     from specdec import sampling_kernel
 
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(params), 3, V, generator=g) * 6
-    if coarse:
-        logits = logits.round().clamp(-3, 3)
-        logits[logits == -3] = float("-inf")
-        logits[..., 0] = 3.0  # a row keeps something
+    logits = cut_case(seed, len(params), V, 6, coarse)
     k = torch.tensor([k for k, _, _ in params])
     p = torch.tensor([p for _, p, _ in params])
     t = torch.tensor([t for _, _, t in params])
