@@ -191,6 +191,8 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     if probs.device.type != "cpu":
         c = probs.double().cumsum(-1)  # [V]
         return _last_positive(c, torch.searchsorted(c, u * c[-1], right=True)[0])
+    if sampling_kernel.available().ok:
+        return torch.tensor(torch.ops.specdec.inverse_cdf(probs.detach().float(), float(u)))
     return torch.tensor(inverse_cdf(probs.detach().numpy(), float(u)))
 
 

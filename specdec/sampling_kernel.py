@@ -190,12 +190,58 @@ at::Tensor cut_probs(const at::Tensor& logits, const at::Tensor& temperature, co
   return out;
 }
 
+// sampling.inverse_cdf: the token x with C(x - 1) <= u C(V) < C(x), C the running sums in float64 of probs [V]
+// (float32), found a block of DRAW_BLOCK tokens at a time; the last token with mass where rounding puts u C(V) at
+// a sum's end
+constexpr int64_t DRAW_BLOCK = 128;
+
+double block_sum(const float* x, int64_t n) {
+  double a[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4)
+    for (int u = 0; u < 4; ++u) a[u] += x[j + u];
+  for (; j < n; ++j) a[0] += x[j];
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+int64_t inverse_cdf(const at::Tensor& probs, double u) {
+  TORCH_CHECK(probs.dim() == 1 && probs.scalar_type() == at::kFloat, "inverse_cdf: probs must be a float32 [V] tensor");
+  const at::Tensor c = probs.contiguous();
+  const float* x = c.data_ptr<float>();
+  const int64_t V = c.numel(), nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+  std::vector<double> cb(nb);  // running sums up to the end of each block
+  double run = 0.0;
+  int64_t last = 0;  // the last block with mass
+  for (int64_t b = 0; b < nb; ++b) {
+    const double s = block_sum(x + b * DRAW_BLOCK, std::min(DRAW_BLOCK, V - b * DRAW_BLOCK));
+    run += s;
+    cb[b] = run;
+    if (s > 0.0) last = b;
+  }
+  const double v = u * run;
+  int64_t b = std::upper_bound(cb.begin(), cb.end(), v) - cb.begin();
+  b = std::min(b, last);
+  double acc = b ? cb[b - 1] : 0.0;
+  const int64_t lo = b * DRAW_BLOCK, hi = std::min(V, lo + DRAW_BLOCK);
+  int64_t pick = -1, last_mass = lo;
+  for (int64_t i = lo; i < hi; ++i) {
+    if (x[i] > 0.f) last_mass = i;
+    acc += x[i];
+    if (pick < 0 && v < acc) pick = i;
+  }
+  return pick < 0 ? last_mass : std::min(pick, last_mass);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("cut_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, int positions) -> Tensor");
+  m.def("inverse_cdf(Tensor probs, float u) -> int");
 }
-TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("cut_probs", &cut_probs); }
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("cut_probs", &cut_probs);
+  m.impl("inverse_cdf", &inverse_cdf);
+}
 """
 
 WHAT = "the sampling kernel"
