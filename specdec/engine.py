@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import torch
 
-from specdec import policy
+from specdec import policy, sampling_kernel
 from specdec.adaptive import AdaptiveK
 from specdec.config import SamplingParams, SchedulerConfig
 from specdec.detokenizer import Detokenizer
@@ -69,6 +69,8 @@ class Engine:
         self.detokenizer = Detokenizer(tokenizer, eos_token_ids)
         self.stats = SpecDecodingStats()
         self.device = target.device
+        if self.device.type == "cpu":
+            sampling_kernel.available()  # built (once per machine, seconds) at load, not at a first sampled request
         self.logprobs_mode = check_logprobs_mode(logprobs_mode)  # logprobs.py
         self.token_text = TokenText(tokenizer)
         self.intake = Intake(target, self.scheduler, self.detokenizer, self.token_text)
