@@ -206,7 +206,8 @@ def inverse_cdf(x: np.ndarray, u: float) -> int:
     j = min(int(np.searchsorted(cb, v, side="right")), int(np.searchsorted(cb, cb[-1], side="left")))
     cw = np.cumsum(x[j * DRAW_BLOCK:(j + 1) * DRAW_BLOCK], dtype=np.float64)  # [DRAW_BLOCK] within block j
     w = v - (cb[j - 1] if j else 0.0)
-    return j * DRAW_BLOCK + min(int(np.searchsorted(cw, w, side="right")), int(np.searchsorted(cw, cw[-1], side="left")))
+    i = min(int(np.searchsorted(cw, w, side="right")), int(np.searchsorted(cw, cw[-1], side="left")))
+    return j * DRAW_BLOCK + i
 
 
 def _last_positive(c: torch.Tensor, i: torch.Tensor) -> torch.Tensor:

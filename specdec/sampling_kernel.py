@@ -7,7 +7,8 @@ that holds each cut, and only that bucket's tokens are ranked, by value and at a
 ``sampling._top_k_top_p_numpy`` keeps ties). Masses are summed in float64, the exponentials are
 ATen's vectorized ``exp`` (within 1 ulp). A mass within 1e-6 (relative) of top_p counts as reaching it, so
 where the mass above a token is top_p itself up to float32's rounding this may keep one token less than the
-sort rule's float32 sums (tests/test_sampling.py leaves such rows out). A C++ extension (models/native.py); ``available()`` says whether it runs here.
+sort rule's float32 sums (tests/test_sampling.py leaves such rows out). A C++ extension (models/native.py);
+``available()`` says whether it runs here.
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ def _build() -> None:
     native.build("sampling_kernel", _SOURCE, WHAT)
 
 
-def cut_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def cut_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+              top_p: torch.Tensor) -> torch.Tensor:
     """logits [S, ..., V] (CPU) with each row's temperature, top_k, top_p [S] -> probabilities [S, ..., V] float32."""
     shape = logits.shape
     flat = logits.reshape(-1, shape[-1]).float().contiguous()  # [S * positions, V]
