@@ -261,3 +261,13 @@ def test_a_cut_rows_probabilities_are_the_same_alone_and_in_a_batch():
     for b in range(4):
         alone = probs_from_logits(logits[b:b + 1], SamplingBatch.from_params(params[b:b + 1]))
         assert torch.equal(batch[b], alone[0]), b
+
+
+def test_the_devices_draw_takes_the_last_token_with_mass_at_the_end():
+    """``draw`` off the CPU (torch's running sums and searchsorted, as on a GPU), run here on CPU tensors."""
+    p = torch.zeros(300)
+    p[[5, 200]] = torch.tensor([0.25, 0.75])
+    c = p.double().cumsum(-1)
+    for u, want in ((0.0, 5), (0.2499, 5), (0.25, 200), (1 - 2**-53, 200), (1.0, 200)):
+        v = torch.tensor([u], dtype=torch.float64) * c[-1]
+        assert int(sampling._last_positive(c, torch.searchsorted(c, v, right=True)[0])) == want
