@@ -271,3 +271,27 @@ def test_the_devices_draw_takes_the_last_token_with_mass_at_the_end():
     for u, want in ((0.0, 5), (0.2499, 5), (0.25, 200), (1 - 2**-53, 200), (1.0, 200)):
         v = torch.tensor([u], dtype=torch.float64) * c[-1]
         assert int(sampling._last_positive(c, torch.searchsorted(c, v, right=True)[0])) == want
+
+
+def test_without_the_sampling_kernel_the_numpy_cut_and_draw_give_the_same_distribution(monkeypatch):
+    """Where the kernel cannot be built (no compiler, no AVX2: ARM), probs_from_logits cuts with numpy's sort of
+    values and ``draw`` sums in numpy: the same kept tokens and probabilities, and draws that follow them."""
+    from lossless import FALSE_ALARM, chi_square_p
+
+    from specdec import sampling_kernel
+    from specdec.models.native import Availability
+    from specdec.sampling import draw
+
+    logits = 4 * torch.randn(2, 3, 500, generator=torch.Generator().manual_seed(2))
+    sb = SamplingBatch.from_params([SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(top_k=30)])
+    with_kernel = probs_from_logits(logits, sb) if sampling_kernel.available().ok else None
+    monkeypatch.setattr(sampling_kernel, "available", lambda: Availability(False, "test"))
+    without = probs_from_logits(logits, sb)
+    assert torch.allclose(without.sum(-1), torch.ones(2, 3))
+    if with_kernel is not None:
+        assert torch.equal(with_kernel > 0, without > 0)
+        torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-7)
+    p = without[0, 0]
+    g = make_generator(4)
+    draws = np.array([draw(p, g) for _ in range(20000)])
+    assert chi_square_p(draws, p.double().numpy()) > FALSE_ALARM
