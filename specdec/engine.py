@@ -155,7 +155,8 @@ class Engine:
         t0 = time.perf_counter()
         self.target.sync_rows([s.seq_id for s in self.running])  # cache rows follow batch order
         shapes = self.scheduler.tree_shapes()  # [B] a draft tree per row, or None: a chain round (policy.tree_round)
-        wanted = self.scheduler.num_wanted(not self._cold) if shapes is None else [sh.num_nodes if sh else 0 for sh in shapes]
+        wanted = (self.scheduler.num_wanted(timed=not self._cold) if shapes is None
+                  else [sh.num_nodes if sh else 0 for sh in shapes])
         batch = RoundBatch.build(self.running, wanted, self.device, self._last_sampling)
         self._last_sampling = batch.sampling
         if shapes is not None:  # draft trees: _tree_round's steps 1-5

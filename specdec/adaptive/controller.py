@@ -141,7 +141,7 @@ class AdaptiveK:
             if max(estimated[1:]) > 1.0:
                 best, why = choose_k(estimated, estimated), "estimate"
             elif not timed:
-                best, why = 0, "cold"  # learning waits for a round the engine times
+                return self._note(B, 0, "cold", estimated)  # learning waits for a round the engine times
             else:  # the estimate says no k pays: the bound decides whether to keep learning
                 hope = self.costs.optimistic_line(B)
                 upper = self.acceptance.upper(self.k_max, seq_ids if fresh else ())
@@ -150,8 +150,6 @@ class AdaptiveK:
                 if best and not self.pacer.allows(self._plain_token(B), seq_ids):
                     return self._note(B, 0, "paced", estimated)
                 self.pacer.learning = best > 0
-        if why == "cold":
-            return self._note(B, 0, why, estimated)
         if best == 0:
             k = self.prober.off(B, was_probe, self.costs, self.k_max) if timed else 0
             return self._note(B, k, "probe" if k else why if why == "off" else "gave up", estimated)
@@ -159,8 +157,8 @@ class AdaptiveK:
         k = self._refresh(B, best, thin=why == "estimate")
         if why == "estimate":
             self.pacer.paid(seq_ids)
-        if why == "estimate" and k == best:  # it stands a few rounds for these rows
-            self._held = (list(seq_ids), k, self.rounds)
+            if k == best:  # it stands a few rounds for these rows
+                self._held = (list(seq_ids), k, self.rounds)
         return self._note(B, k, why if k == best else "refresh", estimated)
 
     def _note(self, B: int, k: int, why: str, estimated: list[float] | None) -> list[int]:
