@@ -7,7 +7,8 @@ benchmark wraps the runner objects' ``forward`` / ``greedy_steps`` (the target's
 ``Engine.step`` (one round), the verify batch's construction and the verifier call, and splits each
 round into:
 
-- draft kernel: inside the draft runner's forward / greedy_steps calls (an EAGLE-3 head's step / fuse)
+- draft kernel: inside the draft runner's forward / greedy_steps / sampled_steps calls (an EAGLE-3 head's step /
+  fuse), less the time in sampled_steps' picks (the drafter drawing each token: host work)
 - draft host: the rest of the round before the verify batch is built (scheduling, the drafter's own work)
 - verify kernel: inside the target's forward call
 - hand-over (EAGLE-3): of the above, the target's kept layer inputs on their way to the head: copying
@@ -112,6 +113,24 @@ class Recorder:
 
         setattr(obj, name, timed)
 
+    def wrap_picks(self, obj, name: str, kind: str) -> None:
+        """``wrap`` for ``sampled_steps``: the time inside its ``pick`` calls (the drafter's sampling, host
+        work) is recorded as "pick" events, which the round takes out of ``kind``'s kernel time."""
+        def with_timed_pick(token_ids, start, steps, pick, *args, **kwargs):
+            def timed_pick(logits):
+                t0 = time.perf_counter()
+                try:
+                    return pick(logits)
+                finally:
+                    self.events.append(("pick", t0, time.perf_counter(), 0))
+            return inner(token_ids, start, steps, timed_pick, *args, **kwargs)
+
+        inner = getattr(obj, name)
+        self.wrapped.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, with_timed_pick)
+        self.wrap(obj, name, kind)
+        self.wrapped.pop()  # restored once, by the entry above
+
     def unwrap(self) -> None:
         for obj, name, held in reversed(self.wrapped):
             if held is None:
@@ -138,7 +157,8 @@ class Recorder:
                                      verify_host=t1 - t0 - sum(map(span, steps)), decode=decode, plain=True,
                                      drafted=False))
             return
-        draft = covered([e for e in ev if e[0] == "draft"])  # greedy_steps may call forward: counted once
+        # greedy_steps may call forward: counted once; a sampled chain's picks are the drafter's host work
+        draft = covered([e for e in ev if e[0] == "draft"]) - covered([e for e in ev if e[0] == "pick"])
         built = next((e[1] for e in ev if e[0] == "verify_batch"), None)
         accepted = next((e[2] for e in ev if e[0] == "accept"), None)
         if built is None or accepted is None or not target:
@@ -192,6 +212,8 @@ def instrumented(llm, recorder: Recorder):
         for name in ("greedy_steps", "step", "chain_step", "catch_up_row", "fuse"):
             if hasattr(runner, name):
                 recorder.wrap(runner, name, "draft")
+        if hasattr(runner, "sampled_steps"):
+            recorder.wrap_picks(runner, "sampled_steps", "draft")
         if hasattr(runner, "_decode"):
             recorder.wrap(runner, "_decode", "decode")
     max_feed = 1 + max(engine.k, 0)

@@ -25,14 +25,15 @@ class SamplingBatch:
     """Per-row sampling parameters of a batch, as tensors."""
 
     temperature: torch.Tensor  # [B]; 1.0 stands in for greedy rows, which never sample
-    top_k: torch.Tensor  # [B] long; 0 disables
-    top_p: torch.Tensor  # [B]; 1.0 disables
-    min_p: torch.Tensor  # [B]; 0.0 disables
+    top_k: torch.Tensor  # [B] long; 0 disables (greedy rows: 0)
+    top_p: torch.Tensor  # [B]; 1.0 disables (greedy rows: 1.0)
+    min_p: torch.Tensor  # [B]; 0.0 disables (greedy rows: 0.0)
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     cut_rows: tuple[int, ...]  # the sampled rows that use top-k or top-p
     needs_min_p: bool
     params: tuple[SamplingParams, ...] = ()  # what the rows were built from (``from_params(..., reuse=)``)
+    all_sampled: bool = False  # no greedy row (False where unsure: a ``select`` of a mixed batch)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu",
@@ -49,14 +50,15 @@ class SamplingBatch:
         greedy = [p.greedy for p in params]
         return cls(
             temperature=t([1.0 if p.greedy else p.temperature for p in params]),
-            top_k=t([p.top_k for p in params], torch.long),
-            top_p=t([p.top_p for p in params]),
-            min_p=t([p.min_p for p in params]),
+            top_k=t([0 if p.greedy else p.top_k for p in params], torch.long),
+            top_p=t([1.0 if p.greedy else p.top_p for p in params]),
+            min_p=t([0.0 if p.greedy else p.min_p for p in params]),
             greedy=t(greedy, torch.bool),
             all_greedy=all(greedy),
             cut_rows=tuple(b for b, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1.0)),
             needs_min_p=any(not p.greedy and p.min_p > 0 for p in params),
             params=tuple(params),
+            all_sampled=not any(greedy),
         )
 
     @property
@@ -72,7 +74,7 @@ class SamplingBatch:
         cut_rows = tuple(i for i, r in enumerate(rows) if r in self.cut_rows)
         return SamplingBatch(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
                              self.greedy[idx], self.all_greedy, cut_rows, self.needs_min_p,
-                             tuple(self.params[r] for r in rows) if self.params else ())
+                             tuple(self.params[r] for r in rows) if self.params else (), self.all_sampled)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +91,8 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     extra = logits.dim() - 1
     shape = (-1,) + (1,) * extra  # broadcast a [B] parameter over the remaining dims
 
-    if sb.cut_rows and logits.device.type == "cpu" and sampling_kernel.available().ok:
-        probs = _cut_rows_native(logits, sb, shape)  # the cut rows in one native pass each, the others as below
+    if logits.device.type == "cpu" and sampling_kernel.available().ok:  # every row in one native pass
+        probs = sampling_kernel.cut_probs(logits, sb.temperature, sb.top_k, sb.top_p)
     else:
         logits = logits.float() / sb.temperature.view(shape)
         if sb.cut_rows:  # only the rows that use top-k or top-p: finding the cut costs more than the rest
@@ -101,21 +103,25 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
                 logits[rows] = _top_k_top_p(logits[rows], sb.top_k[rows], sb.top_p[rows])
         probs = torch.softmax(logits, dim=-1)
     if sb.needs_min_p:
-        min_p = sb.min_p.view(shape)
-        kept = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))
-        probs = torch.where(min_p > 0, kept / kept.sum(dim=-1, keepdim=True), probs)  # others: untouched
+        probs = _min_p(probs, sb.min_p.view(shape))
     return probs
 
 
-def _cut_rows_native(logits: torch.Tensor, sb: SamplingBatch, shape: tuple) -> torch.Tensor:
-    """``probs_from_logits`` before min-p on the CPU with the sampling kernel (sampling_kernel.py) for the rows
-    that use top-k or top-p; a row's probabilities are the same alone and in any batch."""
-    if len(sb.cut_rows) == len(logits):
-        return sampling_kernel.cut_probs(logits, sb.temperature, sb.top_k, sb.top_p)
-    probs = torch.softmax(logits.float() / sb.temperature.view(shape), dim=-1)
-    rows = torch.tensor(sb.cut_rows)  # [S]
-    probs[rows] = sampling_kernel.cut_probs(logits[rows], sb.temperature[rows], sb.top_k[rows], sb.top_p[rows])
-    return probs
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Rows with min_p > 0 keep the tokens of at least min_p times their top probability, renormalised."""
+    kept = probs * (probs >= min_p * probs.amax(dim=-1, keepdim=True))
+    return torch.where(min_p > 0, kept / kept.sum(dim=-1, keepdim=True), probs)  # others: untouched
+
+
+def sample_from_logits(logits: torch.Tensor, sb: SamplingBatch,
+                       generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
+    """``probs_from_logits`` then ``sample``: logits [B, V] -> (probabilities [B, V], ids [B] as a list). On
+    the CPU with the sampling kernel, one native call for both (a sampling drafter's step: each torch call right
+    after a forward costs tens of µs in cache misses)."""
+    if logits.device.type == "cpu" and not sb.needs_min_p and sampling_kernel.available().ok:
+        return sampling_kernel.module().sample_rows(logits, sb.temperature, sb.top_k, sb.top_p, list(generators))
+    probs = probs_from_logits(logits, sb)
+    return probs, sample(probs, generators).tolist()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -171,6 +177,8 @@ def _top_k_top_p_numpy(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarra
 def sample(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row: probs [B, V] -> ids [B], row b drawn with ``generators[b]`` (``draw``): each row
     takes one float64 uniform from its own generator whatever else is in the batch."""
+    if probs.device.type == "cpu" and sampling_kernel.available().ok:
+        return torch.tensor(sampling_kernel.module().draw_rows(probs, list(generators)))
     return torch.stack([_draw(probs[b], g) for b, g in enumerate(generators)])  # on the device: no wait for a GPU
 
 
@@ -180,6 +188,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     sums in float64, so x comes with probability p(x) / sum(p) and a token of p 0 never. On the CPU the
     sums are found in blocks of DRAW_BLOCK (the block, then the token in it): 16 µs for 8,192 tokens,
     where the exponential race, argmax p(x) / E_x with V exponentials, took 69 (Xeon-AMX-FP16)."""
+    if probs.device.type == "cpu" and sampling_kernel.available().ok:  # u drawn there as ``_draw`` draws it
+        return sampling_kernel.module().draw_rows(probs, [generator])[0]
     return int(_draw(probs, generator))
 
 
@@ -191,8 +201,6 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     if probs.device.type != "cpu":
         c = probs.double().cumsum(-1)  # [V]
         return _last_positive(c, torch.searchsorted(c, u * c[-1], right=True)[0])
-    if sampling_kernel.available().ok:
-        return torch.tensor(torch.ops.specdec.inverse_cdf(probs.detach().float(), float(u)))
     return torch.tensor(inverse_cdf(probs.detach().numpy(), float(u)))
 
 

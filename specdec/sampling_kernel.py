@@ -26,13 +26,22 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <vector>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/DistributionsHelper.h>
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include <torch/extension.h>
 
 namespace {
+
+// t as a contiguous float32 (int64 when ``integer``) tensor: itself when it is one, without a dispatched call
+// (each costs µs in cache misses right after a forward)
+at::Tensor as_dense(const at::Tensor& t, bool integer = false) {
+  const auto want = integer ? at::kLong : at::kFloat;
+  return t.scalar_type() == want && t.is_contiguous() ? t : t.to(want).contiguous();
+}
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t W = Vec::size();
@@ -168,24 +177,23 @@ void row_probs(const float* x, int64_t V, float t, int64_t k, float p, float* z,
   for (; j < V; ++j) w[j] *= inv;
 }
 
-// logits [R, V] float32, R = B * P rows (P positions a batch row); temperature, top_p [B] float32, top_k [B] int64
+// logits [S, ..., V] -> probabilities [S, ..., V] float32, row s's positions with temperature[s], top_k[s], top_p[s]
 at::Tensor cut_probs(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                     const at::Tensor& top_p, int64_t positions) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
-              "cut_probs: logits must be a contiguous float32 [R, V] tensor");
-  const int64_t R = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(positions >= 1 && R % positions == 0 && temperature.numel() * positions == R &&
-              top_k.numel() * positions == R && top_p.numel() * positions == R, "cut_probs: parameters per row");
-  auto t = temperature.contiguous(), pp = top_p.contiguous();
-  auto kk = top_k.to(at::kLong).contiguous();
-  at::Tensor out = at::empty({R, V}, logits.options());
+                     const at::Tensor& top_p) {
+  const at::Tensor x = as_dense(logits);
+  TORCH_CHECK(x.dim() >= 2, "cut_probs: logits must be [S, ..., V]");
+  const int64_t S = x.size(0), V = x.size(-1), R = x.numel() / std::max<int64_t>(V, 1);
+  TORCH_CHECK(temperature.numel() == S && top_k.numel() == S && top_p.numel() == S, "cut_probs: parameters per row");
+  const int64_t positions = S ? R / S : 1;
+  const at::Tensor t = as_dense(temperature), pp = as_dense(top_p), kk = as_dense(top_k, true);
+  at::Tensor out = at::detail::empty_cpu(x.sizes(), at::kFloat, false, std::nullopt);  // not dispatched
   std::vector<float> z(V);
   Row row(V);
-  const float* x = logits.data_ptr<float>();
+  const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t b = r / positions;
-    row_probs(x + r * V, V, t.data_ptr<float>()[b], kk.data_ptr<int64_t>()[b], pp.data_ptr<float>()[b], z.data(),
+    const int64_t s = r / positions;
+    row_probs(in + r * V, V, t.data_ptr<float>()[s], kk.data_ptr<int64_t>()[s], pp.data_ptr<float>()[s], z.data(),
               o + r * V, row);
   }
   return out;
@@ -205,11 +213,8 @@ double block_sum(const float* x, int64_t n) {
   return (a[0] + a[1]) + (a[2] + a[3]);
 }
 
-int64_t inverse_cdf(const at::Tensor& probs, double u) {
-  TORCH_CHECK(probs.dim() == 1 && probs.scalar_type() == at::kFloat, "inverse_cdf: probs must be a float32 [V] tensor");
-  const at::Tensor c = probs.contiguous();
-  const float* x = c.data_ptr<float>();
-  const int64_t V = c.numel(), nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+int64_t inverse_cdf_of(const float* x, int64_t V, double u) {
+  const int64_t nb = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
   std::vector<double> cb(nb);  // running sums up to the end of each block
   double run = 0.0;
   int64_t last = 0;  // the last block with mass
@@ -233,35 +238,158 @@ int64_t inverse_cdf(const at::Tensor& probs, double u) {
   return pick < 0 ? last_mass : std::min(pick, last_mass);
 }
 
+int64_t inverse_cdf(const at::Tensor& probs, double u) {
+  TORCH_CHECK(probs.dim() == 1 && probs.scalar_type() == at::kFloat, "inverse_cdf: probs must be a float32 [V] tensor");
+  const at::Tensor c = probs.contiguous();
+  return inverse_cdf_of(c.data_ptr<float>(), c.numel(), u);
+}
+
+// one uniform in [0, 1) from a CPU generator, the value torch.rand(1, dtype=torch.float64, generator=g) gives
+double uniform64(at::Generator& g) {
+  auto* gen = at::check_generator<at::CPUGeneratorImpl>(g);
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  at::uniform_real_distribution<double> uniform(0.0, 1.0);
+  return uniform(gen);
+}
+
+// sampling.sample on the CPU: one token per row of probs [B, V] (float32), row b with generators[b]
+std::vector<int64_t> draw_rows(const at::Tensor& probs, std::vector<at::Generator> generators) {
+  const at::Tensor c = as_dense(probs);
+  const int64_t V = c.size(-1);
+  TORCH_CHECK(c.numel() == V * static_cast<int64_t>(generators.size()), "draw_rows: probs [B, V], a generator a row");
+  std::vector<int64_t> ids(generators.size());
+  for (size_t b = 0; b < generators.size(); ++b)
+    ids[b] = inverse_cdf_of(c.data_ptr<float>() + b * V, V, uniform64(generators[b]));
+  return ids;
+}
+
+// sampling.sample_from_logits on the CPU: each row's probabilities (row_probs, what cut_probs makes) into a new
+// [B, V] tensor, then one draw a row (draw_rows); temperature, top_p [B] float32, top_k [B] int64
+std::tuple<at::Tensor, std::vector<int64_t>> sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
+                                                        const at::Tensor& top_k, const at::Tensor& top_p,
+                                                        std::vector<at::Generator> generators) {
+  const at::Tensor x = as_dense(logits);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == static_cast<int64_t>(generators.size()) && temperature.numel() == x.size(0) &&
+              top_k.numel() == x.size(0) && top_p.numel() == x.size(0), "sample_rows: logits [B, V], parameters and generators per row");
+  const int64_t B = x.size(0), V = x.size(1);
+  const at::Tensor t = as_dense(temperature), pp = as_dense(top_p), kk = as_dense(top_k, true);
+  at::Tensor out = at::detail::empty_cpu({B, V}, at::kFloat, false, std::nullopt);  // not dispatched
+  std::vector<float> z(V);
+  Row row(V);
+  std::vector<int64_t> ids(B);
+  for (int64_t b = 0; b < B; ++b) {
+    float* o = out.data_ptr<float>() + b * V;
+    row_probs(x.data_ptr<float>() + b * V, V, t.data_ptr<float>()[b], kk.data_ptr<int64_t>()[b], pp.data_ptr<float>()[b],
+              z.data(), o, row);
+    ids[b] = inverse_cdf_of(o, V, uniform64(generators[b]));
+  }
+  return {out, ids};
+}
+
+// verify.rejection_sample for row b of a batch on the CPU, in one call: draft_ids [B, k] (int64), draft_probs [B, k, V]
+// (float32; None: one-hot drafts), num_draft [B], the target's logits [B, k + 1, V] and the rows' sampling parameters
+// [B]. Each p_i is made from its logits when the rule reads it (row_probs, as cut_probs makes it), up to the first
+// rejection. The same draws in the same order as the Python rule: a row whose drafts are one-hot one draw per token it
+// emits (verify._exact_match), any other n float32 uniforms, then one draw from the residual at the first rejection
+// or from the bonus p (verify._accept_or_recover_row). Returns (accepted drafts, the recovered or bonus token).
+std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const at::Tensor& draft_ids,
+                                        const std::optional<at::Tensor>& draft_probs, const at::Tensor& num_draft,
+                                        const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                                        int64_t b, at::Generator generator) {
+  const at::Tensor logits = as_dense(target_logits), ids = as_dense(draft_ids, true), counts = as_dense(num_draft, true);
+  TORCH_CHECK(logits.dim() == 3 && ids.dim() == 2 && logits.size(0) == ids.size(0) && logits.size(1) == ids.size(1) + 1 &&
+              b >= 0 && b < logits.size(0), "verify_row: target logits [B, k + 1, V], draft ids [B, k], a row b < B");
+  const int64_t k = ids.size(1), V = logits.size(2), n = counts.data_ptr<int64_t>()[b];
+  TORCH_CHECK(n >= 0 && n <= k, "verify_row: num_draft[b] must be within 0..k");
+  const at::Tensor t = as_dense(temperature), pp = as_dense(top_p), kk = as_dense(top_k, true);
+  const float* row_logits = logits.data_ptr<float>() + b * (k + 1) * V;
+  const int64_t* x = ids.data_ptr<int64_t>() + b * k;
+  std::vector<float> z(V), p(V);
+  Row scratch(V);
+  auto probs_at = [&](int64_t i) {  // p_i [V] into p
+    row_probs(row_logits + i * V, V, t.data_ptr<float>()[b], kk.data_ptr<int64_t>()[b], pp.data_ptr<float>()[b],
+              z.data(), p.data(), scratch);
+  };
+  const float* q = nullptr;  // [k, V], this row's q_i
+  bool one_hot = true;
+  if (draft_probs.has_value()) {
+    const at::Tensor qs = as_dense(*draft_probs);
+    TORCH_CHECK(qs.dim() == 3 && qs.size(0) == logits.size(0) && qs.size(1) == k && qs.size(2) == V,
+                "verify_row: draft probs [B, k, V]");
+    q = qs.data_ptr<float>() + b * k * V;
+    for (int64_t i = 0; i < n && one_hot; ++i) {  // q_i is one-hot(x_i): q_i(x_i) is 1 and no other token has mass
+      const float* qi = q + i * V;
+      if (qi[x[i]] != 1.f) one_hot = false;
+      for (int64_t j = 0; j < V && one_hot; ++j) one_hot = j == x[i] || qi[j] <= 0.f;
+    }
+  }
+  if (one_hot) {  // y_i ~ p_i, accepted while y_i == x_i (verify._exact_match)
+    for (int64_t i = 0;; ++i) {
+      probs_at(i);
+      const int64_t y = inverse_cdf_of(p.data(), V, uniform64(generator));
+      if (i >= n || y != x[i]) return {i, y};
+    }
+  }
+  std::vector<float> bars(n);  // u_i q_i(x_i), float32 products as torch makes them
+  {
+    auto* gen = at::check_generator<at::CPUGeneratorImpl>(generator);
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    at::uniform_real_distribution<float> uniform(0.f, 1.f);
+    for (int64_t i = 0; i < n; ++i) bars[i] = static_cast<float>(uniform(gen)) * q[i * V + x[i]];
+  }
+  int64_t accepted = n;
+  for (int64_t i = 0; i < n; ++i) {
+    probs_at(i);
+    if (!(bars[i] < p[x[i]])) {
+      accepted = i;
+      break;
+    }
+  }
+  if (accepted == n) {
+    probs_at(n);  // the bonus distribution
+  } else {  // the residual max(0, p - q) at the first rejection, drawn from as it is (its scale does not change a draw)
+    const float* qa = q + accepted * V;
+    double mass = 0.0;
+    std::vector<float> residual(V);
+    for (int64_t j = 0; j < V; ++j) mass += residual[j] = std::max(p[j] - qa[j], 0.f);
+    if (mass > 0.0) p.swap(residual);  // else p itself, only against rounding
+  }
+  return {accepted, inverse_cdf_of(p.data(), V, uniform64(generator))};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("cut_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, int positions) -> Tensor");
-  m.def("inverse_cdf(Tensor probs, float u) -> int");
-}
-TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("cut_probs", &cut_probs);
-  m.impl("inverse_cdf", &inverse_cdf);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("verify_row", &verify_row);
+  m.def("cut_probs", &cut_probs);
+  m.def("inverse_cdf", &inverse_cdf);
+  m.def("draw_rows", &draw_rows);
+  m.def("sample_rows", &sample_rows);
 }
 """
 
 WHAT = "the sampling kernel"
 
 
-@functools.cache
 def available() -> native.Availability:
-    """Whether this CPU and install run ``specdec::cut_probs`` (building it the first time), and why not."""
-    return native.availability("cut_probs", _build, WHAT)
+    """Whether this CPU and install run the sampling kernel (building it the first time), and why not."""
+    return _load()[1]
 
 
-def _build() -> None:
-    native.build("sampling_kernel", _SOURCE, WHAT)
+def module():
+    """The built kernel (its functions take tensors and generators through pybind11, not the dispatcher)."""
+    ext, ok = _load()
+    if ext is None:
+        raise RuntimeError(f"{WHAT} is unavailable: {ok.reason}")
+    return ext
+
+
+@functools.cache
+def _load() -> tuple[object | None, native.Availability]:
+    return native.module_availability(lambda: native.build("sampling_kernel", _SOURCE, WHAT, python_module=True), WHAT)
 
 
 def cut_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
               top_p: torch.Tensor) -> torch.Tensor:
     """logits [S, ..., V] (CPU) with each row's temperature, top_k, top_p [S] -> probabilities [S, ..., V] float32."""
-    shape = logits.shape
-    flat = logits.reshape(-1, shape[-1]).float().contiguous()  # [S * positions, V]
-    out = torch.ops.specdec.cut_probs(flat, temperature.float(), top_k, top_p.float(), flat.shape[0] // shape[0])
-    return out.reshape(shape)
+    return module().cut_probs(logits, temperature, top_k, top_p)

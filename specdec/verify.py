@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import sampling_kernel
 from specdec.sampling import SamplingBatch, argmax, draw, probs_from_logits, sample
 
 
@@ -63,13 +64,18 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
         return verify_greedy(draft_token_ids, argmax(target_logits), num_draft)
     num_accepted = [0] * B
     next_ids = [0] * B
-    greedy_rows = [b for b in range(B) if sb.greedy[b]]
-    sampled_rows = [b for b in range(B) if not sb.greedy[b]]
+    greedy = [False] * B if sb.all_sampled else sb.greedy.tolist()  # [B], read once
+    greedy_rows = [b for b in range(B) if greedy[b]]
+    sampled_rows = [b for b in range(B) if not greedy[b]]
     if greedy_rows:
         g = verify_greedy(draft_token_ids[greedy_rows], argmax(target_logits[greedy_rows]), num_draft[greedy_rows])
         for i, b in enumerate(greedy_rows):
             num_accepted[b], next_ids[b] = g.num_accepted[i], g.next_token_ids[i]
-    if sampled_rows:
+    if sampled_rows and native_rows(target_logits, sb, len(sampled_rows)):
+        for b in sampled_rows:
+            num_accepted[b], next_ids[b] = verify_row(target_logits, draft_token_ids, draft_probs, num_draft, sb, b,
+                                                      generators[b])
+    elif sampled_rows:
         take = _take(sampled_rows, B, target_logits.device)
         sub = sb.select(sampled_rows)
         if sub.cut_rows and target_logits.device.type == "cpu" and len(sampled_rows) <= ROW_BY_ROW:
@@ -82,6 +88,22 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
         for i, b in enumerate(sampled_rows):
             num_accepted[b], next_ids[b] = s.num_accepted[i], s.next_token_ids[i]
     return VerifyResult(num_accepted, next_ids)
+
+
+def native_rows(target_logits: torch.Tensor, sb: SamplingBatch, rows: int) -> bool:
+    """Whether ``verify`` takes its sampled rows one native call each (``verify_row``): a few rows on the CPU
+    where the sampling kernel runs, without min-p (which the kernel does not apply)."""
+    return (rows <= ROW_BY_ROW and target_logits.device.type == "cpu" and not sb.needs_min_p
+            and sampling_kernel.available().ok)
+
+
+def verify_row(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+               num_draft: torch.Tensor, sb: SamplingBatch, b: int, generator: torch.Generator) -> tuple[int, int]:
+    """``rejection_sample`` for row b alone, in one call of the sampling kernel (sampling_kernel.py): each p_i
+    made from the target's logits [B, k+1, V] when read, the same draws in the same order, the same decisions.
+    Right after a forward a round's dozen small torch calls cost more than the rule's arithmetic."""
+    return sampling_kernel.module().verify_row(target_logits, draft_token_ids, draft_probs, num_draft,
+                                               sb.temperature, sb.top_k, sb.top_p, b, generator)
 
 
 def verify_greedy(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor | list[list[int]],
@@ -239,9 +261,8 @@ def _accept_or_recover_row(draft_token_ids: torch.Tensor, draft_probs: torch.Ten
     bars = (u * draft_probs[at, ids]).tolist()  # u_i q_i(x_i), float32 products as the batched rule makes them
     accepted = next((i for i, (bar, x) in enumerate(zip(bars, ids.tolist())) if not bar < float(target_probs[i][x])), n)
     p_next = target_probs[accepted]  # [V]
-    if accepted < n:  # the residual at the first rejection (its scale does not change the draw)
+    if accepted < n:  # the residual at the first rejection, drawn from as it is (its scale does not change a draw)
         residual = (p_next - draft_probs[min(accepted, k - 1)]).clamp_(min=0)
-        mass = residual.sum()
-        if mass > 0:  # whenever a rejection can happen (p != q); p itself only against rounding, as batched
-            p_next = residual / mass
+        if residual.sum() > 0:  # whenever a rejection can happen (p != q); p itself only against rounding, as batched
+            p_next = residual
     return accepted, draw(p_next, generator)

@@ -131,6 +131,35 @@ def test_greedy_steps_use_the_compiled_step_and_equal_eager(pair):
     compiled.compiled.read_every = 1
 
 
+def test_sampled_steps_use_the_compiled_step_and_hand_pick_eagers_logits(pair):
+    """CompiledStep.sampled_steps (a sampling drafter's chain on one row): the logits handed to ``pick`` at
+    each step equal eager's, its tokens are what is fed next (here a fixed chain), directly and through dynamo."""
+    compiled, eager, atol = pair
+    chain = [PROMPT[3], PROMPT[7], PROMPT[1], PROMPT[9], PROMPT[4], PROMPT[2]]
+
+    def run(r):
+        handed = []
+
+        def pick(logits):  # [1, V]
+            handed.append(logits.clone())
+            return [chain[len(handed)]]
+
+        r.release()
+        r.sync_rows(["s"])
+        r.forward(ForwardBatch.from_rows([PROMPT[:-1]], [0], logits="none"))
+        assert r.sampled_steps([chain[0]], [len(PROMPT) - 1], len(chain) - 1, pick) == [chain[1:]]
+        return torch.cat(handed)  # [steps, V]
+
+    expected = run(eager)
+    torch.testing.assert_close(run(compiled), expected, atol=atol, rtol=0)
+    assert compiled.last_path == "compiled"
+    direct, compiled.compiled.direct = compiled.compiled.direct, None  # through dynamo, as on CUDA
+    try:
+        torch.testing.assert_close(run(compiled), expected, atol=atol, rtol=0)
+    finally:
+        compiled.compiled.direct = direct
+
+
 def test_each_size_is_called_without_dynamo_and_equals_the_call_through_it(pair):
     """DirectGraphs: every compiled size was planned, and its direct call gives what the call through
     dynamo gives (the same kernels on the same inputs: bitwise), cache writes included."""

@@ -154,6 +154,44 @@ def test_greedy_steps_equal_greedy_forwards_and_stop_when_every_row_has_stopped(
 
 
 @pytest.mark.parametrize("backend", ["llama.cpp", "torch"])
+def test_sampled_steps_hand_each_steps_logits_to_pick_and_feed_its_tokens(converted, backend):
+    """ModelRunner.sampled_steps on both backends (a sampling drafter's chain): ``pick`` is handed each step's
+    logits [B, V], as one forward at a time gives them, and its tokens are fed next; from rows of different
+    cached lengths, rolled back first, the cache then holding start + steps positions."""
+    hf_dir, path, _ = converted["llama"]
+    runner, _ = load_runner(path if backend == "llama.cpp" else hf_dir, backend)
+    seqs = random_prompts(3, [9, 5, 7], seed=5)
+
+    def second_best(logits: torch.Tensor) -> list[int]:  # not the argmax: a chain greedy_steps would not take
+        return logits.topk(2, dim=-1).indices[:, 1].tolist()
+
+    runner.sync_rows(["ref"])
+    expected, expected_logits = [], []
+    for s in seqs:
+        ids, seen = list(s), []
+        for _ in range(5):
+            logits = runner.forward(ForwardBatch.from_rows([ids], [0], logits="last"))  # [1, V]
+            seen.append(logits[0].clone())
+            ids.append(second_best(logits)[0])
+        expected.append(ids[len(s):])
+        expected_logits.append(torch.stack(seen))
+    runner.sync_rows(["a", "b", "c"])
+    runner.forward(ForwardBatch.from_rows([s[:-1] + [1, 2] for s in seqs], [0, 0, 0], logits="none"))
+    handed = []
+
+    def pick(logits: torch.Tensor) -> list[int]:
+        handed.append(logits.clone())  # [B, V]
+        return second_best(logits)
+
+    got = runner.sampled_steps([s[-1] for s in seqs], [len(s) - 1 for s in seqs], 5, pick)
+    assert got == expected
+    for b in range(3):
+        assert (torch.stack([h[b] for h in handed]) - expected_logits[b]).abs().max() < LOGIT_TOL
+    if backend == "llama.cpp":
+        assert [runner.cached[runner.seq_of[i]] for i in "abc"] == [len(s) + 4 for s in seqs]
+
+
+@pytest.mark.parametrize("backend", ["llama.cpp", "torch"])
 def test_plain_rounds_of_several_steps_equal_rounds_of_one(converted, backend):
     """num_scheduler_steps: greedy plain rounds of up to 4 steps give what rounds of one give, with a
     stop token met inside a round, max_tokens that is no multiple of 4, and a stop string; the
@@ -316,6 +354,35 @@ def test_greedy_speculative_equals_plain_on_llamacpp(pair, method, batch):
     assert llm.get_metrics()["num_draft_tokens"] > 0
     if method == "draft_model":  # the drafts after the first token of each round: one greedy_steps call
         assert draft_steps and max(draft_steps) == cfg["num_speculative_tokens"] - 1
+
+
+@pytest.mark.parametrize("backend", ["llama.cpp", "torch"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_sampled_draft_chain_in_one_call_draws_what_the_loop_draws(pair, backend, batch, monkeypatch):
+    """Sampled draft_model drafts (every row draws all k): one ``sampled_steps`` call (autoregressive.sampled_chain)
+    against draft_autoregressive's loop of forwards: the same seeded outputs and the same accepted drafts."""
+    import specdec.drafters.autoregressive as autoregressive
+
+    target, near, _ = pair
+    prompts = random_prompts(batch, [5, 7, 4], seed=8)
+    sps = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=16, seed=40 + i, ignore_eos=True) for i in range(batch)]
+
+    def run():
+        llm = LLM(target, backend=backend, speculative_config={"method": "draft_model", "model": near,
+                                                              "num_speculative_tokens": 3, "adaptive": False})
+        runner = llm.engine.drafter.runner
+        calls = []
+        steps = runner.sampled_steps
+        monkeypatch.setattr(runner, "sampled_steps", lambda *a, **kw: (calls.append(a[2]), steps(*a, **kw))[1])
+        outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sps)]
+        return outs, llm.get_metrics()["num_accepted_tokens"], calls
+
+    chained, accepted, calls = run()
+    assert calls and max(calls) == 2  # x_2 and x_3 of each round from one call
+    with monkeypatch.context() as m:
+        m.setattr(autoregressive, "every_row_draws", lambda *a: False)
+        looped, accepted_loop, calls = run()
+    assert not calls and (chained, accepted) == (looped, accepted_loop)
 
 
 @pytest.fixture(scope="module")

@@ -209,7 +209,7 @@ def test_a_draw_at_the_end_of_the_mass_takes_the_last_token_with_mass(kernel):
         pytest.skip(f"sampling kernel: {sampling.sampling_kernel.available().reason}")
 
     def inverse_cdf(x, u):
-        return torch.ops.specdec.inverse_cdf(torch.from_numpy(x), u) if kernel else sampling.inverse_cdf(x, u)
+        return sampling.sampling_kernel.module().inverse_cdf(torch.from_numpy(x), u) if kernel else sampling.inverse_cdf(x, u)
 
     x = np.zeros(3 * DRAW_BLOCK + 5, dtype=np.float32)
     x[[5, DRAW_BLOCK + 7]] = [0.25, 0.75]
@@ -295,3 +295,45 @@ def test_without_the_sampling_kernel_the_numpy_cut_and_draw_give_the_same_distri
     g = make_generator(4)
     draws = np.array([draw(p, g) for _ in range(20000)])
     assert chi_square_p(draws, p.double().numpy()) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_sample_from_logits_is_probs_from_logits_then_sample(kernel, monkeypatch):
+    """``sample_from_logits`` (one native call on the CPU: a sampling drafter's step) gives the probabilities
+    ``probs_from_logits`` gives and the tokens ``sample`` draws from them with generators in the same states,
+    and leaves each generator where ``sample`` leaves it; with and without the sampling kernel."""
+    from specdec import sampling_kernel
+    from specdec.models.native import Availability
+    from specdec.sampling import sample_from_logits
+
+    if kernel and not sampling_kernel.available().ok:
+        pytest.skip(f"sampling kernel: {sampling_kernel.available().reason}")
+    if not kernel:
+        monkeypatch.setattr(sampling_kernel, "available", lambda: Availability(False, "test"))
+    rows = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.9),
+            SamplingParams(temperature=0.6, top_k=7), SamplingParams(temperature=1.3, top_k=40, top_p=0.5)]
+    sb = SamplingBatch.from_params(rows)
+    for trial in range(30):
+        logits = (0.5 + trial / 5) * torch.randn(4, 300, generator=torch.Generator().manual_seed(trial))
+        a = [make_generator(10 * trial + b) for b in range(4)]
+        b = [make_generator(10 * trial + b) for b in range(4)]
+        probs, ids = sample_from_logits(logits, sb, a)
+        expected = probs_from_logits(logits, sb)
+        assert torch.equal(probs, expected) and ids == sample(expected, b).tolist(), trial
+        assert all(torch.equal(x.get_state(), y.get_state()) for x, y in zip(a, b))
+
+
+def test_the_kernels_uniform_is_torchs():
+    """The sampling kernel draws its float64 uniform from the generator itself: the value, and the generator's
+    state after it, are those of ``torch.rand(1, dtype=torch.float64, generator=g)`` (a seed's draws do not
+    depend on which path drew them)."""
+    from specdec import sampling_kernel
+
+    if not sampling_kernel.available().ok:
+        pytest.skip(f"sampling kernel: {sampling_kernel.available().reason}")
+    p = torch.ones(1, 1000)
+    for seed in range(20):
+        a, b = make_generator(seed), make_generator(seed)
+        token = sampling_kernel.module().draw_rows(p, [a])[0]
+        u = float(torch.rand(1, dtype=torch.float64, generator=b))
+        assert token == int(u * 1000) and torch.equal(a.get_state(), b.get_state())

@@ -57,12 +57,39 @@ class Margins:
         self.generator_of, self.values = generator_of, []
         for module in (verify, autoregressive):
             monkeypatch.setattr(module, "sample", self._wrap_sample(module.sample))
+        monkeypatch.setattr(autoregressive, "sample_from_logits",
+                            self._wrap_sample_from_logits(autoregressive.sample_from_logits))
         monkeypatch.setattr(verify, "draw", self._wrap_draw(verify.draw))
         monkeypatch.setattr(verify, "_accept_or_recover", self._wrap_accept(verify._accept_or_recover))
+        monkeypatch.setattr(verify, "verify_row", self._wrap_row(verify.verify_row))
+        self.replay = None  # a copy of the watched generator while the Python rule replays a native row's
 
     def _watched(self, generators) -> int | None:
         g = self.generator_of()
-        return next((i for i, x in enumerate(generators) if x is g), None)
+        return next((i for i, x in enumerate(generators) if x is g or x is self.replay), None)
+
+    def _wrap_row(self, verify_row):
+        """A native row (verify.verify_row) records nothing itself: the Python rule replays it on a copy of the
+        generator, recorded by the wrappers above, and must reach the same decision."""
+        import specdec.verify as verify
+        from specdec.sampling import probs_from_logits
+
+        def recorded(target_logits, draft_token_ids, draft_probs, num_draft, sb, b, generator):
+            if self._watched([generator]) is not None and self.replay is None:
+                self.replay = torch.Generator().set_state(generator.get_state())
+                try:
+                    row = sb.select([b])
+                    p = probs_from_logits(target_logits[b:b + 1], row)  # [1, k+1, V]
+                    ref = verify.rejection_sample(draft_token_ids[b:b + 1],
+                                                  None if draft_probs is None else draft_probs[b:b + 1], p,
+                                                  [self.replay], num_draft[b:b + 1])
+                finally:
+                    self.replay = None
+                out = verify_row(target_logits, draft_token_ids, draft_probs, num_draft, sb, b, generator)
+                assert out == (ref.num_accepted[0], ref.next_token_ids[0])
+                return out
+            return verify_row(target_logits, draft_token_ids, draft_probs, num_draft, sb, b, generator)
+        return recorded
 
     def _wrap_sample(self, sample):
         def recorded(probs, generators):
@@ -70,6 +97,16 @@ class Margins:
             if i is not None:
                 self._draw_margin(probs[i], generators[i])
             return sample(probs, generators)
+        return recorded
+
+    def _wrap_sample_from_logits(self, sample_from_logits):
+        def recorded(logits, sb, generators):
+            i = self._watched(generators)
+            before = None if i is None else torch.Generator().set_state(generators[i].get_state())
+            probs, ids = sample_from_logits(logits, sb, generators)
+            if before is not None:
+                self._draw_margin(probs[i], before)
+            return probs, ids
         return recorded
 
     def _wrap_draw(self, draw):

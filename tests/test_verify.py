@@ -241,3 +241,42 @@ def test_target_rows_made_when_read_decide_as_the_whole_tensor():
         made += sum(len(r.made) for r in rows)
         read += B * (k + 1)
     assert made < 0.8 * read  # rows past a rejection were never made
+
+
+def test_the_native_row_rule_draws_and_decides_as_the_python_rule():
+    """``verify_row`` (one sampling-kernel call a row on the CPU) against ``rejection_sample`` on the same row's
+    p_i made up front: from generators in the same states, the same accepted count and token and the generator
+    left in the same state, for sampled drafts (rejections early and late, full acceptance, none drafted),
+    one-hot drafts, drafts without q, and each cut (temperature alone, top-k, top-p)."""
+    from specdec import sampling_kernel
+    from specdec.sampling import probs_from_logits
+    from specdec.verify import rejection_sample, verify_row
+
+    if not sampling_kernel.available().ok:
+        pytest.skip(f"sampling kernel: {sampling_kernel.available().reason}")
+    torch.manual_seed(3)
+    B, k, V = 4, 4, 80
+    sb = SamplingBatch.from_params([SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=20),
+                                    SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.2, top_k=30, top_p=0.9)])
+    outcomes = set()
+    for trial in range(120):
+        sharp = 0.5 + 4 * (trial % 40) / 40
+        logits = torch.randn(B, k + 1, V) * sharp
+        p = probs_from_logits(logits, sb)  # [B, k+1, V]
+        q = torch.softmax(logits[:, :k] * 0.9 + 0.5 * torch.randn(B, k, V), dim=-1)
+        if trial % 4 == 1:  # one-hot drafts: q_i = one-hot(x_i)
+            ids = torch.randint(V, (B, k))
+            q = torch.nn.functional.one_hot(ids, V).float()
+        else:
+            ids = torch.stack([torch.multinomial(q[b], 1).squeeze(-1) for b in range(B)])  # [B, k]
+        if trial % 4 == 2:
+            q = None
+        num_draft = torch.tensor([k, k - 1, 0, 2]) if trial % 3 else torch.full((B,), k)
+        for b in range(B):
+            a, c = make_generator(trial * 10 + b), make_generator(trial * 10 + b)
+            native = verify_row(logits, ids, q, num_draft, sb, b, a)
+            ref = rejection_sample(ids[b:b + 1], None if q is None else q[b:b + 1], p[b:b + 1], [c], num_draft[b:b + 1])
+            assert native == (ref.num_accepted[0], ref.next_token_ids[0]), (trial, b)
+            assert torch.equal(a.get_state(), c.get_state()), (trial, b)
+            outcomes.add((native[0] == int(num_draft[b]), native[0] == 0))
+    assert len(outcomes) >= 3  # full acceptance, a rejection at the first draft, one later

@@ -17,7 +17,7 @@ import torch
 from specdec.drafters.base import DraftProposal
 from specdec.models.base import long_tensor
 from specdec.processing import process_draft_logits
-from specdec.sampling import SamplingBatch, argmax, probs_from_logits, sample
+from specdec.sampling import SamplingBatch, argmax, probs_from_logits, sample, sample_from_logits
 from specdec.sequence import Sequence
 
 
@@ -36,18 +36,50 @@ def greedy_chain(first: list[int], greedy_steps: Callable[[list[int], int], list
     return DraftProposal(long_tensor([[f] + r for f, r in zip(first, rest)], device), None, list(num_draft))
 
 
+def sampled_chain(logits: torch.Tensor, sampled_steps: Callable, seqs: list[Sequence], k: int,
+                  sb: SamplingBatch) -> DraftProposal:
+    """Every row draws all k drafts from q with nothing between the draws (``every_row_draws``): x_1 and q_1
+    from ``logits`` [B, V], then x_2..x_k from one ``sampled_steps(x_1, k - 1, pick)`` call
+    (ModelRunner.sampled_steps), ``pick`` drawing each from the logits it is handed instead of k - 1 forwards."""
+    generators = [s.generator for s in seqs]
+    q_rows = []  # q_i [B, V]
+
+    def pick(step_logits: torch.Tensor) -> list[int]:  # [B, V] -> x_i [B]
+        q, x = sample_from_logits(step_logits, sb, generators)
+        q_rows.append(q)
+        return x
+
+    first = pick(logits)
+    rest = sampled_steps(first, k - 1, pick) if k > 1 else [[] for _ in seqs]  # [B, k-1]
+    return DraftProposal(long_tensor([[f] + r for f, r in zip(first, rest)], logits.device),
+                         torch.stack(q_rows, dim=1), [k] * len(seqs))  # [B, k], [B, k, V]
+
+
+def every_row_draws(seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch, draft_p_min: float = 0.0) -> bool:
+    """Whether every row samples the same number of drafts, each from q as processed for the target
+    (no greedy row, no logits processor, no draft_p_min): then ``sampled_chain`` may draft them."""
+    k = max(num_draft, default=0)
+    return (k > 0 and all(n == k for n in num_draft) and draft_p_min == 0.0 and sb.all_sampled
+            and all(s.processor is None for s in seqs))
+
+
 def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int], torch.Tensor],
                          seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch,
                          draft_p_min: float = 0.0,
-                         greedy_steps: Callable[[list[int], int], list[list[int]]] | None = None) -> DraftProposal:
+                         greedy_steps: Callable[[list[int], int], list[list[int]]] | None = None,
+                         sampled_steps: Callable | None = None) -> DraftProposal:
     """logits [B, V]: the drafter's distribution for the first draft position.
     feed(x [B], i) runs draft i (0-based) through the drafter and returns the logits [B, V] after it.
     greedy_steps(x_1 [B], n), optional: feeds x_1 and its own argmaxes, returning x_2..x_{n+1} [B, n]
-    (ModelRunner.greedy_steps); drafts that are all argmaxes then take one call instead of k."""
+    (ModelRunner.greedy_steps); drafts that are all argmaxes then take one call instead of k.
+    sampled_steps(x_1 [B], n, pick), optional: the same with each next token from ``pick(logits)``
+    (ModelRunner.sampled_steps); drafts that every row samples alike then take one call (``sampled_chain``)."""
     B, k = len(seqs), max(num_draft, default=0)
     device = logits.device
     if greedy_steps is not None and k > 1 and argmax_drafts(seqs, sb, draft_p_min):
         return greedy_chain(argmax(logits).tolist(), greedy_steps, num_draft, device)
+    if sampled_steps is not None and every_row_draws(seqs, num_draft, sb, draft_p_min):
+        return sampled_chain(logits, sampled_steps, seqs, k, sb)
     # the rows' bookkeeping in Python lists: a handful of tensor ops per step cost more than the lists at batch 1
     active = [n > 0 for n in num_draft]  # rows still drafting
     lengths = [0] * B
@@ -58,6 +90,10 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
         logits = process_draft_logits(logits, seqs, draft_ids)  # penalties / grammar as the target's at i
         if sb.all_greedy and draft_p_min == 0.0:
             x = argmax(logits)  # [B]
+        elif draft_p_min == 0.0 and not any(greedy) and all(active):  # every row draws x_i: q and x in one pass
+            q, ids = sample_from_logits(logits, sb, [s.generator for s in seqs])  # [B, V], [B]
+            draft_probs.append(q)
+            x = long_tensor(ids, device)
         else:
             q = probs_from_logits(logits, sb)  # [B, V]
             if draft_p_min > 0.0:  # too unsure: this row proposes nothing more

@@ -65,7 +65,10 @@ class DraftModelDrafter(Drafter):
         def greedy(x: list[int], n: int) -> list[list[int]]:  # x [B] fed at pos -> the next n argmaxes [B, n]
             return self.runner.greedy_steps(x, pos, n)
 
-        proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min, greedy)
+        def sampled(x: list[int], n: int, pick) -> list[list[int]]:  # x [B] fed at pos, then n picks fed [B, n]
+            return self.runner.sampled_steps(x, pos, n, pick)
+
+        proposal = draft_autoregressive(logits, feed, seqs, num_draft, sb, self.draft_p_min, greedy, sampled)
         self._remember(seqs, proposal)
         return proposal
 

@@ -8,7 +8,7 @@ Backends: the torch runner (``models/llama.py``) and llama.cpp (``models/llamacp
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,6 +160,22 @@ class ModelRunner(ABC):
                 if bool(stopped.all()):
                     break
         return torch.cat(out, dim=1).tolist()
+
+    def sampled_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int,
+                      pick: Callable[[torch.Tensor], Sequence[int]], row_offset: int = 0) -> list[list[int]]:
+        """``greedy_steps`` with each next token chosen by the caller (a sampling drafter's chain): row b
+        feeds ``token_ids[b]`` at ``start[b]``; after each step ``pick(logits [B, V])`` (valid until the next
+        step) gives the next tokens [B], fed at the next positions. Returns the picks [B, steps]; the cache
+        then holds start[b] + steps positions (the last pick is not fed). A backend overrides this with a
+        loop that skips the general forward's bookkeeping."""
+        x = list(token_ids)
+        out = []
+        for i in range(steps):
+            batch = ForwardBatch.dense(long_tensor([[t] for t in x], self.device), [p + i for p in start],
+                                       logits="last", row_offset=row_offset)
+            x = [int(t) for t in pick(self.forward(batch))]
+            out.append(x)
+        return [list(row) for row in zip(*out)] if out else [[] for _ in token_ids]
 
     def keep_hidden_states(self, layer_ids: Sequence[int]) -> None:
         """From now on every forward (``greedy_steps`` too) also keeps, per cache row and position, the

@@ -288,6 +288,16 @@ class LlamaRunner(ModelRunner):
         self.last_path = "compiled"
         return [self.compiled.greedy_steps(int(token_ids[0]), start[0], steps, row_offset, stop_token_ids)]
 
+    @torch.inference_mode()
+    def sampled_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, pick,
+                      row_offset: int = 0) -> list[list[int]]:
+        """The base contract; one row on the compiled step runs its lean loop (CompiledStep.sampled_steps)."""
+        if self.compiled is None or len(token_ids) != 1 or 1 not in self.compiled.sizes \
+                or self.compiled.why_not_shape(1, 1) is not None:
+            return super().sampled_steps(token_ids, start, steps, pick, row_offset)
+        self.last_path = "compiled"
+        return [self.compiled.sampled_steps(int(token_ids[0]), start[0], steps, row_offset, pick)]
+
     def _eager_forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         B, T = batch.token_ids.shape  # [B, T]
         # Rows padded to T by more than a quarter of the batch are packed: every layer runs on the N

@@ -517,23 +517,22 @@ class LlamaCppRunner(ModelRunner):
 
     def greedy_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int = 0,
                      stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
-        """The base contract in a lean loop: one llama batch of B tokens is refilled in place each step
-        and the argmax read straight from llama.cpp's logits buffer (what a plain step costs in
-        Python: docs/benchmarks.md, "Verify cost curves")."""
+        """The base contract in a lean loop (``_steps``): the argmax read straight from llama.cpp's logits
+        buffer (what a plain step costs in Python: docs/benchmarks.md, "Verify cost curves")."""
+        return self._steps(token_ids, start, steps, row_offset, lambda logits: logits.argmax(axis=1), stop_token_ids)
+
+    def sampled_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, pick,
+                      row_offset: int = 0) -> list[list[int]]:
+        """The base contract in ``greedy_steps``' lean loop: ``pick`` reads llama.cpp's logits buffer itself."""
+        return self._steps(token_ids, start, steps, row_offset, lambda logits: pick(torch.from_numpy(logits)))
+
+    def _steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int, choose,
+               stop_token_ids: Sequence[int] = ()) -> list[list[int]]:
+        """Up to ``steps`` one-token steps per row, one llama batch of B tokens refilled in place each step with
+        ``choose(logits [B, V] float32, a view of llama.cpp's buffer)``'s tokens; stops once every row has
+        chosen one of ``stop_token_ids``. Returns the chosen tokens [B, n]."""
         B = len(token_ids)
-        rows = self.order[row_offset : row_offset + B]
-        if len(rows) != B:
-            raise RuntimeError(f"greedy steps over rows {row_offset}..{row_offset + B - 1} but sync_rows "
-                               f"placed {len(self.order)}")
-        if steps < 1 or max(start) + steps > self.max_model_len:
-            raise ValueError(f"{steps} greedy steps from position {max(start)} do not fit max_model_len="
-                             f"{self.max_model_len}")
-        self._roll_back(rows, start, row_offset)
-        for b, s in enumerate(rows):
-            self.cached[s] = start[b] + steps
-        self._fit_cached()
-        batch = self._batch.fill(np.asarray(token_ids, dtype=np.int32), np.asarray(start, dtype=np.int32),
-                                 np.asarray(rows, dtype=np.int32), np.ones(B, dtype=np.int8))
+        rows, batch = self._steps_batch(token_ids, start, steps, row_offset)
         stops = np.asarray(stop_token_ids, dtype=np.int32)
         stopped = np.zeros(B, dtype=bool)
         out = np.empty((B, steps), dtype=np.int32)  # [B, steps]
@@ -547,7 +546,7 @@ class LlamaCppRunner(ModelRunner):
             if keep:
                 self._keep_states(B, self._batch.seq[:B], self._batch.pos[:B])
             logits = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(B, self.n_vocab))  # [B, n_vocab]
-            out[:, i] = logits[:, :V].argmax(axis=1)
+            out[:, i] = choose(logits[:, :V])
             if len(stops):
                 stopped |= np.isin(out[:, i], stops)
                 if stopped.all():
@@ -555,6 +554,24 @@ class LlamaCppRunner(ModelRunner):
                         self.cached[s] = start[b] + i + 1
                     return out[:, : i + 1].tolist()
         return out.tolist()
+
+    def _steps_batch(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int):
+        """``_steps``' setup: (the rows' sequence ids, the llama batch of their first tokens), each row rolled
+        back to its start and counted as holding ``steps`` more positions."""
+        B = len(token_ids)
+        rows = self.order[row_offset : row_offset + B]
+        if len(rows) != B:
+            raise RuntimeError(f"steps over rows {row_offset}..{row_offset + B - 1} but sync_rows "
+                               f"placed {len(self.order)}")
+        if steps < 1 or max(start) + steps > self.max_model_len:
+            raise ValueError(f"{steps} steps from position {max(start)} do not fit max_model_len="
+                             f"{self.max_model_len}")
+        self._roll_back(rows, start, row_offset)
+        for b, s in enumerate(rows):
+            self.cached[s] = start[b] + steps
+        self._fit_cached()
+        return rows, self._batch.fill(np.asarray(token_ids, dtype=np.int32), np.asarray(start, dtype=np.int32),
+                                      np.asarray(rows, dtype=np.int32), np.ones(B, dtype=np.int8))
 
     def _roll_back(self, rows: list[int], start: Sequence[int], row_offset: int) -> None:
         """Drop what each row held from its start on (rollback is a length change), and the last tree

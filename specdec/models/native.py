@@ -97,6 +97,23 @@ def availability(op: str, build_it, what: str) -> Availability:
         if not hasattr(torch.ops.specdec, op):
             build_it()
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return Availability(False, f"building {what} failed: {type(e).__name__}: {first}")
+        return Availability(False, _failed(what, e))
     return Availability(True, "")
+
+
+def module_availability(build_it, what: str) -> tuple[object | None, Availability]:
+    """``availability`` for a kernel built as a Python module (``build(..., python_module=True)``, called
+    without the dispatcher: a few µs where an operator's dispatch costs tens right after a forward):
+    (``build_it()``'s module or None, whether it runs here and why not)."""
+    reason = cpu_reason()
+    if reason is not None:
+        return None, Availability(False, reason)
+    try:
+        return build_it(), Availability(True, "")
+    except Exception as e:
+        return None, Availability(False, _failed(what, e))
+
+
+def _failed(what: str, e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"building {what} failed: {type(e).__name__}: {first}"
