@@ -143,7 +143,10 @@ class DraftModelDrafter(Drafter):
         if split in (0, B) or max(len(c) for c in chunks[split:]) <= CATCH_UP_TOGETHER:
             split = B
         parts = [self._catch_up(chunks[lo:hi], starts[lo:hi], lo, argmax) for lo, hi in ((0, split), (split, B)) if hi > lo]
-        out = [row for part in parts for row in part] if argmax else torch.cat(parts)  # [B(, V)]
+        if argmax:
+            out = [row for part in parts for row in part]  # [B]
+        else:
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [B, V]
         return out, [s + len(c) for s, c in zip(starts, chunks)]
 
     def _keep_accepted_paths(self, seqs: list[Sequence], is_new: list[bool]) -> None:

@@ -454,6 +454,12 @@ class CompiledStep:
         if argmax:  # as lists: no tensor op (each costs several µs of cache misses after the graph)
             index, row = batch.logits_index.tolist()[0], ids.tolist()[0]  # [] ("last") or [L]; [Tb]
             return [row[index] if isinstance(index, int) else [row[i] for i in index]]
+        if not self.cuda_graphs:  # the graph's outputs are this call's own: a view of them, no copy
+            where = batch.logits_index.tolist()[0]  # an int ("last") or [L] (a verify pass: consecutive)
+            if isinstance(where, int):
+                return logits[:, where]  # [1, V]
+            if where == list(range(where[0], where[0] + len(where))):
+                return logits[:, where[0]:where[0] + len(where)]  # [1, L, V]
         index = batch.logits_index[0]  # [] ("last") or [L]
         # index_select copies: on CUDA the graph's own output is overwritten by its next replay (indexing
         # with the 0-d index would return a view of it)
