@@ -91,17 +91,16 @@ def probs_from_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     extra = logits.dim() - 1
     shape = (-1,) + (1,) * extra  # broadcast a [B] parameter over the remaining dims
 
-    if logits.device.type == "cpu" and sampling_kernel.available().ok:  # every row in one native pass
-        probs = sampling_kernel.cut_probs(logits, sb.temperature, sb.top_k, sb.top_p)
-    else:
-        logits = logits.float() / sb.temperature.view(shape)
-        if sb.cut_rows:  # only the rows that use top-k or top-p: finding the cut costs more than the rest
-            if len(sb.cut_rows) == len(logits):
-                logits = _top_k_top_p(logits, sb.top_k, sb.top_p)
-            else:
-                rows = torch.tensor(sb.cut_rows, device=logits.device)  # [S]
-                logits[rows] = _top_k_top_p(logits[rows], sb.top_k[rows], sb.top_p[rows])
-        probs = torch.softmax(logits, dim=-1)
+    if logits.device.type == "cpu" and sampling_kernel.available().ok:  # every row in one native pass, min-p too
+        return sampling_kernel.cut_probs(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
+    logits = logits.float() / sb.temperature.view(shape)
+    if sb.cut_rows:  # only the rows that use top-k or top-p: finding the cut costs more than the rest
+        if len(sb.cut_rows) == len(logits):
+            logits = _top_k_top_p(logits, sb.top_k, sb.top_p)
+        else:
+            rows = torch.tensor(sb.cut_rows, device=logits.device)  # [S]
+            logits[rows] = _top_k_top_p(logits[rows], sb.top_k[rows], sb.top_p[rows])
+    probs = torch.softmax(logits, dim=-1)
     if sb.needs_min_p:
         probs = _min_p(probs, sb.min_p.view(shape))
     return probs
@@ -118,8 +117,9 @@ def sample_from_logits(logits: torch.Tensor, sb: SamplingBatch,
     """``probs_from_logits`` then ``sample``: logits [B, V] -> (probabilities [B, V], ids [B] as a list). On
     the CPU with the sampling kernel, one native call for both (a sampling drafter's step: each torch call right
     after a forward costs tens of µs in cache misses)."""
-    if logits.device.type == "cpu" and not sb.needs_min_p and sampling_kernel.available().ok:
-        return sampling_kernel.module().sample_rows(logits, sb.temperature, sb.top_k, sb.top_p, list(generators))
+    if logits.device.type == "cpu" and sampling_kernel.available().ok:
+        return sampling_kernel.module().sample_rows(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p,
+                                                    list(generators))
     probs = probs_from_logits(logits, sb)
     return probs, sample(probs, generators).tolist()
 

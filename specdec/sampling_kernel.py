@@ -1,5 +1,8 @@
-"""A sampled row's probabilities in one native pass on the CPU: temperature, the top-k and top-p cut and the
-softmax (``sampling.probs_from_logits`` calls it for the rows that use top-k or top-p).
+"""A sampled row's probabilities in one native pass on the CPU: temperature, the top-k and top-p cut, the
+softmax and min-p (``sampling.probs_from_logits``); a drafter's q and draw in one call (``sample_rows``:
+``sampling.sample_from_logits``); the verifier's rule for one row in one call (``verify_row``:
+``verify.verify_row``). Functions of a pybind11 module, called without torch's dispatcher: right after a
+forward a dispatched op costs ~36 µs in cache misses, a pybind11 call ~6-10 (Xeon-AMX-FP16).
 
 The same rule as ``sampling._top_k_top_p_sorted`` without sorting the row: each token falls in a bucket of
 its value (an eighth of a nat below the row's maximum a bucket); counts and masses per bucket find the bucket
@@ -154,15 +157,19 @@ void cut(Row& r, float m, int64_t k, float p) {
   r.keep(b, n);
 }
 
-// one row: x [V] -> w [V], its probabilities (z: [V] scratch)
-void row_probs(const float* x, int64_t V, float t, int64_t k, float p, float* z, float* w, Row& r) {
-  const float m = scaled(x, V, t, z);
-  weights(z, V, m, w);
-  if ((k > 0 && k < V) || p < 1.f) {
-    r.z = z;
-    r.w = w;
-    cut(r, m, k, p);
+// the rows' sampling parameters [S]: temperature, top_p and min_p float32, top_k int64
+struct Params {
+  at::Tensor t, k, p, m;
+  Params(const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p)
+      : t(as_dense(temperature)), k(as_dense(top_k, true)), p(as_dense(top_p)), m(as_dense(min_p)) {
+    TORCH_CHECK(k.numel() == t.numel() && p.numel() == t.numel() && m.numel() == t.numel(),
+                "sampling parameters: one of each a row");
   }
+  int64_t rows() const { return t.numel(); }
+};
+
+// w [V] *= 1 / sum(w)
+void normalise(float* w, int64_t V) {
   Vec s0(0.f), s1(0.f);
   int64_t j = 0;
   for (; j + 2 * W <= V; j += 2 * W) {
@@ -177,25 +184,42 @@ void row_probs(const float* x, int64_t V, float t, int64_t k, float p, float* z,
   for (; j < V; ++j) w[j] *= inv;
 }
 
-// logits [S, ..., V] -> probabilities [S, ..., V] float32, row s's positions with temperature[s], top_k[s], top_p[s]
+// one row: x [V] -> w [V], its probabilities with row s's parameters (z: [V] scratch); min-p last, as
+// sampling._min_p: the tokens of at least min_p times the top probability, renormalised
+void row_probs(const float* x, int64_t V, const Params& P, int64_t s, float* z, float* w, Row& r) {
+  const float t = P.t.data_ptr<float>()[s], p = P.p.data_ptr<float>()[s], min_p = P.m.data_ptr<float>()[s];
+  const int64_t k = P.k.data_ptr<int64_t>()[s];
+  const float m = scaled(x, V, t, z);
+  weights(z, V, m, w);
+  if ((k > 0 && k < V) || p < 1.f) {
+    r.z = z;
+    r.w = w;
+    cut(r, m, k, p);
+  }
+  normalise(w, V);
+  if (min_p > 0.f) {
+    const float bar = min_p * *std::max_element(w, w + V);
+    for (int64_t j = 0; j < V; ++j)
+      if (!(w[j] >= bar)) w[j] = 0.f;
+    normalise(w, V);
+  }
+}
+
+// logits [S, ..., V] -> probabilities [S, ..., V] float32, row s's positions with its parameters
 at::Tensor cut_probs(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                     const at::Tensor& top_p) {
+                     const at::Tensor& top_p, const at::Tensor& min_p) {
   const at::Tensor x = as_dense(logits);
   TORCH_CHECK(x.dim() >= 2, "cut_probs: logits must be [S, ..., V]");
+  const Params P(temperature, top_k, top_p, min_p);
   const int64_t S = x.size(0), V = x.size(-1), R = x.numel() / std::max<int64_t>(V, 1);
-  TORCH_CHECK(temperature.numel() == S && top_k.numel() == S && top_p.numel() == S, "cut_probs: parameters per row");
+  TORCH_CHECK(P.rows() == S, "cut_probs: parameters per row");
   const int64_t positions = S ? R / S : 1;
-  const at::Tensor t = as_dense(temperature), pp = as_dense(top_p), kk = as_dense(top_k, true);
   at::Tensor out = at::detail::empty_cpu(x.sizes(), at::kFloat, false, std::nullopt);  // not dispatched
   std::vector<float> z(V);
   Row row(V);
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t s = r / positions;
-    row_probs(in + r * V, V, t.data_ptr<float>()[s], kk.data_ptr<int64_t>()[s], pp.data_ptr<float>()[s], z.data(),
-              o + r * V, row);
-  }
+  for (int64_t r = 0; r < R; ++r) row_probs(in + r * V, V, P, r / positions, z.data(), o + r * V, row);
   return out;
 }
 
@@ -267,20 +291,19 @@ std::vector<int64_t> draw_rows(const at::Tensor& probs, std::vector<at::Generato
 // [B, V] tensor, then one draw a row (draw_rows); temperature, top_p [B] float32, top_k [B] int64
 std::tuple<at::Tensor, std::vector<int64_t>> sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
                                                         const at::Tensor& top_k, const at::Tensor& top_p,
-                                                        std::vector<at::Generator> generators) {
+                                                        const at::Tensor& min_p, std::vector<at::Generator> generators) {
   const at::Tensor x = as_dense(logits);
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == static_cast<int64_t>(generators.size()) && temperature.numel() == x.size(0) &&
-              top_k.numel() == x.size(0) && top_p.numel() == x.size(0), "sample_rows: logits [B, V], parameters and generators per row");
+  const Params P(temperature, top_k, top_p, min_p);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == static_cast<int64_t>(generators.size()) && P.rows() == x.size(0),
+              "sample_rows: logits [B, V], parameters and generators per row");
   const int64_t B = x.size(0), V = x.size(1);
-  const at::Tensor t = as_dense(temperature), pp = as_dense(top_p), kk = as_dense(top_k, true);
   at::Tensor out = at::detail::empty_cpu({B, V}, at::kFloat, false, std::nullopt);  // not dispatched
   std::vector<float> z(V);
   Row row(V);
   std::vector<int64_t> ids(B);
   for (int64_t b = 0; b < B; ++b) {
     float* o = out.data_ptr<float>() + b * V;
-    row_probs(x.data_ptr<float>() + b * V, V, t.data_ptr<float>()[b], kk.data_ptr<int64_t>()[b], pp.data_ptr<float>()[b],
-              z.data(), o, row);
+    row_probs(x.data_ptr<float>() + b * V, V, P, b, z.data(), o, row);
     ids[b] = inverse_cdf_of(o, V, uniform64(generators[b]));
   }
   return {out, ids};
@@ -295,20 +318,19 @@ std::tuple<at::Tensor, std::vector<int64_t>> sample_rows(const at::Tensor& logit
 std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const at::Tensor& draft_ids,
                                         const std::optional<at::Tensor>& draft_probs, const at::Tensor& num_draft,
                                         const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                                        int64_t b, at::Generator generator) {
+                                        const at::Tensor& min_p, int64_t b, at::Generator generator) {
   const at::Tensor logits = as_dense(target_logits), ids = as_dense(draft_ids, true), counts = as_dense(num_draft, true);
   TORCH_CHECK(logits.dim() == 3 && ids.dim() == 2 && logits.size(0) == ids.size(0) && logits.size(1) == ids.size(1) + 1 &&
               b >= 0 && b < logits.size(0), "verify_row: target logits [B, k + 1, V], draft ids [B, k], a row b < B");
   const int64_t k = ids.size(1), V = logits.size(2), n = counts.data_ptr<int64_t>()[b];
   TORCH_CHECK(n >= 0 && n <= k, "verify_row: num_draft[b] must be within 0..k");
-  const at::Tensor t = as_dense(temperature), pp = as_dense(top_p), kk = as_dense(top_k, true);
+  const Params P(temperature, top_k, top_p, min_p);
   const float* row_logits = logits.data_ptr<float>() + b * (k + 1) * V;
   const int64_t* x = ids.data_ptr<int64_t>() + b * k;
   std::vector<float> z(V), p(V);
   Row scratch(V);
   auto probs_at = [&](int64_t i) {  // p_i [V] into p
-    row_probs(row_logits + i * V, V, t.data_ptr<float>()[b], kk.data_ptr<int64_t>()[b], pp.data_ptr<float>()[b],
-              z.data(), p.data(), scratch);
+    row_probs(row_logits + i * V, V, P, b, z.data(), p.data(), scratch);
   };
   const float* q = nullptr;  // [k, V], this row's q_i
   bool one_hot = true;
@@ -389,7 +411,7 @@ def _load() -> tuple[object | None, native.Availability]:
     return native.module_availability(lambda: native.build("sampling_kernel", _SOURCE, WHAT, python_module=True), WHAT)
 
 
-def cut_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-              top_p: torch.Tensor) -> torch.Tensor:
-    """logits [S, ..., V] (CPU) with each row's temperature, top_k, top_p [S] -> probabilities [S, ..., V] float32."""
-    return module().cut_probs(logits, temperature, top_k, top_p)
+def cut_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor) -> torch.Tensor:
+    """logits [S, ..., V] (CPU) with each row's temperature, top_k, top_p, min_p [S] -> probabilities [S, ..., V] float32."""
+    return module().cut_probs(logits, temperature, top_k, top_p, min_p)

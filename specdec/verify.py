@@ -92,9 +92,8 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
 
 def native_rows(target_logits: torch.Tensor, sb: SamplingBatch, rows: int) -> bool:
     """Whether ``verify`` takes its sampled rows one native call each (``verify_row``): a few rows on the CPU
-    where the sampling kernel runs, without min-p (which the kernel does not apply)."""
-    return (rows <= ROW_BY_ROW and target_logits.device.type == "cpu" and not sb.needs_min_p
-            and sampling_kernel.available().ok)
+    where the sampling kernel runs."""
+    return rows <= ROW_BY_ROW and target_logits.device.type == "cpu" and sampling_kernel.available().ok
 
 
 def verify_row(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -103,7 +102,7 @@ def verify_row(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, draft
     made from the target's logits [B, k+1, V] when read, the same draws in the same order, the same decisions.
     Right after a forward a round's dozen small torch calls cost more than the rule's arithmetic."""
     return sampling_kernel.module().verify_row(target_logits, draft_token_ids, draft_probs, num_draft,
-                                               sb.temperature, sb.top_k, sb.top_p, b, generator)
+                                               sb.temperature, sb.top_k, sb.top_p, sb.min_p, b, generator)
 
 
 def verify_greedy(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor | list[list[int]],

@@ -236,7 +236,7 @@ def test_the_sampling_kernel_keeps_what_the_sort_rule_keeps(seed, V, params, coa
     k = torch.tensor([k for k, _, _ in params])
     p = torch.tensor([p for _, p, _ in params])
     t = torch.tensor([t for _, _, t in params])
-    ours = sampling_kernel.cut_probs(logits, t, k, p)
+    ours = sampling_kernel.cut_probs(logits, t, k, p, torch.zeros(len(params)))
     scaled = logits / t.view(-1, 1, 1)
     rule = sampling._top_k_top_p_sorted(scaled, k.view(-1, 1, 1), p.view(-1, 1, 1))
     kept_ours, kept_rule = ours > 0, torch.softmax(rule, dim=-1) > 0  # kept, and not rounded to 0 in float32
@@ -275,19 +275,21 @@ def test_the_devices_draw_takes_the_last_token_with_mass_at_the_end():
 
 def test_without_the_sampling_kernel_the_numpy_cut_and_draw_give_the_same_distribution(monkeypatch):
     """Where the kernel cannot be built (no compiler, no AVX2: ARM), probs_from_logits cuts with numpy's sort of
-    values and ``draw`` sums in numpy: the same kept tokens and probabilities, and draws that follow them."""
+    values (min-p in torch) and ``draw`` sums in numpy: the same kept tokens and probabilities, and draws that
+    follow them."""
     from lossless import FALSE_ALARM, chi_square_p
 
     from specdec import sampling_kernel
     from specdec.models.native import Availability
     from specdec.sampling import draw
 
-    logits = 4 * torch.randn(2, 3, 500, generator=torch.Generator().manual_seed(2))
-    sb = SamplingBatch.from_params([SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(top_k=30)])
+    logits = 4 * torch.randn(4, 3, 500, generator=torch.Generator().manual_seed(2))
+    sb = SamplingBatch.from_params([SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(top_k=30),
+                                    SamplingParams(temperature=0.7, min_p=0.1), SamplingParams(top_p=0.95, min_p=0.02)])
     with_kernel = probs_from_logits(logits, sb) if sampling_kernel.available().ok else None
     monkeypatch.setattr(sampling_kernel, "available", lambda: Availability(False, "test"))
     without = probs_from_logits(logits, sb)
-    assert torch.allclose(without.sum(-1), torch.ones(2, 3))
+    assert torch.allclose(without.sum(-1), torch.ones(4, 3))
     if with_kernel is not None:
         assert torch.equal(with_kernel > 0, without > 0)
         torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-7)
@@ -311,12 +313,13 @@ def test_sample_from_logits_is_probs_from_logits_then_sample(kernel, monkeypatch
     if not kernel:
         monkeypatch.setattr(sampling_kernel, "available", lambda: Availability(False, "test"))
     rows = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.9),
-            SamplingParams(temperature=0.6, top_k=7), SamplingParams(temperature=1.3, top_k=40, top_p=0.5)]
+            SamplingParams(temperature=0.6, top_k=7), SamplingParams(temperature=1.3, top_k=40, top_p=0.5),
+            SamplingParams(temperature=0.9, min_p=0.1)]
     sb = SamplingBatch.from_params(rows)
     for trial in range(30):
-        logits = (0.5 + trial / 5) * torch.randn(4, 300, generator=torch.Generator().manual_seed(trial))
-        a = [make_generator(10 * trial + b) for b in range(4)]
-        b = [make_generator(10 * trial + b) for b in range(4)]
+        logits = (0.5 + trial / 5) * torch.randn(5, 300, generator=torch.Generator().manual_seed(trial))
+        a = [make_generator(10 * trial + b) for b in range(5)]
+        b = [make_generator(10 * trial + b) for b in range(5)]
         probs, ids = sample_from_logits(logits, sb, a)
         expected = probs_from_logits(logits, sb)
         assert torch.equal(probs, expected) and ids == sample(expected, b).tolist(), trial

@@ -247,7 +247,7 @@ def test_the_native_row_rule_draws_and_decides_as_the_python_rule():
     """``verify_row`` (one sampling-kernel call a row on the CPU) against ``rejection_sample`` on the same row's
     p_i made up front: from generators in the same states, the same accepted count and token and the generator
     left in the same state, for sampled drafts (rejections early and late, full acceptance, none drafted),
-    one-hot drafts, drafts without q, and each cut (temperature alone, top-k, top-p)."""
+    one-hot drafts, drafts without q, and each cut (temperature alone, top-k, top-p, min-p)."""
     from specdec import sampling_kernel
     from specdec.sampling import probs_from_logits
     from specdec.verify import rejection_sample, verify_row
@@ -257,7 +257,8 @@ def test_the_native_row_rule_draws_and_decides_as_the_python_rule():
     torch.manual_seed(3)
     B, k, V = 4, 4, 80
     sb = SamplingBatch.from_params([SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=20),
-                                    SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.2, top_k=30, top_p=0.9)])
+                                    SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05),
+                                    SamplingParams(temperature=1.2, top_k=30, top_p=0.9)])
     outcomes = set()
     for trial in range(120):
         sharp = 0.5 + 4 * (trial % 40) / 40
