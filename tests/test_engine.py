@@ -148,12 +148,19 @@ def small_vocab(tmp_path_factory):
     dict(temperature=1.0),
     dict(temperature=0.8, top_k=4),
     dict(temperature=1.0, top_p=0.7),
-], ids=["t1", "topk", "topp"])
-@pytest.mark.parametrize("drafter", ["sampling", "greedy", "suffix-then-sampling"])
-def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, drafter):
+    dict(temperature=0.9, min_p=0.2),
+], ids=["t1", "topk", "topp", "minp"])
+@pytest.mark.parametrize("drafter", ["sampling", "greedy", "suffix-then-sampling", "sampling-without-kernel"])
+def test_sampled_outputs_follow_the_target_distribution(small_vocab, params, drafter, monkeypatch):
     """suffix-then-sampling: suffix decoding in front of the draft model. Every request is seeded, so
     the seeds rule (policy.seeded_members) has the suffix tries alone draft them, from the earlier
-    requests' outputs: one-hot drafts that race plain decoding's own draws."""
+    requests' outputs: one-hot drafts that race plain decoding's own draws. sampling-without-kernel: as
+    where the sampling kernel cannot be built (numpy's cut, torch's min-p, the Python verifier)."""
+    if drafter == "sampling-without-kernel":
+        from specdec import sampling_kernel
+        from specdec.models.native import Availability
+
+        monkeypatch.setattr(sampling_kernel, "available", lambda: Availability(False, "test"))
     target, draft, hf = small_vocab
     prompt = [5, 9, 3]
     N = 3000
