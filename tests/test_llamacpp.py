@@ -352,16 +352,18 @@ def test_greedy_speculative_equals_plain_on_llamacpp(pair, method, batch):
     for p, e, g in zip(prompts, expected, got):
         assert_greedy_equal(hf, p, e, g)  # f32 GGUF: the backend's rounding is float32's (lossless.NEAR_TIE)
     assert llm.get_metrics()["num_draft_tokens"] > 0
-    if method == "draft_model":  # the drafts after the first token of each round: one greedy_steps call
-        assert draft_steps and max(draft_steps) == cfg["num_speculative_tokens"] - 1
+    if method == "draft_model":  # a round's catch-up token and its k drafts: one greedy_steps call
+        assert draft_steps and max(draft_steps) == cfg["num_speculative_tokens"]
 
 
 @pytest.mark.parametrize("backend", ["llama.cpp", "torch"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_sampled_draft_chain_in_one_call_draws_what_the_loop_draws(pair, backend, batch, monkeypatch):
-    """Sampled draft_model drafts (every row draws all k): one ``sampled_steps`` call (autoregressive.sampled_chain)
-    against draft_autoregressive's loop of forwards: the same seeded outputs and the same accepted drafts."""
+    """Sampled draft_model drafts (every row draws all k): one ``sampled_steps`` call (autoregressive.sampled_chain,
+    the catch-up token its first step) against draft_autoregressive's loop of forwards: the same seeded outputs
+    and the same accepted drafts."""
     import specdec.drafters.autoregressive as autoregressive
+    import specdec.drafters.draft_model as draft_model
 
     target, near, _ = pair
     prompts = random_prompts(batch, [5, 7, 4], seed=8)
@@ -378,9 +380,10 @@ def test_a_sampled_draft_chain_in_one_call_draws_what_the_loop_draws(pair, backe
         return outs, llm.get_metrics()["num_accepted_tokens"], calls
 
     chained, accepted, calls = run()
-    assert calls and max(calls) == 2  # x_2 and x_3 of each round from one call
+    assert calls and max(calls) == 3  # x_1..x_3 of a round from one call (the catch-up token its first step)
     with monkeypatch.context() as m:
-        m.setattr(autoregressive, "every_row_draws", lambda *a: False)
+        for module in (autoregressive, draft_model):
+            m.setattr(module, "every_row_draws", lambda *a: False)
         looped, accepted_loop, calls = run()
     assert not calls and (chained, accepted) == (looped, accepted_loop)
 

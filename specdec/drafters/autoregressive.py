@@ -36,11 +36,11 @@ def greedy_chain(first: list[int], greedy_steps: Callable[[list[int], int], list
     return DraftProposal(long_tensor([[f] + r for f, r in zip(first, rest)], device), None, list(num_draft))
 
 
-def sampled_chain(logits: torch.Tensor, sampled_steps: Callable, seqs: list[Sequence], k: int,
-                  sb: SamplingBatch) -> DraftProposal:
-    """Every row draws all k drafts from q with nothing between the draws (``every_row_draws``): x_1 and q_1
-    from ``logits`` [B, V], then x_2..x_k from one ``sampled_steps(x_1, k - 1, pick)`` call
-    (ModelRunner.sampled_steps), ``pick`` drawing each from the logits it is handed instead of k - 1 forwards."""
+def sampled_chain(draws: Callable[[Callable[[torch.Tensor], list[int]], int], list[list[int]]], seqs: list[Sequence],
+                  k: int, sb: SamplingBatch, device: torch.device | str) -> DraftProposal:
+    """Every row draws all k drafts from q with nothing between the draws (``every_row_draws``):
+    ``draws(pick, k)`` runs the drafter k steps, ``pick(logits [B, V]) -> x_i [B]`` drawing each draft from
+    the q_i of the logits it is handed (a runner's ``sampled_steps``: one call instead of k forwards)."""
     generators = [s.generator for s in seqs]
     q_rows = []  # q_i [B, V]
 
@@ -49,10 +49,8 @@ def sampled_chain(logits: torch.Tensor, sampled_steps: Callable, seqs: list[Sequ
         q_rows.append(q)
         return x
 
-    first = pick(logits)
-    rest = sampled_steps(first, k - 1, pick) if k > 1 else [[] for _ in seqs]  # [B, k-1]
-    return DraftProposal(long_tensor([[f] + r for f, r in zip(first, rest)], logits.device),
-                         torch.stack(q_rows, dim=1), [k] * len(seqs))  # [B, k], [B, k, V]
+    drafts = draws(pick, k)  # [B, k]
+    return DraftProposal(long_tensor(drafts, device), torch.stack(q_rows, dim=1), [k] * len(seqs))  # [B, k, V]
 
 
 def every_row_draws(seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch, draft_p_min: float = 0.0) -> bool:
@@ -79,7 +77,12 @@ def draft_autoregressive(logits: torch.Tensor, feed: Callable[[torch.Tensor, int
     if greedy_steps is not None and k > 1 and argmax_drafts(seqs, sb, draft_p_min):
         return greedy_chain(argmax(logits).tolist(), greedy_steps, num_draft, device)
     if sampled_steps is not None and every_row_draws(seqs, num_draft, sb, draft_p_min):
-        return sampled_chain(logits, sampled_steps, seqs, k, sb)
+        def draws(pick: Callable[[torch.Tensor], list[int]], n: int) -> list[list[int]]:  # x_1 from logits, then n - 1
+            first = pick(logits)
+            rest = sampled_steps(first, n - 1, pick) if n > 1 else [[] for _ in first]
+            return [[f] + r for f, r in zip(first, rest)]
+
+        return sampled_chain(draws, seqs, k, sb, device)
     # the rows' bookkeeping in Python lists: a handful of tensor ops per step cost more than the lists at batch 1
     active = [n > 0 for n in num_draft]  # rows still drafting
     lengths = [0] * B

@@ -4,6 +4,9 @@ The draft keeps its own KV cache. Before drafting it compares the tokens it has
 cached for a sequence with the sequence's committed history, keeps the longest
 common prefix (rolling back is a length change) and feeds the rest: usually
 one token (the target's recovered or bonus token), two after a full acceptance.
+Where every row feeds one token and drafts a chain of argmaxes or of draws, that
+token is the first step of one ``greedy_steps`` / ``sampled_steps`` call that
+drafts x_1..x_k (a round's draft in one runner call).
 
 Trees (``propose_tree``, a runner that can_verify_trees): EAGLE-2's dynamic expansion
 (tree_expand.py), one tree pass of the draft per level. A tree pass writes its nodes' KV past the
@@ -16,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive, greedy_chain
+from specdec.drafters.autoregressive import (argmax_drafts, draft_autoregressive, every_row_draws, greedy_chain,
+                                              sampled_chain)
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, chains_as_trees, grew_from, runner_kv
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
-from specdec.models.base import ForwardBatch, ModelRunner
+from specdec.models.base import ForwardBatch, ModelRunner, long_tensor
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
@@ -51,13 +55,29 @@ class DraftModelDrafter(Drafter):
         return self.runner.can_verify_trees  # its tree passes are the runner's (llama.cpp: chains only)
 
     def propose(self, seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch) -> DraftProposal:
+        is_new, starts, chunks = self._plan(seqs)
+        k = max(num_draft, default=0)
+        if k > 0 and not any(is_new) and all(len(c) == 1 for c in chunks):  # the usual round: one token a row to feed
+            # the catch-up is the chain's first step: x_1..x_k from one greedy_steps / sampled_steps call
+            last = [c[0] for c in chunks]
+            if argmax_drafts(seqs, sb, self.draft_p_min):
+                proposal = DraftProposal(long_tensor(self.runner.greedy_steps(last, starts, k), self.runner.device),
+                                         None, list(num_draft))
+            elif every_row_draws(seqs, num_draft, sb, self.draft_p_min):
+                proposal = sampled_chain(lambda pick, n: self.runner.sampled_steps(last, starts, n, pick), seqs, k, sb,
+                                         self.runner.device)
+            else:
+                proposal = None
+            if proposal is not None:
+                self._remember(seqs, proposal)
+                return proposal
         if argmax_drafts(seqs, sb, self.draft_p_min):  # x_1 the catch-up's argmax, the rest in one call
-            first, pos = self._sync(seqs, argmax=True)  # [B]
+            first, pos = self._catch_up_rows(is_new, starts, chunks, argmax=True)  # [B]
             proposal = greedy_chain(first, lambda x, n: self.runner.greedy_steps(x, pos, n), num_draft,
                                     self.runner.device)
             self._remember(seqs, proposal)
             return proposal
-        logits, pos = self._sync(seqs)  # [B, V] after each history
+        logits, pos = self._catch_up_rows(is_new, starts, chunks)  # [B, V] after each history
 
         def feed(x: torch.Tensor, i: int) -> torch.Tensor:  # x [B] -> logits [B, V]
             return self.runner.forward(ForwardBatch.dense(x[:, None], [p + i for p in pos], logits="last"))
@@ -117,15 +137,16 @@ class DraftModelDrafter(Drafter):
         return trees
 
     def _sync(self, seqs: list[Sequence], argmax: bool = False) -> tuple[torch.Tensor | list, list[int]]:
-        """Bring the draft cache to each history: keep the longest common prefix (after keeping the
-        last tree pass's nodes on the accepted path) and feed the rest, at least the newest token.
-        Returns the logits after each history [B, V] (``argmax``: their argmax as lists [B]) and the
-        histories' lengths."""
-        B = len(seqs)
+        """Bring the draft cache to each history (``_plan``, then ``_catch_up_rows``): the logits after each
+        history [B, V] (``argmax``: their argmax as lists [B]) and the histories' lengths."""
+        return self._catch_up_rows(*self._plan(seqs), argmax=argmax)
+
+    def _plan(self, seqs: list[Sequence]) -> tuple[list[bool], list[int], list[list[int]]]:
+        """What the draft cache lacks of each history: keep the longest common prefix (after keeping the last
+        tree pass's nodes on the accepted path). Returns (which rows are new, where each row's feed starts, the
+        tokens it feeds: at least the newest one)."""
         is_new = self.runner.sync_rows([s.seq_id for s in seqs])
         self._keep_accepted_paths(seqs, is_new)
-
-        # Catch up: feed each sequence's tokens that the draft cache lacks (at least the newest one).
         starts, chunks = [], []
         for s, new in zip(seqs, is_new):
             cached = [] if new else self.cached[s.seq_id]
@@ -135,6 +156,13 @@ class DraftModelDrafter(Drafter):
                 m += 1
             starts.append(m)
             chunks.append(s.token_ids[m:])
+        return is_new, starts, chunks
+
+    def _catch_up_rows(self, is_new: list[bool], starts: list[int], chunks: list[list[int]],
+                       argmax: bool = False) -> tuple[torch.Tensor | list, list[int]]:
+        """Feed ``_plan``'s chunks. Returns the logits after each history [B, V] (``argmax``: their argmax as
+        lists [B]) and the histories' lengths."""
+        B = len(chunks)
         # Newcomers join at the end of the batch with their whole prompt: they catch up in a forward
         # of their own, so the running rows' one- or two-token feeds are not padded to a prompt's length.
         split = B
