@@ -532,7 +532,19 @@ class LlamaCppRunner(ModelRunner):
         ``choose(logits [B, V] float32, a view of llama.cpp's buffer)``'s tokens; stops once every row has
         chosen one of ``stop_token_ids``. Returns the chosen tokens [B, n]."""
         B = len(token_ids)
-        rows, batch = self._steps_batch(token_ids, start, steps, row_offset)
+        rows = self.order[row_offset : row_offset + B]
+        if len(rows) != B:
+            raise RuntimeError(f"steps over rows {row_offset}..{row_offset + B - 1} but sync_rows "
+                               f"placed {len(self.order)}")
+        if steps < 1 or max(start) + steps > self.max_model_len:
+            raise ValueError(f"{steps} steps from position {max(start)} do not fit max_model_len="
+                             f"{self.max_model_len}")
+        self._roll_back(rows, start, row_offset)
+        for b, s in enumerate(rows):
+            self.cached[s] = start[b] + steps
+        self._fit_cached()
+        batch = self._batch.fill(np.asarray(token_ids, dtype=np.int32), np.asarray(start, dtype=np.int32),
+                                 np.asarray(rows, dtype=np.int32), np.ones(B, dtype=np.int8))
         stops = np.asarray(stop_token_ids, dtype=np.int32)
         stopped = np.zeros(B, dtype=bool)
         out = np.empty((B, steps), dtype=np.int32)  # [B, steps]
@@ -554,24 +566,6 @@ class LlamaCppRunner(ModelRunner):
                         self.cached[s] = start[b] + i + 1
                     return out[:, : i + 1].tolist()
         return out.tolist()
-
-    def _steps_batch(self, token_ids: Sequence[int], start: Sequence[int], steps: int, row_offset: int):
-        """``_steps``' setup: (the rows' sequence ids, the llama batch of their first tokens), each row rolled
-        back to its start and counted as holding ``steps`` more positions."""
-        B = len(token_ids)
-        rows = self.order[row_offset : row_offset + B]
-        if len(rows) != B:
-            raise RuntimeError(f"steps over rows {row_offset}..{row_offset + B - 1} but sync_rows "
-                               f"placed {len(self.order)}")
-        if steps < 1 or max(start) + steps > self.max_model_len:
-            raise ValueError(f"{steps} steps from position {max(start)} do not fit max_model_len="
-                             f"{self.max_model_len}")
-        self._roll_back(rows, start, row_offset)
-        for b, s in enumerate(rows):
-            self.cached[s] = start[b] + steps
-        self._fit_cached()
-        return rows, self._batch.fill(np.asarray(token_ids, dtype=np.int32), np.asarray(start, dtype=np.int32),
-                                      np.asarray(rows, dtype=np.int32), np.ones(B, dtype=np.int8))
 
     def _roll_back(self, rows: list[int], start: Sequence[int], row_offset: int) -> None:
         """Drop what each row held from its start on (rollback is a length change), and the last tree

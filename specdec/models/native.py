@@ -90,15 +90,7 @@ def build(stem: str, source_text: str, what: str, flags: tuple[str, ...] = FLAGS
 def availability(op: str, build_it, what: str) -> Availability:
     """Whether ``specdec::<op>`` runs here: the CPU's reason, or ``build_it()``'s failure (no compiler, no
     ninja, a read-only cache), or ok."""
-    reason = cpu_reason()
-    if reason is not None:
-        return Availability(False, reason)
-    try:
-        if not hasattr(torch.ops.specdec, op):
-            build_it()
-    except Exception as e:
-        return Availability(False, _failed(what, e))
-    return Availability(True, "")
+    return module_availability(lambda: None if hasattr(torch.ops.specdec, op) else build_it(), what)[1]
 
 
 def module_availability(build_it, what: str) -> tuple[object | None, Availability]:
@@ -110,10 +102,6 @@ def module_availability(build_it, what: str) -> tuple[object | None, Availabilit
         return None, Availability(False, reason)
     try:
         return build_it(), Availability(True, "")
-    except Exception as e:
-        return None, Availability(False, _failed(what, e))
-
-
-def _failed(what: str, e: Exception) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"building {what} failed: {type(e).__name__}: {first}"
+    except Exception as e:  # no compiler, no ninja, a read-only cache, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return None, Availability(False, f"building {what} failed: {type(e).__name__}: {first}")
