@@ -112,16 +112,21 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return torch.where(min_p > 0, kept / kept.sum(dim=-1, keepdim=True), probs)  # others: untouched
 
 
-def sample_from_logits(logits: torch.Tensor, sb: SamplingBatch,
-                       generators: Sequence[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
-    """``probs_from_logits`` then ``sample``: logits [B, V] -> (probabilities [B, V], ids [B] as a list). On
-    the CPU with the sampling kernel, one native call for both (a sampling drafter's step: each torch call right
-    after a forward costs tens of µs in cache misses)."""
+def sample_from_logits(logits: torch.Tensor, sb: SamplingBatch, generators: Sequence[torch.Generator],
+                       out: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """``probs_from_logits`` then ``sample``: logits [B, V] (or [B, 1, V]) -> (probabilities [B, V], ids [B] as a
+    list); with ``out`` [B, n, V] the probabilities go to out[:, step] and out is returned. On the CPU with the
+    sampling kernel, one native call for both (a sampling drafter's step: each torch call right after a forward
+    costs tens of µs in cache misses)."""
     if logits.device.type == "cpu" and sampling_kernel.available().ok:
         return sampling_kernel.module().sample_rows(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p,
-                                                    list(generators))
-    probs = probs_from_logits(logits, sb)
-    return probs, sample(probs, generators).tolist()
+                                                    list(generators), out, step)
+    probs = probs_from_logits(logits.reshape(logits.shape[0], logits.shape[-1]), sb)
+    ids = sample(probs, generators).tolist()
+    if out is None:
+        return probs, ids
+    out[:, step] = probs
+    return out, ids
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

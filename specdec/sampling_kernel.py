@@ -7,7 +7,9 @@ forward a dispatched op costs ~36 µs in cache misses, a pybind11 call ~6-10 (Xe
 The same rule as ``sampling._top_k_top_p_sorted`` without sorting the row: each token falls in a bucket of
 its value (an eighth of a nat below the row's maximum a bucket); counts and masses per bucket find the bucket
 that holds each cut, and only that bucket's tokens are ranked, by value and at a tie by id (as
-``sampling._top_k_top_p_numpy`` keeps ties). Masses are summed in float64, the exponentials are
+``sampling._top_k_top_p_numpy`` keeps ties). Only the tokens near the top are bucketed: rings of whole nats
+below the maximum are gathered (vectorized scans) until they hold the cut, and for top-p alone only the last
+ring is bucketed (a real draft row at T 0.8, top_p 0.95 keeps ~600 of 8,192 tokens, down to ~7.5 nats). Masses are summed in float64, the exponentials are
 ATen's vectorized ``exp`` (within 1 ulp). A mass within 1e-6 (relative) of top_p counts as reaching it, so
 where the mass above a token is top_p itself up to float32's rounding this may keep one token less than the
 sort rule's float32 sums (tests/test_sampling.py leaves such rows out). A C++ extension (models/native.py);
@@ -29,6 +31,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <immintrin.h>
 #include <mutex>
 #include <vector>
 #include <ATen/CPUGeneratorImpl.h>
@@ -73,57 +76,155 @@ void weights(const float* z, int64_t V, float m, float* w) {
 // One row's cut in buckets of the values: bucket b holds the tokens with floor((max - z) * BUCKETS_PER_NAT) == b
 // (the last also every lower one), so that every token of a bucket ranks below every token of the ones before
 // it; a cut is found bucket by bucket from the top, then inside its bucket by value and, at a tie, by id.
+// The tokens are gathered in rings from the top (down to DEPTHS[j] nats below the maximum, whole buckets) until
+// the rings hold the cut (top-k: k tokens; top-p: the mass it needs); tokens below them are cut, and for top-p
+// alone the rings above the last are kept whole, so only the last ring is bucketed. A row's scratch is kept per
+// thread (no allocation a call).
 constexpr int BUCKETS = 512;
 constexpr float BUCKETS_PER_NAT = 8.f;
 constexpr double TIE = 1e-6;  // relative
+constexpr int DEPTHS[] = {4, 6, 8, 10, 12, 16, 24, 32};  // nats below the maximum; then every token
 
 struct Row {
   const float* z = nullptr;  // [V] the scaled logits
   float* w = nullptr;  // [V] their weights exp(z - max), cut in place
   int64_t V = 0;
-  std::vector<uint16_t> key;  // [V] each token's bucket
-  std::vector<int32_t> count;  // [BUCKETS] tokens a bucket
-  std::vector<double> mass;  // [BUCKETS] weight a bucket
+  float m = 0.f;  // max z
+  std::vector<int32_t> cand;  // [V] the gathered tokens' ids: ring by ring from the top, each ring's ascending
+  size_t cands = 0;  // how many
+  size_t ring_at = 0;  // where the last ring starts in cand
+  int first = 0, limit = 0;  // the last ring's buckets: first .. limit - 1 (limit BUCKETS: down to every token)
+  double ring_mass = 0.0, inner_mass = 0.0;  // the last ring's weight; the rings' before it
+  size_t filled_at = 0;  // the tokens ``fill`` bucketed: cand[filled_at:]
+  std::vector<uint16_t> key;  // [V] each bucketed token's bucket, at its place in cand
+  std::vector<int32_t> count = std::vector<int32_t>(BUCKETS);  // bucketed tokens a bucket
+  std::vector<double> mass = std::vector<double>(BUCKETS);  // their weight a bucket
   std::vector<int32_t> ids;  // one bucket's tokens, ranked (``rank``)
   std::vector<double> kept;  // their weights
 
-  explicit Row(int64_t v) : V(v), key(v), count(BUCKETS), mass(BUCKETS) { ids.reserve(v); }
+  void reset(const float* z_, float* w_, int64_t v, float m_) {
+    z = z_, w = w_, V = v, m = m_;
+    if (static_cast<int64_t>(cand.size()) < v) cand.resize(v), key.resize(v), ids.reserve(v);
+    cands = 0;
+    ring_at = filled_at = 0;
+    first = limit = 0;
+    ring_mass = inner_mass = 0.0;
+  }
 
-  void fill(float m) {
+  float depth(int64_t i) const { return (m - z[i]) * BUCKETS_PER_NAT; }  // >= 0; inf for a -inf logit
+
+  // the next ring: from the last ring's end down to ``nats`` below the maximum (0: every token left)
+  void next_ring(int nats) {
+    inner_mass += ring_mass;
+    ring_mass = 0.0;
+    ring_at = cands;
+    first = limit;
+    limit = nats > 0 ? static_cast<int>(nats * BUCKETS_PER_NAT) : BUCKETS;
+    const bool to_end = limit == BUCKETS;
+    const float* zs = z;
+    const float* ws = w;
+    const int64_t n = V;
+    size_t size = cands;
+    int32_t* out = cand.data();
+    const __m256 mv = _mm256_set1_ps(m), per = _mm256_set1_ps(BUCKETS_PER_NAT);
+    const __m256 lo = _mm256_set1_ps(static_cast<float>(first)), hi = _mm256_set1_ps(static_cast<float>(limit));
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {  // first <= (m - z) * 8 < limit, as ``depth`` rounds it
+      const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(zs + i)), per);
+      __m256 in = _mm256_cmp_ps(d, lo, _CMP_GE_OQ);
+      if (!to_end) in = _mm256_and_ps(in, _mm256_cmp_ps(d, hi, _CMP_LT_OQ));
+      int bits = _mm256_movemask_ps(in);
+      if (!bits) continue;
+      const __m256 v = _mm256_and_ps(_mm256_loadu_ps(ws + i), in);
+      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+      for (; bits; bits &= bits - 1) out[size++] = static_cast<int32_t>(i + __builtin_ctz(bits));
+    }
+    alignas(32) double t[4];
+    _mm256_store_pd(t, _mm256_add_pd(a0, a1));
+    ring_mass = (t[0] + t[1]) + (t[2] + t[3]);
+    for (; i < n; ++i) {
+      const float d = depth(i);
+      if (d >= first && (to_end || d < limit)) out[size++] = static_cast<int32_t>(i), ring_mass += ws[i];
+    }
+    cands = size;
+  }
+
+  void fill(size_t at) {  // bucket cand[at:]
     std::fill(count.begin(), count.end(), 0);
     std::fill(mass.begin(), mass.end(), 0.0);
-    for (int64_t i = 0; i < V; ++i) {
-      const float d = (m - z[i]) * BUCKETS_PER_NAT;  // >= 0; inf for a -inf logit
+    filled_at = at;
+    for (size_t c = at; c < cands; ++c) {
+      const float d = depth(cand[c]);
       const int b = d < BUCKETS - 1 ? static_cast<int>(d) : BUCKETS - 1;
-      key[i] = static_cast<uint16_t>(b);
+      key[c] = static_cast<uint16_t>(b);
       count[b] += 1;
-      mass[b] += w[i];
+      mass[b] += w[cand[c]];
     }
   }
 
   void rank(int b) {  // ids, kept <- bucket b's tokens by value (descending), then id; their weights
     ids.clear();
-    for (int64_t i = 0; i < V; ++i)
-      if (key[i] == b) ids.push_back(static_cast<int32_t>(i));
+    for (size_t c = filled_at; c < cands; ++c)
+      if (key[c] == b) ids.push_back(cand[c]);
     std::stable_sort(ids.begin(), ids.end(), [this](int32_t a, int32_t c) { return z[a] > z[c]; });
     kept.resize(ids.size());
     for (size_t j = 0; j < ids.size(); ++j) kept[j] = w[ids[j]];
   }
 
   void keep(int b, int64_t n) {  // keep the buckets before b and the first n ranked tokens of bucket b
-    for (int64_t i = 0; i < V; ++i)
-      if (key[i] >= b) w[i] = 0.f;
+    if (limit < BUCKETS) {  // every token past the rings is cut
+      const __m256 mv = _mm256_set1_ps(m), per = _mm256_set1_ps(BUCKETS_PER_NAT);
+      const __m256 lv = _mm256_set1_ps(static_cast<float>(limit));
+      int64_t i = 0;
+      for (; i + 8 <= V; i += 8) {
+        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + i)), per);
+        _mm256_storeu_ps(w + i, _mm256_and_ps(_mm256_loadu_ps(w + i), _mm256_cmp_ps(d, lv, _CMP_LT_OQ)));
+      }
+      for (; i < V; ++i)
+        if (!(depth(i) < limit)) w[i] = 0.f;
+    }
+    for (size_t c = filled_at; c < cands; ++c)
+      if (key[c] >= b) w[cand[c]] = 0.f;
     for (int64_t j = 0; j < n; ++j) w[ids[j]] = static_cast<float>(kept[j]);
   }
 };
 
-// top-k (k < V) then top-p (p < 1) over r.w: the sort rule's cut (sampling._top_k_top_p_sorted)
-void cut(Row& r, float m, int64_t k, float p) {
-  r.fill(m);
+// the weight of w [V], summed in float64
+double total_of(const float* w, int64_t V) {
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  int64_t j = 0;
+  for (; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(w + j);
+    a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+  }
+  alignas(32) double t[4];
+  _mm256_store_pd(t, _mm256_add_pd(a0, a1));
+  double total = (t[0] + t[1]) + (t[2] + t[3]);
+  for (; j < V; ++j) total += w[j];
+  return total;
+}
+
+// top-k (k < V) then top-p (p < 1) over r.w (max z m): the sort rule's cut (sampling._top_k_top_p_sorted)
+void cut(Row& r, int64_t k, float p) {
+  const bool by_k = k > 0 && k < r.V;
+  const double total = by_k ? 0.0 : total_of(r.w, r.V);  // top-p alone: of every token
+  // a mass within TIE of p's counts as reaching it: float32 weights carry rounding of that order, and masses
+  // that are p itself in decimals (0.5 + 0.3 for top_p 0.8) reach it, as the sort rule's float32 sums say
+  const double p_target = static_cast<double>(p) * total * (1.0 - TIE);
+  for (const int nats : DEPTHS) {  // rings until they hold k tokens, or (top-p alone) the target's mass
+    r.next_ring(nats);
+    if (by_k ? static_cast<int64_t>(r.cands) >= k : r.inner_mass + r.ring_mass >= p_target) break;
+  }
+  if (by_k ? static_cast<int64_t>(r.cands) < k : r.inner_mass + r.ring_mass < p_target) r.next_ring(0);
+  // top-k: every gathered token bucketed; top-p alone: the last ring's (the rings above it are kept whole)
+  r.fill(by_k ? 0 : r.ring_at);
   int b = BUCKETS;  // the bucket holding the cut (BUCKETS: none, every token a candidate)
   int64_t n = 0;  // tokens kept in it
   double above = 0.0;  // mass of the buckets before b
-  if (k > 0 && k < r.V) {
+  if (by_k) {
     int64_t seen = 0;
     for (b = 0; seen + r.count[b] < k; ++b) {
       seen += r.count[b];
@@ -133,18 +234,16 @@ void cut(Row& r, float m, int64_t k, float p) {
     n = k - seen;
   }
   if (p < 1.f) {
-    double total = above;
-    if (b < BUCKETS) {
-      for (int64_t j = 0; j < n; ++j) total += r.kept[j];
-    } else {
-      for (int j = 0; j < BUCKETS; ++j) total += r.mass[j];
+    double target = p_target;
+    if (by_k) {
+      double sum = above;
+      for (int64_t j = 0; j < n; ++j) sum += r.kept[j];
+      target = static_cast<double>(p) * sum * (1.0 - TIE);
     }
-    // a mass within TIE of p's counts as reaching it: float32 weights carry rounding of that order, and masses
-    // that are p itself in decimals (0.5 + 0.3 for top_p 0.8) reach it, as the sort rule's float32 sums say
-    const double target = static_cast<double>(p) * total * (1.0 - TIE);
-    int bp = 0;
-    double acc = 0.0;  // keep a token while the mass strictly above it is below the target
-    while (bp < b && bp < BUCKETS - 1 && acc + r.mass[bp] < target) acc += r.mass[bp++];
+    int bp = by_k ? 0 : r.first;
+    double acc = by_k ? 0.0 : r.inner_mass;  // keep a token while the mass strictly above it is below the target
+    const int last = by_k ? BUCKETS - 1 : r.limit - 1;  // the walk stays in the bucketed ring
+    while (bp < b && bp < last && acc + r.mass[bp] < target) acc += r.mass[bp++];
     if (bp < b) {  // the cut moves up to bucket bp
       r.rank(bp);
       n = static_cast<int64_t>(r.ids.size());
@@ -184,6 +283,35 @@ void normalise(float* w, int64_t V) {
   for (; j < V; ++j) w[j] *= inv;
 }
 
+// min-p: w [V] (normalised) keeps the tokens of at least min_p times its top probability
+void keep_likely(float* w, int64_t V, float min_p) {
+  Vec mv(0.f);
+  int64_t j = 0;
+  for (; j + W <= V; j += W) mv = at::vec::maximum(mv, Vec::loadu(w + j));
+  float top = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, mv);
+  for (; j < V; ++j) top = std::max(top, w[j]);
+  const float bar = min_p * top;
+  const __m256 bv = _mm256_set1_ps(bar);
+  for (j = 0; j + 8 <= V; j += 8) {
+    const __m256 v = _mm256_loadu_ps(w + j);
+    _mm256_storeu_ps(w + j, _mm256_and_ps(v, _mm256_cmp_ps(v, bv, _CMP_GE_OQ)));
+  }
+  for (; j < V; ++j)
+    if (!(w[j] >= bar)) w[j] = 0.f;
+}
+
+// a thread's scratch rows for a vocabulary of V (no allocation a call)
+struct Scratch {
+  std::vector<float> z, p, residual;
+  Row row;
+};
+
+Scratch& scratch(int64_t V) {
+  thread_local Scratch s;
+  if (static_cast<int64_t>(s.z.size()) < V) s.z.resize(V), s.p.resize(V), s.residual.resize(V);
+  return s;
+}
+
 // one row: x [V] -> w [V], its probabilities with row s's parameters (z: [V] scratch); min-p last, as
 // sampling._min_p: the tokens of at least min_p times the top probability, renormalised
 void row_probs(const float* x, int64_t V, const Params& P, int64_t s, float* z, float* w, Row& r) {
@@ -192,15 +320,12 @@ void row_probs(const float* x, int64_t V, const Params& P, int64_t s, float* z, 
   const float m = scaled(x, V, t, z);
   weights(z, V, m, w);
   if ((k > 0 && k < V) || p < 1.f) {
-    r.z = z;
-    r.w = w;
-    cut(r, m, k, p);
+    r.reset(z, w, V, m);
+    cut(r, k, p);
   }
   normalise(w, V);
   if (min_p > 0.f) {
-    const float bar = min_p * *std::max_element(w, w + V);
-    for (int64_t j = 0; j < V; ++j)
-      if (!(w[j] >= bar)) w[j] = 0.f;
+    keep_likely(w, V, min_p);
     normalise(w, V);
   }
 }
@@ -215,11 +340,10 @@ at::Tensor cut_probs(const at::Tensor& logits, const at::Tensor& temperature, co
   TORCH_CHECK(P.rows() == S, "cut_probs: parameters per row");
   const int64_t positions = S ? R / S : 1;
   at::Tensor out = at::detail::empty_cpu(x.sizes(), at::kFloat, false, std::nullopt);  // not dispatched
-  std::vector<float> z(V);
-  Row row(V);
+  Scratch& sc = scratch(V);
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) row_probs(in + r * V, V, P, r / positions, z.data(), o + r * V, row);
+  for (int64_t r = 0; r < R; ++r) row_probs(in + r * V, V, P, r / positions, sc.z.data(), o + r * V, sc.row);
   return out;
 }
 
@@ -287,26 +411,37 @@ std::vector<int64_t> draw_rows(const at::Tensor& probs, std::vector<at::Generato
   return ids;
 }
 
-// sampling.sample_from_logits on the CPU: each row's probabilities (row_probs, what cut_probs makes) into a new
-// [B, V] tensor, then one draw a row (draw_rows); temperature, top_p [B] float32, top_k [B] int64
+// sampling.sample_from_logits on the CPU: logits [B, V] (or [B, 1, V]) -> each row's probabilities (row_probs, what
+// cut_probs makes) and one draw a row (draw_rows); temperature, top_p [B] float32, top_k [B] int64. The probabilities
+// go to a new [B, V] tensor, or with ``out`` [B, n, V] (float32, contiguous) to out[:, step], returned as it is.
 std::tuple<at::Tensor, std::vector<int64_t>> sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
                                                         const at::Tensor& top_k, const at::Tensor& top_p,
-                                                        const at::Tensor& min_p, std::vector<at::Generator> generators) {
+                                                        const at::Tensor& min_p, std::vector<at::Generator> generators,
+                                                        const std::optional<at::Tensor>& out, int64_t step) {
   const at::Tensor x = as_dense(logits);
   const Params P(temperature, top_k, top_p, min_p);
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == static_cast<int64_t>(generators.size()) && P.rows() == x.size(0),
-              "sample_rows: logits [B, V], parameters and generators per row");
-  const int64_t B = x.size(0), V = x.size(1);
-  at::Tensor out = at::detail::empty_cpu({B, V}, at::kFloat, false, std::nullopt);  // not dispatched
-  std::vector<float> z(V);
-  Row row(V);
+  const int64_t B = x.dim() ? x.size(0) : 0, V = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK((x.dim() == 2 || (x.dim() == 3 && x.size(1) == 1)) && B == static_cast<int64_t>(generators.size()) &&
+              P.rows() == B, "sample_rows: logits [B, V], parameters and generators per row");
+  at::Tensor probs;
+  int64_t stride = V, offset = 0;  // row b's probabilities at b * stride + offset
+  if (out.has_value()) {
+    probs = *out;
+    TORCH_CHECK(probs.dim() == 3 && probs.size(0) == B && probs.size(2) == V && step >= 0 && step < probs.size(1) &&
+                probs.scalar_type() == at::kFloat && probs.is_contiguous(),
+                "sample_rows: out must be a contiguous float32 [B, n, V] tensor and step within 0..n-1");
+    stride = probs.size(1) * V, offset = step * V;
+  } else {
+    probs = at::detail::empty_cpu({B, V}, at::kFloat, false, std::nullopt);  // not dispatched
+  }
+  Scratch& sc = scratch(V);
   std::vector<int64_t> ids(B);
   for (int64_t b = 0; b < B; ++b) {
-    float* o = out.data_ptr<float>() + b * V;
-    row_probs(x.data_ptr<float>() + b * V, V, P, b, z.data(), o, row);
+    float* o = probs.data_ptr<float>() + b * stride + offset;
+    row_probs(x.data_ptr<float>() + b * V, V, P, b, sc.z.data(), o, sc.row);
     ids[b] = inverse_cdf_of(o, V, uniform64(generators[b]));
   }
-  return {out, ids};
+  return {probs, ids};
 }
 
 // verify.rejection_sample for row b of a batch on the CPU, in one call: draft_ids [B, k] (int64), draft_probs [B, k, V]
@@ -327,10 +462,10 @@ std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const a
   const Params P(temperature, top_k, top_p, min_p);
   const float* row_logits = logits.data_ptr<float>() + b * (k + 1) * V;
   const int64_t* x = ids.data_ptr<int64_t>() + b * k;
-  std::vector<float> z(V), p(V);
-  Row scratch(V);
+  Scratch& sc = scratch(V);
+  std::vector<float>& p = sc.p;
   auto probs_at = [&](int64_t i) {  // p_i [V] into p
-    row_probs(row_logits + i * V, V, P, b, z.data(), p.data(), scratch);
+    row_probs(row_logits + i * V, V, P, b, sc.z.data(), p.data(), sc.row);
   };
   const float* q = nullptr;  // [k, V], this row's q_i
   bool one_hot = true;
@@ -372,9 +507,9 @@ std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const a
   } else {  // the residual max(0, p - q) at the first rejection, drawn from as it is (its scale does not change a draw)
     const float* qa = q + accepted * V;
     double mass = 0.0;
-    std::vector<float> residual(V);
+    float* residual = sc.residual.data();
     for (int64_t j = 0; j < V; ++j) mass += residual[j] = std::max(p[j] - qa[j], 0.f);
-    if (mass > 0.0) p.swap(residual);  // else p itself, only against rounding
+    if (mass > 0.0) return {accepted, inverse_cdf_of(residual, V, uniform64(generator))};  // else p, against rounding
   }
   return {accepted, inverse_cdf_of(p.data(), V, uniform64(generator))};
 }
@@ -386,7 +521,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cut_probs", &cut_probs);
   m.def("inverse_cdf", &inverse_cdf);
   m.def("draw_rows", &draw_rows);
-  m.def("sample_rows", &sample_rows);
+  m.def("sample_rows", &sample_rows, pybind11::arg("logits"), pybind11::arg("temperature"), pybind11::arg("top_k"),
+        pybind11::arg("top_p"), pybind11::arg("min_p"), pybind11::arg("generators"),
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("step") = 0);
 }
 """
 

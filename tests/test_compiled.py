@@ -140,8 +140,8 @@ def test_sampled_steps_use_the_compiled_step_and_hand_pick_eagers_logits(pair):
     def run(r):
         handed = []
 
-        def pick(logits):  # [1, V]
-            handed.append(logits.clone())
+        def pick(logits):  # [1, V] or [1, 1, V]
+            handed.append(logits.reshape(1, -1).clone())
             return [chain[len(handed)]]
 
         r.release()

@@ -252,6 +252,33 @@ def test_the_sampling_kernel_keeps_what_the_sort_rule_keeps(seed, V, params, coa
 
 
 @native
+@pytest.mark.parametrize("scale", [0.0, 0.05, 0.5, 2.0, 8.0, 40.0])
+def test_the_sampling_kernels_cut_at_every_depth_keeps_what_the_sort_rule_keeps(scale):
+    """A vocabulary of 8,192: the kernel ranks only the tokens down to the shallowest depth below the maximum
+    (4, 8, 16, 32 nats, then all) that holds the cut; logits from flat (every token a candidate) to peaked,
+    some -inf, against the rule written as a sort."""
+    from specdec import sampling_kernel
+
+    params = [(k, p, t) for k in (0, 1, 40, 2000, 8191) for p in (1.0, 0.999, 0.95, 0.5) for t in (0.5, 1.0)
+              if (k, p) != (0, 1.0)]
+    logits = scale * torch.randn(len(params), 1, 8192, generator=torch.Generator().manual_seed(int(scale * 10)))
+    logits[:, :, ::97] = float("-inf")
+    k, p, t = (torch.tensor(c) for c in zip(*params))
+    ours = sampling_kernel.cut_probs(logits, t.float(), k, p.float(), torch.zeros(len(params)))
+    scaled = logits / t.view(-1, 1, 1)
+    rule = torch.softmax(sampling._top_k_top_p_sorted(scaled, k.view(-1, 1, 1), p.view(-1, 1, 1)), dim=-1)
+    ranked = scaled.double().sort(dim=-1, descending=True).values
+    ranked = ranked.masked_fill(torch.arange(8192) >= torch.where(k > 0, k, 8192).view(-1, 1, 1), float("-inf"))
+    q = torch.softmax(ranked, dim=-1)
+    on_edge = ((q.cumsum(-1) - q - p.view(-1, 1, 1)).abs() < 1e-5).any(-1) & (p < 1.0).view(-1, 1)
+    assert torch.equal((ours > 0).sum(-1)[~on_edge], (rule > 0).sum(-1)[~on_edge])
+    if scale > 0:  # without ties, the same tokens (the sort rule breaks ties by no rule)
+        assert torch.equal((ours > 0)[~on_edge], (rule > 0)[~on_edge])
+    want = torch.softmax(torch.where(ours > 0, scaled, float("-inf")), dim=-1)
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-7)
+
+
+@native
 def test_a_cut_rows_probabilities_are_the_same_alone_and_in_a_batch():
     g = torch.Generator().manual_seed(1)
     logits = 5 * torch.randn(4, 2, 3000, generator=g)
@@ -324,6 +351,12 @@ def test_sample_from_logits_is_probs_from_logits_then_sample(kernel, monkeypatch
         expected = probs_from_logits(logits, sb)
         assert torch.equal(probs, expected) and ids == sample(expected, b).tolist(), trial
         assert all(torch.equal(x.get_state(), y.get_state()) for x, y in zip(a, b))
+        # into step 1 of a [B, 3, V] buffer (a drafter's q), from logits [B, 1, V] (the compiled step's own output)
+        c = [make_generator(10 * trial + b) for b in range(5)]
+        out = torch.zeros(5, 3, 300)
+        got, again = sample_from_logits(logits[:, None], sb, c, out, 1)
+        assert got is out and again == ids and torch.equal(out[:, 1], expected), trial
+        assert not out[:, 0].any() and not out[:, 2].any()
 
 
 def test_the_kernels_uniform_is_torchs():

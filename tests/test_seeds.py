@@ -100,12 +100,12 @@ class Margins:
         return recorded
 
     def _wrap_sample_from_logits(self, sample_from_logits):
-        def recorded(logits, sb, generators):
+        def recorded(logits, sb, generators, out=None, step=0):
             i = self._watched(generators)
             before = None if i is None else torch.Generator().set_state(generators[i].get_state())
-            probs, ids = sample_from_logits(logits, sb, generators)
+            probs, ids = sample_from_logits(logits, sb, generators, out, step)
             if before is not None:
-                self._draw_margin(probs[i], before)
+                self._draw_margin(probs[i] if out is None else probs[i, step], before)
             return probs, ids
         return recorded
 

@@ -42,15 +42,18 @@ def sampled_chain(draws: Callable[[Callable[[torch.Tensor], list[int]], int], li
     ``draws(pick, k)`` runs the drafter k steps, ``pick(logits [B, V]) -> x_i [B]`` drawing each draft from
     the q_i of the logits it is handed (a runner's ``sampled_steps``: one call instead of k forwards)."""
     generators = [s.generator for s in seqs]
-    q_rows = []  # q_i [B, V]
+    q, step = None, 0  # q_i [B, k, V], written a step at a time at each pick; the next step
 
-    def pick(step_logits: torch.Tensor) -> list[int]:  # [B, V] -> x_i [B]
-        q, x = sample_from_logits(step_logits, sb, generators)
-        q_rows.append(q)
+    def pick(step_logits: torch.Tensor) -> list[int]:  # [B, V] or [B, 1, V] -> x_i [B]
+        nonlocal q, step
+        if q is None:
+            q = torch.empty(len(seqs), k, step_logits.shape[-1], device=step_logits.device)
+        _, x = sample_from_logits(step_logits, sb, generators, q, step)
+        step += 1
         return x
 
     drafts = draws(pick, k)  # [B, k]
-    return DraftProposal(long_tensor(drafts, device), torch.stack(q_rows, dim=1), [k] * len(seqs))  # [B, k, V]
+    return DraftProposal(long_tensor(drafts, device), q, [k] * len(seqs))  # [B, k, V]
 
 
 def every_row_draws(seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch, draft_p_min: float = 0.0) -> bool:

@@ -341,6 +341,33 @@ def warm_announced(what: str, warm) -> float:
     return seconds
 
 
+class ChainSteps:
+    """One-token steps' inputs on a CPU graph called directly, for an attended length L: tokens, positions and
+    slots [S, 1, 1] and masks [S, 1, 1, 1, L] in numpy buffers made once, and their torch views per step (made
+    once too: a torch call right after a graph call costs tens of µs in cache misses). ``at`` writes a chain's
+    steps in place; the views stay valid until the next ``at``."""
+
+    def __init__(self, L: int, capacity: int):
+        self.L, self.capacity = L, capacity
+        self.tokens = np.zeros((capacity, 1, 1), np.int64)
+        self.pos = np.zeros((capacity, 1, 1), np.int64)
+        self.slots = np.zeros((capacity, 1, 1), np.int64)  # the same values as pos in another tensor, as traced
+        self.mask = np.zeros((capacity, 1, 1, 1, self.L), np.float32)
+        with torch.inference_mode():
+            self.views = tuple(torch.from_numpy(a).unbind(0) for a in (self.tokens, self.pos, self.slots, self.mask))
+
+    def at(self, start: int, steps: int, band: np.ndarray) -> tuple[Sequence[torch.Tensor], ...]:
+        """Steps at start, start + 1, ...: step i attends keys up to start + i (``band``: an upper triangle of
+        -inf with at least L - start - 1 columns, ``CompiledStep._chain_mask``'s). Returns the views of tokens,
+        positions, slots and masks, indexed by step."""
+        self.pos[:steps, 0, 0] = np.arange(start, start + steps)
+        self.slots[:steps] = self.pos[:steps]
+        mask = self.mask[:steps].reshape(steps, self.L)  # a view of the buffer
+        mask[:, : start + 1] = 0.0
+        mask[:, start + 1:] = band[:steps, : self.L - start - 1]
+        return self.views
+
+
 class CompiledStep:
     """The compiled forward of one runner for batches of one row and up to max(sizes) tokens: it
     compiles each size at construction (one line on stderr per model; inductor's FX graph and AOT
@@ -363,7 +390,8 @@ class CompiledStep:
         self.cuda_graphs = self.device.type == "cuda"  # mode "reduce-overhead": replayed as CUDA graphs
         self.read_every = STOP_READ_EVERY if self.device.type == "cuda" else 1  # greedy_steps' stop reads
         self._row_tensors: dict[int, torch.Tensor] = {}  # cache row -> [1] long, the graph's rows input
-        self._triangles: dict[int, np.ndarray] = {}  # T -> the masks' upper triangle (_chain_mask)
+        self._triangles: dict[int, np.ndarray] = {}  # T -> the masks' upper triangle (_band)
+        self._chain_steps: ChainSteps | None = None  # the last attended length's step inputs (_step_inputs)
         self.in_cache = attention_kernel.supports(m.dims.compute_dtype, self.device, m.dims.head_dim)
         self.graph = StepGraph(m, self.windows, long_window, self.kept_layers, self.in_cache)
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available():
@@ -475,9 +503,13 @@ class CompiledStep:
         when stop tokens are given (STOP_READ_EVERY on CUDA, 1 on CPU), else once at the end. Steps past
         the first stop write cache positions the caller does not count (rollback is a length change)
         and are dropped from what is returned."""
-        pos, slots, masks = self._step_inputs(start, steps, row)
-        with torch.inference_mode():
-            x = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
+        tokens, pos, slots, masks = self._step_inputs(start, steps, row)
+        if tokens is not None:
+            self._chain_steps.tokens[0] = token
+            x = tokens[0]  # [1, 1]
+        else:
+            with torch.inference_mode():
+                x = torch.tensor([[token]], dtype=torch.long, device=self.device)  # [1, 1]
         stops = set(stop_token_ids)
         out: list[torch.Tensor] = []  # [1, 1] argmaxes, the last len(out) - len(ids) not yet read
         ids: list[int] = []
@@ -498,43 +530,41 @@ class CompiledStep:
 
     def sampled_steps(self, token: int, start: int, steps: int, row: int, pick) -> list[int]:
         """ModelRunner.sampled_steps for one row on the one-token graph, as ``greedy_steps`` (every step's
-        positions and masks made at once) but each next token chosen by ``pick(logits [1, V]) -> [id]``
-        (valid until the next step) and fed from a buffer made once: no tensor is made per step."""
-        pos, slots, masks = self._step_inputs(start, steps, row)
-        on_cpu = self.device.type == "cpu"
-        fed = np.empty((steps, 1, 1), np.int64)  # [steps, 1, 1]: the token each step feeds
+        positions and masks made at once) but each next token chosen by ``pick(logits [1, 1, V]) -> [id]``
+        (the graph's own output, valid until the next step) and fed from a buffer made once: no tensor is
+        made per step."""
+        tokens, pos, slots, masks = self._step_inputs(start, steps, row)
+        fed = self._chain_steps.tokens if tokens is not None else np.empty((steps, 1, 1), np.int64)  # [steps, 1, 1]
         fed[0] = token
-        with torch.inference_mode():
-            tokens = torch.from_numpy(fed).unbind(0) if on_cpu else None  # views [1, 1] of ``fed``
         ids: list[int] = []
         for i in range(steps):
-            x = tokens[i] if on_cpu else torch.tensor([[fed[i, 0, 0]]], device=self.device)
+            x = tokens[i] if tokens is not None else torch.tensor([[fed[i, 0, 0]]], device=self.device)
             logits, _ = self._graph(x, pos[i], slots[i], row, masks[i])  # [1, 1, V]
-            ids.append(int(pick(logits[:, 0])[0]))
+            ids.append(int(pick(logits)[0]))
             if i + 1 < steps:
                 fed[i + 1] = ids[-1]
         return ids
 
     def _step_inputs(self, start: int, steps: int, row: int) -> tuple[Sequence[torch.Tensor], ...]:
-        """One-token steps at start, start + 1, ...: each step's positions and slots [1, 1] and mask [W, 1, 1, L]
-        (attending up to the last step's length), the cache reserved for them. Without sliding windows on a
-        CPU graph called directly, made in numpy as ``_chain_inputs`` makes a chain's (step i's mask is the
-        chain's row i), and split into steps in one call each."""
+        """One-token steps at start, start + 1, ...: each step's token (CPU graphs called directly: a view to
+        write before the step; else None), positions and slots [1, 1] and mask [W, 1, 1, L] (attending up to
+        the last step's length), the cache reserved for them. Without sliding windows on a CPU graph called
+        directly, written in place into buffers made once per attended length (``ChainSteps``)."""
         device = self.device
         L = attended_length(start + steps)
         self.host.reserve(row + 1, L + 1)  # the graph was traced with the cache longer than L: keep it so
         if self.windows == [None] and self._called_directly(1):
-            at = np.arange(start, start + steps).reshape(steps, 1, 1)
-            mask = self._chain_mask(start, steps, L).reshape(steps, 1, 1, 1, L)
-            with torch.inference_mode():
-                return tuple(torch.from_numpy(a).unbind(0) for a in (at, at.copy(), mask))
+            chain = self._chain_steps
+            if chain is None or chain.L != L or chain.capacity < steps:
+                chain = self._chain_steps = ChainSteps(L, max(steps, 16))
+            return chain.at(start, steps, self._band(steps))
         with torch.inference_mode():
             pos = torch.arange(start, start + steps, device=device)  # step i at start + i
             slots = pos.clone().view(steps, 1, 1)  # [steps, 1, 1] (distinct from pos, as traced)
             each = torch.cat([attention_mask(pos[None], L, w, additive=True) for w in self.windows], dim=1)  # [1, W, steps, L]
             masks = torch.empty(steps, len(self.windows), 1, 1, L, device=device)  # strides as traced, size-1 dims too
             masks.copy_(each.permute(2, 1, 0, 3)[:, :, :, None])  # [steps, W, 1, 1, L]
-        return pos.view(steps, 1, 1), slots, masks  # indexed by step
+        return None, pos.view(steps, 1, 1), slots, masks  # indexed by step
 
     def _call(self, tokens: torch.Tensor, start: int, row: int, parents: list[int] | None = None) -> torch.Tensor:
         """tokens [1, Tb] (Tb a compiled size) at positions from ``start`` (a chain; or a tree of
@@ -578,14 +608,19 @@ class CompiledStep:
                 torch.from_numpy(mask))
 
     def _chain_mask(self, start: int, T: int, L: int) -> np.ndarray:
-        """[T, L] float32: 0 up to each token's own position start + t, -inf past it (a slice of an upper
-        triangle made once per T)."""
-        tri = self._triangles.get(T)
-        if tri is None:  # -inf at d >= t; d < L - start - 1 <= 2 ATTEND_STEP + T (attended_length)
-            tri = self._triangles[T] = np.triu(np.full((T, 2 * ATTEND_STEP + T), -np.inf, np.float32))
+        """[T, L] float32: 0 up to each token's own position start + t, -inf past it."""
         mask = np.zeros((T, L), np.float32)
-        mask[:, start + 1:] = tri[:, : L - start - 1]
+        mask[:, start + 1:] = self._band(T)[:, : L - start - 1]
         return mask
+
+    def _band(self, T: int) -> np.ndarray:
+        """[T, 2 ATTEND_STEP + T] float32, -inf at column d >= t in row t (an upper triangle made once per T):
+        a chain's mask past column start is its first L - start - 1 columns (L - start - 1 <= 2 ATTEND_STEP + T,
+        attended_length)."""
+        band = self._triangles.get(T)
+        if band is None:
+            band = self._triangles[T] = np.triu(np.full((T, 2 * ATTEND_STEP + T), -np.inf, np.float32))
+        return band
 
     def _graph(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, row: int,
                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
