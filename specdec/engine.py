@@ -182,15 +182,15 @@ class Engine:
 
         # 3. accept: a prefix of the drafts, then one recovered or bonus token per row
         if target_argmax is not None:
-            result = verify_greedy(batch.draft_token_ids, target_argmax, batch.num_draft)
+            result = verify_greedy(batch.draft_rows, target_argmax, batch.num_draft)
         else:
             result = verify(batch.draft_token_ids, batch.draft_probs, target_logits, batch.sampling,
-                            [s.generator for s in batch.seqs], torch.tensor(batch.num_draft, device=self.device))
+                            [s.generator for s in batch.seqs], batch.num_draft)
         t2 = time.perf_counter()
 
         # 4. commit: the target cache keeps [feed, accepted drafts]; the rest is rolled back by the
         #    length alone. Each sequence appends its tokens until a stop condition.
-        drafts = batch.draft_token_ids.tolist()
+        drafts = batch.draft_rows  # [B][k]
         gained = []
         for s, feed, d, n, nxt in zip(batch.seqs, batch.feed, drafts, result.num_accepted, result.next_token_ids):
             s.num_computed += len(feed) + n
@@ -313,9 +313,11 @@ class Engine:
             batch.set_drafts(None, None, None)
             return [NO_DRAFT] * len(batch.seqs)
         # 1b. a one-hot draft ends where the row's grammar forbids it (processing.constrain_drafts)
-        deterministic = [proposal.draft_probs is None or g for g in batch.sampling.greedy.tolist()]
+        B = len(batch.seqs)
+        deterministic = ([True] * B if proposal.draft_probs is None else [False] * B if batch.sampling.all_sampled
+                         else batch.sampling.greedy.tolist())  # [B] one-hot drafts (read without a tensor where known)
         num_draft = constrain_drafts(batch.seqs, proposal.draft_token_ids, proposal.num_draft_tokens, deterministic)
-        batch.set_drafts(proposal.draft_token_ids, proposal.draft_probs, num_draft)
+        batch.set_drafts(proposal.draft_token_ids, proposal.draft_probs, num_draft, proposal.token_rows())
         return proposal.sources or [self.drafter.label] * len(batch.seqs)
 
     def _commit(self, s: Sequence, tokens: list[int]) -> list[int]:

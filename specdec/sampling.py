@@ -118,15 +118,26 @@ def sample_from_logits(logits: torch.Tensor, sb: SamplingBatch, generators: Sequ
     list); with ``out`` [B, n, V] the probabilities go to out[:, step] and out is returned. On the CPU with the
     sampling kernel, one native call for both (a sampling drafter's step: each torch call right after a forward
     costs tens of µs in cache misses)."""
-    if logits.device.type == "cpu" and sampling_kernel.available().ok:
-        return sampling_kernel.module().sample_rows(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p,
-                                                    list(generators), out, step)
-    probs = probs_from_logits(logits.reshape(logits.shape[0], logits.shape[-1]), sb)
-    ids = sample(probs, generators).tolist()
-    if out is None:
-        return probs, ids
-    out[:, step] = probs
-    return out, ids
+    return row_sampler(sb, generators, logits.device)(logits, out, step)
+
+
+def row_sampler(sb: SamplingBatch, generators: Sequence[torch.Generator], device: torch.device | str):
+    """``sample_from_logits`` for these rows, with their parameters and generators bound and the kernel's
+    availability read once: ``(logits, out=None, step=0) -> (probabilities, ids)`` (a drafter's k picks)."""
+    if torch.device(device).type == "cpu" and sampling_kernel.available().ok:
+        native = sampling_kernel.module().sample_rows
+        bound = (sb.temperature, sb.top_k, sb.top_p, sb.min_p, list(generators))
+        return lambda logits, out=None, step=0: native(logits, *bound, out, step)
+
+    def rows(logits: torch.Tensor, out: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, list[int]]:
+        probs = probs_from_logits(logits.reshape(logits.shape[0], logits.shape[-1]), sb)
+        ids = sample(probs, generators).tolist()
+        if out is None:
+            return probs, ids
+        out[:, step] = probs
+        return out, ids
+
+    return rows
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -445,20 +445,20 @@ std::tuple<at::Tensor, std::vector<int64_t>> sample_rows(const at::Tensor& logit
 }
 
 // verify.rejection_sample for row b of a batch on the CPU, in one call: draft_ids [B, k] (int64), draft_probs [B, k, V]
-// (float32; None: one-hot drafts), num_draft [B], the target's logits [B, k + 1, V] and the rows' sampling parameters
+// (float32; None: one-hot drafts), n: row b's drafts, the target's logits [B, k + 1, V] and the rows' sampling parameters
 // [B]. Each p_i is made from its logits when the rule reads it (row_probs, as cut_probs makes it), up to the first
 // rejection. The same draws in the same order as the Python rule: a row whose drafts are one-hot one draw per token it
 // emits (verify._exact_match), any other n float32 uniforms, then one draw from the residual at the first rejection
 // or from the bonus p (verify._accept_or_recover_row). Returns (accepted drafts, the recovered or bonus token).
 std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const at::Tensor& draft_ids,
-                                        const std::optional<at::Tensor>& draft_probs, const at::Tensor& num_draft,
+                                        const std::optional<at::Tensor>& draft_probs, int64_t n,
                                         const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
                                         const at::Tensor& min_p, int64_t b, at::Generator generator) {
-  const at::Tensor logits = as_dense(target_logits), ids = as_dense(draft_ids, true), counts = as_dense(num_draft, true);
+  const at::Tensor logits = as_dense(target_logits), ids = as_dense(draft_ids, true);
   TORCH_CHECK(logits.dim() == 3 && ids.dim() == 2 && logits.size(0) == ids.size(0) && logits.size(1) == ids.size(1) + 1 &&
               b >= 0 && b < logits.size(0), "verify_row: target logits [B, k + 1, V], draft ids [B, k], a row b < B");
-  const int64_t k = ids.size(1), V = logits.size(2), n = counts.data_ptr<int64_t>()[b];
-  TORCH_CHECK(n >= 0 && n <= k, "verify_row: num_draft[b] must be within 0..k");
+  const int64_t k = ids.size(1), V = logits.size(2);
+  TORCH_CHECK(n >= 0 && n <= k, "verify_row: the row's draft count must be within 0..k");
   const Params P(temperature, top_k, top_p, min_p);
   const float* row_logits = logits.data_ptr<float>() + b * (k + 1) * V;
   const int64_t* x = ids.data_ptr<int64_t>() + b * k;

@@ -361,6 +361,7 @@ class RoundBatch:
     draft_token_ids: torch.Tensor | None = None  # [B, k] long; row b's drafts are its first num_draft[b]
     draft_probs: torch.Tensor | None = None  # [B, k, V] q of sampled drafts; None: one-hot (deterministic)
     num_draft: list[int] = field(default_factory=list)  # [B]
+    draft_rows: list[list[int]] = field(default_factory=list)  # [B][k] draft_token_ids on the host
 
     @classmethod
     def build(cls, seqs: list[Sequence], num_wanted: list[int], device: torch.device,
@@ -382,19 +383,21 @@ class RoundBatch:
                                                 for s in self.seqs)
 
     def set_drafts(self, draft_token_ids: torch.Tensor | None, draft_probs: torch.Tensor | None,
-                   num_draft: list[int] | None) -> None:
+                   num_draft: list[int] | None, rows: list[list[int]] | None = None) -> None:
+        """``rows``: draft_token_ids as lists [B][k] where the caller has them (else read here once)."""
         if draft_token_ids is None:
             draft_token_ids = torch.zeros(len(self.seqs), 0, dtype=torch.long, device=self.sampling.device)
-            num_draft = [0] * len(self.seqs)
+            num_draft, rows = [0] * len(self.seqs), [[] for _ in self.seqs]
         self.draft_token_ids, self.draft_probs, self.num_draft = draft_token_ids, draft_probs, list(num_draft)
+        self.draft_rows = rows if rows is not None else draft_token_ids.tolist()
 
     def verify_batch(self) -> ForwardBatch:
         """The target's verify pass: each row's feed then its k drafts; logits at the last k+1 positions
         of each row [B, k+1]: p_1 after the newest committed token, p_{i+1} after draft x_i."""
-        drafts, k = self.draft_token_ids, self.draft_token_ids.shape[1]  # [B, k]
+        device, k = self.draft_token_ids.device, self.draft_token_ids.shape[1]  # [B, k]
         lengths = [len(f) + n for f, n in zip(self.feed, self.num_draft)]
-        tokens = pad_rows([f + d for f, d in zip(self.feed, drafts.tolist())], drafts.device)  # [B, T]
-        index = long_tensor([[len(f) - 1 + j for j in range(k + 1)] for f in self.feed], drafts.device)  # [B, k+1]
+        tokens = pad_rows([f + d for f, d in zip(self.feed, self.draft_rows)], device)  # [B, T]
+        index = long_tensor([[len(f) - 1 + j for j in range(k + 1)] for f in self.feed], device)  # [B, k+1]
         return ForwardBatch(tokens, self.start, lengths, index)
 
     def tree_verify_batch(self, trees: list[DraftTree | None]) -> ForwardBatch:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import sampling_kernel
+from specdec.models.base import long_tensor
 from specdec.sampling import SamplingBatch, argmax, draw, probs_from_logits, sample
 
 
@@ -52,28 +53,30 @@ class ProbRows:
 
 def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
            sb: SamplingBatch, generators: Sequence[torch.Generator],
-           num_draft: torch.Tensor | None = None) -> VerifyResult:
+           num_draft: torch.Tensor | Sequence[int] | None = None) -> VerifyResult:
     """draft_token_ids [B, k]; draft_probs [B, k, V] or None for a deterministic drafter (q = one-hot);
     target_logits [B, k+1, V] from one target pass over [last committed token, x_1..x_k];
-    num_draft [B]: row b drafted only its first num_draft[b] positions (None: all k). A row that
-    accepts all its drafts gets its bonus token from p at position num_draft[b] + 1."""
+    num_draft [B] (a tensor or ints): row b drafted only its first num_draft[b] positions (None: all k). A row
+    that accepts all its drafts gets its bonus token from p at position num_draft[b] + 1."""
     B, k = draft_token_ids.shape
     if num_draft is None:
-        num_draft = torch.full((B,), k, dtype=torch.long, device=target_logits.device)
+        num_draft = [k] * B
+    limits = num_draft.tolist() if isinstance(num_draft, torch.Tensor) else list(num_draft)  # [B]
     if sb.all_greedy:
-        return verify_greedy(draft_token_ids, argmax(target_logits), num_draft)
+        return verify_greedy(draft_token_ids, argmax(target_logits), limits)
     num_accepted = [0] * B
     next_ids = [0] * B
     greedy = [False] * B if sb.all_sampled else sb.greedy.tolist()  # [B], read once
     greedy_rows = [b for b in range(B) if greedy[b]]
     sampled_rows = [b for b in range(B) if not greedy[b]]
     if greedy_rows:
-        g = verify_greedy(draft_token_ids[greedy_rows], argmax(target_logits[greedy_rows]), num_draft[greedy_rows])
+        g = verify_greedy(draft_token_ids[greedy_rows], argmax(target_logits[greedy_rows]),
+                          [limits[b] for b in greedy_rows])
         for i, b in enumerate(greedy_rows):
             num_accepted[b], next_ids[b] = g.num_accepted[i], g.next_token_ids[i]
     if sampled_rows and native_rows(target_logits, sb, len(sampled_rows)):
         for b in sampled_rows:
-            num_accepted[b], next_ids[b] = verify_row(target_logits, draft_token_ids, draft_probs, num_draft, sb, b,
+            num_accepted[b], next_ids[b] = verify_row(target_logits, draft_token_ids, draft_probs, limits[b], sb, b,
                                                       generators[b])
     elif sampled_rows:
         take = _take(sampled_rows, B, target_logits.device)
@@ -84,7 +87,8 @@ def verify(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
         else:
             target_probs = probs_from_logits(take(target_logits), sub)  # [Bs, k+1, V]
         s = rejection_sample(take(draft_token_ids), None if draft_probs is None else take(draft_probs),
-                             target_probs, [generators[b] for b in sampled_rows], take(num_draft))
+                             target_probs, [generators[b] for b in sampled_rows],
+                             long_tensor([limits[b] for b in sampled_rows], target_logits.device))
         for i, b in enumerate(sampled_rows):
             num_accepted[b], next_ids[b] = s.num_accepted[i], s.next_token_ids[i]
     return VerifyResult(num_accepted, next_ids)
@@ -97,25 +101,25 @@ def native_rows(target_logits: torch.Tensor, sb: SamplingBatch, rows: int) -> bo
 
 
 def verify_row(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-               num_draft: torch.Tensor, sb: SamplingBatch, b: int, generator: torch.Generator) -> tuple[int, int]:
-    """``rejection_sample`` for row b alone, in one call of the sampling kernel (sampling_kernel.py): each p_i
+               num_draft: int, sb: SamplingBatch, b: int, generator: torch.Generator) -> tuple[int, int]:
+    """``rejection_sample`` for row b alone (num_draft: its drafts), in one call of the sampling kernel
+    (sampling_kernel.py): each p_i
     made from the target's logits [B, k+1, V] when read, the same draws in the same order, the same decisions.
     Right after a forward a round's dozen small torch calls cost more than the rule's arithmetic."""
     return sampling_kernel.module().verify_row(target_logits, draft_token_ids, draft_probs, num_draft,
                                                sb.temperature, sb.top_k, sb.top_p, sb.min_p, b, generator)
 
 
-def verify_greedy(draft_token_ids: torch.Tensor, target_argmax: torch.Tensor | list[list[int]],
+def verify_greedy(draft_token_ids: torch.Tensor | list[list[int]], target_argmax: torch.Tensor | list[list[int]],
                   num_draft: torch.Tensor | Sequence[int] | None = None) -> VerifyResult:
     """Greedy rows: accept the drafts while each equals the target's argmax there, then emit the
     argmax after the accepted prefix (recovered, or the bonus token after all num_draft[b]).
-    draft_token_ids [B, k]; target_argmax [B, k+1] (argmax p_1..p_{k+1}, a tensor or lists). The
-    argmaxes come to the host once and the prefix is found in Python: a round's k is small, and a
-    dozen small tensor ops cost more than the loop at batch 1."""
-    B, k = draft_token_ids.shape
+    draft_token_ids [B, k] (a tensor or lists); target_argmax [B, k+1] (argmax p_1..p_{k+1}, a tensor or
+    lists). The argmaxes come to the host once and the prefix is found in Python: a round's k is small, and
+    a dozen small tensor ops cost more than the loop at batch 1."""
+    drafts = draft_token_ids.tolist() if isinstance(draft_token_ids, torch.Tensor) else draft_token_ids  # [B, k]
     target_ids = target_argmax.tolist() if isinstance(target_argmax, torch.Tensor) else target_argmax  # [B, k+1]
-    drafts = draft_token_ids.tolist()  # [B, k]
-    limits = [k] * B if num_draft is None else (
+    limits = [len(d) for d in drafts] if num_draft is None else (
         num_draft.tolist() if isinstance(num_draft, torch.Tensor) else list(num_draft))  # [B]
     num_accepted, next_ids = [], []
     for d, t, limit in zip(drafts, target_ids, limits):

@@ -59,6 +59,7 @@ class Margins:
             monkeypatch.setattr(module, "sample", self._wrap_sample(module.sample))
         monkeypatch.setattr(autoregressive, "sample_from_logits",
                             self._wrap_sample_from_logits(autoregressive.sample_from_logits))
+        monkeypatch.setattr(autoregressive, "row_sampler", self._wrap_row_sampler(autoregressive.row_sampler))
         monkeypatch.setattr(verify, "draw", self._wrap_draw(verify.draw))
         monkeypatch.setattr(verify, "_accept_or_recover", self._wrap_accept(verify._accept_or_recover))
         monkeypatch.setattr(verify, "verify_row", self._wrap_row(verify.verify_row))
@@ -82,7 +83,7 @@ class Margins:
                     p = probs_from_logits(target_logits[b:b + 1], row)  # [1, k+1, V]
                     ref = verify.rejection_sample(draft_token_ids[b:b + 1],
                                                   None if draft_probs is None else draft_probs[b:b + 1], p,
-                                                  [self.replay], num_draft[b:b + 1])
+                                                  [self.replay], torch.tensor([num_draft]))
                 finally:
                     self.replay = None
                 out = verify_row(target_logits, draft_token_ids, draft_probs, num_draft, sb, b, generator)
@@ -107,6 +108,13 @@ class Margins:
             if before is not None:
                 self._draw_margin(probs[i] if out is None else probs[i, step], before)
             return probs, ids
+        return recorded
+
+    def _wrap_row_sampler(self, row_sampler):
+        def recorded(sb, generators, device):
+            rows = self._wrap_sample_from_logits(
+                lambda logits, sb, generators, out, step: row_sampler(sb, generators, device)(logits, out, step))
+            return lambda logits, out=None, step=0: rows(logits, sb, generators, out, step)
         return recorded
 
     def _wrap_draw(self, draw):

@@ -275,7 +275,7 @@ def test_the_native_row_rule_draws_and_decides_as_the_python_rule():
         num_draft = torch.tensor([k, k - 1, 0, 2]) if trial % 3 else torch.full((B,), k)
         for b in range(B):
             a, c = make_generator(trial * 10 + b), make_generator(trial * 10 + b)
-            native = verify_row(logits, ids, q, num_draft, sb, b, a)
+            native = verify_row(logits, ids, q, int(num_draft[b]), sb, b, a)
             ref = rejection_sample(ids[b:b + 1], None if q is None else q[b:b + 1], p[b:b + 1], [c], num_draft[b:b + 1])
             assert native == (ref.num_accepted[0], ref.next_token_ids[0]), (trial, b)
             assert torch.equal(a.get_state(), c.get_state()), (trial, b)

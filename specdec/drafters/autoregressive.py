@@ -17,7 +17,7 @@ import torch
 from specdec.drafters.base import DraftProposal
 from specdec.models.base import long_tensor
 from specdec.processing import process_draft_logits
-from specdec.sampling import SamplingBatch, argmax, probs_from_logits, sample, sample_from_logits
+from specdec.sampling import SamplingBatch, argmax, probs_from_logits, row_sampler, sample, sample_from_logits
 from specdec.sequence import Sequence
 
 
@@ -33,7 +33,7 @@ def greedy_chain(first: list[int], greedy_steps: Callable[[list[int], int], list
     ``greedy_steps(x_1, k - 1)`` call (ModelRunner.greedy_steps) instead of k - 1 forwards."""
     k = max(num_draft, default=0)
     rest = greedy_steps(first, k - 1) if k > 1 else [[] for _ in first]  # [B, k-1]
-    return DraftProposal(long_tensor([[f] + r for f, r in zip(first, rest)], device), None, list(num_draft))
+    return DraftProposal.of_rows([[f] + r for f, r in zip(first, rest)], None, num_draft, device)
 
 
 def sampled_chain(draws: Callable[[Callable[[torch.Tensor], list[int]], int], list[list[int]]], seqs: list[Sequence],
@@ -41,19 +41,19 @@ def sampled_chain(draws: Callable[[Callable[[torch.Tensor], list[int]], int], li
     """Every row draws all k drafts from q with nothing between the draws (``every_row_draws``):
     ``draws(pick, k)`` runs the drafter k steps, ``pick(logits [B, V]) -> x_i [B]`` drawing each draft from
     the q_i of the logits it is handed (a runner's ``sampled_steps``: one call instead of k forwards)."""
-    generators = [s.generator for s in seqs]
+    draw_rows = row_sampler(sb, [s.generator for s in seqs], device)
     q, step = None, 0  # q_i [B, k, V], written a step at a time at each pick; the next step
 
     def pick(step_logits: torch.Tensor) -> list[int]:  # [B, V] or [B, 1, V] -> x_i [B]
         nonlocal q, step
         if q is None:
             q = torch.empty(len(seqs), k, step_logits.shape[-1], device=step_logits.device)
-        _, x = sample_from_logits(step_logits, sb, generators, q, step)
+        _, x = draw_rows(step_logits, q, step)
         step += 1
         return x
 
     drafts = draws(pick, k)  # [B, k]
-    return DraftProposal(long_tensor(drafts, device), q, [k] * len(seqs))  # [B, k, V]
+    return DraftProposal.of_rows(drafts, q, [k] * len(seqs), device)  # q [B, k, V]
 
 
 def every_row_draws(seqs: list[Sequence], num_draft: list[int], sb: SamplingBatch, draft_p_min: float = 0.0) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.models.base import pad_rows
+from specdec.models.base import long_tensor, pad_rows
 from specdec.sampling import SamplingBatch
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree, TreeShape
@@ -29,11 +29,25 @@ class DraftProposal:
     num_draft_tokens: list[int]  # [B] drafts per row, 0..k_max; a row may propose fewer than asked
     sources: list[str] | None = None  # [B] the method that drafted each row (a drafter that picks among
     #                                   several says which); None: every row's is the drafter's ``method``
+    rows: list[list[int]] | None = None  # draft_token_ids as host lists [B][k_max] where the drafter has them
+    #                                     (``token_rows`` reads the tensor once otherwise)
+
+    def token_rows(self) -> list[list[int]]:
+        """draft_token_ids as lists [B][k_max] (on the host: a round reads them several times)."""
+        if self.rows is None:
+            self.rows = self.draft_token_ids.tolist()
+        return self.rows
 
     @classmethod
     def from_rows(cls, rows: list[list[int]], device: torch.device | str) -> DraftProposal:
         """Pack per-row deterministic drafts (possibly empty) into a right-padded [B, longest row] proposal."""
         return cls(pad_rows(rows, device), None, [len(r) for r in rows])  # [B, k]
+
+    @classmethod
+    def of_rows(cls, rows: list[list[int]], draft_probs: torch.Tensor | None, num_draft_tokens: list[int],
+                device: torch.device | str) -> DraftProposal:
+        """Drafts as lists of equal length [B][k] (row b's first num_draft_tokens[b] drafted), kept as they are."""
+        return cls(long_tensor(rows, device), draft_probs, list(num_draft_tokens), rows=rows)
 
 
 @dataclass(frozen=True)

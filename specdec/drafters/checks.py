@@ -16,7 +16,7 @@ def check_proposal(proposal: DraftProposal, num_wanted: list[int], vocab_size: i
     if ids.dim() != 2 or ids.shape[0] != B or len(proposal.num_draft_tokens) != B:
         raise ValueError(f"propose returned drafts of shape {tuple(ids.shape)} for {B} sequences; "
                          "return [B, k] token ids and one draft count per row")
-    rows = ids.tolist()  # [B, k] on the host: a few ints, cheaper than tensor ops per row at batch 1
+    rows = proposal.token_rows()  # [B, k] on the host: a few ints, cheaper than tensor ops per row at batch 1
     for b, (n, want) in enumerate(zip(proposal.num_draft_tokens, num_wanted)):
         if not 0 <= n <= min(want, ids.shape[1]):
             raise ValueError(f"propose gave row {b} {n} drafts; it asked for {want} (at most {ids.shape[1]} fit)")

@@ -61,8 +61,8 @@ class DraftModelDrafter(Drafter):
             # the catch-up is the chain's first step: x_1..x_k from one greedy_steps / sampled_steps call
             last = [c[0] for c in chunks]
             if argmax_drafts(seqs, sb, self.draft_p_min):
-                proposal = DraftProposal(long_tensor(self.runner.greedy_steps(last, starts, k), self.runner.device),
-                                         None, list(num_draft))
+                proposal = DraftProposal.of_rows(self.runner.greedy_steps(last, starts, k), None, num_draft,
+                                                 self.runner.device)
             elif every_row_draws(seqs, num_draft, sb, self.draft_p_min):
                 proposal = sampled_chain(lambda pick, n: self.runner.sampled_steps(last, starts, n, pick), seqs, k, sb,
                                          self.runner.device)
@@ -94,9 +94,8 @@ class DraftModelDrafter(Drafter):
 
     def _remember(self, seqs: list[Sequence], proposal: DraftProposal) -> None:
         """What the cache now holds: each history plus the drafts that were fed (all but the last)."""
-        fed = proposal.draft_token_ids[:, : max(proposal.draft_token_ids.shape[1] - 1, 0)].tolist()
-        for b, s in enumerate(seqs):
-            self.cached[s.seq_id] = s.token_ids + fed[b]
+        for s, row in zip(seqs, proposal.token_rows()):
+            self.cached[s.seq_id] = s.token_ids + row[:-1]
             self.committed[s.seq_id] = len(s.token_ids)
 
     def propose_tree(self, seqs: list[Sequence], shapes: list[TreeShape | None], sb: SamplingBatch) -> list[DraftTree | None]:
