@@ -5,11 +5,12 @@ softmax and min-p (``sampling.probs_from_logits``); a drafter's q and draw in on
 forward a dispatched op costs ~36 µs in cache misses, a pybind11 call ~6-10 (Xeon-AMX-FP16).
 
 The same rule as ``sampling._top_k_top_p_sorted`` without sorting the row: each token falls in a bucket of
-its value (an eighth of a nat below the row's maximum a bucket); counts and masses per bucket find the bucket
-that holds each cut, and only that bucket's tokens are ranked, by value and at a tie by id (as
-``sampling._top_k_top_p_numpy`` keeps ties). Only the tokens near the top are bucketed: rings of whole nats
-below the maximum are gathered (vectorized scans) until they hold the cut, and for top-p alone only the last
-ring is bucketed (a real draft row at T 0.8, top_p 0.95 keeps ~600 of 8,192 tokens, down to ~7.5 nats). Masses are summed in float64, the exponentials are
+its weight w = exp(z - max z) (an eighth of a binade below 1 a bucket, read off w's bits); counts and masses
+per bucket find the bucket that holds each cut, and only that bucket's tokens are ranked, by value and at a
+tie by id (as ``sampling._top_k_top_p_numpy`` keeps ties). Only the tokens near the top are bucketed: rings of
+whole buckets below the maximum are gathered (vectorized integer compares) until they hold the cut, and for
+top-p alone only the last ring is bucketed (a real draft row at T 0.8, top_p 0.95 keeps ~600 of 8,192 tokens,
+down to ~7.5 nats). The scaled logits are made in the output row itself, then their weights in place. Masses are summed in float64, the exponentials are
 ATen's vectorized ``exp`` (within 1 ulp). A mass within 1e-6 (relative) of top_p counts as reaching it, so
 where the mass above a token is top_p itself up to float32's rounding this may keep one token less than the
 sort rule's float32 sums (tests/test_sampling.py leaves such rows out). A C++ extension (models/native.py);
@@ -29,6 +30,7 @@ _SOURCE = r"""
 #define CPU_CAPABILITY_AVX2
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <immintrin.h>
@@ -66,30 +68,44 @@ float scaled(const float* x, int64_t V, float t, float* z) {
   return m;
 }
 
-// w = exp(z - m)
+// w = exp(z - m) (w may be z itself)
 void weights(const float* z, int64_t V, float m, float* w) {
   int64_t j = 0;
   for (; j + W <= V; j += W) (Vec::loadu(z + j) - Vec(m)).exp().store(w + j);
   for (; j < V; ++j) w[j] = std::exp(z[j] - m);
 }
 
-// One row's cut in buckets of the values: bucket b holds the tokens with floor((max - z) * BUCKETS_PER_NAT) == b
-// (the last also every lower one), so that every token of a bucket ranks below every token of the ones before
-// it; a cut is found bucket by bucket from the top, then inside its bucket by value and, at a tie, by id.
-// The tokens are gathered in rings from the top (down to DEPTHS[j] nats below the maximum, whole buckets) until
-// the rings hold the cut (top-k: k tokens; top-p: the mass it needs); tokens below them are cut, and for top-p
-// alone the rings above the last are kept whole, so only the last ring is bucketed. A row's scratch is kept per
-// thread (no allocation a call).
+// One row's cut in buckets of the weights w = exp(z - max z), each w in (0, 1]: bucket b holds the tokens whose w
+// lies b eighths of a binade below 1 (the bits of w read as an integer, as ``key_of`` says; the last bucket also
+// every lower one and 0), so that every token of a bucket ranks below every token of the ones before it (w does
+// not fall as z rises); a cut is found bucket by bucket from the top, then inside its bucket by the scaled
+// logit z and, at a tie, by id. The tokens are gathered in rings from the top (down to RINGS[j] buckets, whole
+// buckets) until the rings hold the cut (top-k: k tokens; top-p: the mass it needs); tokens below them are cut,
+// and for top-p alone the rings above the last are kept whole, so only the last ring is bucketed. Every test is
+// an integer compare of w's bits. A row's scratch is kept per thread (no allocation a call).
 constexpr int BUCKETS = 512;
-constexpr float BUCKETS_PER_NAT = 8.f;
+constexpr int BUCKET_SHIFT = 20;  // 2^(23 - 20) = 8 buckets a binade (~0.087 nat each)
+constexpr int32_t ONE_BITS = 0x3F800000;  // the bits of 1.0f
 constexpr double TIE = 1e-6;  // relative
-constexpr int DEPTHS[] = {4, 6, 8, 10, 12, 16, 24, 32};  // nats below the maximum; then every token
+constexpr int RINGS[] = {48, 72, 96, 120, 144, 192, 384};  // ring ends in buckets (~4.2 .. 33 nats); then every token
+
+inline int32_t bits_of(float w) {
+  int32_t u;
+  std::memcpy(&u, &w, sizeof u);
+  return u;
+}
+
+// w's bucket: how many eighths of a binade below 1 (0 for w = 1; BUCKETS - 1 for w below 2^-64 or 0)
+inline int key_of(float w) {
+  const int32_t below = std::max<int32_t>(ONE_BITS - bits_of(w), 0);
+  return std::min<int32_t>(below >> BUCKET_SHIFT, BUCKETS - 1);
+}
 
 struct Row {
-  const float* z = nullptr;  // [V] the scaled logits
-  float* w = nullptr;  // [V] their weights exp(z - max), cut in place
+  const float* x = nullptr;  // [V] the logits (z = x / t, recomputed where a bucket is ranked)
+  float t = 1.f;  // the row's temperature
+  float* w = nullptr;  // [V] the weights exp(z - max z), cut in place
   int64_t V = 0;
-  float m = 0.f;  // max z
   std::vector<int32_t> cand;  // [V] the gathered tokens' ids: ring by ring from the top, each ring's ascending
   size_t cands = 0;  // how many
   size_t ring_at = 0;  // where the last ring starts in cand
@@ -99,54 +115,54 @@ struct Row {
   std::vector<uint16_t> key;  // [V] each bucketed token's bucket, at its place in cand
   std::vector<int32_t> count = std::vector<int32_t>(BUCKETS);  // bucketed tokens a bucket
   std::vector<double> mass = std::vector<double>(BUCKETS);  // their weight a bucket
-  std::vector<int32_t> ids;  // one bucket's tokens, ranked (``rank``)
-  std::vector<double> kept;  // their weights
+  std::vector<std::pair<float, int32_t>> ranked;  // one bucket's (z, id), ranked (``rank``)
+  std::vector<int32_t> ids;  // ... their ids
+  std::vector<double> kept;  // ... their weights
 
-  void reset(const float* z_, float* w_, int64_t v, float m_) {
-    z = z_, w = w_, V = v, m = m_;
-    if (static_cast<int64_t>(cand.size()) < v) cand.resize(v), key.resize(v), ids.reserve(v);
-    cands = 0;
-    ring_at = filled_at = 0;
+  void reset(const float* x_, float t_, float* w_, int64_t v) {
+    x = x_, t = t_, w = w_, V = v;
+    if (static_cast<int64_t>(cand.size()) < v) cand.resize(v), key.resize(v);
+    cands = ring_at = filled_at = 0;
     first = limit = 0;
     ring_mass = inner_mass = 0.0;
   }
 
-  float depth(int64_t i) const { return (m - z[i]) * BUCKETS_PER_NAT; }  // >= 0; inf for a -inf logit
-
-  // the next ring: from the last ring's end down to ``nats`` below the maximum (0: every token left)
-  void next_ring(int nats) {
+  // the next ring: from the last ring's end down to bucket ``end`` (exclusive; BUCKETS: every token left)
+  void next_ring(int end) {
     inner_mass += ring_mass;
     ring_mass = 0.0;
     ring_at = cands;
     first = limit;
-    limit = nats > 0 ? static_cast<int>(nats * BUCKETS_PER_NAT) : BUCKETS;
-    const bool to_end = limit == BUCKETS;
-    const float* zs = z;
+    limit = end;
     const float* ws = w;
     const int64_t n = V;
     size_t size = cands;
     int32_t* out = cand.data();
-    const __m256 mv = _mm256_set1_ps(m), per = _mm256_set1_ps(BUCKETS_PER_NAT);
-    const __m256 lo = _mm256_set1_ps(static_cast<float>(first)), hi = _mm256_set1_ps(static_cast<float>(limit));
+    // a token is in the ring where first << SHIFT <= ONE_BITS - bits(w) < limit << SHIFT, i.e. where
+    // bits(w) in (ONE_BITS - (limit << SHIFT), ONE_BITS - (first << SHIFT)] (every bucket whole, as key_of says)
+    const bool to_end = limit >= BUCKETS;
+    const __m256i above = _mm256_set1_epi32(ONE_BITS - (first << BUCKET_SHIFT) + 1);  // bits < this
+    const __m256i below = _mm256_set1_epi32(to_end ? INT32_MIN : ONE_BITS - (limit << BUCKET_SHIFT));  // bits > this
     __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {  // first <= (m - z) * 8 < limit, as ``depth`` rounds it
-      const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(zs + i)), per);
-      __m256 in = _mm256_cmp_ps(d, lo, _CMP_GE_OQ);
-      if (!to_end) in = _mm256_and_ps(in, _mm256_cmp_ps(d, hi, _CMP_LT_OQ));
-      int bits = _mm256_movemask_ps(in);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(ws + i);
+      const __m256i u = _mm256_castps_si256(v);
+      __m256i in = _mm256_cmpgt_epi32(above, u);
+      if (!to_end) in = _mm256_and_si256(in, _mm256_cmpgt_epi32(u, below));
+      int bits = _mm256_movemask_ps(_mm256_castsi256_ps(in));
       if (!bits) continue;
-      const __m256 v = _mm256_and_ps(_mm256_loadu_ps(ws + i), in);
-      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+      const __m256 vin = _mm256_and_ps(v, _mm256_castsi256_ps(in));
+      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(vin)));
+      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(vin, 1)));
       for (; bits; bits &= bits - 1) out[size++] = static_cast<int32_t>(i + __builtin_ctz(bits));
     }
-    alignas(32) double t[4];
-    _mm256_store_pd(t, _mm256_add_pd(a0, a1));
-    ring_mass = (t[0] + t[1]) + (t[2] + t[3]);
+    alignas(32) double sums[4];
+    _mm256_store_pd(sums, _mm256_add_pd(a0, a1));
+    ring_mass = (sums[0] + sums[1]) + (sums[2] + sums[3]);
     for (; i < n; ++i) {
-      const float d = depth(i);
-      if (d >= first && (to_end || d < limit)) out[size++] = static_cast<int32_t>(i), ring_mass += ws[i];
+      const int k = key_of(ws[i]);
+      if (k >= first && (to_end || k < limit)) out[size++] = static_cast<int32_t>(i), ring_mass += ws[i];
     }
     cands = size;
   }
@@ -156,34 +172,35 @@ struct Row {
     std::fill(mass.begin(), mass.end(), 0.0);
     filled_at = at;
     for (size_t c = at; c < cands; ++c) {
-      const float d = depth(cand[c]);
-      const int b = d < BUCKETS - 1 ? static_cast<int>(d) : BUCKETS - 1;
+      const float wc = w[cand[c]];
+      const int b = key_of(wc);
       key[c] = static_cast<uint16_t>(b);
       count[b] += 1;
-      mass[b] += w[cand[c]];
+      mass[b] += wc;
     }
   }
 
-  void rank(int b) {  // ids, kept <- bucket b's tokens by value (descending), then id; their weights
-    ids.clear();
+  void rank(int b) {  // ids, kept <- bucket b's tokens by z (descending), then id; their weights
+    ranked.clear();
     for (size_t c = filled_at; c < cands; ++c)
-      if (key[c] == b) ids.push_back(cand[c]);
-    std::stable_sort(ids.begin(), ids.end(), [this](int32_t a, int32_t c) { return z[a] > z[c]; });
-    kept.resize(ids.size());
-    for (size_t j = 0; j < ids.size(); ++j) kept[j] = w[ids[j]];
+      if (key[c] == b) ranked.emplace_back(x[cand[c]] / t, cand[c]);  // z as scaled() makes it
+    std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
+    ids.resize(ranked.size());
+    kept.resize(ranked.size());
+    for (size_t j = 0; j < ranked.size(); ++j) ids[j] = ranked[j].second, kept[j] = w[ranked[j].second];
   }
 
   void keep(int b, int64_t n) {  // keep the buckets before b and the first n ranked tokens of bucket b
     if (limit < BUCKETS) {  // every token past the rings is cut
-      const __m256 mv = _mm256_set1_ps(m), per = _mm256_set1_ps(BUCKETS_PER_NAT);
-      const __m256 lv = _mm256_set1_ps(static_cast<float>(limit));
+      const __m256i below = _mm256_set1_epi32(ONE_BITS - (limit << BUCKET_SHIFT));
       int64_t i = 0;
       for (; i + 8 <= V; i += 8) {
-        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(mv, _mm256_loadu_ps(z + i)), per);
-        _mm256_storeu_ps(w + i, _mm256_and_ps(_mm256_loadu_ps(w + i), _mm256_cmp_ps(d, lv, _CMP_LT_OQ)));
+        const __m256 v = _mm256_loadu_ps(w + i);
+        const __m256i in = _mm256_cmpgt_epi32(_mm256_castps_si256(v), below);
+        _mm256_storeu_ps(w + i, _mm256_and_ps(v, _mm256_castsi256_ps(in)));
       }
       for (; i < V; ++i)
-        if (!(depth(i) < limit)) w[i] = 0.f;
+        if (key_of(w[i]) >= limit) w[i] = 0.f;
     }
     for (size_t c = filled_at; c < cands; ++c)
       if (key[c] >= b) w[cand[c]] = 0.f;
@@ -207,18 +224,18 @@ double total_of(const float* w, int64_t V) {
   return total;
 }
 
-// top-k (k < V) then top-p (p < 1) over r.w (max z m): the sort rule's cut (sampling._top_k_top_p_sorted)
+// top-k (k < V) then top-p (p < 1) over r.w: the sort rule's cut (sampling._top_k_top_p_sorted)
 void cut(Row& r, int64_t k, float p) {
   const bool by_k = k > 0 && k < r.V;
   const double total = by_k ? 0.0 : total_of(r.w, r.V);  // top-p alone: of every token
   // a mass within TIE of p's counts as reaching it: float32 weights carry rounding of that order, and masses
   // that are p itself in decimals (0.5 + 0.3 for top_p 0.8) reach it, as the sort rule's float32 sums say
   const double p_target = static_cast<double>(p) * total * (1.0 - TIE);
-  for (const int nats : DEPTHS) {  // rings until they hold k tokens, or (top-p alone) the target's mass
-    r.next_ring(nats);
+  for (const int end : RINGS) {  // rings until they hold k tokens, or (top-p alone) the target's mass
+    r.next_ring(end);
     if (by_k ? static_cast<int64_t>(r.cands) >= k : r.inner_mass + r.ring_mass >= p_target) break;
   }
-  if (by_k ? static_cast<int64_t>(r.cands) < k : r.inner_mass + r.ring_mass < p_target) r.next_ring(0);
+  if (by_k ? static_cast<int64_t>(r.cands) < k : r.inner_mass + r.ring_mass < p_target) r.next_ring(BUCKETS);
   // top-k: every gathered token bucketed; top-p alone: the last ring's (the rings above it are kept whole)
   r.fill(by_k ? 0 : r.ring_at);
   int b = BUCKETS;  // the bucket holding the cut (BUCKETS: none, every token a candidate)
@@ -242,7 +259,7 @@ void cut(Row& r, int64_t k, float p) {
     }
     int bp = by_k ? 0 : r.first;
     double acc = by_k ? 0.0 : r.inner_mass;  // keep a token while the mass strictly above it is below the target
-    const int last = by_k ? BUCKETS - 1 : r.limit - 1;  // the walk stays in the bucketed ring
+    const int last = by_k ? BUCKETS - 1 : std::min(r.limit, BUCKETS) - 1;  // the walk stays in the bucketed ring
     while (bp < b && bp < last && acc + r.mass[bp] < target) acc += r.mass[bp++];
     if (bp < b) {  // the cut moves up to bucket bp
       r.rank(bp);
@@ -302,25 +319,25 @@ void keep_likely(float* w, int64_t V, float min_p) {
 
 // a thread's scratch rows for a vocabulary of V (no allocation a call)
 struct Scratch {
-  std::vector<float> z, p, residual;
+  std::vector<float> p, residual;
   Row row;
 };
 
 Scratch& scratch(int64_t V) {
   thread_local Scratch s;
-  if (static_cast<int64_t>(s.z.size()) < V) s.z.resize(V), s.p.resize(V), s.residual.resize(V);
+  if (static_cast<int64_t>(s.p.size()) < V) s.p.resize(V), s.residual.resize(V);
   return s;
 }
 
-// one row: x [V] -> w [V], its probabilities with row s's parameters (z: [V] scratch); min-p last, as
-// sampling._min_p: the tokens of at least min_p times the top probability, renormalised
-void row_probs(const float* x, int64_t V, const Params& P, int64_t s, float* z, float* w, Row& r) {
+// one row: x [V] -> w [V], its probabilities with row s's parameters (z, the scaled logits, made in w itself); min-p
+// last, as sampling._min_p: the tokens of at least min_p times the top probability, renormalised
+void row_probs(const float* x, int64_t V, const Params& P, int64_t s, float* w, Row& r) {
   const float t = P.t.data_ptr<float>()[s], p = P.p.data_ptr<float>()[s], min_p = P.m.data_ptr<float>()[s];
   const int64_t k = P.k.data_ptr<int64_t>()[s];
-  const float m = scaled(x, V, t, z);
-  weights(z, V, m, w);
+  const float m = scaled(x, V, t, w);
+  weights(w, V, m, w);
   if ((k > 0 && k < V) || p < 1.f) {
-    r.reset(z, w, V, m);
+    r.reset(x, t, w, V);
     cut(r, k, p);
   }
   normalise(w, V);
@@ -343,7 +360,7 @@ at::Tensor cut_probs(const at::Tensor& logits, const at::Tensor& temperature, co
   Scratch& sc = scratch(V);
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) row_probs(in + r * V, V, P, r / positions, sc.z.data(), o + r * V, sc.row);
+  for (int64_t r = 0; r < R; ++r) row_probs(in + r * V, V, P, r / positions, o + r * V, sc.row);
   return out;
 }
 
@@ -438,7 +455,7 @@ std::tuple<at::Tensor, std::vector<int64_t>> sample_rows(const at::Tensor& logit
   std::vector<int64_t> ids(B);
   for (int64_t b = 0; b < B; ++b) {
     float* o = probs.data_ptr<float>() + b * stride + offset;
-    row_probs(x.data_ptr<float>() + b * V, V, P, b, sc.z.data(), o, sc.row);
+    row_probs(x.data_ptr<float>() + b * V, V, P, b, o, sc.row);
     ids[b] = inverse_cdf_of(o, V, uniform64(generators[b]));
   }
   return {probs, ids};
@@ -465,7 +482,7 @@ std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const a
   Scratch& sc = scratch(V);
   std::vector<float>& p = sc.p;
   auto probs_at = [&](int64_t i) {  // p_i [V] into p
-    row_probs(row_logits + i * V, V, P, b, sc.z.data(), p.data(), sc.row);
+    row_probs(row_logits + i * V, V, P, b, p.data(), sc.row);
   };
   const float* q = nullptr;  // [k, V], this row's q_i
   bool one_hot = true;
