@@ -10,8 +10,8 @@ per bucket find the bucket that holds each cut, and only that bucket's tokens ar
 tie by id (as ``sampling._top_k_top_p_numpy`` keeps ties). Only the tokens near the top are bucketed: rings of
 whole buckets below the maximum are gathered (vectorized integer compares) until they hold the cut, and for
 top-p alone only the last ring is bucketed (a real draft row at T 0.8, top_p 0.95 keeps ~600 of 8,192 tokens,
-down to ~7.5 nats). The scaled logits are made in the output row itself, then their weights in place. Masses are summed in float64, the exponentials are
-ATen's vectorized ``exp`` (within 1 ulp). A mass within 1e-6 (relative) of top_p counts as reaching it, so
+down to ~7.5 nats). The scaled logits are made in the output row itself, then their weights in place. Masses
+are summed in float64, the exponentials are ATen's vectorized ``exp`` (within 1 ulp). A mass within 1e-6 (relative) of top_p counts as reaching it, so
 where the mass above a token is top_p itself up to float32's rounding this may keep one token less than the
 sort rule's float32 sums (tests/test_sampling.py leaves such rows out). A C++ extension (models/native.py);
 ``available()`` says whether it runs here.
@@ -77,8 +77,8 @@ void weights(const float* z, int64_t V, float m, float* w) {
 
 // One row's cut in buckets of the weights w = exp(z - max z), each w in (0, 1]: bucket b holds the tokens whose w
 // lies b eighths of a binade below 1 (the bits of w read as an integer, as ``key_of`` says; the last bucket also
-// every lower one and 0), so that every token of a bucket ranks below every token of the ones before it (w does
-// not fall as z rises); a cut is found bucket by bucket from the top, then inside its bucket by the scaled
+// every lower one and 0), so that every token of a bucket ranks below every token of the ones before it (exp keeps
+// z's order, up to w's own rounding); a cut is found bucket by bucket from the top, then inside its bucket by the scaled
 // logit z and, at a tie, by id. The tokens are gathered in rings from the top (down to RINGS[j] buckets, whole
 // buckets) until the rings hold the cut (top-k: k tokens; top-p: the mass it needs); tokens below them are cut,
 // and for top-p alone the rings above the last are kept whole, so only the last ring is bucketed. Every test is
