@@ -38,6 +38,7 @@ _SOURCE = r"""
 #include <vector>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/DistributionsHelper.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/extension.h>
@@ -325,7 +326,8 @@ struct Scratch {
 
 Scratch& scratch(int64_t V) {
   thread_local Scratch s;
-  if (static_cast<int64_t>(s.p.size()) < V) s.p.resize(V), s.residual.resize(V);
+  if (static_cast<int64_t>(s.p.size()) < V) s.p.resize(V);
+  if (static_cast<int64_t>(s.residual.size()) < V) s.residual.resize(V);
   return s;
 }
 
@@ -480,9 +482,18 @@ std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const a
   const float* row_logits = logits.data_ptr<float>() + b * (k + 1) * V;
   const int64_t* x = ids.data_ptr<int64_t>() + b * k;
   Scratch& sc = scratch(V);
-  std::vector<float>& p = sc.p;
-  auto probs_at = [&](int64_t i) {  // p_i [V] into p
-    row_probs(row_logits + i * V, V, P, b, p.data(), sc.row);
+  if (static_cast<int64_t>(sc.p.size()) < (k + 1) * V) sc.p.resize((k + 1) * V);
+  float* ps = sc.p.data();  // [k + 1, V]: p_i in row i once made
+  int64_t made = 0;  // p_0 .. p_{made - 1} made
+  auto probs_at = [&](int64_t i) -> const float* {  // p_i, made two at a time on torch's threads (up to p_n)
+    if (i >= made) {
+      const int64_t end = std::min<int64_t>(i + 2, n + 1);
+      at::parallel_for(i, end, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) row_probs(row_logits + j * V, V, P, b, ps + j * V, scratch(V).row);
+      });
+      made = end;
+    }
+    return ps + i * V;
   };
   const float* q = nullptr;  // [k, V], this row's q_i
   bool one_hot = true;
@@ -499,8 +510,7 @@ std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const a
   }
   if (one_hot) {  // y_i ~ p_i, accepted while y_i == x_i (verify._exact_match)
     for (int64_t i = 0;; ++i) {
-      probs_at(i);
-      const int64_t y = inverse_cdf_of(p.data(), V, uniform64(generator));
+      const int64_t y = inverse_cdf_of(probs_at(i), V, uniform64(generator));
       if (i >= n || y != x[i]) return {i, y};
     }
   }
@@ -513,22 +523,31 @@ std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const a
   }
   int64_t accepted = n;
   for (int64_t i = 0; i < n; ++i) {
-    probs_at(i);
-    if (!(bars[i] < p[x[i]])) {
+    if (!(bars[i] < probs_at(i)[x[i]])) {
       accepted = i;
       break;
     }
   }
-  if (accepted == n) {
-    probs_at(n);  // the bonus distribution
-  } else {  // the residual max(0, p - q) at the first rejection, drawn from as it is (its scale does not change a draw)
+  const float* p = probs_at(accepted);  // the bonus distribution p_n, or p at the first rejection
+  if (accepted < n) {  // the residual max(0, p - q) there, drawn from as it is (its scale does not change a draw)
     const float* qa = q + accepted * V;
-    double mass = 0.0;
     float* residual = sc.residual.data();
-    for (int64_t j = 0; j < V; ++j) mass += residual[j] = std::max(p[j] - qa[j], 0.f);
+    const __m256 zero = _mm256_setzero_ps();
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int64_t j = 0;
+    for (; j + 8 <= V; j += 8) {
+      const __m256 r = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_loadu_ps(qa + j)), zero);
+      _mm256_storeu_ps(residual + j, r);
+      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(r)));
+      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(r, 1)));
+    }
+    alignas(32) double sums[4];
+    _mm256_store_pd(sums, _mm256_add_pd(a0, a1));
+    double mass = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    for (; j < V; ++j) mass += residual[j] = std::max(p[j] - qa[j], 0.f);
     if (mass > 0.0) return {accepted, inverse_cdf_of(residual, V, uniform64(generator))};  // else p, against rounding
   }
-  return {accepted, inverse_cdf_of(p.data(), V, uniform64(generator))};
+  return {accepted, inverse_cdf_of(p, V, uniform64(generator))};
 }
 
 }  // namespace
