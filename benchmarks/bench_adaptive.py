@@ -101,6 +101,9 @@ def print_trace(controller) -> None:
     trace = controller.trace
     counts = Counter((k, why) for _, k, why, _ in trace)
     print("  decisions (k, why): " + ", ".join(f"{k}/{why} x{c}" for (k, why), c in sorted(counts.items())))
+    drafted = [(r, k, why, est) for r, k, why, est in trace if k > 0 and why != "held"]
+    print("  drafting decisions (round: k why [S(k) at that k]): " + ", ".join(
+        f"{r}: {k} {why}" + (f" [{est[k]:.2f}]" if est is not None else "") for r, k, why, est in drafted[:60]))
     last = next((est for *_, est in reversed(trace) if est is not None), None)
     if last is not None:
         print("  last S(k): " + " ".join(f"{s:.2f}" for s in last))
