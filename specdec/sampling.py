@@ -121,16 +121,24 @@ def sample_from_logits(logits: torch.Tensor, sb: SamplingBatch, generators: Sequ
     return row_sampler(sb, generators, logits.device)(logits, out, step)
 
 
-def row_sampler(sb: SamplingBatch, generators: Sequence[torch.Generator], device: torch.device | str):
+def row_sampler(sb: SamplingBatch, generators: Sequence[torch.Generator], device: torch.device | str,
+                vocab_map: torch.Tensor | None = None):
     """``sample_from_logits`` for these rows, with their parameters and generators bound and the kernel's
-    availability read once: ``(logits, out=None, step=0) -> (probabilities, ids)`` (a drafter's k picks)."""
+    availability read once: ``(logits, out=None, step=0) -> (probabilities, ids)`` (a drafter's k picks).
+    ``vocab_map`` [Vd] (long): logits over a drafter's vocabulary whose token c is the target's token
+    vocab_map[c]; the probabilities then go to those columns of out[:, step] [B, n, V] (0 elsewhere, ``out``
+    required) and the ids are the target's."""
     if torch.device(device).type == "cpu" and sampling_kernel.available().ok:
         native = sampling_kernel.module().sample_rows
         bound = (sb.temperature, sb.top_k, sb.top_p, sb.min_p, list(generators))
-        return lambda logits, out=None, step=0: native(logits, *bound, out, step)
+        return lambda logits, out=None, step=0: native(logits, *bound, out, step, vocab_map)
 
     def rows(logits: torch.Tensor, out: torch.Tensor | None = None, step: int = 0) -> tuple[torch.Tensor, list[int]]:
-        probs = probs_from_logits(logits.reshape(logits.shape[0], logits.shape[-1]), sb)
+        logits = logits.reshape(logits.shape[0], logits.shape[-1])  # [B, V] (or [B, Vd])
+        if vocab_map is not None:  # into the target's vocabulary: tokens outside the map get no mass
+            wide = logits.new_full((logits.shape[0], out.shape[-1]), float("-inf"))
+            logits = wide.index_copy_(1, vocab_map.to(logits.device), logits)
+        probs = probs_from_logits(logits, sb)
         ids = sample(probs, generators).tolist()
         if out is None:
             return probs, ids

@@ -432,33 +432,55 @@ std::vector<int64_t> draw_rows(const at::Tensor& probs, std::vector<at::Generato
 
 // sampling.sample_from_logits on the CPU: logits [B, V] (or [B, 1, V]) -> each row's probabilities (row_probs, what
 // cut_probs makes) and one draw a row (draw_rows); temperature, top_p [B] float32, top_k [B] int64. The probabilities
-// go to a new [B, V] tensor, or with ``out`` [B, n, V] (float32, contiguous) to out[:, step], returned as it is.
+// go to a new [B, V] tensor, or with ``out`` [B, n, V] (float32, contiguous) to out[:, step], returned as it is. With
+// ``vocab_map`` [V] (int64: the output column of each logit's token, a drafter's vocabulary inside the target's),
+// each row's probabilities go to those columns of out[:, step] [B, n, V_out] (zero elsewhere) and the ids drawn are
+// mapped too.
 std::tuple<at::Tensor, std::vector<int64_t>> sample_rows(const at::Tensor& logits, const at::Tensor& temperature,
                                                         const at::Tensor& top_k, const at::Tensor& top_p,
                                                         const at::Tensor& min_p, std::vector<at::Generator> generators,
-                                                        const std::optional<at::Tensor>& out, int64_t step) {
+                                                        const std::optional<at::Tensor>& out, int64_t step,
+                                                        const std::optional<at::Tensor>& vocab_map) {
   const at::Tensor x = as_dense(logits);
   const Params P(temperature, top_k, top_p, min_p);
   const int64_t B = x.dim() ? x.size(0) : 0, V = x.dim() ? x.size(-1) : 0;
   TORCH_CHECK((x.dim() == 2 || (x.dim() == 3 && x.size(1) == 1)) && B == static_cast<int64_t>(generators.size()) &&
               P.rows() == B, "sample_rows: logits [B, V], parameters and generators per row");
+  const bool mapped = vocab_map.has_value();
+  TORCH_CHECK(!mapped || out.has_value(), "sample_rows: a vocab_map needs out");
   at::Tensor probs;
-  int64_t stride = V, offset = 0;  // row b's probabilities at b * stride + offset
+  int64_t V_out = V, stride = V, offset = 0;  // row b's probabilities at b * stride + offset
   if (out.has_value()) {
     probs = *out;
-    TORCH_CHECK(probs.dim() == 3 && probs.size(0) == B && probs.size(2) == V && step >= 0 && step < probs.size(1) &&
-                probs.scalar_type() == at::kFloat && probs.is_contiguous(),
+    V_out = probs.dim() == 3 ? probs.size(2) : -1;
+    TORCH_CHECK(probs.dim() == 3 && probs.size(0) == B && (mapped || V_out == V) && step >= 0 &&
+                step < probs.size(1) && probs.scalar_type() == at::kFloat && probs.is_contiguous(),
                 "sample_rows: out must be a contiguous float32 [B, n, V] tensor and step within 0..n-1");
-    stride = probs.size(1) * V, offset = step * V;
+    stride = probs.size(1) * V_out, offset = step * V_out;
   } else {
     probs = at::detail::empty_cpu({B, V}, at::kFloat, false, std::nullopt);  // not dispatched
+  }
+  const int64_t* map = nullptr;
+  at::Tensor map_t;
+  if (mapped) {
+    map_t = as_dense(*vocab_map, true);
+    TORCH_CHECK(map_t.numel() == V, "sample_rows: vocab_map must hold one output column per logit");
+    map = map_t.data_ptr<int64_t>();
+    const auto [lo, hi] = std::minmax_element(map, map + V);
+    TORCH_CHECK(V == 0 || (*lo >= 0 && *hi < V_out), "sample_rows: vocab_map's columns must lie in out's last dim");
   }
   Scratch& sc = scratch(V);
   std::vector<int64_t> ids(B);
   for (int64_t b = 0; b < B; ++b) {
     float* o = probs.data_ptr<float>() + b * stride + offset;
-    row_probs(x.data_ptr<float>() + b * V, V, P, b, o, sc.row);
-    ids[b] = inverse_cdf_of(o, V, uniform64(generators[b]));
+    float* w = mapped ? sc.p.data() : o;
+    row_probs(x.data_ptr<float>() + b * V, V, P, b, w, sc.row);
+    const int64_t j = inverse_cdf_of(w, V, uniform64(generators[b]));
+    if (mapped) {
+      std::fill(o, o + V_out, 0.f);
+      for (int64_t c = 0; c < V; ++c) o[map[c]] = w[c];
+    }
+    ids[b] = mapped ? map[j] : j;
   }
   return {probs, ids};
 }
@@ -559,7 +581,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("draw_rows", &draw_rows);
   m.def("sample_rows", &sample_rows, pybind11::arg("logits"), pybind11::arg("temperature"), pybind11::arg("top_k"),
         pybind11::arg("top_p"), pybind11::arg("min_p"), pybind11::arg("generators"),
-        pybind11::arg("out") = pybind11::none(), pybind11::arg("step") = 0);
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("step") = 0,
+        pybind11::arg("vocab_map") = pybind11::none());
 }
 """
 

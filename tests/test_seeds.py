@@ -111,9 +111,10 @@ class Margins:
         return recorded
 
     def _wrap_row_sampler(self, row_sampler):
-        def recorded(sb, generators, device):
+        def recorded(sb, generators, device, vocab_map=None):
             rows = self._wrap_sample_from_logits(
-                lambda logits, sb, generators, out, step: row_sampler(sb, generators, device)(logits, out, step))
+                lambda logits, sb, generators, out, step: row_sampler(sb, generators, device, vocab_map)(logits, out,
+                                                                                                     step))
             return lambda logits, out=None, step=0: rows(logits, sb, generators, out, step)
         return recorded
 

@@ -37,17 +37,20 @@ def greedy_chain(first: list[int], greedy_steps: Callable[[list[int], int], list
 
 
 def sampled_chain(draws: Callable[[Callable[[torch.Tensor], list[int]], int], list[list[int]]], seqs: list[Sequence],
-                  k: int, sb: SamplingBatch, device: torch.device | str) -> DraftProposal:
+                  k: int, sb: SamplingBatch, device: torch.device | str, vocab_map: torch.Tensor | None = None,
+                  vocab_size: int | None = None) -> DraftProposal:
     """Every row draws all k drafts from q with nothing between the draws (``every_row_draws``):
     ``draws(pick, k)`` runs the drafter k steps, ``pick(logits [B, V]) -> x_i [B]`` drawing each draft from
-    the q_i of the logits it is handed (a runner's ``sampled_steps``: one call instead of k forwards)."""
-    draw_rows = row_sampler(sb, [s.generator for s in seqs], device)
+    the q_i of the logits it is handed (a runner's ``sampled_steps``: one call instead of k forwards).
+    ``vocab_map`` [Vd], ``vocab_size``: the logits are over a drafter's vocabulary, token c the target's
+    vocab_map[c] (``sampling.row_sampler``); q is over the target's vocabulary of ``vocab_size``."""
+    draw_rows = row_sampler(sb, [s.generator for s in seqs], device, vocab_map)
     q, step = None, 0  # q_i [B, k, V], written a step at a time at each pick; the next step
 
     def pick(step_logits: torch.Tensor) -> list[int]:  # [B, V] or [B, 1, V] -> x_i [B]
         nonlocal q, step
         if q is None:
-            q = torch.empty(len(seqs), k, step_logits.shape[-1], device=step_logits.device)
+            q = torch.empty(len(seqs), k, vocab_size or step_logits.shape[-1], device=step_logits.device)
         _, x = draw_rows(step_logits, q, step)
         step += 1
         return x

@@ -34,16 +34,16 @@ g, its k, v at its own slot past the committed entries, attending to those, its 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive
+from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive, every_row_draws, sampled_chain
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models import cache_attention as attention_kernel
-from specdec.models.base import ModelRunner
+from specdec.models.base import ModelRunner, long_tensor
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, check_q_scale
 from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
 from specdec.models.layers import apply_rope, attention, rope_tables
@@ -460,6 +460,21 @@ class Eagle3Drafter(Drafter):
             first = self._top_ids(first_logits)  # [A]
             drafts = torch.cat([first[:, None], argmaxes(first, max(want) - 1)], dim=1)  # [A, k]
             return DraftProposal(to_rows(drafts), None, want)
+
+        if every and self.all_kept and every_row_draws(seqs, want, sb, self.draft_p_min):
+            # every row draws all its drafts: each step's q and draw in one kernel call over the draft vocabulary,
+            # written into the target's (sampling.row_sampler's vocab_map), without target-vocabulary logits
+            def draws(pick, n: int) -> list[list[int]]:  # x_1 from the first logits, then n - 1 head steps
+                x = pick(first_logits)  # [A] target ids
+                picked = [x]
+                for i in range(n - 1):
+                    x = pick(step(long_tensor(x, self.device), i))
+                    picked.append(x)
+                return [list(row) for row in zip(*picked)]  # [A, n]
+
+            scaled = sb if self._q_scale == 1.0 else replace(sb, temperature=sb.temperature * self._q_scale)
+            return sampled_chain(draws, seqs, max(want), scaled, self.device, self.to_target_ids,
+                                 self.target.vocab_size)
 
         def greedy(x: list[int], n: int) -> list[list[int]]:  # x_1 [B] -> x_2..x_{n+1} [B, n], argmaxes
             t = torch.tensor(x, device=self.device)
