@@ -164,10 +164,10 @@ class ModelRunner(ABC):
     def sampled_steps(self, token_ids: Sequence[int], start: Sequence[int], steps: int,
                       pick: Callable[[torch.Tensor], Sequence[int]], row_offset: int = 0) -> list[list[int]]:
         """``greedy_steps`` with each next token chosen by the caller (a sampling drafter's chain): row b
-        feeds ``token_ids[b]`` at ``start[b]``; after each step ``pick(logits [B, V] or [B, 1, V]`` (valid
+        feeds ``token_ids[b]`` at ``start[b]``; after each step ``pick(logits)`` (logits [B, V] or [B, 1, V], valid
         until the next step) gives the next tokens [B], fed at the next positions. Returns the picks [B, steps];
-        the cache then holds start[b] + steps positions (the last pick is not fed). A backend overrides this with a
-        loop that skips the general forward's bookkeeping."""
+        the cache then holds start[b] + steps positions (the last pick is not fed). A backend overrides this
+        with a loop that skips the general forward's bookkeeping."""
         x = list(token_ids)
         out = []
         for i in range(steps):

@@ -358,7 +358,7 @@ class ChainSteps:
 
     def at(self, start: int, steps: int, band: np.ndarray) -> tuple[Sequence[torch.Tensor], ...]:
         """Steps at start, start + 1, ...: step i attends keys up to start + i (``band``: an upper triangle of
-        -inf with at least L - start - 1 columns, ``CompiledStep._chain_mask``'s). Returns the views of tokens,
+        -inf with at least L - start - 1 columns, ``CompiledStep._band``). Returns the views of tokens,
         positions, slots and masks, indexed by step."""
         self.pos[:steps, 0, 0] = np.arange(start, start + steps)
         self.slots[:steps] = self.pos[:steps]
