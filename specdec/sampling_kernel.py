@@ -102,6 +102,20 @@ inline int key_of(float w) {
   return std::min<int32_t>(below >> BUCKET_SHIFT, BUCKETS - 1);
 }
 
+// a float64 sum of float32 vectors, 8 at a time (two lanes of four doubles)
+struct Sum64 {
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  void add(__m256 v) {
+    a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+  }
+  double total() const {
+    alignas(32) double t[4];
+    _mm256_store_pd(t, _mm256_add_pd(a0, a1));
+    return (t[0] + t[1]) + (t[2] + t[3]);
+  }
+};
+
 struct Row {
   const float* x = nullptr;  // [V] the logits (z = x / t, recomputed where a bucket is ranked)
   float t = 1.f;  // the row's temperature
@@ -117,7 +131,6 @@ struct Row {
   std::vector<int32_t> count = std::vector<int32_t>(BUCKETS);  // bucketed tokens a bucket
   std::vector<double> mass = std::vector<double>(BUCKETS);  // their weight a bucket
   std::vector<std::pair<float, int32_t>> ranked;  // one bucket's (z, id), ranked (``rank``)
-  std::vector<int32_t> ids;  // ... their ids
   std::vector<double> kept;  // ... their weights
 
   void reset(const float* x_, float t_, float* w_, int64_t v) {
@@ -144,7 +157,7 @@ struct Row {
     const bool to_end = limit >= BUCKETS;
     const __m256i above = _mm256_set1_epi32(ONE_BITS - (first << BUCKET_SHIFT) + 1);  // bits < this
     const __m256i below = _mm256_set1_epi32(to_end ? INT32_MIN : ONE_BITS - (limit << BUCKET_SHIFT));  // bits > this
-    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    Sum64 sum;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
       const __m256 v = _mm256_loadu_ps(ws + i);
@@ -153,14 +166,10 @@ struct Row {
       if (!to_end) in = _mm256_and_si256(in, _mm256_cmpgt_epi32(u, below));
       int bits = _mm256_movemask_ps(_mm256_castsi256_ps(in));
       if (!bits) continue;
-      const __m256 vin = _mm256_and_ps(v, _mm256_castsi256_ps(in));
-      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(vin)));
-      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(vin, 1)));
+      sum.add(_mm256_and_ps(v, _mm256_castsi256_ps(in)));
       for (; bits; bits &= bits - 1) out[size++] = static_cast<int32_t>(i + __builtin_ctz(bits));
     }
-    alignas(32) double sums[4];
-    _mm256_store_pd(sums, _mm256_add_pd(a0, a1));
-    ring_mass = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    ring_mass = sum.total();
     for (; i < n; ++i) {
       const int k = key_of(ws[i]);
       if (k >= first && (to_end || k < limit)) out[size++] = static_cast<int32_t>(i), ring_mass += ws[i];
@@ -181,14 +190,13 @@ struct Row {
     }
   }
 
-  void rank(int b) {  // ids, kept <- bucket b's tokens by z (descending), then id; their weights
+  void rank(int b) {  // ranked, kept <- bucket b's tokens by z (descending), then id; their weights
     ranked.clear();
     for (size_t c = filled_at; c < cands; ++c)
       if (key[c] == b) ranked.emplace_back(x[cand[c]] / t, cand[c]);  // z as scaled() makes it
     std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& c) { return a.first > c.first; });
-    ids.resize(ranked.size());
     kept.resize(ranked.size());
-    for (size_t j = 0; j < ranked.size(); ++j) ids[j] = ranked[j].second, kept[j] = w[ranked[j].second];
+    for (size_t j = 0; j < ranked.size(); ++j) kept[j] = w[ranked[j].second];
   }
 
   void keep(int b, int64_t n) {  // keep the buckets before b and the first n ranked tokens of bucket b
@@ -205,22 +213,16 @@ struct Row {
     }
     for (size_t c = filled_at; c < cands; ++c)
       if (key[c] >= b) w[cand[c]] = 0.f;
-    for (int64_t j = 0; j < n; ++j) w[ids[j]] = static_cast<float>(kept[j]);
+    for (int64_t j = 0; j < n; ++j) w[ranked[j].second] = static_cast<float>(kept[j]);
   }
 };
 
 // the weight of w [V], summed in float64
 double total_of(const float* w, int64_t V) {
-  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  Sum64 sum;
   int64_t j = 0;
-  for (; j + 8 <= V; j += 8) {
-    const __m256 v = _mm256_loadu_ps(w + j);
-    a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-    a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-  }
-  alignas(32) double t[4];
-  _mm256_store_pd(t, _mm256_add_pd(a0, a1));
-  double total = (t[0] + t[1]) + (t[2] + t[3]);
+  for (; j + 8 <= V; j += 8) sum.add(_mm256_loadu_ps(w + j));
+  double total = sum.total();
   for (; j < V; ++j) total += w[j];
   return total;
 }
@@ -264,7 +266,7 @@ void cut(Row& r, int64_t k, float p) {
     while (bp < b && bp < last && acc + r.mass[bp] < target) acc += r.mass[bp++];
     if (bp < b) {  // the cut moves up to bucket bp
       r.rank(bp);
-      n = static_cast<int64_t>(r.ids.size());
+      n = static_cast<int64_t>(r.ranked.size());
       b = bp;
     }
     int64_t j = 0;
@@ -555,17 +557,14 @@ std::tuple<int64_t, int64_t> verify_row(const at::Tensor& target_logits, const a
     const float* qa = q + accepted * V;
     float* residual = sc.residual.data();
     const __m256 zero = _mm256_setzero_ps();
-    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    Sum64 sum;
     int64_t j = 0;
     for (; j + 8 <= V; j += 8) {
       const __m256 r = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_loadu_ps(qa + j)), zero);
       _mm256_storeu_ps(residual + j, r);
-      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(r)));
-      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(r, 1)));
+      sum.add(r);
     }
-    alignas(32) double sums[4];
-    _mm256_store_pd(sums, _mm256_add_pd(a0, a1));
-    double mass = (sums[0] + sums[1]) + (sums[2] + sums[3]);
+    double mass = sum.total();
     for (; j < V; ++j) mass += residual[j] = std::max(p[j] - qa[j], 0.f);
     if (mass > 0.0) return {accepted, inverse_cdf_of(residual, V, uniform64(generator))};  // else p, against rounding
   }

@@ -103,8 +103,8 @@ def native_rows(target_logits: torch.Tensor, sb: SamplingBatch, rows: int) -> bo
 def verify_row(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                num_draft: int, sb: SamplingBatch, b: int, generator: torch.Generator) -> tuple[int, int]:
     """``rejection_sample`` for row b alone (num_draft: its drafts), in one call of the sampling kernel
-    (sampling_kernel.py): each p_i
-    made from the target's logits [B, k+1, V] when read, the same draws in the same order, the same decisions.
+    (sampling_kernel.py): each p_i made from the target's logits [B, k+1, V] when read, the same draws in the
+    same order, the same decisions.
     Right after a forward a round's dozen small torch calls cost more than the rule's arithmetic."""
     return sampling_kernel.module().verify_row(target_logits, draft_token_ids, draft_probs, num_draft,
                                                sb.temperature, sb.top_k, sb.top_p, sb.min_p, b, generator)

@@ -341,6 +341,14 @@ def warm_announced(what: str, warm) -> float:
     return seconds
 
 
+def chain_mask(out: np.ndarray, start: int, band: np.ndarray) -> np.ndarray:
+    """out [T, L] float32 written: 0 up to each token's own position start + t, -inf past it (``band``: the
+    upper triangle of T rows, ``CompiledStep._band``)."""
+    out[:, : start + 1] = 0.0
+    out[:, start + 1:] = band[:, : out.shape[1] - start - 1]
+    return out
+
+
 class ChainSteps:
     """One-token steps' inputs on a CPU graph called directly, for an attended length L: tokens, positions and
     slots [S, 1, 1] and masks [S, 1, 1, 1, L] in numpy buffers made once, and their torch views per step (made
@@ -362,9 +370,7 @@ class ChainSteps:
         positions, slots and masks, indexed by step."""
         self.pos[:steps, 0, 0] = np.arange(start, start + steps)
         self.slots[:steps] = self.pos[:steps]
-        mask = self.mask[:steps].reshape(steps, self.L)  # a view of the buffer
-        mask[:, : start + 1] = 0.0
-        mask[:, start + 1:] = band[:steps, : self.L - start - 1]
+        chain_mask(self.mask[:steps].reshape(steps, self.L), start, band)  # into a view of the buffer
         return self.views
 
 
@@ -609,9 +615,7 @@ class CompiledStep:
 
     def _chain_mask(self, start: int, T: int, L: int) -> np.ndarray:
         """[T, L] float32: 0 up to each token's own position start + t, -inf past it."""
-        mask = np.zeros((T, L), np.float32)
-        mask[:, start + 1:] = self._band(T)[:, : L - start - 1]
-        return mask
+        return chain_mask(np.empty((T, L), np.float32), start, self._band(T))
 
     def _band(self, T: int) -> np.ndarray:
         """[T, 2 ATTEND_STEP + T] float32, -inf at column d >= t in row t (an upper triangle made once per T):
