@@ -406,3 +406,53 @@ def test_a_trained_head_s_draft_vocabulary_can_be_widened(tiny, tmp_path):
     fresh = run(tiny, tmp_path / "f", "--max-steps", "2", "--draft-vocab", "70", "--layer-ids", "1,2,3")
     going_on = run(tiny, tmp_path / "c", "--max-steps", "2", "--init-head", str(tmp_path / "a"), "--draft-vocab", "70")
     assert going_on["first_loss"] < fresh["first_loss"]
+
+
+def test_full_labels_are_the_targets_whole_distribution_on_the_draft_vocabulary():
+    """--full-labels: each step is scored against softmax(LM head x the target's last state), every token of
+    the draft vocabulary its own label (renormalised there), not the top k and one bucket. With the whole
+    vocabulary in the draft's and in the top k, the two losses are the same; with a smaller draft vocabulary
+    the KL and TV are those of the renormalised distribution."""
+    import torch.nn.functional as F
+
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.training.eagle3 import TTTModel
+
+    def head_with(vd: int) -> Eagle3Head:
+        c = Eagle3Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                         intermediate_size=16, vocab_size=40, draft_vocab_size=vd, target_hidden_size=16,
+                         layer_ids=[0, 1, 1])
+        torch.manual_seed(5)
+        h = Eagle3Head(c, torch.randn(40, 16))
+        h.d2t.zero_()  # draft ids 0..vd-1 are target ids 0..vd-1
+        return h
+
+    torch.manual_seed(6)
+    W, last = torch.randn(40, 16), torch.randn(2, 8, 16)  # the target's LM head and last states
+    logp = (last @ W.T).log_softmax(-1)  # [2, 8, 40]
+    tokens, feats = torch.randint(1, 40, (2, 8)), torch.randn(2, 8, 48)
+    top_logp, top_ids = logp.topk(40, dim=-1)
+    head = head_with(40)
+    want = TTTModel(head, 2, 0.8, tv_weight=1.5)(tokens, feats, top_ids, top_logp)
+    full = TTTModel(head, 2, 0.8, tv_weight=1.5)
+    full.set_label_head(W)
+    torch.testing.assert_close(full(tokens, feats, top_ids, top_logp, None, last), want, rtol=1e-4, atol=1e-5)
+
+    head = head_with(30)  # target ids 30..39 off the draft vocabulary
+    model = TTTModel(head, 1, 0.8, tv_weight=2.0)
+    model.set_label_head(W)
+    got = model(tokens, feats, top_ids[..., :3], top_logp[..., :3], None, last)  # the top 3 are not the labels
+    q = head.step(tokens[:, 1:], head.fuse(feats[:, :7]), torch.arange(7)[None].expand(2, 7))[0].softmax(-1)
+    p = logp[:, 1:, :30].exp()
+    p = p / p.sum(-1, keepdim=True)  # [2, 7, 30]
+    kl = (p * (p.log() - q.log())).sum(-1).mean()
+    tv = 0.5 * (p - q).abs().sum(-1).mean()
+    torch.testing.assert_close(got, kl + 2.0 * tv, rtol=1e-4, atol=1e-5)
+    assert float(F.kl_div(q.log(), p, reduction="none").sum(-1).mean() - kl).__abs__() < 1e-4
+
+
+def test_a_run_with_full_labels_lowers_the_loss_and_says_so(tiny, tmp_path):
+    s = run(tiny, tmp_path / "f", "--max-steps", "12", "--lr", "3e-3", "--draft-vocab", "50", "--full-labels",
+            "--topk", "4", "--tv-weight", "1")
+    assert s["train_loss"] < s["first_loss"] and s["held_out_loss"] == s["held_out_loss"]
+    assert "draft vocabulary (all of it, renormalised there)" in (tmp_path / "f" / "README.md").read_text()

@@ -67,6 +67,7 @@ class Eagle3TrainConfig(RunConfig):
     argmax_weight: float = 0.0  # plus this x cross-entropy on the target's argmax (what greedy acceptance needs)
     tv_weight: float = 0.0  # plus this x total variation to the target (1 - acceptance at temperature 1)
     topk: int = 32  # target log-probabilities kept per position (soft labels)
+    full_labels: bool = False  # soft labels over the whole vocabulary, from the target's cached last state
     max_windows: int = 1024  # training windows cached (0: all; each costs seq_len * 3 * Dt * 2 bytes)
     cache_batch: int = 8  # windows per target forward while caching
     init_from_target: bool = True  # the head's LM head rows and final norm start as the target's
@@ -134,23 +135,25 @@ class FeatureCache:
     top_logp: torch.Tensor  # [N, T, K] float32: their log-probabilities (over the whole vocabulary)
     lengths: torch.Tensor  # [N] long: real tokens of each window (the rest is padding, never scored)
     n_train: int
+    last: torch.Tensor | None = None  # [N, T, Dt] bf16: the target's final (normed) state; its LM head gives p
 
-    def gather(self, idx: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
+    def gather(self, idx: torch.Tensor, device) -> tuple[torch.Tensor | None, ...]:
+        """(tokens, features, top_ids, top_logp, lengths, last) of windows ``idx``: TTTModel.forward's arguments."""
         idx = idx.cpu()
-        return tuple(t[idx].to(device) for t in (self.tokens, self.features, self.top_ids, self.top_logp,
-                                                   self.lengths))
+        return tuple(None if t is None else t[idx].to(device)
+                     for t in (self.tokens, self.features, self.top_ids, self.top_logp, self.lengths, self.last))
 
 
 @torch.no_grad()
 def build_cache(target, windows: torch.Tensor, lengths: torch.Tensor, n_train: int, layer_ids: list[int], topk: int,
-                batch: int, bf16: bool, device, log) -> FeatureCache:
+                batch: int, bf16: bool, device, log, keep_last: bool = False) -> FeatureCache:
     """Run the target over ``windows`` [N, T] once: kept layer inputs and top-k log-probabilities (the
     padding past each window's ``lengths`` [N] comes after its real tokens, so causal attention keeps
-    it out of them)."""
+    it out of them); with ``keep_last`` also its final normed state, whose LM head product is the logits."""
     N, T = windows.shape
     if not 1 <= topk <= target.config.vocab_size:
         raise ValueError(f"topk must be in 1..{target.config.vocab_size} (the target's vocabulary), got {topk}")
-    feats, ids, logps = [], [], []
+    feats, ids, logps, lasts = [], [], [], []
     t0 = time.time()
     for i in range(0, N, batch):
         x = windows[i:i + batch].to(device)  # [b, T]
@@ -158,12 +161,22 @@ def build_cache(target, windows: torch.Tensor, lengths: torch.Tensor, n_train: i
             out = target(input_ids=x, output_hidden_states=True)
         feats.append(torch.cat([out.hidden_states[L] for L in layer_ids], dim=-1).to(torch.bfloat16).cpu())
         v, k = F.log_softmax(out.logits.float(), dim=-1).topk(topk, dim=-1)  # [b, T, K]
+        if keep_last:
+            last = out.hidden_states[-1]  # [b, T, Dt]: Hugging Face's last entry is after the final norm
+            if i == 0:
+                gap = (target.get_output_embeddings()(last.float()) - out.logits.float()).abs().max().item()
+                if gap > 1e-2 * max(1.0, out.logits.float().abs().max().item()):
+                    raise ValueError(f"--full-labels: the target's LM head over its last hidden state misses its "
+                                     f"logits by {gap:.3g} (a final norm or logit scale outside hidden_states); "
+                                     "train with top-k labels (leave --full-labels out)")
+            lasts.append(last.to(torch.bfloat16).cpu())
         ids.append(k.cpu())
         logps.append(v.cpu())
         done = min(i + batch, N)
         if done == N or (i // batch) % 20 == 19:
             log(f"cache: {done}/{N} windows through the target ({done * T / (time.time() - t0):,.0f} tok/s)")
-    return FeatureCache(windows.clone(), torch.cat(feats), torch.cat(ids), torch.cat(logps), lengths.clone(), n_train)
+    return FeatureCache(windows.clone(), torch.cat(feats), torch.cat(ids), torch.cat(logps), lengths.clone(), n_train,
+                        torch.cat(lasts) if keep_last else None)
 
 
 def document_windows(tokens: np.ndarray, eos: int, seq_len: int, limit: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,6 +295,11 @@ class TTTModel(nn.Module):
         # fc reads features * feature_scale [3 Dt] while training (1: unscaled); fold_feature_scale moves it into
         # fc. Kept in checkpoints, so a head can be taken from any of them (head_from_checkpoint)
         self.register_buffer("feature_scale", torch.ones(head.fc.in_features))
+        self.register_buffer("label_head", None, persistent=False)  # [V, Dt] float32: the target's LM head (full labels)
+
+    def set_label_head(self, weight: torch.Tensor) -> None:
+        """Score against the target's whole distribution, made from its cached last state by ``weight`` [V, Dt]."""
+        self.label_head = weight.detach().float().clone()
 
     def fold_feature_scale(self) -> None:
         """fc(x * s) == fc'(x) with fc' = fc.weight * s: the saved head reads the target's features as they are."""
@@ -302,6 +320,13 @@ class TTTModel(nn.Module):
         rest = (1 - full.sum(-1)).clamp(min=0)  # [...]
         z = (p.sum(-1) + rest).clamp(min=1e-12)
         return didx.clamp(min=0), inside, p / z[..., None], rest / z, p.sum(-1) > 0
+
+    def full_labels(self, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's log-probabilities over its whole vocabulary ``logp`` [..., V] -> its distribution on
+        the draft vocabulary, renormalised [..., Vd], and whether that holds any mass [...]."""
+        p = logp[..., self.head.draft_to_target].exp()  # [..., Vd]
+        z = p.sum(-1)
+        return p / z.clamp(min=1e-12)[..., None], z > 0
 
     def unroll(self, tokens: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor | None = None):
         """The training-time test's steps over windows tokens [B, T] with features [B, T, 3Dt] (lengths [B]:
@@ -325,28 +350,39 @@ class TTTModel(nn.Module):
             yield logits, (base[None] + 1 + j < real).expand(B, P), h
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, top_ids: torch.Tensor, top_logp: torch.Tensor,
-                lengths: torch.Tensor | None = None, stats: bool = False):
+                lengths: torch.Tensor | None = None, last: torch.Tensor | None = None, stats: bool = False):
         """Weighted sum over steps of the mean forward KL; with ``stats`` also per-step figures.
 
         tokens [B, T], features [B, T, 3Dt], top_ids / top_logp [B, T, K] (the target's next-token
-        distribution after each position), lengths [B] (real tokens per window; None: all T). Step j at
-        position p (0 <= p < P = T - 1) is scored against the distribution after position p + 1 + j
-        (``unroll``).
+        distribution after each position), lengths [B] (real tokens per window; None: all T), last
+        [B, T, Dt] (the target's final state: with ``set_label_head``, the labels are its whole distribution
+        instead of top K and a rest). Step j at position p (0 <= p < P = T - 1) is scored against the
+        distribution after position p + 1 + j (``unroll``).
         """
         B, T = tokens.shape
         total = tokens.new_zeros((), dtype=torch.float32)
         figs = []
         alive = torch.ones(B, T - 1, dtype=torch.bool, device=tokens.device)
+        logp_full = None
+        if last is not None and self.label_head is not None:
+            with torch.autocast(last.device.type, enabled=False):  # labels in float32
+                logp_full = F.log_softmax(last.float() @ self.label_head.T, dim=-1)  # [B, T, V]
         for j, (logits, in_range, _) in enumerate(self.unroll(tokens, features, lengths)):
-            didx, inside, p, rest, held = self.labels(shift(top_ids, j), shift(top_logp, j))  # [B, P, K] x3, [B, P] x2
-            valid = held & in_range
             logq_all = F.log_softmax(logits, dim=-1)  # [B, P, Vd]
-            logq = logq_all.gather(-1, didx)  # [B, P, K]
-            q = logq.exp() * inside  # [B, P, K]: the head's q at the target's top K (0 outside its vocabulary)
-            q_off = 1 - q.sum(-1)  # [B, P]: the head's mass off the target's top K
-            q_rest = q_off.clamp(min=1e-6)
-            kl = ((p * (torch.log(p.clamp(min=1e-12)) - logq)).sum(-1)
-                  + rest * (torch.log(rest.clamp(min=1e-12)) - torch.log(q_rest)))  # [B, P]: KL of (top K, rest)
+            if logp_full is not None:  # the whole distribution on the draft vocabulary
+                p, held = self.full_labels(shift(logp_full, j))  # [B, P, Vd], [B, P]
+                q = logq_all.float().exp()
+                kl = (p * (torch.log(p.clamp(min=1e-12)) - logq_all)).sum(-1)  # [B, P]
+                q_off = rest = None
+            else:  # top K and one bucket for the rest
+                didx, inside, p, rest, held = self.labels(shift(top_ids, j), shift(top_logp, j))  # [B, P, K] x3, [B, P] x2
+                logq = logq_all.gather(-1, didx)  # [B, P, K]
+                q = logq.exp() * inside  # [B, P, K]: the head's q at the target's top K (0 outside its vocabulary)
+                q_off = 1 - q.sum(-1)  # [B, P]: the head's mass off the target's top K
+                q_rest = q_off.clamp(min=1e-6)
+                kl = ((p * (torch.log(p.clamp(min=1e-12)) - logq)).sum(-1)
+                      + rest * (torch.log(rest.clamp(min=1e-12)) - torch.log(q_rest)))  # [B, P]: KL of (top K, rest)
+            valid = held & in_range
             n = valid.sum().clamp(min=1)
             step_loss = (kl * valid).sum() / n
             if self.argmax_weight:  # the target's greedy token, where the draft vocabulary has it
@@ -355,7 +391,9 @@ class TTTModel(nn.Module):
                 ce = -logq_all.gather(-1, top1.clamp(min=0)[..., None])[..., 0]  # [B, P]
                 step_loss = step_loss + self.argmax_weight * (ce * hard).sum() / hard.sum().clamp(min=1)
             if self.tv_weight:  # sum min(p, q) = 1 - TV is a sampled draft's acceptance: the same buckets as the KL
-                tv = 0.5 * ((p - q).abs().sum(-1) + (rest - q_off).abs())  # [B, P]
+                tv = 0.5 * (p - q).abs().sum(-1)  # [B, P]
+                if rest is not None:
+                    tv = tv + 0.5 * (rest - q_off).abs()
                 step_loss = step_loss + self.tv_weight * (tv * valid).sum() / n
             total = total + self.decay ** j * step_loss
             if stats:
@@ -450,7 +488,7 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
         f"({int(train_len.sum()):,} tokens); {len(val_tokens):,} held-out tokens -> {len(val_w)} windows")
     t0 = time.time()
     cache = build_cache(target, torch.cat([train_w, val_w]), torch.cat([train_len, val_len]), len(train_w),
-                        layer_ids, topk, cfg.cache_batch, bf16, d.device, log)
+                        layer_ids, topk, cfg.cache_batch, bf16, d.device, log, keep_last=cfg.full_labels)
     cache_s = time.time() - t0
     val_idx = torch.arange(len(train_w), len(train_w) + len(val_w)) if len(val_w) else None
 
@@ -488,6 +526,8 @@ def train_eagle3(cfg: Eagle3TrainConfig) -> dict:
     head.set_embedding(target.get_input_embeddings().weight.detach().float().cpu())
     n_params = sum(p.numel() for p in head.parameters())
     model = TTTModel(head, cfg.ttt_steps, cfg.step_decay, cfg.argmax_weight, cfg.tv_weight)
+    if cfg.full_labels:
+        model.set_label_head(target.get_output_embeddings().weight)
     if cfg.scale_features:
         model.feature_scale.copy_(1 / feature_rms(cache.features[:n_tr], cache.lengths[:n_tr]))
         s = 1 / model.feature_scale
@@ -658,7 +698,8 @@ def write_eagle3_card(out: Path, cfg: Eagle3TrainConfig, s: dict, notes: str = "
         "trained parameters": s["parameters"],
         **({"initialised from": cfg.init_head} if cfg.init_head else {}),
         "objective": f"training-time test over {cfg.ttt_steps} steps, forward KL to the target's distribution on the "
-                     f"draft vocabulary (its top {s['topk']} tokens and the rest as one bucket)"
+                     + ("draft vocabulary (all of it, renormalised there)" if cfg.full_labels else
+                        f"draft vocabulary (its top {s['topk']} tokens and the rest as one bucket)")
                      + (f" plus {cfg.argmax_weight:g} x cross-entropy on its argmax" if cfg.argmax_weight else "")
                      + (f" plus {cfg.tv_weight:g} x total variation" if cfg.tv_weight else "")
                      + f", step j weighted {cfg.step_decay:g}^j",
@@ -706,6 +747,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add W x total variation to the target's distribution to each step's KL (1 - TV is the "
                    "acceptance of a draft sampled at temperature 1)")
     p.add_argument("--topk", type=int, default=32, help="target log-probabilities cached per position")
+    p.add_argument("--full-labels", action="store_true",
+                   help="score each step against the target's whole distribution on the draft vocabulary (its last "
+                   "state cached, Dt x 2 bytes a token; the LM head applied a batch at a time) instead of its top "
+                   "--topk tokens and one bucket for the rest: the head then learns how the rest is spread, which "
+                   "sampled drafts are accepted on")
     p.add_argument("--max-windows", type=int, default=1024, help="training windows cached (0: all)")
     p.add_argument("--cache-batch", type=int, default=8, help="windows per target forward while caching")
     p.add_argument("--no-init-from-target", dest="init_from_target", action="store_false",
@@ -729,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
-    own = fields_from_args(a, "target draft_vocab intermediate_size ttt_steps step_decay argmax_weight tv_weight topk max_windows cache_batch "
+    own = fields_from_args(a, "target draft_vocab intermediate_size ttt_steps step_decay argmax_weight tv_weight topk full_labels max_windows cache_batch "
                               "init_from_target init_head norm_before_fc scale_features accept_prompts accept_prompts_file accept_k "
                               "accept_max_tokens")
     if a.layer_ids:
