@@ -153,15 +153,20 @@ def build_cache(target, windows: torch.Tensor, lengths: torch.Tensor, n_train: i
     N, T = windows.shape
     if not 1 <= topk <= target.config.vocab_size:
         raise ValueError(f"topk must be in 1..{target.config.vocab_size} (the target's vocabulary), got {topk}")
-    feats, ids, logps, lasts = [], [], [], []
+    dt = target.config.hidden_size
+    # filled in place (a list of batches and a cat would hold the cache twice at its peak)
+    feats = torch.empty(N, T, len(layer_ids) * dt, dtype=torch.bfloat16)
+    ids, logps = torch.empty(N, T, topk, dtype=torch.long), torch.empty(N, T, topk)
+    lasts = torch.empty(N, T, dt, dtype=torch.bfloat16) if keep_last else None
     t0 = time.time()
     for i in range(0, N, batch):
         x = windows[i:i + batch].to(device)  # [b, T]
+        rows = slice(i, i + len(x))
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
             out = target(input_ids=x, output_hidden_states=True)
-        feats.append(torch.cat([out.hidden_states[L] for L in layer_ids], dim=-1).to(torch.bfloat16).cpu())
+        feats[rows] = torch.cat([out.hidden_states[L] for L in layer_ids], dim=-1).to(torch.bfloat16).cpu()
         v, k = F.log_softmax(out.logits.float(), dim=-1).topk(topk, dim=-1)  # [b, T, K]
-        if keep_last:
+        if lasts is not None:
             last = out.hidden_states[-1]  # [b, T, Dt]: Hugging Face's last entry is after the final norm
             if i == 0:
                 gap = (target.get_output_embeddings()(last.float()) - out.logits.float()).abs().max().item()
@@ -169,14 +174,12 @@ def build_cache(target, windows: torch.Tensor, lengths: torch.Tensor, n_train: i
                     raise ValueError(f"--full-labels: the target's LM head over its last hidden state misses its "
                                      f"logits by {gap:.3g} (a final norm or logit scale outside hidden_states); "
                                      "train with top-k labels (leave --full-labels out)")
-            lasts.append(last.to(torch.bfloat16).cpu())
-        ids.append(k.cpu())
-        logps.append(v.cpu())
+            lasts[rows] = last.to(torch.bfloat16).cpu()
+        ids[rows], logps[rows] = k.cpu(), v.cpu()
         done = min(i + batch, N)
         if done == N or (i // batch) % 20 == 19:
             log(f"cache: {done}/{N} windows through the target ({done * T / (time.time() - t0):,.0f} tok/s)")
-    return FeatureCache(windows.clone(), torch.cat(feats), torch.cat(ids), torch.cat(logps), lengths.clone(), n_train,
-                        torch.cat(lasts) if keep_last else None)
+    return FeatureCache(windows.clone(), feats, ids, logps, lengths.clone(), n_train, lasts)
 
 
 def document_windows(tokens: np.ndarray, eos: int, seq_len: int, limit: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
