@@ -5,7 +5,9 @@ on these prompts (benchmarks/drafts/eagle3/calibrate.py fits on training data's 
 Per draft step: the entropies of p and q, the target's mass on the head's draft vocabulary (the most
 any q over it can get accepted), the expected acceptance sum_x min(p, q_s) for q_s = softmax(z / s),
 and with the tokens outside the draft vocabulary given logits from the target's own LM head over the
-head's normed output plus a bias; then the draft model's expected acceptance one step ahead.
+head's normed output plus a bias; then the draft model's expected acceptance one step ahead. For both,
+the acceptance split between each position's top ``--top`` tokens of p and the rest (a head trained on
+top-k labels and one bucket for the rest never learns how the rest is spread).
 
     python benchmarks/drafts/eagle3/q_diagnostic.py --head specdec/demo-eagle3 --draft specdec/demo-draft
 """
@@ -29,6 +31,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top", type=int, default=64, help="split the acceptance at each position's top N tokens of p")
     a = ap.parse_args()
 
     import torch
@@ -73,6 +76,15 @@ def main() -> None:
             draft_logits.append(d)
             draft_p.append(logits[0, first:-1])
     H = lambda p: float(-(p * p.clamp(min=1e-30).log()).sum(-1).mean())  # noqa: E731
+
+    def split(p: torch.Tensor, q: torch.Tensor) -> str:
+        """p, q [m, V]: the mass of p in each position's top N and past it, and the share of each accepted."""
+        top = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, p.topk(a.top, dim=-1).indices, True)
+        kept = torch.minimum(p, q)
+        pt, pr = float((p * top).sum(-1).mean()), float((p * ~top).sum(-1).mean())
+        at, ar = float((kept * top).sum(-1).mean()), float((kept * ~top).sum(-1).mean())
+        return (f"p's top {a.top}: mass {pt:.3f}, accepted {at:.3f} ({at / pt:.0%}); past it: mass {pr:.3f}, "
+                f"accepted {ar:.3f} ({ar / max(pr, 1e-12):.0%})")
     for j in range(a.steps):
         z, p = torch.cat(z_all[j]), torch.softmax(torch.cat(p_all[j]), dim=-1)
         pd = p[:, vocab]
@@ -86,9 +98,13 @@ def main() -> None:
             both = torch.minimum(pd, q[:, : len(vocab)]).sum(-1) + torch.minimum(po, q[:, len(vocab):]).sum(-1)
             wide.append(f"{b:+g}:{float(both.mean()):.4f}")
         print(f"  step {j}, the rest of the vocabulary from the target's LM head, by bias: {' '.join(wide)}")
+        q = torch.zeros_like(p)
+        q[:, vocab] = torch.softmax(z, dim=-1)
+        print(f"  step {j}, {split(p, q)}")
     d, p = torch.cat(draft_logits), torch.softmax(torch.cat(draft_p), dim=-1)
     acc = " ".join(f"{s}:{float(torch.minimum(p, torch.softmax(d / s, -1)).sum(-1).mean()):.4f}" for s in SCALES)
     print(f"draft model, one step ahead: {len(d)} positions, H(q) {H(torch.softmax(d, -1)):.2f}; expected acceptance by s {acc}")
+    print(f"  draft model, {split(p, torch.softmax(d, -1))}")
 
 
 if __name__ == "__main__":
