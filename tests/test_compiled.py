@@ -189,6 +189,24 @@ def test_each_size_is_called_without_dynamo_and_equals_the_call_through_it(pair)
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+def test_a_graph_compiled_again_for_a_size_is_checked_again(monkeypatch):
+    """A size whose graph is compiled anew (say, for a cache of another shape) drops the callable the old
+    graph's check adopted: the next call goes through the new graph's wrappers and is checked again."""
+    import torch._inductor.compile_fx as cfx
+
+    from specdec.models.compiled import DirectGraphs
+
+    def fn(tokens):
+        return tokens
+
+    d = DirectGraphs(fn, "tokens", 1)
+    d._inner[3] = lambda args: None  # adopted for the old graph of size 3
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, inputs, config_patches=None: "new graph")
+    monkeypatch.setattr(d, "_plan", lambda gm: (3, [None], [(0, 0, None)]))
+    assert d.backend()(None, []) == "new graph"
+    assert d.graphs[3][0] == "new graph" and 3 not in d._inner
+
+
 def test_a_compiled_runner_dropped_frees_its_weights(tmp_path, one_thread):
     """Dynamo keeps its backends for the process's life; the plans of DirectGraphs (which hold the
     weights) are held by the runner only, so an LLM dropped frees its memory."""

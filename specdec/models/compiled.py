@@ -223,6 +223,7 @@ class DirectGraphs:
             if planned is not None:
                 key, template, per_call = planned
                 graphs.graphs[key] = (compiled, template, per_call)
+                graphs._inner.pop(key, None)  # a graph compiled again for a key is checked again
             return compiled
 
         return compile_and_plan
