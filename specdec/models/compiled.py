@@ -269,7 +269,6 @@ class DirectGraphs:
             self._inner[key] = _same_inner(compiled, args, out)
         return out
 
-
     def _size(self, n: int) -> torch.Tensor:
         """A dynamic size as the 0-d tensor the graph's C++ wrapper reads it from (it would make one from
         the int each call: a tensor creation per size per pass, ~20 µs each right after a pass)."""

@@ -68,7 +68,7 @@ class Eagle3TrainConfig(RunConfig):
     tv_weight: float = 0.0  # plus this x total variation to the target (1 - acceptance at temperature 1)
     topk: int = 32  # target log-probabilities kept per position (soft labels)
     full_labels: bool = False  # soft labels over the whole vocabulary, from the target's cached last state
-    max_windows: int = 1024  # training windows cached (0: all; each costs seq_len * 3 * Dt * 2 bytes)
+    max_windows: int = 1024  # training windows cached (0: all; each costs seq_len * 3 * Dt * 2 bytes, 4 * Dt with full_labels)
     cache_batch: int = 8  # windows per target forward while caching
     init_from_target: bool = True  # the head's LM head rows and final norm start as the target's
     init_head: str | None = None  # start from this trained head (its layers; its draft vocabulary, or a wider one)
@@ -366,14 +366,14 @@ class TTTModel(nn.Module):
         total = tokens.new_zeros((), dtype=torch.float32)
         figs = []
         alive = torch.ones(B, T - 1, dtype=torch.bool, device=tokens.device)
-        logp_full = None
+        full = None  # the whole distribution on the draft vocabulary after each position, once a batch
         if last is not None and self.label_head is not None:
             with torch.autocast(last.device.type, enabled=False):  # labels in float32
-                logp_full = F.log_softmax(last.float() @ self.label_head.T, dim=-1)  # [B, T, V]
+                full = self.full_labels(F.log_softmax(last.float() @ self.label_head.T, dim=-1))  # [B, T, Vd], [B, T]
         for j, (logits, in_range, _) in enumerate(self.unroll(tokens, features, lengths)):
             logq_all = F.log_softmax(logits, dim=-1)  # [B, P, Vd]
-            if logp_full is not None:  # the whole distribution on the draft vocabulary
-                p, held = self.full_labels(shift(logp_full, j))  # [B, P, Vd], [B, P]
+            if full is not None:
+                p, held = shift(full[0], j), shift(full[1], j)  # [B, P, Vd], [B, P]
                 q = logq_all.float().exp()
                 kl = (p * (torch.log(p.clamp(min=1e-12)) - logq_all)).sum(-1)  # [B, P]
                 q_off = rest = None
