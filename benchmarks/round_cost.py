@@ -33,8 +33,8 @@ of the head, whatever the default (drafters/eagle3.head_runner): llama.cpp's eag
 q8_0) and the torch head (eager; compiled); the ``--eagle3-variants`` below
 are the torch head's, run eager: they add eagle3 with its chain steps
 eager (the torch head's one-row chain step is compiled beside a compiled target), through the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
-torch's threads (before ``head_threads``), and, an experiment, with the head's weights in int8 (what
-halving its bytes would give; specdec's head runs in the target's dtype).
+torch's threads (before ``head_threads``). ``--eagle3-16bit`` adds eagle3 with the head's products in the
+target's 16 bits (``quantization: "none"``) beside the default (int8 where specdec's int8 kernel runs).
 With eagle3 on llama.cpp it ends with a verify-sized forward timed with and without the kept states.
 
 ``--device cuda`` (torch backend only) runs on a GPU; each wrapped call then ends with
@@ -282,7 +282,9 @@ def build(args) -> list[Config]:
         if args.adaptive:
             runs += [(m, max(args.ks), True) for m in args.methods]
         if args.eagle3_variants:
-            runs += [(f"eagle3 {v}", k, False) for v in ("eager-chain", "general-step", "torch-threads", "int8") for k in args.ks]
+            runs += [(f"eagle3 {v}", k, False) for v in ("eager-chain", "general-step", "torch-threads") for k in args.ks]
+        if args.eagle3_16bit:
+            runs += [("eagle3 16-bit", k, False) for k in args.ks]
         if args.eagle3_head_variants and backend == "llama.cpp":  # the head beside a llama.cpp target
             runs += [(f"eagle3 {v}", k, False) for v in ("llama.cpp-head", "torch-head", "compiled-torch-head", "one-thread-head",
                                                        "q8_0-head")
@@ -292,6 +294,8 @@ def build(args) -> list[Config]:
                 "method": method.split()[0], "num_speculative_tokens": k, "adaptive": adaptive, "draft_tree": "chain"}
             if method is not None and method.split()[0] in drafts:
                 spec["model"] = drafts[method.split()[0]]
+            if method == "eagle3 16-bit":
+                spec["quantization"] = "none"
             name = (f"{backend} plain" if method is None else
                     f"{backend} {method} " + (f"adaptive k<={k}" if adaptive else f"k={k}"))
             c = Config(backend, k, name, adaptive)
@@ -304,34 +308,16 @@ def build(args) -> list[Config]:
                 d.runner, d.can_draft_trees = LlamaCppHead(d.head, d.target, weight_type="q8_0" if "q8_0" in method else "bf16"), False
                 if method == "eagle3 one-thread-head":
                     d.runner.one_thread_tokens = 16  # a round's small passes on one thread
-            elif method is not None and method.startswith("eagle3 "):  # the variants are the torch head's
+            elif method is not None and method.startswith("eagle3 ") and method != "eagle3 16-bit":  # the torch head's
                 torch_head(c.llm.engine.drafter)
                 if "compiled" in method:
                     c.llm.engine.drafter.runner.compile(args.eagle3_head)
-            if method == "eagle3 int8":
-                int8_head(c.llm.engine.drafter)
-            elif method == "eagle3 general-step":
+            if method == "eagle3 general-step":
                 general_steps(c.llm.engine.drafter)
             elif method == "eagle3 torch-threads":
                 c.llm.engine.drafter.pinned_one_thread = False  # the head on torch's threads, as before head_threads
             configs.append(c)
     return configs
-
-
-class Int8Linear:
-    """An experiment, not a specdec path: a product with int8 weights (per output row scales) and bf16
-    activations (``torch._weight_int8pack_mm``), half the bytes of bf16 weights."""
-
-    def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127  # [out]
-        self.weight = torch.round(w / scale[:, None]).to(torch.int8).contiguous()  # [out, in]
-        self.scale = scale.to(torch.bfloat16)
-        self.out_features, self.in_features = w.shape
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [N, in]
-        return torch._weight_int8pack_mm(rows, self.weight, self.scale).view(*x.shape[:-1], self.out_features)
 
 
 def torch_head(drafter) -> None:
@@ -354,21 +340,6 @@ def general_steps(drafter) -> None:
         return logits[:, 0], g[:, 0]
 
     r.chain_step = chain_step
-
-
-def int8_head(drafter) -> None:
-    """Swap an EAGLE-3 drafter's head products for int8-weight ones (``--eagle3-variants``); its chain
-    steps then run eager (the compiled step reads the weights it was compiled with)."""
-    from dataclasses import replace
-
-    head, r = drafter.head, drafter.runner
-    a, m = head.midlayer.self_attn, head.midlayer.mlp
-    fc, o, down, lm_head = (Int8Linear(w) for w in (head.fc.weight, a.o_proj.weight, m.down_proj.weight,
-                                                    head.lm_head.weight))
-    r.w = replace(r.w, fc=fc, o=o, down=down, lm_head=lm_head,
-                  qkv=Int8Linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
-                  gate_up=Int8Linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])))
-    r.compiled = None
 
 
 def run(configs: list[Config], prompts: list[list[int]], max_tokens: int, options: dict | None = None) -> None:
@@ -447,8 +418,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--adaptive", action="store_true", help="also each method adaptive, k up to the largest of --ks")
     ap.add_argument("--eagle3-variants", action="store_true",
                     help="also eagle3 at each k with its chain steps eager (not compiled), through the head's general "
-                         "step, on all of torch's threads, and (an experiment) with the head's weights in int8, "
-                         "bf16 activations (the variants run the head eager)")
+                         "step, and on all of torch's threads (the variants run the head eager)")
+    ap.add_argument("--eagle3-16bit", action="store_true",
+                    help="also eagle3 at each k with the head's products in the target's 16 bits (quantization "
+                         "'none'), beside the default (int8 where specdec's int8 kernel runs)")
     ap.add_argument("--eagle3-head-variants", action="store_true",
                     help="also eagle3 beside llama.cpp with each runner of the head: llama.cpp's graphs (on the "
                          "target's threads, on one thread for small passes, its file in q8_0) and the torch head "

@@ -214,6 +214,7 @@ DRAFT_TOKENIZER_MAPPINGS = ("auto", "string", "intersection")
 SUFFIX_PROBABILITY_ESTIMATES = ("continuations", "occurrences")
 BACKENDS = ("llama.cpp", "torch")  # the runners' names (ModelRunner.backend): models/llamacpp.py, models/llama.py
 DRAFT_TREE_MODES = ("auto", "chain", "tree")
+DRAFT_QUANTIZATIONS = (None, "int8", "none")
 MAX_TREE_NODES = 64
 
 
@@ -239,6 +240,10 @@ class SpeculativeConfig:
     # draft_model: a parallel draft (PARD, vLLM's name): the draft sees the history plus k - 1 mask tokens
     # and proposes all k drafts from one forward (drafters/pard.py); its config.json names the mask token
     parallel_drafting: bool = False
+    # eagle3: the head's products quantized at load (as vLLM's ``quantization``). None: in int8 where specdec's
+    # int8 kernel runs (x86 with AVX512-VNNI or AVX-VNNI: models/linear8.py), else in the target's dtype;
+    # "int8": int8 or an error saying why not; "none": never (the drafts change, never the output's distribution)
+    quantization: str | None = None
     # ngram (prompt lookup)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2  # single-token matches were right a third as often as 2-gram ones
@@ -300,6 +305,11 @@ class SpeculativeConfig:
         _check(not self.parallel_drafting or "draft_model" in self.methods,
                "parallel_drafting runs a draft model trained with mask tokens (PARD): it needs method "
                f"'draft_model' (got method {short_repr(self.method)})")
+        _check(self.quantization in DRAFT_QUANTIZATIONS,
+               f"speculative_config quantization must be one of {DRAFT_QUANTIZATIONS}, got {short_repr(self.quantization)}")
+        _check(self.quantization is None or "eagle3" in self.methods,
+               f"speculative_config quantization {self.quantization!r} applies to an EAGLE-3 head's products: it needs "
+               f"method 'eagle3' (got method {short_repr(self.method)})")
         _check(not ("draft_model" in self.methods and "eagle3" in self.methods),
                "speculative_config: methods draft_model and eagle3 both read 'model'; list one of them")
         _check(_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)

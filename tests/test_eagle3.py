@@ -14,6 +14,7 @@ import torch
 
 from lossless import assert_first_tokens_follow_target, assert_greedy_equal
 from specdec import LLM, SamplingParams
+from specdec.models import linear8
 from specdec.models.base import ForwardBatch, ModelRunner
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, save_head
 from specdec.models.llama import LlamaRunner
@@ -212,7 +213,9 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path,
     if path == "loop":
         monkeypatch.setattr(eagle3, "argmax_drafts", lambda *args: False)
         monkeypatch.setattr(eagle3, "draft_autoregressive", recorded)
-    llm = LLM(models["target"], backend="torch", speculative_config=spec(models[head_name], 3, adaptive=False))
+    # the head's products in the target's dtype: int8 ones are near these, not equal (test_an_int8_head_...)
+    llm = LLM(models["target"], backend="torch",
+              speculative_config=spec(models[head_name], 3, adaptive=False, quantization="none"))
     drafter = llm.engine.drafter
     if path == "greedy-fast-path":
         propose = drafter.propose
@@ -321,9 +324,15 @@ def test_penalties_and_tokens_outside_the_draft_vocabulary(models):
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path, dtype):
-    """bfloat16: the head's products run in bf16 beside a bf16 target."""
+    """bfloat16: the head's products run in bf16 beside a bf16 target; int8: in int8 beside it (the default
+    where specdec's int8 kernel runs)."""
+    quantization = "int8" if dtype == "int8" else "none"
+    if dtype == "int8":
+        if not linear8.available().ok:
+            pytest.skip(f"the int8 kernel cannot run here: {linear8.available().reason}")
+        dtype = "bfloat16"
     target = last_token_target(tmp_path / "target")
     head = make_copying_head(target, tmp_path / "head")
     hf = load_model(target).hf_model
@@ -331,8 +340,13 @@ def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path, dtype):
         hf = hf.to(torch.bfloat16)
     prompts = random_prompts(3, [4, 9, 17], seed=2)
     expected = plain_greedy(target, prompts, 30, dtype=dtype)
-    llm = LLM(target, backend="torch", dtype=dtype, speculative_config=spec(head, 4, adaptive=False))
-    assert llm.engine.drafter.runner.w.qkv.dtype == getattr(torch, dtype)
+    llm = LLM(target, backend="torch", dtype=dtype,
+              speculative_config=spec(head, 4, adaptive=False, quantization=quantization))
+    w = llm.engine.drafter.runner.w
+    if quantization == "int8":
+        assert w.qkv.kind == w.lm_head.kind == "w8" and w.fc.dtype == torch.bfloat16
+    else:
+        assert w.qkv.dtype == getattr(torch, dtype)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     for p, e, o in zip(prompts, expected, outs):

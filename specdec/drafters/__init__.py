@@ -61,7 +61,7 @@ def _build(spec: SpeculativeConfig, target: ModelRunner, draft) -> Drafter:
 
         if not isinstance(draft, Eagle3Head):
             raise ValueError("method eagle3 needs the EAGLE-3 head (LLM loads it from spec.model)")
-        return Eagle3Drafter(draft, target, spec.draft_p_min)
+        return Eagle3Drafter(draft, target, spec.draft_p_min, quantization=spec.quantization)
     if spec.method == "ngram":
         from specdec.drafters.ngram import NgramDrafter
 

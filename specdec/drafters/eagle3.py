@@ -43,6 +43,7 @@ from specdec.drafters.autoregressive import argmax_drafts, draft_autoregressive,
 from specdec.drafters.base import DraftProposal, Drafter, KvUse, grew_from
 from specdec.drafters.tree_expand import SIBLINGS, Block, QCalibration, RankAcceptance, draft_tree
 from specdec.models import cache_attention as attention_kernel
+from specdec.models import linear8
 from specdec.models.base import ModelRunner, long_tensor
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, check_q_scale
 from specdec.models.kv_cache import CACHE_STEP, KVCache, RowTable, grow
@@ -107,18 +108,21 @@ class HeadWeights:
     embed: torch.Tensor  # [V, D] the target's
 
     @classmethod
-    def pack(cls, head: Eagle3Head, dtype: torch.dtype, device: torch.device) -> HeadWeights:
+    def pack(cls, head: Eagle3Head, dtype: torch.dtype, device: torch.device, int8: bool = False) -> HeadWeights:
+        """``int8``: the layer's and the LM head's products in int8 where the kernel runs (``Linear``'s
+        ``int8``); fc stays in ``dtype``, its inputs (the target's layer inputs) hold a few dimensions
+        hundreds of times the others' size, which one scale a row would crush."""
         L = head.midlayer
         a, m = L.self_attn, L.mlp
 
-        def lin(*weights: torch.Tensor) -> Linear:
-            return Linear(torch.cat([w.detach() for w in weights]).to(device=device, dtype=dtype).contiguous())
+        def lin(*weights: torch.Tensor, q: bool = int8) -> Linear:
+            return Linear(torch.cat([w.detach() for w in weights]).to(device=device, dtype=dtype).contiguous(), int8=q)
 
         def vec(w: torch.Tensor) -> torch.Tensor:
             return w.detach().to(device=device, dtype=torch.float32)
 
         fc_norm = getattr(head, "input_norm", None) if getattr(head.config, "norm_before_fc", False) else None
-        return cls(head.config, lin(head.fc.weight), lin(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+        return cls(head.config, lin(head.fc.weight, q=False), lin(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                    lin(a.o_proj.weight), lin(m.gate_proj.weight, m.up_proj.weight), lin(m.down_proj.weight),
                    lin(head.lm_head.weight), vec(L.input_layernorm.weight), vec(L.hidden_norm.weight),
                    vec(L.post_attention_layernorm.weight), vec(head.norm.weight),
@@ -177,10 +181,10 @@ class HeadRunner:
     chain's draft step, one token per row, in fewer operations; one row's chain steps and catch-ups are
     compiled where the target is (``compile``); all share the layer's code (``HeadWeights``)."""
 
-    def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device):
+    def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device, int8: bool = False):
         c = head.config
         self.c, self.device = c, device
-        self.w = HeadWeights.pack(head, dtype, device)
+        self.w = HeadWeights.pack(head, dtype, device, int8)
         self.inv_freq = head.inv_freq.detach().float().to(device)  # [hd / 2]
         self.cos = self.sin = torch.empty(0, c.head_dim, device=device)
         self.cache: KVCache | None = None
@@ -334,7 +338,7 @@ def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
-SPECDEC_KERNELS = ("w16", "w16dot")  # Linear kinds of specdec's own product kernels (models/linear.py)
+SPECDEC_KERNELS = ("w16", "w16dot", "w8")  # Linear kinds of specdec's own product kernels (models/linear.py)
 
 
 def head_dtype(target: ModelRunner) -> torch.dtype:
@@ -343,18 +347,31 @@ def head_dtype(target: ModelRunner) -> torch.dtype:
     return torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
 
 
-def head_runner(head: Eagle3Head, target: ModelRunner):
+def head_int8(target: ModelRunner, quantization: str | None = None) -> bool:
+    """Whether the torch head's products run in int8 (speculative_config ``quantization``): None where specdec's
+    int8 kernel runs on the target's device, "int8" there or a ValueError, "none" never."""
+    if quantization == "none":
+        return False
+    runs = target.device.type == "cpu" and linear8.available().ok
+    if quantization == "int8" and not runs:
+        why = linear8.available().reason if target.device.type == "cpu" else f"the target runs on {target.device.type}"
+        raise ValueError(f"speculative_config quantization 'int8' runs the head on specdec's int8 CPU kernel, which "
+                         f"cannot run here ({why}); leave quantization unset or set it to 'none'")
+    return runs
+
+
+def head_runner(head: Eagle3Head, target: ModelRunner, quantization: str | None = None):
     """What runs the head beside ``target``, decided here once (the torch head's dtype: ``head_dtype``).
 
     - A torch target: the torch head (HeadRunner), its one-row passes compiled where the target's step is.
     - A llama.cpp target: the torch head compiled where its products run on one of specdec's kernels
-      (``w16``: x86 without native bf16; ``w16dot``: AVX-512 BF16 without AMX), on torch's threads: its
+      (``w8``: x86 with VNNI, ``head_int8``; ``w16``: x86 without native bf16; ``w16dot``: AVX-512 BF16), on torch's threads: its
       drafting 3.6 against 5.6 ms a round in llama.cpp's graphs on EPYC-AVX2, 1.3 against 2.5 on EPYC-Zen5
       (docs/benchmarks.md, "the EAGLE-3 head's passes compiled" and "2026-12-05, night"); elsewhere
       llama.cpp's own eagle3 graphs (models/llamacpp_head.py); the torch head eager where the build cannot
       run eagle3.
     """
-    torch_head = HeadRunner(head, head_dtype(target), target.device)
+    torch_head = HeadRunner(head, head_dtype(target), target.device, head_int8(target, quantization))
     name = getattr(head, "name", "") or "head"
     if getattr(target, "backend", "torch") != "llama.cpp":
         if getattr(target, "compiled", None) is not None:
@@ -369,7 +386,8 @@ def head_runner(head: Eagle3Head, target: ModelRunner):
 class Eagle3Drafter(Drafter):
     can_draft_trees = True  # the head runs in torch beside a torch target (the only one that keeps states)
 
-    def __init__(self, head: Eagle3Head, target: ModelRunner, draft_p_min: float = 0.0, siblings: str = "sampled"):
+    def __init__(self, head: Eagle3Head, target: ModelRunner, draft_p_min: float = 0.0, siblings: str = "sampled",
+                 quantization: str | None = None):
         if siblings not in SIBLINGS:
             raise ValueError(f"siblings must be one of {SIBLINGS}, got {siblings!r}")
         self.siblings = siblings  # a tree's candidates: the head's top tokens, or drawn from q (tree_expand.py)
@@ -378,7 +396,7 @@ class Eagle3Drafter(Drafter):
         target.keep_hidden_states(head.config.layer_ids)  # ValueError on a backend that cannot
         self.head, self.target, self.draft_p_min = head, target, draft_p_min
         self.device = target.device
-        self.runner = head_runner(head, target)
+        self.runner = head_runner(head, target, quantization)
         if not isinstance(self.runner, HeadRunner):  # llama.cpp's eagle3 graphs draft chains (trees: chains_as_trees)
             self.can_draft_trees = False
         self.pinned_one_thread: bool | None = None  # a benchmark's choice over ``one_thread``'s rule

@@ -1,0 +1,321 @@
+"""8-bit weights with 8-bit inputs and integer sums, for products whose weights are read more than used: an
+EAGLE-3 head's one-row passes.
+
+A head's step multiplies one row by 8.5M weights (17 MB in bf16), and on a CPU whose caches cannot hold
+them beside the target's, every step reads them from memory and pushes the target's out. This kernel
+keeps each weight row in int8 with a float32 scale (symmetric, per output row), quantizes each input row
+to int8 on the fly (symmetric, its own scale; shifted to unsigned as VNNI reads it) and sums the
+products in int32 with ``vpdpbusd``: half the bytes of bf16. The result is an approximation of the bf16
+product (a drafter's: the verifier reads the drafter's q as the drafter made it, so exactness holds
+whatever the drafts).
+
+Layout (``pack``): [ceil(out / 16), ceil(in / 4), 16, 4] int8, each 64-byte line 4 inputs of 16 rows, the
+lanes of one ``vpdpbusd``; beside it, per output row, the scale and ``comp`` = 128 x the row's sum, which
+the unsigned shift of the inputs adds to every sum. A row's result is
+``float(sum - comp) * input scale * row scale``, computed in this order, so ``reference`` reproduces it
+bit for bit. Runs where AVX512-VNNI (16 rows a line) or AVX-VNNI (two halves of 8) does; ``isa()`` says
+which; elsewhere ``available()`` says why not and the head keeps its 16-bit products.
+
+A C++ extension (native.py) registered as ``specdec::linear8``, which the compiled head calls as an
+extern kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from specdec.models import native
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
+
+constexpr int64_t RB = 16;       // weight rows per block; a 64-byte line holds 4 inputs of each
+constexpr int64_t PREFETCH = 64;  // lines ahead (4 KB)
+constexpr int64_t CMAX = 4;       // input rows per pass over a block
+
+// x [T, K] float32 -> q [T, K4] uint8 (round(x / s) + 128, 128 past K) and s [T] = max |x| / 127
+void quantize(const float* x, int64_t T, int64_t K, int64_t K4, uint8_t* q, float* s) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* r = x + t * K;
+    float m = 0.f;
+    for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(r[k]));
+    const float inv = m > 0.f ? 127.0f / m : 0.f;
+    s[t] = m / 127.0f;
+    uint8_t* o = q + t * K4;
+    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(r[k] * inv)) + 128);
+    for (int64_t k = K; k < K4; ++k) o[k] = 128;
+  }
+}
+
+inline int32_t four(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+
+// C input rows against one block wb [KQ, 16, 4]: U chains of sums per row over alternate lines (independent
+// dependency chains: one row's sums would otherwise wait on each other), then y = float(sum - comp) * s * scale
+template <int C>
+void block512(const uint8_t* q, int64_t K4, const int8_t* wb, int64_t KQ, const float* s, const int32_t* comp,
+              const float* scale, float* y, int64_t ldy, int64_t rows) {
+  constexpr int U = C >= 4 ? 1 : 4 / C;
+  __m512i acc[C][U];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) acc[c][u] = _mm512_setzero_si512();
+  int64_t kq = 0;
+  for (; kq + U <= KQ; kq += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (kq + u + PREFETCH) * 64), _MM_HINT_T0);
+      const __m512i wv = _mm512_loadu_si512(wb + (kq + u) * 64);
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c)
+        acc[c][u] = _mm512_dpbusd_epi32(acc[c][u], _mm512_set1_epi32(four(q + c * K4 + (kq + u) * 4)), wv);
+    }
+  }
+  for (; kq < KQ; ++kq) {
+    const __m512i wv = _mm512_loadu_si512(wb + kq * 64);
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c)
+      acc[c][0] = _mm512_dpbusd_epi32(acc[c][0], _mm512_set1_epi32(four(q + c * K4 + kq * 4)), wv);
+  }
+  const __mmask16 m = rows >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i cv = _mm512_loadu_si512(comp);  // comp and scale are padded to whole blocks
+  const __m512 sv = _mm512_loadu_ps(scale);
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c) {
+    __m512i sum = acc[c][0];
+#pragma GCC unroll 4
+    for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, acc[c][u]);
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, cv));
+    _mm512_mask_storeu_ps(y + c * ldy, m, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(s[c])), sv));
+  }
+}
+
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avxvnni")
+
+// the same with 8 lanes: a line's first 32 bytes are rows 0-7, its last 32 rows 8-15
+template <int C>
+void block256(const uint8_t* q, int64_t K4, const int8_t* wb, int64_t KQ, const float* s, const int32_t* comp,
+              const float* scale, float* y, int64_t ldy, int64_t rows) {
+  constexpr int U = C >= 2 ? 1 : 2;
+  __m256i acc[C][2][U];
+#pragma GCC unroll 16
+  for (int c = 0; c < C; ++c)
+    for (int h = 0; h < 2; ++h)
+#pragma GCC unroll 2
+      for (int u = 0; u < U; ++u) acc[c][h][u] = _mm256_setzero_si256();
+  int64_t kq = 0;
+  for (; kq + U <= KQ; kq += U) {
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + (kq + u + PREFETCH) * 64), _MM_HINT_T0);
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (kq + u) * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (kq + u) * 64 + 32));
+#pragma GCC unroll 16
+      for (int c = 0; c < C; ++c) {
+        const __m256i xb = _mm256_set1_epi32(four(q + c * K4 + (kq + u) * 4));
+        acc[c][0][u] = _mm256_dpbusd_avx_epi32(acc[c][0][u], xb, w0);
+        acc[c][1][u] = _mm256_dpbusd_avx_epi32(acc[c][1][u], xb, w1);
+      }
+    }
+  }
+  for (; kq < KQ; ++kq) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kq * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + kq * 64 + 32));
+#pragma GCC unroll 16
+    for (int c = 0; c < C; ++c) {
+      const __m256i xb = _mm256_set1_epi32(four(q + c * K4 + kq * 4));
+      acc[c][0][0] = _mm256_dpbusd_avx_epi32(acc[c][0][0], xb, w0);
+      acc[c][1][0] = _mm256_dpbusd_avx_epi32(acc[c][1][0], xb, w1);
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    alignas(32) float out[16];
+    for (int h = 0; h < 2; ++h) {
+      __m256i sum = acc[c][h][0];
+      for (int u = 1; u < U; ++u) sum = _mm256_add_epi32(sum, acc[c][h][u]);
+      const __m256i cv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(comp + 8 * h));
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(sum, cv));
+      _mm256_store_ps(out + 8 * h, _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(s[c])), _mm256_loadu_ps(scale + 8 * h)));
+    }
+    std::memcpy(y + c * ldy, out, sizeof(float) * std::min<int64_t>(rows, 16));
+  }
+}
+
+#pragma GCC pop_options
+
+"""+ native.WIDE_ISA_CPP + r"""
+// 2: AVX512-VNNI (with AVX-512 F/BW/DQ/VL, ATen not held below AVX-512), 1: AVX-VNNI, 0: neither
+int64_t isa() {
+  static const int64_t v = [] {
+    __builtin_cpu_init();
+    if (wide_isa() && __builtin_cpu_supports("avx512vnni")) return 2;
+    if (__builtin_cpu_supports("avxvnni")) return 1;
+    return 0;
+  }();
+  return v;
+}
+
+template <int C>
+void block(const uint8_t* q, int64_t K4, const int8_t* wb, int64_t KQ, const float* s, const int32_t* comp,
+           const float* scale, float* y, int64_t ldy, int64_t rows) {
+  if (isa() == 2) block512<C>(q, K4, wb, KQ, s, comp, scale, y, ldy, rows);
+  else block256<C>(q, K4, wb, KQ, s, comp, scale, y, ldy, rows);
+}
+
+// x [T, K] float32, w [ceil(N / 16), ceil(K / 4), 16, 4] int8, scale [blocks * 16] float32, comp [blocks * 16]
+// int32 -> [T, N] float32
+at::Tensor linear8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, const at::Tensor& comp,
+                   int64_t N) {
+  TORCH_CHECK(isa() > 0, "specdec::linear8: this CPU has neither AVX512-VNNI nor AVX-VNNI");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == RB && w.size(3) == 4,
+              "specdec::linear8: x [rows, in] and a packed w [blocks, in / 4, 16, 4] expected, got ", x.sizes(),
+              " and ", w.sizes());
+  const int64_t T = x.size(0), K = x.size(1), blocks = w.size(0), KQ = w.size(1), K4 = KQ * 4;
+  TORCH_CHECK(blocks == (N + RB - 1) / RB && KQ == (K + 3) / 4, "specdec::linear8: the packed weight ", w.sizes(),
+              " does not hold ", N, " x ", K);
+  TORCH_CHECK(scale.numel() == blocks * RB && comp.numel() == blocks * RB,
+              "specdec::linear8: scale and comp must hold ", blocks * RB, " values each");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat &&
+                  comp.scalar_type() == at::kInt,
+              "specdec::linear8: x float32, w int8, scale float32 and comp int32 expected");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "specdec::linear8: CPU tensors only");
+  at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scale.contiguous(), cc = comp.contiguous();
+  at::Tensor y = at::empty({T, N}, xc.options());
+  std::vector<uint8_t> q(T * K4);
+  std::vector<float> s(T);
+  quantize(xc.data_ptr<float>(), T, K, K4, q.data(), s.data());
+  const auto* wp = reinterpret_cast<const int8_t*>(wc.data_ptr());
+  const float* sp = sc.data_ptr<float>();
+  const int32_t* cp = cc.data_ptr<int32_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / (RB * K4 * std::max<int64_t>(T, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int8_t* wb = wp + b * KQ * RB * 4;
+      const int64_t rows = N - b * RB;
+      for (int64_t c = 0; c < T; c += CMAX) {
+        const uint8_t* qc = q.data() + c * K4;
+        float* yc = yp + c * N + b * RB;
+        switch (std::min(CMAX, T - c)) {
+          case 1: block<1>(qc, K4, wb, KQ, s.data() + c, cp + b * RB, sp + b * RB, yc, N, rows); break;
+          case 2: block<2>(qc, K4, wb, KQ, s.data() + c, cp + b * RB, sp + b * RB, yc, N, rows); break;
+          case 3: block<3>(qc, K4, wb, KQ, s.data() + c, cp + b * RB, sp + b * RB, yc, N, rows); break;
+          default: block<4>(qc, K4, wb, KQ, s.data() + c, cp + b * RB, sp + b * RB, yc, N, rows);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+int64_t linear8_isa() { return isa(); }
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("linear8(Tensor x, Tensor w, Tensor scale, Tensor comp, int out_features) -> Tensor");
+  m.def("linear8_isa() -> int", &linear8_isa);
+}
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("linear8", &linear8); }
+"""
+
+WHAT = "the 8-bit weight kernel"
+ROW_BLOCK = 16  # weight rows per packed block (the kernel's RB)
+ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX-VNNI"}
+
+
+@functools.cache
+def available() -> native.Availability:
+    """Whether this CPU and install run ``specdec::linear8`` (building it the first time), and why not."""
+    built = native.availability("linear8", _build, WHAT)
+    if built.ok and isa() == 0:
+        return native.Availability(False, "the CPU has neither AVX512-VNNI nor AVX-VNNI (int8 dot products)")
+    return built
+
+
+def _build() -> None:
+    native.build("linear8", _SOURCE, WHAT)
+
+    @torch.library.register_fake("specdec::linear8")
+    def _(x, w, scale, comp, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+
+def isa() -> int:
+    """2 where the kernel runs 16 lanes wide (AVX512-VNNI), 1 where 8 (AVX-VNNI), 0 where it cannot run
+    (``available()`` first)."""
+    return int(torch.ops.specdec.linear8_isa())
+
+
+@dataclass(frozen=True)
+class Packed8:
+    weight: torch.Tensor  # [ceil(out / 16), ceil(in / 4), 16, 4] int8
+    scale: torch.Tensor  # [blocks * 16] float32: max |row| / 127 (0 past out)
+    comp: torch.Tensor  # [blocks * 16] int32: 128 x the row's sum of int8 values
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> its int8 values [out, in] and per-row scales [out] float32 (symmetric: a row's
+    largest magnitude is 127; an all-zero row has scale 0)."""
+    w = weight.detach().float()
+    m = w.abs().amax(dim=1)  # [out]
+    inv = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
+    return torch.round(w * inv[:, None]).to(torch.int8), m / 127.0
+
+
+def pack(weight: torch.Tensor) -> Packed8:
+    """weight [out, in] (any float dtype) -> ``Packed8``: its rows in int8, blocked for the kernel."""
+    n, k = weight.shape
+    q, scale = quantize_rows(weight)
+    blocks, kq = -(-n // ROW_BLOCK), -(-k // 4)
+    padded = torch.zeros(blocks * ROW_BLOCK, kq * 4, dtype=torch.int8)
+    padded[:n, :k] = q
+    blocked = padded.view(blocks, ROW_BLOCK, kq, 4).transpose(1, 2).contiguous()
+    scale_p = torch.zeros(blocks * ROW_BLOCK)
+    scale_p[:n] = scale
+    comp = 128 * padded.to(torch.int32).sum(dim=1, dtype=torch.int32)
+    return Packed8(blocked, scale_p, comp.to(torch.int32))
+
+
+def linear8(x: torch.Tensor, packed: Packed8, out_features: int) -> torch.Tensor:
+    """x [rows, in] float32 -> approximately x @ w^T [rows, out] float32 (``available()`` first)."""
+    return torch.ops.specdec.linear8(x, packed.weight, packed.scale, packed.comp, out_features)
+
+
+def reference(x: torch.Tensor, packed: Packed8, out_features: int) -> torch.Tensor:
+    """What ``linear8`` computes, in torch, bit for bit: the inputs quantized as the kernel quantizes them, the
+    sums in integers, then float(sum - comp) * input scale * row scale."""
+    rows, k = x.shape
+    blocks, kq = packed.weight.shape[:2]
+    w = packed.weight.transpose(1, 2).reshape(blocks * ROW_BLOCK, kq * 4)[:out_features].to(torch.int64)
+    m = x.float().abs().amax(dim=1)  # [rows]
+    inv = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
+    q = torch.full((rows, kq * 4), 128, dtype=torch.int64)
+    q[:, :k] = torch.round(x.float() * inv[:, None]).to(torch.int64) + 128
+    sums = (q @ w.T - packed.comp[:out_features].to(torch.int64)).to(torch.int32)  # [rows, out]
+    return sums.float() * (m / 127.0)[:, None] * packed.scale[:out_features][None]
