@@ -33,8 +33,8 @@ of the head, whatever the default (drafters/eagle3.head_runner): llama.cpp's eag
 q8_0) and the torch head (eager; compiled); the ``--eagle3-variants`` below
 are the torch head's, run eager: they add eagle3 with its chain steps
 eager (the torch head's one-row chain step is compiled beside a compiled target), through the head's general step (the draft step before ``HeadRunner.chain_step``), with the head on all of
-torch's threads (before ``head_threads``). ``--eagle3-16bit`` adds eagle3 with the head's products in the
-target's 16 bits (``quantization: "none"``) beside the default (int8 where specdec's int8 kernel runs).
+torch's threads (before ``head_threads``). ``--eagle3-quantizations none,int8`` adds eagle3 with the head's
+products in the target's 16 bits and in int8 (speculative_config ``quantization``) beside the default.
 With eagle3 on llama.cpp it ends with a verify-sized forward timed with and without the kept states.
 
 ``--device cuda`` (torch backend only) runs on a GPU; each wrapped call then ends with
@@ -269,6 +269,7 @@ def load_prompts(n: int, tokenizer, max_prompt: int) -> list[list[int]]:
 
 
 METHODS = ("draft_model", "eagle3", "suffix", "ngram")
+QUANTIZATIONS = ("none", "int8", "int4")  # --eagle3-quantizations
 
 
 def build(args) -> list[Config]:
@@ -283,8 +284,8 @@ def build(args) -> list[Config]:
             runs += [(m, max(args.ks), True) for m in args.methods]
         if args.eagle3_variants:
             runs += [(f"eagle3 {v}", k, False) for v in ("eager-chain", "general-step", "torch-threads") for k in args.ks]
-        if args.eagle3_16bit:
-            runs += [("eagle3 16-bit", k, False) for k in args.ks]
+        for q in args.eagle3_quantizations.split(",") if args.eagle3_quantizations else []:
+            runs += [(f"eagle3 {q}", k, False) for k in args.ks]
         if args.eagle3_head_variants and backend == "llama.cpp":  # the head beside a llama.cpp target
             runs += [(f"eagle3 {v}", k, False) for v in ("llama.cpp-head", "torch-head", "compiled-torch-head", "one-thread-head",
                                                        "q8_0-head")
@@ -294,8 +295,8 @@ def build(args) -> list[Config]:
                 "method": method.split()[0], "num_speculative_tokens": k, "adaptive": adaptive, "draft_tree": "chain"}
             if method is not None and method.split()[0] in drafts:
                 spec["model"] = drafts[method.split()[0]]
-            if method == "eagle3 16-bit":
-                spec["quantization"] = "none"
+            if method is not None and method.split()[-1] in QUANTIZATIONS:
+                spec["quantization"] = method.split()[-1]
             name = (f"{backend} plain" if method is None else
                     f"{backend} {method} " + (f"adaptive k<={k}" if adaptive else f"k={k}"))
             c = Config(backend, k, name, adaptive)
@@ -308,7 +309,7 @@ def build(args) -> list[Config]:
                 d.runner, d.can_draft_trees = LlamaCppHead(d.head, d.target, weight_type="q8_0" if "q8_0" in method else "bf16"), False
                 if method == "eagle3 one-thread-head":
                     d.runner.one_thread_tokens = 16  # a round's small passes on one thread
-            elif method is not None and method.startswith("eagle3 ") and method != "eagle3 16-bit":  # the torch head's
+            elif method is not None and method.startswith("eagle3 ") and method.split()[-1] not in QUANTIZATIONS:  # the torch head's
                 torch_head(c.llm.engine.drafter)
                 if "compiled" in method:
                     c.llm.engine.drafter.runner.compile(args.eagle3_head)
@@ -419,9 +420,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eagle3-variants", action="store_true",
                     help="also eagle3 at each k with its chain steps eager (not compiled), through the head's general "
                          "step, and on all of torch's threads (the variants run the head eager)")
-    ap.add_argument("--eagle3-16bit", action="store_true",
-                    help="also eagle3 at each k with the head's products in the target's 16 bits (quantization "
-                         "'none'), beside the default (int8 where specdec's int8 kernel runs)")
+    ap.add_argument("--eagle3-quantizations", default="",
+                    help="also eagle3 at each k with each of these speculative_config quantizations, comma-separated: "
+                         "none (the target's 16 bits), int8, int4 (beside the default, unset)")
     ap.add_argument("--eagle3-head-variants", action="store_true",
                     help="also eagle3 beside llama.cpp with each runner of the head: llama.cpp's graphs (on the "
                          "target's threads, on one thread for small passes, its file in q8_0) and the torch head "

@@ -214,7 +214,7 @@ DRAFT_TOKENIZER_MAPPINGS = ("auto", "string", "intersection")
 SUFFIX_PROBABILITY_ESTIMATES = ("continuations", "occurrences")
 BACKENDS = ("llama.cpp", "torch")  # the runners' names (ModelRunner.backend): models/llamacpp.py, models/llama.py
 DRAFT_TREE_MODES = ("auto", "chain", "tree")
-DRAFT_QUANTIZATIONS = (None, "int8", "none")
+DRAFT_QUANTIZATIONS = (None, "int4", "int8", "none")
 MAX_TREE_NODES = 64
 
 
@@ -240,9 +240,9 @@ class SpeculativeConfig:
     # draft_model: a parallel draft (PARD, vLLM's name): the draft sees the history plus k - 1 mask tokens
     # and proposes all k drafts from one forward (drafters/pard.py); its config.json names the mask token
     parallel_drafting: bool = False
-    # eagle3: the head's products quantized at load (as vLLM's ``quantization``). None: in int8 where specdec's
-    # int8 kernel runs (x86 with AVX512-VNNI or AVX-VNNI: models/linear8.py), else in the target's dtype;
-    # "int8": int8 or an error saying why not; "none": never (the drafts change, never the output's distribution)
+    # eagle3: the head's products quantized at load (as vLLM's ``quantization``). None: in int4 (groups of 64) where
+    # specdec's VNNI kernel runs (x86 with AVX512-VNNI or AVX-VNNI: models/linear8.py), else in the target's dtype;
+    # "int4" / "int8": so, or an error saying why not; "none": never (the drafts change, never the output's distribution)
     quantization: str | None = None
     # ngram (prompt lookup)
     prompt_lookup_max: int = 4

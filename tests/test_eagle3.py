@@ -213,7 +213,7 @@ def test_draft_logits_equal_the_head_run_from_scratch(models, monkeypatch, path,
     if path == "loop":
         monkeypatch.setattr(eagle3, "argmax_drafts", lambda *args: False)
         monkeypatch.setattr(eagle3, "draft_autoregressive", recorded)
-    # the head's products in the target's dtype: int8 ones are near these, not equal (test_an_int8_head_...)
+    # the head's products in the target's dtype: quantized ones are near these, not equal (test_compiled_head.py)
     llm = LLM(models["target"], backend="torch",
               speculative_config=spec(models[head_name], 3, adaptive=False, quantization="none"))
     drafter = llm.engine.drafter
@@ -324,12 +324,12 @@ def test_penalties_and_tokens_outside_the_draft_vocabulary(models):
     assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path, dtype):
-    """bfloat16: the head's products run in bf16 beside a bf16 target; int8: in int8 beside it (the default
-    where specdec's int8 kernel runs)."""
-    quantization = "int8" if dtype == "int8" else "none"
-    if dtype == "int8":
+    """bfloat16: the head's products run in bf16 beside a bf16 target; int8, int4: quantized beside it (int4:
+    the default where specdec's VNNI kernel runs)."""
+    quantization = dtype if dtype in ("int8", "int4") else "none"
+    if quantization != "none":
         if not linear8.available().ok:
             pytest.skip(f"the int8 kernel cannot run here: {linear8.available().reason}")
         dtype = "bfloat16"
@@ -343,8 +343,9 @@ def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path, dtype):
     llm = LLM(target, backend="torch", dtype=dtype,
               speculative_config=spec(head, 4, adaptive=False, quantization=quantization))
     w = llm.engine.drafter.runner.w
-    if quantization == "int8":
-        assert w.qkv.kind == w.lm_head.kind == "w8" and w.fc.dtype == torch.bfloat16
+    if quantization != "none":
+        assert w.qkv.kind == w.lm_head.kind == {"int8": "w8", "int4": "w4"}[quantization]
+        assert w.fc.dtype == torch.bfloat16
     else:
         assert w.qkv.dtype == getattr(torch, dtype)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -108,21 +108,21 @@ class HeadWeights:
     embed: torch.Tensor  # [V, D] the target's
 
     @classmethod
-    def pack(cls, head: Eagle3Head, dtype: torch.dtype, device: torch.device, int8: bool = False) -> HeadWeights:
-        """``int8``: the layer's and the LM head's products in int8 where the kernel runs (``Linear``'s
-        ``int8``); fc stays in ``dtype``, its inputs (the target's layer inputs) hold a few dimensions
-        hundreds of times the others' size, which one scale a row would crush."""
+    def pack(cls, head: Eagle3Head, dtype: torch.dtype, device: torch.device, quantize: str | None = None) -> HeadWeights:
+        """``quantize`` "int8" / "int4": the layer's and the LM head's products quantized where the kernel runs
+        (``Linear``'s ``quantize``); fc stays in ``dtype``, its inputs (the target's layer inputs) hold a few
+        dimensions hundreds of times the others' size, which one scale a row would crush."""
         L = head.midlayer
         a, m = L.self_attn, L.mlp
 
-        def lin(*weights: torch.Tensor, q: bool = int8) -> Linear:
-            return Linear(torch.cat([w.detach() for w in weights]).to(device=device, dtype=dtype).contiguous(), int8=q)
+        def lin(*weights: torch.Tensor, q: str | None = quantize) -> Linear:
+            return Linear(torch.cat([w.detach() for w in weights]).to(device=device, dtype=dtype).contiguous(), quantize=q)
 
         def vec(w: torch.Tensor) -> torch.Tensor:
             return w.detach().to(device=device, dtype=torch.float32)
 
         fc_norm = getattr(head, "input_norm", None) if getattr(head.config, "norm_before_fc", False) else None
-        return cls(head.config, lin(head.fc.weight, q=False), lin(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+        return cls(head.config, lin(head.fc.weight, q=None), lin(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                    lin(a.o_proj.weight), lin(m.gate_proj.weight, m.up_proj.weight), lin(m.down_proj.weight),
                    lin(head.lm_head.weight), vec(L.input_layernorm.weight), vec(L.hidden_norm.weight),
                    vec(L.post_attention_layernorm.weight), vec(head.norm.weight),
@@ -181,10 +181,10 @@ class HeadRunner:
     chain's draft step, one token per row, in fewer operations; one row's chain steps and catch-ups are
     compiled where the target is (``compile``); all share the layer's code (``HeadWeights``)."""
 
-    def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device, int8: bool = False):
+    def __init__(self, head: Eagle3Head, dtype: torch.dtype, device: torch.device, quantize: str | None = None):
         c = head.config
         self.c, self.device = c, device
-        self.w = HeadWeights.pack(head, dtype, device, int8)
+        self.w = HeadWeights.pack(head, dtype, device, quantize)
         self.inv_freq = head.inv_freq.detach().float().to(device)  # [hd / 2]
         self.cos = self.sin = torch.empty(0, c.head_dim, device=device)
         self.cache: KVCache | None = None
@@ -338,7 +338,7 @@ def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
-SPECDEC_KERNELS = ("w16", "w16dot", "w8")  # Linear kinds of specdec's own product kernels (models/linear.py)
+SPECDEC_KERNELS = ("w16", "w16dot", "w8", "w4")  # Linear kinds of specdec's own product kernels (models/linear.py)
 
 
 def head_dtype(target: ModelRunner) -> torch.dtype:
@@ -347,17 +347,21 @@ def head_dtype(target: ModelRunner) -> torch.dtype:
     return torch.bfloat16 if target.dtype == torch.bfloat16 else torch.float32
 
 
-def head_int8(target: ModelRunner, quantization: str | None = None) -> bool:
-    """Whether the torch head's products run in int8 (speculative_config ``quantization``): None where specdec's
-    int8 kernel runs on the target's device, "int8" there or a ValueError, "none" never."""
+DEFAULT_QUANTIZATION = "int4"  # the head's products where speculative_config leaves quantization unset
+
+
+def head_quantization(target: ModelRunner, quantization: str | None = None) -> str | None:
+    """How the torch head's products are quantized (speculative_config ``quantization``): unset, as
+    ``DEFAULT_QUANTIZATION`` where specdec's VNNI kernel runs on the target's device, else not at all; "int8" or
+    "int4" there or a ValueError; "none" never (None: the target's dtype)."""
     if quantization == "none":
-        return False
+        return None
     runs = target.device.type == "cpu" and linear8.available().ok
-    if quantization == "int8" and not runs:
+    if quantization is not None and not runs:
         why = linear8.available().reason if target.device.type == "cpu" else f"the target runs on {target.device.type}"
-        raise ValueError(f"speculative_config quantization 'int8' runs the head on specdec's int8 CPU kernel, which "
-                         f"cannot run here ({why}); leave quantization unset or set it to 'none'")
-    return runs
+        raise ValueError(f"speculative_config quantization {quantization!r} runs the head on specdec's int8 CPU "
+                         f"kernel, which cannot run here ({why}); leave quantization unset or set it to 'none'")
+    return (quantization or DEFAULT_QUANTIZATION) if runs else None
 
 
 def head_runner(head: Eagle3Head, target: ModelRunner, quantization: str | None = None):
@@ -365,13 +369,13 @@ def head_runner(head: Eagle3Head, target: ModelRunner, quantization: str | None 
 
     - A torch target: the torch head (HeadRunner), its one-row passes compiled where the target's step is.
     - A llama.cpp target: the torch head compiled where its products run on one of specdec's kernels
-      (``w8``: x86 with VNNI, ``head_int8``; ``w16``: x86 without native bf16; ``w16dot``: AVX-512 BF16), on torch's threads: its
+      (``w8`` / ``w4``: x86 with VNNI, ``head_quantization``; ``w16``: x86 without native bf16; ``w16dot``: AVX-512 BF16), on torch's threads: its
       drafting 3.6 against 5.6 ms a round in llama.cpp's graphs on EPYC-AVX2, 1.3 against 2.5 on EPYC-Zen5
       (docs/benchmarks.md, "the EAGLE-3 head's passes compiled" and "2026-12-05, night"); elsewhere
       llama.cpp's own eagle3 graphs (models/llamacpp_head.py); the torch head eager where the build cannot
       run eagle3.
     """
-    torch_head = HeadRunner(head, head_dtype(target), target.device, head_int8(target, quantization))
+    torch_head = HeadRunner(head, head_dtype(target), target.device, head_quantization(target, quantization))
     name = getattr(head, "name", "") or "head"
     if getattr(target, "backend", "torch") != "llama.cpp":
         if getattr(target, "compiled", None) is not None:

@@ -53,7 +53,8 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 KERNEL_NAMES = {"onednn": "oneDNN bf16 inner product", "w16": "16-bit weights, float32 products (specdec AVX2 kernel)",
                 "w16dot": "bf16 dot products, float32 sums (specdec AVX-512 BF16 kernel)",
                 "wxt": "w @ x^T (ATen)", "mm32": "16-bit products with float32 results (torch.mm out_dtype)",
-                "dense": "F.linear", "w8": "int8 weights and inputs, int32 sums (specdec VNNI kernel)"}  # by kind
+                "dense": "F.linear", "w8": "int8 weights and inputs, int32 sums (specdec VNNI kernel)",
+                "w4": "int4 weights in groups, int8 inputs, int32 sums (specdec VNNI kernel)"}  # by kind
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -103,17 +104,20 @@ def onednn_rows(rows: int, min_rows: int) -> int:
 class Linear:
     """``y = x @ weight^T + bias`` for a fixed weight [out, in]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1, int8: bool = False):
-        """``int8``: the weight in int8 where specdec's VNNI kernel runs (linear8.py: an approximation, for a
-        drafter's products), else as without it."""
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1,
+                 quantize: str | None = None):
+        """``quantize`` "int8" or "int4": the weight in int8, or int4 in groups of 64, where specdec's VNNI kernel
+        runs (linear8.py: an approximation, for a drafter's products), else as without it."""
         self.out_features, self.in_features = weight.shape
         self.min_rows = min_rows  # the onednn kind pads fewer rows to this many
         self.dtype = weight.dtype
         self.bias = bias
-        if int8 and weight.device.type == "cpu" and linear8.available().ok:
-            self.kind = "w8"
+        if quantize not in (None, "int8", "int4"):
+            raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
+        if quantize and weight.device.type == "cpu" and linear8.available().ok:
+            self.kind = "w8" if quantize == "int8" else "w4"
             self.dtype = torch.float32  # what it takes and gives
-            weight = linear8.pack(weight)
+            weight = linear8.pack(weight) if quantize == "int8" else linear8.pack4(weight)
         elif weight.device.type == "cuda" and weight.dtype in HALF_DTYPES and mm_out_float32(weight.device, weight.dtype):
             self.kind = "mm32"
         elif weight.device.type != "cpu":
@@ -133,13 +137,13 @@ class Linear:
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] in any float dtype -> [..., out] in the weight's dtype (float32 for ``w16``, ``w16dot``, ``w8``
-        and ``mm32``).
+        """x [..., in] in any float dtype -> [..., out] in the weight's dtype (float32 for ``w16``, ``w16dot``, ``w8``,
+        ``w4`` and ``mm32``).
 
         x is cast to the weight's dtype first (to float32 for ``w16``): with bf16 weights on oneDNN or
         ATen both the input and the result are rounded to bf16, on ``w16dot`` the input only. Adding the
         result to a float32 tensor promotes it back to float32."""
-        x = x.to(torch.float32 if self.kind in ("w16", "w8") else self.dtype)
+        x = x.to(torch.float32 if self.kind in ("w16", "w8", "w4") else self.dtype)
         if self.kind == "dense":
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // x.shape[-1]
@@ -158,6 +162,8 @@ class Linear:
             y = linear16.linear16_dot(x2, self.weight, self.out_features)  # [rows, out] float32
         elif self.kind == "w8":
             y = linear8.linear8(x2, self.weight, self.out_features)  # [rows, out] float32
+        elif self.kind == "w4":
+            y = linear8.linear4(x2, self.weight, self.out_features)  # [rows, out] float32
         else:
             if rows == 1:
                 x2 = torch.cat([x2, x2])  # one column would take the slow matrix-vector path again

@@ -63,6 +63,26 @@ void quantize(const float* x, int64_t T, int64_t K, int64_t K4, uint8_t* q, floa
   }
 }
 
+// x [T, K] float32 -> q [T, KP] int8 (round(x / s), 0 past K), s [T] = max |x| / 127 and, per group of G inputs,
+// comp [T, KP / G] = 8 x the group's sum of q (what the weights' unsigned nibbles, w + 8, add to each group's sum)
+void quantize4(const float* x, int64_t T, int64_t K, int64_t KP, int64_t G, int8_t* q, float* s, int32_t* comp) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* r = x + t * K;
+    float m = 0.f;
+    for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(r[k]));
+    const float inv = m > 0.f ? 127.0f / m : 0.f;
+    s[t] = m / 127.0f;
+    int8_t* o = q + t * KP;
+    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(r[k] * inv)));
+    for (int64_t k = K; k < KP; ++k) o[k] = 0;
+    for (int64_t g = 0; g < KP / G; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += o[k];
+      comp[t * (KP / G) + g] = 8 * sum;
+    }
+  }
+}
+
 inline int32_t four(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -111,6 +131,58 @@ void block512(const uint8_t* q, int64_t K4, const int8_t* wb, int64_t KQ, const 
     const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, cv));
     _mm512_mask_storeu_ps(y + c * ldy, m, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(s[c])), sv));
   }
+}
+
+// int4: C input rows (int8, q4) against one block wb [KP / 8, 16, 4] of nibble pairs (a line's low nibbles are inputs
+// 8j..8j+3 of its 16 rows, its high nibbles 8j+4..8j+7, each w + 8), groups of G inputs with an f16 scale per row
+// (sc [groups, 16]): per group the integer sums of (w + 8) x less comp, times the scales, summed in float32 (FMA),
+// then times the input row's scale. Two chains a row (four for one row) over the low and high nibbles.
+template <int C>
+void block4_512(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const float* s, const int32_t* comp,
+                const uint16_t* sc, float* y, int64_t ldy, int64_t rows) {
+  constexpr int U = C == 1 ? 2 : 1;  // line pairs in flight per row
+  const int64_t groups = KP / G, lines = G / 8;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 f[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) f[c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[C][2 * U];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+#pragma GCC unroll 4
+      for (int u = 0; u < 2 * U; ++u) acc[c][u] = _mm512_setzero_si512();
+    const uint8_t* wg = wb + g * lines * 64;
+    // line l of the group into chain pair u: its low nibbles times inputs 8l..8l+3, its high ones times 8l+4..8l+7
+    auto line = [&](int64_t l, int u) __attribute__((always_inline)) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + (l + PREFETCH) * 64), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(wg + l * 64);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* xq = reinterpret_cast<const uint8_t*>(q + c * KP + g * G + l * 8);
+        acc[c][2 * u] = _mm512_dpbusd_epi32(acc[c][2 * u], lo, _mm512_set1_epi32(four(xq)));
+        acc[c][2 * u + 1] = _mm512_dpbusd_epi32(acc[c][2 * u + 1], hi, _mm512_set1_epi32(four(xq + 4)));
+      }
+    };
+    int64_t l = 0;
+    for (; l + U <= lines; l += U)
+#pragma GCC unroll 2
+      for (int u = 0; u < U; ++u) line(l + u, u);
+    for (; l < lines; ++l) line(l, 0);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * 16)));
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      __m512i sum = acc[c][0];
+#pragma GCC unroll 4
+      for (int u = 1; u < 2 * U; ++u) sum = _mm512_add_epi32(sum, acc[c][u]);
+      sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(comp[c * groups + g]));
+      f[c] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), f[c]);
+    }
+  }
+  const __mmask16 m = rows >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << rows) - 1);
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + c * ldy, m, _mm512_mul_ps(f[c], _mm512_set1_ps(s[c])));
 }
 
 #pragma GCC pop_options
@@ -166,6 +238,49 @@ void block256(const uint8_t* q, int64_t K4, const int8_t* wb, int64_t KQ, const 
   }
 }
 
+// block4_512 with 8 lanes: a line's first 32 bytes are rows 0-7, its last 32 rows 8-15
+template <int C>
+void block4_256(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const float* s, const int32_t* comp,
+                const uint16_t* sc, float* y, int64_t ldy, int64_t rows) {
+  const int64_t groups = KP / G, lines = G / 8;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 f[C][2];
+  for (int c = 0; c < C; ++c) f[c][0] = f[c][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[C][2][2];  // [row][half][low / high nibbles]
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) acc[c][h][0] = acc[c][h][1] = _mm256_setzero_si256();
+    const uint8_t* wg = wb + g * lines * 64;
+    for (int64_t l = 0; l < lines; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + (l + PREFETCH) * 64), _MM_HINT_T0);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + l * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const uint8_t* xq = reinterpret_cast<const uint8_t*>(q + c * KP + g * G + l * 8);
+          acc[c][h][0] = _mm256_dpbusd_avx_epi32(acc[c][h][0], lo, _mm256_set1_epi32(four(xq)));
+          acc[c][h][1] = _mm256_dpbusd_avx_epi32(acc[c][h][1], hi, _mm256_set1_epi32(four(xq + 4)));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * 16 + 8 * h)));
+      for (int c = 0; c < C; ++c) {
+        const __m256i sum = _mm256_sub_epi32(_mm256_add_epi32(acc[c][h][0], acc[c][h][1]),
+                                             _mm256_set1_epi32(comp[c * groups + g]));
+        f[c][h] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), f[c][h]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    alignas(32) float out[16];
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(out + 8 * h, _mm256_mul_ps(f[c][h], _mm256_set1_ps(s[c])));
+    std::memcpy(y + c * ldy, out, sizeof(float) * std::min<int64_t>(rows, 16));
+  }
+}
+
 #pragma GCC pop_options
 
 """+ native.WIDE_ISA_CPP + r"""
@@ -185,6 +300,61 @@ void block(const uint8_t* q, int64_t K4, const int8_t* wb, int64_t KQ, const flo
            const float* scale, float* y, int64_t ldy, int64_t rows) {
   if (isa() == 2) block512<C>(q, K4, wb, KQ, s, comp, scale, y, ldy, rows);
   else block256<C>(q, K4, wb, KQ, s, comp, scale, y, ldy, rows);
+}
+
+template <int C>
+void block4(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const float* s, const int32_t* comp,
+            const uint16_t* sc, float* y, int64_t ldy, int64_t rows) {
+  if (isa() == 2) block4_512<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
+  else block4_256<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
+}
+
+// x [T, K] float32, w [ceil(N / 16), KP / 8, 16, 4] uint8 nibble pairs (KP: K padded to a multiple of G), scale
+// [blocks, KP / G, 16] float16 -> [T, N] float32
+at::Tensor linear4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N, int64_t G) {
+  TORCH_CHECK(isa() > 0, "specdec::linear4: this CPU has neither AVX512-VNNI nor AVX-VNNI");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == RB && w.size(3) == 4 && scale.dim() == 3,
+              "specdec::linear4: x [rows, in], a packed w [blocks, in / 8, 16, 4] and scales [blocks, in / G, 16] "
+              "expected, got ", x.sizes(), ", ", w.sizes(), " and ", scale.sizes());
+  TORCH_CHECK(G >= 8 && G % 8 == 0, "specdec::linear4: the group size must be a multiple of 8, got ", G);
+  const int64_t T = x.size(0), K = x.size(1), blocks = w.size(0), KP = w.size(1) * 8;
+  TORCH_CHECK(blocks == (N + RB - 1) / RB && KP % G == 0 && KP >= K && KP - K < G && scale.size(0) == blocks &&
+                  scale.size(1) == KP / G && scale.size(2) == RB,
+              "specdec::linear4: the packed weight ", w.sizes(), " and scales ", scale.sizes(), " do not hold ", N,
+              " x ", K, " in groups of ", G);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf,
+              "specdec::linear4: x float32, w uint8 and scale float16 expected");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "specdec::linear4: CPU tensors only");
+  at::Tensor xc = x.contiguous(), wc = w.contiguous(), sc = scale.contiguous();
+  at::Tensor y = at::empty({T, N}, xc.options());
+  const int64_t groups = KP / G;
+  std::vector<int8_t> q(T * KP);
+  std::vector<float> s(T);
+  std::vector<int32_t> comp(T * groups);
+  quantize4(xc.data_ptr<float>(), T, K, KP, G, q.data(), s.data(), comp.data());
+  const auto* wp = reinterpret_cast<const uint8_t*>(wc.data_ptr());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 32768 / (RB * KP / 2 * std::max<int64_t>(T, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = wp + b * KP * RB / 2;
+      const uint16_t* sb = sp + b * groups * RB;
+      const int64_t rows = N - b * RB;
+      for (int64_t c = 0; c < T; c += CMAX) {
+        const int8_t* qc = q.data() + c * KP;
+        const int32_t* cc = comp.data() + c * groups;
+        float* yc = yp + c * N + b * RB;
+        switch (std::min(CMAX, T - c)) {
+          case 1: block4<1>(qc, KP, wb, G, s.data() + c, cc, sb, yc, N, rows); break;
+          case 2: block4<2>(qc, KP, wb, G, s.data() + c, cc, sb, yc, N, rows); break;
+          case 3: block4<3>(qc, KP, wb, G, s.data() + c, cc, sb, yc, N, rows); break;
+          default: block4<4>(qc, KP, wb, G, s.data() + c, cc, sb, yc, N, rows);
+        }
+      }
+    }
+  });
+  return y;
 }
 
 // x [T, K] float32, w [ceil(N / 16), ceil(K / 4), 16, 4] int8, scale [blocks * 16] float32, comp [blocks * 16]
@@ -240,8 +410,12 @@ int64_t linear8_isa() { return isa(); }
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("linear8(Tensor x, Tensor w, Tensor scale, Tensor comp, int out_features) -> Tensor");
   m.def("linear8_isa() -> int", &linear8_isa);
+  m.def("linear4(Tensor x, Tensor w, Tensor scale, int out_features, int group) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("linear8", &linear8); }
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("linear8", &linear8);
+  m.impl("linear4", &linear4);
+}
 """
 
 WHAT = "the 8-bit weight kernel"
@@ -263,6 +437,10 @@ def _build() -> None:
 
     @torch.library.register_fake("specdec::linear8")
     def _(x, w, scale, comp, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("specdec::linear4")
+    def _(x, w, scale, out_features, group):
         return x.new_empty(x.shape[0], out_features)
 
 
@@ -319,3 +497,65 @@ def reference(x: torch.Tensor, packed: Packed8, out_features: int) -> torch.Tens
     q[:, :k] = torch.round(x.float() * inv[:, None]).to(torch.int64) + 128
     sums = (q @ w.T - packed.comp[:out_features].to(torch.int64)).to(torch.int32)  # [rows, out]
     return sums.float() * (m / 127.0)[:, None] * packed.scale[:out_features][None]
+
+
+GROUP = 64  # inputs per int4 scale
+
+
+@dataclass(frozen=True)
+class Packed4:
+    weight: torch.Tensor  # [ceil(out / 16), KP / 8, 16, 4] uint8: nibble pairs of w + 8 (KP: in padded to the group)
+    scale: torch.Tensor  # [blocks, KP / group, 16] float16: max |group| / 7 (0 past out)
+    group: int
+
+
+def pack4(weight: torch.Tensor, group: int = GROUP) -> Packed4:
+    """weight [out, in] (any float dtype) -> ``Packed4``: each group of ``group`` inputs of a row in int4 (-8..7,
+    symmetric: its largest magnitude is 7) with a float16 scale, blocked for the kernel."""
+    if group < 8 or group % 8:
+        raise ValueError(f"the int4 group size must be a multiple of 8, got {group}")
+    n, k = weight.shape
+    blocks, kp = -(-n // ROW_BLOCK), -(-k // group) * group
+    w = torch.zeros(blocks * ROW_BLOCK, kp)
+    w[:n, :k] = weight.detach().float()
+    g = w.view(blocks * ROW_BLOCK, kp // group, group)
+    scale = (g.abs().amax(dim=2) / 7).half()  # [rows, groups]
+    s = scale.float()
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    q = (torch.round(g * inv[..., None]).clamp(-8, 7) + 8).to(torch.uint8).view(blocks * ROW_BLOCK, kp)
+    quads = q.view(blocks, ROW_BLOCK, kp // 8, 2, 4)  # [blocks, 16, lines, low / high, 4]
+    nibbles = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).transpose(1, 2).contiguous()  # [blocks, lines, 16, 4]
+    return Packed4(nibbles, scale.view(blocks, ROW_BLOCK, kp // group).transpose(1, 2).contiguous(), group)
+
+
+def linear4(x: torch.Tensor, packed: Packed4, out_features: int) -> torch.Tensor:
+    """x [rows, in] float32 -> approximately x @ w^T [rows, out] float32 (``available()`` first)."""
+    return torch.ops.specdec.linear4(x, packed.weight, packed.scale, out_features, packed.group)
+
+
+def unpack4(packed: Packed4, out_features: int, in_features: int) -> torch.Tensor:
+    """The int4 values [out, in] (-8..7) that ``pack4`` stored."""
+    blocks, lines = packed.weight.shape[:2]
+    v = packed.weight.transpose(1, 2)  # [blocks, 16, lines, 4]
+    quads = torch.stack([v & 0x0F, v >> 4], dim=3)  # [blocks, 16, lines, 2, 4]
+    return (quads.reshape(blocks * ROW_BLOCK, lines * 8).to(torch.int64) - 8)[:out_features, :in_features]
+
+
+def reference4(x: torch.Tensor, packed: Packed4, out_features: int) -> torch.Tensor:
+    """What ``linear4`` computes, in torch: the inputs quantized as the kernel quantizes them, each group's sum in
+    integers times its scale, summed over groups (in float64 here, float32 FMAs in the kernel), times the input
+    scale."""
+    rows, k = x.shape
+    w = unpack4(packed, out_features, k)  # [out, in]
+    G = packed.group
+    m = x.float().abs().amax(dim=1)  # [rows]
+    inv = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
+    q = torch.round(x.float() * inv[:, None]).to(torch.int64)  # [rows, in]
+    groups = -(-k // G)
+    wp = torch.zeros(out_features, groups * G, dtype=torch.int64)
+    wp[:, :k] = w
+    qp = torch.zeros(rows, groups * G, dtype=torch.int64)
+    qp[:, :k] = q
+    sums = torch.einsum("rgi,ogi->rog", qp.view(rows, groups, G), wp.view(out_features, groups, G))  # [rows, out, g]
+    scale = packed.scale.transpose(1, 2).reshape(-1, groups)[:out_features].double()  # [out, groups]
+    return ((sums.double() * scale[None]).sum(dim=2) * (m / 127.0).double()[:, None]).float()

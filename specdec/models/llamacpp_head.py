@@ -66,8 +66,9 @@ def describe_head(runner) -> str:
     if isinstance(runner, LlamaCppHead):
         return runner.describe()
     dtype = str(runner.fc.weight.dtype).removeprefix("torch.") if hasattr(runner.fc, "weight") else "?"
-    if getattr(getattr(getattr(runner, "w", None), "lm_head", None), "kind", None) == "w8":
-        dtype = f"int8 ({dtype} fc)"
+    kind = getattr(getattr(getattr(runner, "w", None), "lm_head", None), "kind", None)
+    if kind in ("w8", "w4"):
+        dtype = f"{'int8' if kind == 'w8' else 'int4'} ({dtype} fc)"
     compiled = ", one-row passes compiled" if getattr(runner, "compiled", None) is not None else ""
     return f"EAGLE-3 head in torch (HeadRunner, {dtype} products{compiled})"
 
