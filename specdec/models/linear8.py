@@ -1,23 +1,27 @@
-"""8-bit weights with 8-bit inputs and integer sums, for products whose weights are read more than used: an
-EAGLE-3 head's one-row passes.
+"""8- and 4-bit weights with 8-bit inputs and integer sums, for products whose weights are read more than used:
+an EAGLE-3 head's one-row passes.
 
 A head's step multiplies one row by 8.5M weights (17 MB in bf16), and on a CPU whose caches cannot hold
-them beside the target's, every step reads them from memory and pushes the target's out. This kernel
-keeps each weight row in int8 with a float32 scale (symmetric, per output row), quantizes each input row
-to int8 on the fly (symmetric, its own scale; shifted to unsigned as VNNI reads it) and sums the
-products in int32 with ``vpdpbusd``: half the bytes of bf16. The result is an approximation of the bf16
+them beside the target's, every step reads them from memory and pushes the target's out. These kernels
+keep the weights in int8 (a float32 scale per output row) or int4 (a float16 scale per row and group of 64
+inputs), quantize each input row to int8 on the fly (symmetric, its own scale) and sum the products in
+int32 with ``vpdpbusd``: a half or a quarter of the bytes of bf16. The results approximate the bf16
 product (a drafter's: the verifier reads the drafter's q as the drafter made it, so exactness holds
-whatever the drafts).
+whatever the drafts). Measurements: docs/benchmarks.md, "2026-12-06, evening".
 
-Layout (``pack``): [ceil(out / 16), ceil(in / 4), 16, 4] int8, each 64-byte line 4 inputs of 16 rows, the
-lanes of one ``vpdpbusd``; beside it, per output row, the scale and ``comp`` = 128 x the row's sum, which
-the unsigned shift of the inputs adds to every sum. A row's result is
-``float(sum - comp) * input scale * row scale``, computed in this order, so ``reference`` reproduces it
-bit for bit. Runs where AVX512-VNNI (16 rows a line) or AVX-VNNI (two halves of 8) does; ``isa()`` says
-which; elsewhere ``available()`` says why not and the head keeps its 16-bit products.
+int8 (``pack``): [ceil(out / 16), ceil(in / 4), 16, 4] int8, each 64-byte line 4 inputs of 16 rows, the
+lanes of one ``vpdpbusd``; the inputs are shifted to unsigned as VNNI reads them, and ``comp`` = 128 x the
+row's sum takes the shift back out. A row's result is ``float(sum - comp) * input scale * row scale``, in
+this order, so ``reference`` reproduces it bit for bit.
 
-A C++ extension (native.py) registered as ``specdec::linear8``, which the compiled head calls as an
-extern kernel.
+int4 (``pack4``): [ceil(out / 16), in / 8, 16, 4] uint8, each 64-byte line two such lines of nibbles (w + 8:
+the unsigned operand; the signed inputs the other), a group's sums less 8 x its inputs' sum, times the
+group's scales, summed in float32, then times the input scale (``reference4``: the same up to float32
+rounding of that sum).
+
+Both run where AVX512-VNNI (16 rows a line) or AVX-VNNI (two halves of 8) does; ``isa()`` says which;
+elsewhere ``available()`` says why not and the head keeps its 16-bit products. A C++ extension (native.py)
+registered as ``specdec::linear8`` and ``specdec::linear4``, which the compiled head calls as extern kernels.
 """
 
 from __future__ import annotations
