@@ -53,32 +53,28 @@ constexpr int64_t RB = 16;       // weight rows per block; a 64-byte line holds 
 constexpr int64_t PREFETCH = 64;  // lines ahead (4 KB)
 constexpr int64_t CMAX = 4;       // input rows per pass over a block
 
+// one input row r [K] -> its int8 values round(r / s) + shift into o [KP] (shift past K) and s = max |r| / 127
+template <class Q>
+void quantize_row(const float* r, int64_t K, int64_t KP, int32_t shift, Q* o, float* s) {
+  float m = 0.f;
+  for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(r[k]));
+  const float inv = m > 0.f ? 127.0f / m : 0.f;
+  *s = m / 127.0f;
+  for (int64_t k = 0; k < K; ++k) o[k] = static_cast<Q>(static_cast<int32_t>(std::nearbyint(r[k] * inv)) + shift);
+  for (int64_t k = K; k < KP; ++k) o[k] = static_cast<Q>(shift);
+}
+
 // x [T, K] float32 -> q [T, K4] uint8 (round(x / s) + 128, 128 past K) and s [T] = max |x| / 127
 void quantize(const float* x, int64_t T, int64_t K, int64_t K4, uint8_t* q, float* s) {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* r = x + t * K;
-    float m = 0.f;
-    for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(r[k]));
-    const float inv = m > 0.f ? 127.0f / m : 0.f;
-    s[t] = m / 127.0f;
-    uint8_t* o = q + t * K4;
-    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(r[k] * inv)) + 128);
-    for (int64_t k = K; k < K4; ++k) o[k] = 128;
-  }
+  for (int64_t t = 0; t < T; ++t) quantize_row(x + t * K, K, K4, 128, q + t * K4, s + t);
 }
 
 // x [T, K] float32 -> q [T, KP] int8 (round(x / s), 0 past K), s [T] = max |x| / 127 and, per group of G inputs,
 // comp [T, KP / G] = 8 x the group's sum of q (what the weights' unsigned nibbles, w + 8, add to each group's sum)
 void quantize4(const float* x, int64_t T, int64_t K, int64_t KP, int64_t G, int8_t* q, float* s, int32_t* comp) {
   for (int64_t t = 0; t < T; ++t) {
-    const float* r = x + t * K;
-    float m = 0.f;
-    for (int64_t k = 0; k < K; ++k) m = std::max(m, std::fabs(r[k]));
-    const float inv = m > 0.f ? 127.0f / m : 0.f;
-    s[t] = m / 127.0f;
     int8_t* o = q + t * KP;
-    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<int8_t>(static_cast<int32_t>(std::nearbyint(r[k] * inv)));
-    for (int64_t k = K; k < KP; ++k) o[k] = 0;
+    quantize_row(x + t * K, K, KP, 0, o, s + t);
     for (int64_t g = 0; g < KP / G; ++g) {
       int32_t sum = 0;
       for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += o[k];
