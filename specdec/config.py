@@ -241,7 +241,7 @@ class SpeculativeConfig:
     # and proposes all k drafts from one forward (drafters/pard.py); its config.json names the mask token
     parallel_drafting: bool = False
     # eagle3: the head's products quantized at load (as vLLM's ``quantization``). None: in int4 (groups of 64) where
-    # specdec's VNNI kernel runs (x86 with AVX512-VNNI or AVX-VNNI: models/linear8.py), else in the target's dtype;
+    # specdec's kernels run (x86 with AVX2; VNNI where the CPU has it: models/linear8.py), else in the target's dtype;
     # "int4" / "int8": so, or an error saying why not; "none": never (the drafts change, never the output's distribution)
     quantization: str | None = None
     # ngram (prompt lookup)

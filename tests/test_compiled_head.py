@@ -38,8 +38,8 @@ def test_compiled_chain_steps_equal_eager_ones(models, quantize):
     """Chain steps of one row at positions that cross the attended length's steps (64) and the cache's
     first 256 positions (it grows), then rolled back; two heads of one shape keep their own weights.
     int8, int4: the products on the VNNI kernels, compiled as an extern call."""
-    if quantize and not linear8.available().ok:
-        pytest.skip(f"the VNNI kernels cannot run here: {linear8.available().reason}")
+    if quantize and not linear8.available(int(quantize[3:])).ok:
+        pytest.skip(f"the {quantize} kernel cannot run here: {linear8.available(int(quantize[3:])).reason}")
     D = models["heads"][0].config.hidden_size
     for head in models["heads"]:
         eager = HeadRunner(head, torch.bfloat16, torch.device("cpu"), quantize)
@@ -194,8 +194,8 @@ def test_inputs_unlike_the_traced_ones_compile_again_rather_than_fail(models):
 def test_a_quantized_head_drafts_near_its_16_bit_self(models, quantize, bound):
     """int8 products move a chain step's logits by about 1% of their spread, int4 (the default where the kernel
     runs) by about 10% on this random head, and keep its top token on nearly every row."""
-    if not linear8.available().ok:
-        pytest.skip(f"the VNNI kernels cannot run here: {linear8.available().reason}")
+    if not linear8.available(int(quantize[3:])).ok:
+        pytest.skip(f"the {quantize} kernel cannot run here: {linear8.available(int(quantize[3:])).reason}")
     head = models["heads"][0]
     D = head.config.hidden_size
     full, quantized = (HeadRunner(head, torch.bfloat16, torch.device("cpu"), q) for q in (None, quantize))

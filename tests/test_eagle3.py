@@ -330,8 +330,9 @@ def test_a_head_that_agrees_with_the_target_is_accepted(tmp_path, dtype):
     the default where specdec's VNNI kernel runs)."""
     quantization = dtype if dtype in ("int8", "int4") else "none"
     if quantization != "none":
-        if not linear8.available().ok:
-            pytest.skip(f"the int8 kernel cannot run here: {linear8.available().reason}")
+        can = linear8.available(int(quantization[3:]))
+        if not can.ok:
+            pytest.skip(f"the {quantization} kernel cannot run here: {can.reason}")
         dtype = "bfloat16"
     target = last_token_target(tmp_path / "target")
     head = make_copying_head(target, tmp_path / "head")

@@ -1,8 +1,8 @@
 """The 8- and 4-bit weight kernels (models/linear8.py) and their Linear kinds "w8" and "w4": each computes what
 its torch reference computes (int8: bit for bit; int4: up to the float32 sums over groups) for any row count and
-odd shapes, on each ISA path this CPU has (AVX512-VNNI here, AVX-VNNI under ATen held to AVX2); each is near the
-float product; the EAGLE-3 head takes int4 by default where they run, and ``quantization`` chooses or refuses
-them with a clear message."""
+odd shapes, on each ISA path this CPU has (AVX512-VNNI here, AVX-VNNI under ATen held to AVX2, int4 on AVX2
+alone under SPECDEC_NO_VNNI); each is near the float product; the EAGLE-3 head takes int4 by default where it
+runs, and ``quantization`` chooses or refuses them with a clear message."""
 
 import os
 import subprocess
@@ -17,8 +17,8 @@ from specdec.models import linear8
 from specdec.models.linear import Linear
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = linear8.available().ok
-needs_kernel = pytest.mark.skipif(not RUNS, reason=f"the int8 kernel cannot run here: {linear8.available().reason}")
+RUNS = linear8.available(8).ok  # both kernels (VNNI)
+needs_kernel = pytest.mark.skipif(not RUNS, reason=f"the int8 kernel cannot run here: {linear8.available(8).reason}")
 
 
 def _cpu_has(flag: str) -> bool:
@@ -120,12 +120,43 @@ def test_the_8_lane_path_computes_the_same_bits():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
+@pytest.mark.skipif(not RUNS, reason="needs specdec's kernels")
+def test_without_vnni_int4_runs_on_avx2_and_int8_says_why_not():
+    """SPECDEC_NO_VNNI: what a CPU with AVX2 alone runs (EPYC before Zen 4): int4 on vpmaddubsw, the same sums as
+    the reference; int8 unavailable with its reason, and the head's default falls back to int4."""
+    code = ("import torch; from specdec.models import linear8 as l\n"
+            "assert l.available(4).ok and l.isa() == 0, l.isa()\n"
+            "assert not l.available(8).ok and 'int4 runs on AVX2' in l.available(8).reason\n"
+            "g = torch.Generator().manual_seed(6)\n"
+            "for n, k, G in ((1027, 515, 64), (16, 64, 64), (9, 33, 8), (40, 1408, 32)):\n"
+            "    p = l.pack4(torch.randn(n, k, generator=g), G)\n"
+            "    for rows in range(1, 10):\n"
+            "        x = torch.randn(rows, k, generator=g) * 3\n"
+            "        torch.testing.assert_close(l.linear4(x, p, n), l.reference4(x, p, n), rtol=1e-5, atol=1e-4)\n"
+            "from specdec.models.linear import Linear\n"
+            "w = torch.randn(32, 64)\n"
+            "assert Linear(w, quantize='int4').kind == 'w4' and Linear(w, quantize='int8').kind != 'w8'\n"
+            "from specdec.drafters import eagle3\n"
+            "class T: device = torch.device('cpu')\n"
+            "assert eagle3.head_quantization(T()) == 'int4'\n"
+            "try:\n"
+            "    eagle3.head_quantization(T(), 'int8')\n"
+            "except ValueError as e:\n"
+            "    assert 'int4 runs on AVX2' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('int8 without VNNI')\n"
+            "print('ok')")
+    env = {**os.environ, linear8.NO_VNNI_ENV: "1", "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("quantize,kind", [("int8", "w8"), ("int4", "w4")])
 def test_linear_quantizes_only_where_asked_and_the_kernel_runs(quantize, kind):
     w = torch.randn(48, 64)
     assert Linear(w).kind not in ("w8", "w4")
     lin = Linear(w, quantize=quantize)
-    assert lin.kind == (kind if RUNS else Linear(w).kind)
+    assert lin.kind == (kind if linear8.available(int(quantize[3:])).ok else Linear(w).kind)
     y = lin(torch.randn(2, 3, 64))
     assert y.shape == (2, 3, 48) and y.dtype == torch.float32
     with pytest.raises(ValueError, match="quantize must be"):
@@ -147,11 +178,11 @@ def test_the_head_takes_int4_by_default_where_it_runs_and_says_why_not_elsewhere
     class Target:
         device = torch.device("cpu")
 
-    assert eagle3.head_quantization(Target()) == ("int4" if RUNS else None)
+    assert eagle3.head_quantization(Target()) == ("int4" if linear8.available(4).ok else None)
     assert eagle3.head_quantization(Target(), "none") is None
     if RUNS:
         assert eagle3.head_quantization(Target(), "int8") == "int8"
-    monkeypatch.setattr(linear8, "available", lambda: linear8.native.Availability(False, "no VNNI on this CPU"))
+    monkeypatch.setattr(linear8, "available", lambda bits=8: linear8.native.Availability(False, "no kernels on this CPU"))
     assert eagle3.head_quantization(Target()) is None
-    with pytest.raises(ValueError, match="no VNNI on this CPU.*set it to 'none'"):
+    with pytest.raises(ValueError, match="no kernels on this CPU.*set it to 'none'"):
         eagle3.head_quantization(Target(), "int4")

@@ -352,16 +352,18 @@ DEFAULT_QUANTIZATION = "int4"  # the head's products where speculative_config le
 
 def head_quantization(target: ModelRunner, quantization: str | None = None) -> str | None:
     """How the torch head's products are quantized (speculative_config ``quantization``): unset, as
-    ``DEFAULT_QUANTIZATION`` where specdec's VNNI kernel runs on the target's device, else not at all; "int8" or
-    "int4" there or a ValueError; "none" never (None: the target's dtype)."""
+    ``DEFAULT_QUANTIZATION`` where specdec's kernel for it runs on the target's device, else not at all; "int8"
+    or "int4" there or a ValueError; "none" never (None: the target's dtype)."""
     if quantization == "none":
         return None
-    runs = target.device.type == "cpu" and linear8.available().ok
+    wanted = quantization or DEFAULT_QUANTIZATION
+    can = linear8.available(8 if wanted == "int8" else 4)
+    runs = target.device.type == "cpu" and can.ok
     if quantization is not None and not runs:
-        why = linear8.available().reason if target.device.type == "cpu" else f"the target runs on {target.device.type}"
-        raise ValueError(f"speculative_config quantization {quantization!r} runs the head on specdec's int8 CPU "
-                         f"kernel, which cannot run here ({why}); leave quantization unset or set it to 'none'")
-    return (quantization or DEFAULT_QUANTIZATION) if runs else None
+        why = can.reason if target.device.type == "cpu" else f"the target runs on {target.device.type}"
+        raise ValueError(f"speculative_config quantization {quantization!r} runs the head on specdec's CPU "
+                         f"kernels, which cannot run it here ({why}); leave quantization unset or set it to 'none'")
+    return wanted if runs else None
 
 
 def head_runner(head: Eagle3Head, target: ModelRunner, quantization: str | None = None):
@@ -369,7 +371,7 @@ def head_runner(head: Eagle3Head, target: ModelRunner, quantization: str | None 
 
     - A torch target: the torch head (HeadRunner), its one-row passes compiled where the target's step is.
     - A llama.cpp target: the torch head compiled where its products run on one of specdec's kernels
-      (``w8`` / ``w4``: x86 with VNNI, ``head_quantization``; ``w16``: x86 without native bf16; ``w16dot``: AVX-512 BF16), on torch's threads: its
+      (``w4`` / ``w8``: x86 with AVX2 / VNNI, ``head_quantization``; ``w16``: x86 without native bf16; ``w16dot``: AVX-512 BF16), on torch's threads: its
       drafting 3.6 against 5.6 ms a round in llama.cpp's graphs on EPYC-AVX2, 1.3 against 2.5 on EPYC-Zen5
       (docs/benchmarks.md, "the EAGLE-3 head's passes compiled" and "2026-12-05, night"); elsewhere
       llama.cpp's own eagle3 graphs (models/llamacpp_head.py); the torch head eager where the build cannot

@@ -106,7 +106,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1,
                  quantize: str | None = None):
-        """``quantize`` "int8" or "int4": the weight in int8, or int4 in groups of 64, where specdec's VNNI kernel
+        """``quantize`` "int8" or "int4": the weight in int8, or int4 in groups of 64, where specdec's kernel for it
         runs (linear8.py: an approximation, for a drafter's products), else as without it."""
         self.out_features, self.in_features = weight.shape
         self.min_rows = min_rows  # the onednn kind pads fewer rows to this many
@@ -114,7 +114,7 @@ class Linear:
         self.bias = bias
         if quantize not in (None, "int8", "int4"):
             raise ValueError(f"quantize must be None, 'int8' or 'int4', got {quantize!r}")
-        if quantize and weight.device.type == "cpu" and linear8.available().ok:
+        if quantize and weight.device.type == "cpu" and linear8.available(8 if quantize == "int8" else 4).ok:
             self.kind = "w8" if quantize == "int8" else "w4"
             self.dtype = torch.float32  # what it takes and gives
             weight = linear8.pack(weight) if quantize == "int8" else linear8.pack4(weight)

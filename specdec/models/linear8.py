@@ -19,8 +19,10 @@ the unsigned operand; the signed inputs the other), a group's sums less 8 x its 
 group's scales, summed in float32, then times the input scale (``reference4``: the same up to float32
 rounding of that sum).
 
-Both run where AVX512-VNNI (16 rows a line) or AVX-VNNI (two halves of 8) does; ``isa()`` says which;
-elsewhere ``available()`` says why not and the head keeps its 16-bit products. A C++ extension (native.py)
+Both run where AVX512-VNNI (16 rows a line) or AVX-VNNI (two halves of 8) does; ``isa()`` says which. On
+a CPU with AVX2 alone int4 runs on ``vpmaddubsw`` (the unsigned nibbles times the signed inputs cannot
+saturate its 16-bit pair sums) and int8 does not (``available(8)`` says why); where specdec's kernels cannot
+build at all the head keeps its 16-bit products. A C++ extension (native.py)
 registered as ``specdec::linear8`` and ``specdec::linear4``, which the compiled head calls as extern kernels.
 """
 
@@ -283,11 +285,58 @@ void block4_256(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const
 
 #pragma GCC pop_options
 
+// block4_256 without VNNI (AVX2 only): vpmaddubsw multiplies the unsigned nibbles (0..15) by the signed inputs into
+// 16-bit pair sums (at most 2 x 15 x 127, so a line's low and high halves add without saturating) and vpmaddwd
+// widens them to 32 bits: the same integer sums in three instructions where VNNI takes one
+template <int C>
+void block4_avx2(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const float* s, const int32_t* comp,
+                 const uint16_t* sc, float* y, int64_t ldy, int64_t rows) {
+  const int64_t groups = KP / G, lines = G / 8;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 f[C][2];
+  for (int c = 0; c < C; ++c) f[c][0] = f[c][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[C][2];  // [row][half]
+    for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_si256();
+    const uint8_t* wg = wb + g * lines * 64;
+    for (int64_t l = 0; l < lines; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(wg + (l + PREFETCH) * 64), _MM_HINT_T0);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + l * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          const uint8_t* xq = reinterpret_cast<const uint8_t*>(q + c * KP + g * G + l * 8);
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(xq))),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(xq + 4))));
+          acc[c][h] = _mm256_add_epi32(acc[c][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * 16 + 8 * h)));
+      for (int c = 0; c < C; ++c) {
+        const __m256i sum = _mm256_sub_epi32(acc[c][h], _mm256_set1_epi32(comp[c * groups + g]));
+        f[c][h] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), f[c][h]);
+      }
+    }
+  }
+  for (int c = 0; c < C; ++c) {
+    alignas(32) float out[16];
+    for (int h = 0; h < 2; ++h) _mm256_store_ps(out + 8 * h, _mm256_mul_ps(f[c][h], _mm256_set1_ps(s[c])));
+    std::memcpy(y + c * ldy, out, sizeof(float) * std::min<int64_t>(rows, 16));
+  }
+}
+
 """+ native.WIDE_ISA_CPP + r"""
-// 2: AVX512-VNNI (with AVX-512 F/BW/DQ/VL, ATen not held below AVX-512), 1: AVX-VNNI, 0: neither
+// 2: AVX512-VNNI (with AVX-512 F/BW/DQ/VL, ATen not held below AVX-512), 1: AVX-VNNI, 0: neither (or
+// SPECDEC_NO_VNNI set: what a CPU with AVX2 alone runs)
 int64_t isa() {
   static const int64_t v = [] {
     __builtin_cpu_init();
+    const char* off = std::getenv("SPECDEC_NO_VNNI");
+    if (off != nullptr && off[0] != '\0' && std::string(off) != "0") return 0;
     if (wide_isa() && __builtin_cpu_supports("avx512vnni")) return 2;
     if (__builtin_cpu_supports("avxvnni")) return 1;
     return 0;
@@ -306,13 +355,13 @@ template <int C>
 void block4(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const float* s, const int32_t* comp,
             const uint16_t* sc, float* y, int64_t ldy, int64_t rows) {
   if (isa() == 2) block4_512<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
-  else block4_256<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
+  else if (isa() == 1) block4_256<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
+  else block4_avx2<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
 }
 
 // x [T, K] float32, w [ceil(N / 16), KP / 8, 16, 4] uint8 nibble pairs (KP: K padded to a multiple of G), scale
 // [blocks, KP / G, 16] float16 -> [T, N] float32
 at::Tensor linear4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N, int64_t G) {
-  TORCH_CHECK(isa() > 0, "specdec::linear4: this CPU has neither AVX512-VNNI nor AVX-VNNI");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 4 && w.size(2) == RB && w.size(3) == 4 && scale.dim() == 3,
               "specdec::linear4: x [rows, in], a packed w [blocks, in / 8, 16, 4] and scales [blocks, in / G, 16] "
               "expected, got ", x.sizes(), ", ", w.sizes(), " and ", scale.sizes());
@@ -423,12 +472,19 @@ ROW_BLOCK = 16  # weight rows per packed block (the kernel's RB)
 ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX-VNNI"}
 
 
+NO_VNNI_ENV = "SPECDEC_NO_VNNI"  # set: the kernels run as on a CPU with AVX2 alone (int4 only), for tests
+
+
 @functools.cache
-def available() -> native.Availability:
-    """Whether this CPU and install run ``specdec::linear8`` (building it the first time), and why not."""
+def available(bits: int = 8) -> native.Availability:
+    """Whether this CPU and install run the ``bits``-bit kernel (building it the first time), and why not: int4
+    wherever specdec's kernels build (AVX2, FMA, F16C), int8 where AVX512-VNNI or AVX-VNNI runs too."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     built = native.availability("linear8", _build, WHAT)
-    if built.ok and isa() == 0:
-        return native.Availability(False, "the CPU has neither AVX512-VNNI nor AVX-VNNI (int8 dot products)")
+    if built.ok and bits == 8 and isa() == 0:
+        return native.Availability(False, "the CPU has neither AVX512-VNNI nor AVX-VNNI (int8 dot products); "
+                                          "int4 runs on AVX2")
     return built
 
 
@@ -445,8 +501,8 @@ def _build() -> None:
 
 
 def isa() -> int:
-    """2 where the kernel runs 16 lanes wide (AVX512-VNNI), 1 where 8 (AVX-VNNI), 0 where it cannot run
-    (``available()`` first)."""
+    """2 where the kernels run 16 lanes wide (AVX512-VNNI), 1 where 8 (AVX-VNNI), 0 where neither runs (int4 on
+    AVX2 alone, no int8; ``available()`` first)."""
     return int(torch.ops.specdec.linear8_isa())
 
 
