@@ -240,16 +240,19 @@ void block256(const uint8_t* q, int64_t K4, const int8_t* wb, int64_t KQ, const 
   }
 }
 
-// block4_512 with 8 lanes: a line's first 32 bytes are rows 0-7, its last 32 rows 8-15
-template <int C>
+// block4_512 with 8 lanes: a line's first 32 bytes are rows 0-7, its last 32 rows 8-15. VNNI false: for a CPU with
+// AVX2 alone (built under this region's options, it uses none of VNNI's instructions): vpmaddubsw multiplies the
+// unsigned nibbles (0..15) by the signed inputs into 16-bit pair sums (at most 2 x 15 x 127, so a line's low and high
+// halves add without saturating) and vpmaddwd widens them: the same integer sums in three instructions, not one
+template <int C, bool VNNI>
 void block4_256(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const float* s, const int32_t* comp,
                 const uint16_t* sc, float* y, int64_t ldy, int64_t rows) {
   const int64_t groups = KP / G, lines = G / 8;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 f[C][2];
   for (int c = 0; c < C; ++c) f[c][0] = f[c][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i acc[C][2][2];  // [row][half][low / high nibbles]
+    __m256i acc[C][2][2];  // [row][half][low / high nibbles] (AVX2 alone: both in the first)
     for (int c = 0; c < C; ++c)
       for (int h = 0; h < 2; ++h) acc[c][h][0] = acc[c][h][1] = _mm256_setzero_si256();
     const uint8_t* wg = wb + g * lines * 64;
@@ -262,8 +265,14 @@ void block4_256(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
           const uint8_t* xq = reinterpret_cast<const uint8_t*>(q + c * KP + g * G + l * 8);
-          acc[c][h][0] = _mm256_dpbusd_avx_epi32(acc[c][h][0], lo, _mm256_set1_epi32(four(xq)));
-          acc[c][h][1] = _mm256_dpbusd_avx_epi32(acc[c][h][1], hi, _mm256_set1_epi32(four(xq + 4)));
+          const __m256i xlo = _mm256_set1_epi32(four(xq)), xhi = _mm256_set1_epi32(four(xq + 4));
+          if constexpr (VNNI) {
+            acc[c][h][0] = _mm256_dpbusd_avx_epi32(acc[c][h][0], lo, xlo);
+            acc[c][h][1] = _mm256_dpbusd_avx_epi32(acc[c][h][1], hi, xhi);
+          } else {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+            acc[c][h][0] = _mm256_add_epi32(acc[c][h][0], _mm256_madd_epi16(pairs, ones));
+          }
         }
       }
     }
@@ -284,50 +293,6 @@ void block4_256(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const
 }
 
 #pragma GCC pop_options
-
-// block4_256 without VNNI (AVX2 only): vpmaddubsw multiplies the unsigned nibbles (0..15) by the signed inputs into
-// 16-bit pair sums (at most 2 x 15 x 127, so a line's low and high halves add without saturating) and vpmaddwd
-// widens them to 32 bits: the same integer sums in three instructions where VNNI takes one
-template <int C>
-void block4_avx2(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const float* s, const int32_t* comp,
-                 const uint16_t* sc, float* y, int64_t ldy, int64_t rows) {
-  const int64_t groups = KP / G, lines = G / 8;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 f[C][2];
-  for (int c = 0; c < C; ++c) f[c][0] = f[c][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i acc[C][2];  // [row][half]
-    for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_si256();
-    const uint8_t* wg = wb + g * lines * 64;
-    for (int64_t l = 0; l < lines; ++l) {
-      _mm_prefetch(reinterpret_cast<const char*>(wg + (l + PREFETCH) * 64), _MM_HINT_T0);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + l * 64 + 32 * h));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          const uint8_t* xq = reinterpret_cast<const uint8_t*>(q + c * KP + g * G + l * 8);
-          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(xq))),
-                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(xq + 4))));
-          acc[c][h] = _mm256_add_epi32(acc[c][h], _mm256_madd_epi16(pairs, ones));
-        }
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + g * 16 + 8 * h)));
-      for (int c = 0; c < C; ++c) {
-        const __m256i sum = _mm256_sub_epi32(acc[c][h], _mm256_set1_epi32(comp[c * groups + g]));
-        f[c][h] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), f[c][h]);
-      }
-    }
-  }
-  for (int c = 0; c < C; ++c) {
-    alignas(32) float out[16];
-    for (int h = 0; h < 2; ++h) _mm256_store_ps(out + 8 * h, _mm256_mul_ps(f[c][h], _mm256_set1_ps(s[c])));
-    std::memcpy(y + c * ldy, out, sizeof(float) * std::min<int64_t>(rows, 16));
-  }
-}
 
 """+ native.WIDE_ISA_CPP + r"""
 // 2: AVX512-VNNI (with AVX-512 F/BW/DQ/VL, ATen not held below AVX-512), 1: AVX-VNNI, 0: neither (or
@@ -355,8 +320,8 @@ template <int C>
 void block4(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const float* s, const int32_t* comp,
             const uint16_t* sc, float* y, int64_t ldy, int64_t rows) {
   if (isa() == 2) block4_512<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
-  else if (isa() == 1) block4_256<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
-  else block4_avx2<C>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
+  else if (isa() == 1) block4_256<C, true>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
+  else block4_256<C, false>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
 }
 
 // x [T, K] float32, w [ceil(N / 16), KP / 8, 16, 4] uint8 nibble pairs (KP: K padded to a multiple of G), scale
