@@ -253,7 +253,7 @@ def _describe_head(runner) -> str:
         return type(runner).__name__
     kernels = f", {str(fc.dtype).removeprefix('torch.')} linears ({fc.kind})" if hasattr(fc, "kind") else ""
     lm_head = getattr(getattr(runner, "w", None), "lm_head", None)
-    if hasattr(fc, "kind") and getattr(lm_head, "kind", fc.kind) != fc.kind:  # int8 products beside a 16-bit fc
+    if hasattr(fc, "kind") and getattr(lm_head, "kind", fc.kind) != fc.kind:  # quantized products beside a 16-bit fc
         kernels = f", {str(fc.dtype).removeprefix('torch.')} fc ({fc.kind}), the rest {lm_head.kind}"
     return (f"EAGLE-3 head on {getattr(runner, 'device', 'cpu')}: one decoder layer over the target's layers "
             f"{c.layer_ids}, draft vocabulary {c.draft_vocab_size}{kernels}")

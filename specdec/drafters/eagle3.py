@@ -371,8 +371,8 @@ def head_runner(head: Eagle3Head, target: ModelRunner, quantization: str | None 
 
     - A torch target: the torch head (HeadRunner), its one-row passes compiled where the target's step is.
     - A llama.cpp target: the torch head compiled where its products run on one of specdec's kernels
-      (``w4`` / ``w8``: x86 with AVX2 / VNNI, ``head_quantization``; ``w16``: x86 without native bf16; ``w16dot``: AVX-512 BF16), on torch's threads: its
-      drafting 3.6 against 5.6 ms a round in llama.cpp's graphs on EPYC-AVX2, 1.3 against 2.5 on EPYC-Zen5
+      (``w4`` / ``w8``: x86 with AVX2 / VNNI, ``head_quantization``; ``w16``: x86 without native bf16;
+      ``w16dot``: AVX-512 BF16), on torch's threads: its drafting 3.6 against 5.6 ms a round in llama.cpp's graphs on EPYC-AVX2, 1.3 against 2.5 on EPYC-Zen5
       (docs/benchmarks.md, "the EAGLE-3 head's passes compiled" and "2026-12-05, night"); elsewhere
       llama.cpp's own eagle3 graphs (models/llamacpp_head.py); the torch head eager where the build cannot
       run eagle3.

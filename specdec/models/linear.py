@@ -54,7 +54,7 @@ KERNEL_NAMES = {"onednn": "oneDNN bf16 inner product", "w16": "16-bit weights, f
                 "w16dot": "bf16 dot products, float32 sums (specdec AVX-512 BF16 kernel)",
                 "wxt": "w @ x^T (ATen)", "mm32": "16-bit products with float32 results (torch.mm out_dtype)",
                 "dense": "F.linear", "w8": "int8 weights and inputs, int32 sums (specdec VNNI kernel)",
-                "w4": "int4 weights in groups, int8 inputs, int32 sums (specdec VNNI kernel)"}  # by kind
+                "w4": "int4 weights in groups, int8 inputs, int32 sums (specdec VNNI / AVX2 kernel)"}  # by kind
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
