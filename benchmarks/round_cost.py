@@ -60,6 +60,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.config import DRAFT_QUANTIZATIONS
+
 PROMPTS = Path(__file__).resolve().parent / "prompts" / "code_heldout.jsonl"
 PHASES = ("draft_kernel", "draft_host", "verify_kernel", "verify_host", "update")
 
@@ -269,7 +271,7 @@ def load_prompts(n: int, tokenizer, max_prompt: int) -> list[list[int]]:
 
 
 METHODS = ("draft_model", "eagle3", "suffix", "ngram")
-QUANTIZATIONS = ("none", "int8", "int4")  # --eagle3-quantizations
+QUANTIZATIONS = tuple(q for q in DRAFT_QUANTIZATIONS if q)  # --eagle3-quantizations: speculative_config's values
 
 
 def build(args) -> list[Config]:

@@ -43,6 +43,7 @@ _SOURCE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -324,6 +325,22 @@ void block4(const int8_t* q, int64_t KP, const uint8_t* wb, int64_t G, const flo
   else block4_256<C, false>(q, KP, wb, G, s, comp, sc, y, ldy, rows);
 }
 
+// each block of the packed weights (block_bytes each), in parallel, times the T input rows in passes of up to CMAX:
+// fn(C, block, first row) with C a std::integral_constant, the pass's rows
+template <class Fn>
+void for_passes(int64_t T, int64_t blocks, int64_t block_bytes, const Fn& fn) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / (block_bytes * std::max<int64_t>(T, 1)));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t c = 0; c < T; c += CMAX) switch (std::min(CMAX, T - c)) {
+          case 1: fn(std::integral_constant<int, 1>{}, b, c); break;
+          case 2: fn(std::integral_constant<int, 2>{}, b, c); break;
+          case 3: fn(std::integral_constant<int, 3>{}, b, c); break;
+          default: fn(std::integral_constant<int, 4>{}, b, c);
+        }
+  });
+}
+
 // x [T, K] float32, w [ceil(N / 16), KP / 8, 16, 4] uint8 nibble pairs (KP: K padded to a multiple of G), scale
 // [blocks, KP / G, 16] float16 -> [T, N] float32
 at::Tensor linear4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t N, int64_t G) {
@@ -349,24 +366,9 @@ at::Tensor linear4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   const auto* wp = reinterpret_cast<const uint8_t*>(wc.data_ptr());
   const auto* sp = reinterpret_cast<const uint16_t*>(sc.data_ptr());
   float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / (RB * KP / 2 * std::max<int64_t>(T, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* wb = wp + b * KP * RB / 2;
-      const uint16_t* sb = sp + b * groups * RB;
-      const int64_t rows = N - b * RB;
-      for (int64_t c = 0; c < T; c += CMAX) {
-        const int8_t* qc = q.data() + c * KP;
-        const int32_t* cc = comp.data() + c * groups;
-        float* yc = yp + c * N + b * RB;
-        switch (std::min(CMAX, T - c)) {
-          case 1: block4<1>(qc, KP, wb, G, s.data() + c, cc, sb, yc, N, rows); break;
-          case 2: block4<2>(qc, KP, wb, G, s.data() + c, cc, sb, yc, N, rows); break;
-          case 3: block4<3>(qc, KP, wb, G, s.data() + c, cc, sb, yc, N, rows); break;
-          default: block4<4>(qc, KP, wb, G, s.data() + c, cc, sb, yc, N, rows);
-        }
-      }
-    }
+  for_passes(T, blocks, RB * KP / 2, [&](auto C, int64_t b, int64_t c) {
+    block4<decltype(C)::value>(q.data() + c * KP, KP, wp + b * KP * RB / 2, G, s.data() + c, comp.data() + c * groups,
+                               sp + b * groups * RB, yp + c * N + b * RB, N, N - b * RB);
   });
   return y;
 }
@@ -397,22 +399,9 @@ at::Tensor linear8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   const float* sp = sc.data_ptr<float>();
   const int32_t* cp = cc.data_ptr<int32_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / (RB * K4 * std::max<int64_t>(T, 1)));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int8_t* wb = wp + b * KQ * RB * 4;
-      const int64_t rows = N - b * RB;
-      for (int64_t c = 0; c < T; c += CMAX) {
-        const uint8_t* qc = q.data() + c * K4;
-        float* yc = yp + c * N + b * RB;
-        switch (std::min(CMAX, T - c)) {
-          case 1: block<1>(qc, K4, wb, KQ, s.data() + c, cp + b * RB, sp + b * RB, yc, N, rows); break;
-          case 2: block<2>(qc, K4, wb, KQ, s.data() + c, cp + b * RB, sp + b * RB, yc, N, rows); break;
-          case 3: block<3>(qc, K4, wb, KQ, s.data() + c, cp + b * RB, sp + b * RB, yc, N, rows); break;
-          default: block<4>(qc, K4, wb, KQ, s.data() + c, cp + b * RB, sp + b * RB, yc, N, rows);
-        }
-      }
-    }
+  for_passes(T, blocks, RB * K4, [&](auto C, int64_t b, int64_t c) {
+    block<decltype(C)::value>(q.data() + c * K4, K4, wp + b * KQ * RB * 4, KQ, s.data() + c, cp + b * RB, sp + b * RB,
+                              yp + c * N + b * RB, N, N - b * RB);
   });
   return y;
 }
@@ -434,7 +423,6 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
 
 WHAT = "the 8-bit weight kernel"
 ROW_BLOCK = 16  # weight rows per packed block (the kernel's RB)
-ISA_NAMES = {2: "AVX512-VNNI", 1: "AVX-VNNI"}
 
 
 NO_VNNI_ENV = "SPECDEC_NO_VNNI"  # set: the kernels run as on a CPU with AVX2 alone (int4 only), for tests
@@ -480,7 +468,8 @@ class Packed8:
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] -> its int8 values [out, in] and per-row scales [out] float32 (symmetric: a row's
-    largest magnitude is 127; an all-zero row has scale 0)."""
+    largest magnitude is 127; an all-zero row has scale 0): how ``pack`` stores a weight row and the kernels
+    quantize an input row."""
     w = weight.detach().float()
     m = w.abs().amax(dim=1)  # [out]
     inv = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
@@ -512,12 +501,11 @@ def reference(x: torch.Tensor, packed: Packed8, out_features: int) -> torch.Tens
     rows, k = x.shape
     blocks, kq = packed.weight.shape[:2]
     w = packed.weight.transpose(1, 2).reshape(blocks * ROW_BLOCK, kq * 4)[:out_features].to(torch.int64)
-    m = x.float().abs().amax(dim=1)  # [rows]
-    inv = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
+    xq, xs = quantize_rows(x)  # the kernel quantizes each input row as pack does a weight row
     q = torch.full((rows, kq * 4), 128, dtype=torch.int64)
-    q[:, :k] = torch.round(x.float() * inv[:, None]).to(torch.int64) + 128
+    q[:, :k] = xq.to(torch.int64) + 128
     sums = (q @ w.T - packed.comp[:out_features].to(torch.int64)).to(torch.int32)  # [rows, out]
-    return sums.float() * (m / 127.0)[:, None] * packed.scale[:out_features][None]
+    return sums.float() * xs[:, None] * packed.scale[:out_features][None]
 
 
 GROUP = 64  # inputs per int4 scale
@@ -569,9 +557,8 @@ def reference4(x: torch.Tensor, packed: Packed4, out_features: int) -> torch.Ten
     rows, k = x.shape
     w = unpack4(packed, out_features, k)  # [out, in]
     G = packed.group
-    m = x.float().abs().amax(dim=1)  # [rows]
-    inv = torch.where(m > 0, torch.tensor(127.0) / m, torch.zeros_like(m))
-    q = torch.round(x.float() * inv[:, None]).to(torch.int64)  # [rows, in]
+    xq, xs = quantize_rows(x)  # [rows, in] int8, [rows]
+    q = xq.to(torch.int64)
     groups = -(-k // G)
     wp = torch.zeros(out_features, groups * G, dtype=torch.int64)
     wp[:, :k] = w
@@ -579,4 +566,4 @@ def reference4(x: torch.Tensor, packed: Packed4, out_features: int) -> torch.Ten
     qp[:, :k] = q
     sums = torch.einsum("rgi,ogi->rog", qp.view(rows, groups, G), wp.view(out_features, groups, G))  # [rows, out, g]
     scale = packed.scale.transpose(1, 2).reshape(-1, groups)[:out_features].double()  # [out, groups]
-    return ((sums.double() * scale[None]).sum(dim=2) * (m / 127.0).double()[:, None]).float()
+    return ((sums.double() * scale[None]).sum(dim=2) * xs.double()[:, None]).float()
